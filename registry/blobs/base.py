@@ -1,0 +1,63 @@
+"""The BlobStore contract: the few operations the registry needs from object storage.
+
+Rules every backend keeps (tests/test_blobstore_contract.py checks them on each backend):
+- ``put(key, data)`` is atomic: a reader sees either no object or all of ``data``, never a part.
+  It is idempotent: putting the same bytes under the same key again is a no-op that succeeds.
+  It returns only once the bytes are durable.
+- ``get(key, start, end)`` returns bytes [start, end) of the object (the whole object by default);
+  a missing key raises NotFound; a range past the end raises NotFound too, since a short read would
+  silently corrupt a chunk.
+- ``size(key)`` and ``exists(key)`` never download the object.
+- ``delete(key)`` of a missing key succeeds.
+- Keys are relative paths of letters, digits, '.', '_', '-' and '/', without '..'.
+"""
+
+from __future__ import annotations
+
+import abc
+import re
+from collections.abc import Iterator
+
+from registry.errors import InvalidRequest
+
+_KEY = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._/-]*$")
+
+
+def check_key(key: str) -> str:
+    if not _KEY.fullmatch(key) or ".." in key.split("/") or "//" in key:
+        raise InvalidRequest(f"invalid blob key {key!r}")
+    return key
+
+
+class BlobStore(abc.ABC):
+    """Object storage for packs. Implementations: local.LocalBlobStore, s3.S3BlobStore."""
+
+    url: str
+
+    @abc.abstractmethod
+    def put(self, key: str, data: bytes | memoryview) -> None: ...
+
+    @abc.abstractmethod
+    def get(self, key: str, start: int = 0, end: int | None = None) -> bytes: ...
+
+    @abc.abstractmethod
+    def size(self, key: str) -> int: ...
+
+    @abc.abstractmethod
+    def delete(self, key: str) -> None: ...
+
+    @abc.abstractmethod
+    def list(self, prefix: str = "") -> Iterator[str]: ...
+
+    def exists(self, key: str) -> bool:
+        from registry.errors import NotFound
+
+        try:
+            self.size(key)
+        except NotFound:
+            return False
+        return True
+
+    def get_ranges(self, key: str, ranges: list[tuple[int, int]]) -> list[bytes]:
+        """Bytes of several [start, end) ranges of one object; backends may coalesce requests."""
+        return [self.get(key, s, e) for s, e in ranges]

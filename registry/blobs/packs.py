@@ -1,0 +1,93 @@
+"""Packs: many encoded chunks in one blob, read back by byte range.
+
+One object per chunk would mean millions of tiny objects and requests; one pack of tens of MiB holds
+hundreds of chunks, written once (content-addressed, so retries are idempotent) and read by ranges.
+Readers coalesce nearby ranges of one pack into a single request.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+import xxhash
+
+from registry.blobs.base import BlobStore
+
+COALESCE_GAP = 1 << 20  # read through gaps this small rather than issue another request
+
+
+@dataclass(frozen=True)
+class StoredChunk:
+    """Where and how one chunk is stored."""
+
+    id: str
+    size: int  # raw bytes
+    sha256: str
+    encoding: str
+    stored_size: int  # encoded bytes in the pack
+    pack_id: str
+    offset: int
+    basis_id: str | None = None
+
+
+def pack_key(pack_id: str) -> str:
+    return f"packs/{pack_id[:2]}/{pack_id}.pack"
+
+
+class PackWriter:
+    """Collects encoded chunks and writes a pack whenever ``pack_size`` bytes are buffered.
+
+    ``on_flush(pack_id, pack_bytes, chunks)`` runs after the pack is durable, so that the caller can
+    record the chunks as stored: a chunk is never recorded before its bytes are safe.
+    """
+
+    def __init__(self, store: BlobStore, pack_size: int, on_flush: Callable[[str, int, list[StoredChunk]], None]):
+        self.store = store
+        self.pack_size = pack_size
+        self.on_flush = on_flush
+        self._buf = bytearray()
+        self._pending: list[tuple[str, int, str, str, int, int, str | None]] = []
+        self.bytes_written = 0
+
+    def add(self, chunk_id: str, size: int, sha256: str, encoding: str, payload: bytes, basis_id: str | None = None) -> None:
+        self._pending.append((chunk_id, size, sha256, encoding, len(self._buf), len(payload), basis_id))
+        self._buf += payload
+        if len(self._buf) >= self.pack_size:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self._pending:
+            return
+        data = bytes(self._buf)
+        pack_id = xxhash.xxh3_128_hexdigest(data)
+        self.store.put(pack_key(pack_id), data)
+        chunks = [
+            StoredChunk(cid, size, sha, enc, n, pack_id, off, basis)
+            for cid, size, sha, enc, off, n, basis in self._pending
+        ]
+        self.bytes_written += len(data)
+        self._buf = bytearray()
+        self._pending = []
+        self.on_flush(pack_id, len(data), chunks)
+
+
+def read_payloads(store: BlobStore, chunks: Iterable[StoredChunk]) -> Iterator[tuple[StoredChunk, bytes]]:
+    """Encoded payloads of ``chunks``, pack by pack, with nearby ranges merged into one read."""
+    by_pack: dict[str, list[StoredChunk]] = defaultdict(list)
+    for c in chunks:
+        by_pack[c.pack_id].append(c)
+    for pack_id, items in by_pack.items():
+        items.sort(key=lambda c: c.offset)
+        groups: list[list[StoredChunk]] = []
+        for c in items:
+            if groups and c.offset - (groups[-1][-1].offset + groups[-1][-1].stored_size) <= COALESCE_GAP:
+                groups[-1].append(c)
+            else:
+                groups.append([c])
+        ranges = [(g[0].offset, g[-1].offset + g[-1].stored_size) for g in groups]
+        for g, (start, _end), data in zip(groups, ranges, store.get_ranges(pack_key(pack_id), ranges)):
+            view = memoryview(data)
+            for c in g:
+                yield c, view[c.offset - start : c.offset - start + c.stored_size]

@@ -1,0 +1,79 @@
+"""Settings from MFSREG_* environment variables, with the embedded defaults under MFSREG_HOME.
+
+Embedded default: SQLite (WAL) at $MFSREG_HOME/registry.db and packs under $MFSREG_HOME/blobs.
+Server mode: MFSREG_DATABASE_URL (any SQLAlchemy URL; Postgres through psycopg 3) and
+MFSREG_BLOB_URL (file:///path or s3://bucket/prefix, with MFSREG_S3_ENDPOINT_URL for MinIO).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from registry.errors import InvalidRequest
+
+DEFAULT_CHUNK_SIZE = 1 << 20  # 1 MiB: see benchmarks/bench_chunk_size.py and README
+DEFAULT_PACK_SIZE = 64 << 20  # packs of tens of MiB keep object counts low and range reads cheap
+MIN_CHUNK_SIZE = 4 << 10
+MAX_CHUNK_SIZE = 256 << 20
+
+
+def _size(env: dict, name: str, default: int) -> int:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = parse_size(raw)
+    except ValueError:
+        raise InvalidRequest(f"{name}={raw!r} is not a size: use bytes or a suffix K, M, G") from None
+    return value
+
+
+def parse_size(text: str) -> int:
+    """Parse '1048576', '1M', '64KiB', '2G' into bytes."""
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    mult = 1
+    for suffix, m in (("K", 1 << 10), ("M", 1 << 20), ("G", 1 << 30)):
+        if t.endswith(suffix):
+            t, mult = t[:-1], m
+            break
+    value = int(float(t) * mult)
+    if value <= 0:
+        raise ValueError(text)
+    return value
+
+
+@dataclass(frozen=True)
+class Settings:
+    home: Path
+    database_url: str
+    blob_url: str
+    s3_endpoint_url: str | None = None
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    pack_size: int = DEFAULT_PACK_SIZE
+    workers: int = field(default_factory=lambda: max(1, os.cpu_count() or 1))
+
+    @property
+    def embedded(self) -> bool:
+        return self.database_url.startswith("sqlite")
+
+    @classmethod
+    def from_env(cls, env: dict | None = None, **overrides) -> "Settings":
+        env = dict(os.environ if env is None else env)
+        home = Path(env.get("MFSREG_HOME") or Path.home() / ".mfsreg").expanduser()
+        chunk_size = _size(env, "MFSREG_CHUNK_SIZE", DEFAULT_CHUNK_SIZE)
+        if not MIN_CHUNK_SIZE <= chunk_size <= MAX_CHUNK_SIZE:
+            raise InvalidRequest(
+                f"MFSREG_CHUNK_SIZE={chunk_size} is out of range: use {MIN_CHUNK_SIZE} to {MAX_CHUNK_SIZE} bytes"
+            )
+        values = dict(
+            home=home,
+            database_url=env.get("MFSREG_DATABASE_URL") or f"sqlite:///{home / 'registry.db'}",
+            blob_url=env.get("MFSREG_BLOB_URL") or (home / "blobs").as_uri(),
+            s3_endpoint_url=env.get("MFSREG_S3_ENDPOINT_URL") or None,
+            chunk_size=chunk_size,
+            pack_size=_size(env, "MFSREG_PACK_SIZE", DEFAULT_PACK_SIZE),
+        )
+        values.update(overrides)
+        return cls(**values)

@@ -1,0 +1,48 @@
+"""Queries on stored chunks and packs: which ids are missing, recording packs, locating chunks."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from sqlalchemy import Connection, select
+
+from registry.blobs.packs import StoredChunk
+from registry.db.dialect import batches, insert
+from registry.db.models import chunks, packs
+
+
+def missing_ids(conn: Connection, ids: Sequence[str]) -> set[str]:
+    """The subset of ``ids`` that the registry does not store yet."""
+    present: set[str] = set()
+    for batch in batches(list(ids)):
+        present.update(conn.execute(select(chunks.c.id).where(chunks.c.id.in_(batch))).scalars())
+    return set(ids) - present
+
+
+def record_pack(conn: Connection, pack_id: str, size: int, stored: Sequence[StoredChunk]) -> int:
+    """Record a durable pack and its chunks; returns the stored bytes of the chunks that were new.
+
+    A chunk that a concurrent push recorded first keeps its first location (ON CONFLICT DO
+    NOTHING); the copy in this pack is dead weight until packs are compacted.
+    """
+    conn.execute(insert(conn, packs).values(id=pack_id, size=size).on_conflict_do_nothing())
+    rows = [
+        dict(id=c.id, size=c.size, sha256=c.sha256, encoding=c.encoding, stored_size=c.stored_size,
+             pack_id=c.pack_id, offset=c.offset, basis_id=c.basis_id)
+        for c in stored
+    ]
+    new = missing_ids(conn, [r["id"] for r in rows])
+    if rows:
+        conn.execute(insert(conn, chunks).on_conflict_do_nothing(), rows)
+    return sum(c.stored_size for c in stored if c.id in new)
+
+
+def locate(conn: Connection, ids: Iterable[str]) -> dict[str, StoredChunk]:
+    """Where each of ``ids`` is stored. Ids that are not stored are simply absent from the result."""
+    out: dict[str, StoredChunk] = {}
+    cols = (chunks.c.id, chunks.c.size, chunks.c.sha256, chunks.c.encoding, chunks.c.stored_size,
+            chunks.c.pack_id, chunks.c.offset, chunks.c.basis_id)
+    for batch in batches(list(dict.fromkeys(ids))):
+        for row in conn.execute(select(*cols).where(chunks.c.id.in_(batch))):
+            out[row.id] = StoredChunk(*row)
+    return out

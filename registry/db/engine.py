@@ -1,0 +1,80 @@
+"""The database engine: SQLite (WAL) for the embedded default, Postgres through psycopg 3.
+
+Transactions come from ``read_tx`` and ``write_tx``. On SQLite a write transaction starts with
+BEGIN IMMEDIATE, so two processes that push at once queue for the write lock up front instead of
+failing when a read lock cannot be upgraded; on Postgres writers lock their family row instead
+(see db/versions.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from sqlalchemy import Connection, Engine, create_engine, event
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError, OperationalError
+from sqlalchemy.pool import NullPool
+
+from registry.errors import InvalidRequest, StorageError
+
+_WRITE = "mfsreg_write"
+
+
+def create_db_engine(url: str) -> Engine:
+    try:
+        parsed = make_url(url)
+    except ArgumentError:
+        raise InvalidRequest(f"MFSREG_DATABASE_URL={url!r} is not a database URL") from None
+    if parsed.get_backend_name() == "sqlite":
+        if parsed.database and parsed.database != ":memory:":
+            Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
+        engine = create_engine(url, poolclass=NullPool, connect_args={"timeout": 60, "check_same_thread": False})
+        _sqlite_events(engine)
+        return engine
+    if parsed.get_backend_name() == "postgresql" and parsed.drivername == "postgresql":
+        url = parsed.set(drivername="postgresql+psycopg").render_as_string(hide_password=False)
+    return create_engine(url, pool_pre_ping=True, pool_size=8, max_overflow=8)
+
+
+def _sqlite_events(engine: Engine) -> None:
+    @event.listens_for(engine, "connect")
+    def _connect(dbapi_conn, _record):
+        # Let SQLAlchemy, not the sqlite3 module, decide where transactions begin.
+        dbapi_conn.isolation_level = None
+        cur = dbapi_conn.cursor()
+        cur.execute("PRAGMA journal_mode=WAL")
+        cur.execute("PRAGMA synchronous=FULL")  # a committed version survives a power cut
+        cur.execute("PRAGMA foreign_keys=ON")
+        cur.execute("PRAGMA busy_timeout=60000")
+        cur.close()
+
+    @event.listens_for(engine, "begin")
+    def _begin(conn: Connection):
+        conn.exec_driver_sql("BEGIN IMMEDIATE" if conn.get_execution_options().get(_WRITE) else "BEGIN")
+
+
+@contextmanager
+def write_tx(engine: Engine) -> Iterator[Connection]:
+    """A transaction that will write; committed on normal exit, rolled back on an exception."""
+    with _storage_errors(engine):
+        with engine.connect().execution_options(**{_WRITE: True}) as conn, conn.begin():
+            yield conn
+
+
+@contextmanager
+def read_tx(engine: Engine) -> Iterator[Connection]:
+    with _storage_errors(engine):
+        with engine.connect() as conn, conn.begin():
+            yield conn
+
+
+@contextmanager
+def _storage_errors(engine: Engine) -> Iterator[None]:
+    try:
+        yield
+    except OperationalError as exc:
+        where = engine.url.render_as_string(hide_password=True)
+        reason = str(exc.orig).strip().splitlines()[0] if exc.orig else "unknown error"
+        raise StorageError(f"database {where}: {reason}; check MFSREG_DATABASE_URL and that the server runs") from None

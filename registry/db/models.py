@@ -1,0 +1,94 @@
+"""The metadata tables. Changed only through Alembic migrations (migrations/versions/).
+
+- families: one row per family, with its tier policy (base_quorum) and member count.
+- versions: one immutable row per version, written in the same transaction as its chunk uses, so a
+  version is visible only once all of its chunks are durable. ``manifest`` is the zstd-compressed
+  JSON that rebuilds it byte for byte.
+- packs / chunks: where each distinct chunk is stored and how it is encoded. A chunk row is written
+  only after its pack is durable; rows no version uses yet (an interrupted push) let a re-run skip
+  what was already sent.
+- version_chunks: which distinct chunks each version needs (for stats, tiers and delete).
+- family_chunks: per family and chunk, how many members use it and its tier; rebalanced
+  incrementally (registry/tiers.py) so a push never re-reads every member.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import (
+    BigInteger, Column, DateTime, Float, ForeignKey, Index, Integer, LargeBinary, MetaData,
+    String, Table, UniqueConstraint, func,
+)
+
+metadata = MetaData(
+    naming_convention={
+        "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+        "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+        "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+        "pk": "pk_%(table_name)s",
+    }
+)
+
+CHUNK_ID = String(32)  # xxh3-128, hex
+
+families = Table(
+    "families", metadata,
+    Column("id", Integer, primary_key=True),
+    Column("name", String(128), nullable=False, unique=True),
+    Column("base_quorum", Float, nullable=False, server_default="1.0"),
+    Column("member_count", Integer, nullable=False, server_default="0"),
+    Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+)
+
+versions = Table(
+    "versions", metadata,
+    Column("id", Integer, primary_key=True),
+    Column("family_id", Integer, ForeignKey("families.id"), nullable=False),
+    Column("name", String(128), nullable=False),
+    Column("parent_id", Integer, ForeignKey("versions.id"), nullable=True),
+    Column("digest", String(71), nullable=False),
+    Column("logical_bytes", BigInteger, nullable=False),
+    Column("file_count", Integer, nullable=False),
+    Column("single_file", Integer, nullable=False),
+    Column("manifest", LargeBinary, nullable=False),
+    Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    UniqueConstraint("family_id", "name"),
+)
+
+packs = Table(
+    "packs", metadata,
+    Column("id", String(32), primary_key=True),
+    Column("size", BigInteger, nullable=False),
+    Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+)
+
+chunks = Table(
+    "chunks", metadata,
+    Column("id", CHUNK_ID, primary_key=True),
+    Column("size", BigInteger, nullable=False),
+    Column("sha256", String(64), nullable=False),
+    Column("encoding", String(16), nullable=False),
+    Column("stored_size", BigInteger, nullable=False),
+    Column("pack_id", String(32), ForeignKey("packs.id"), nullable=False),
+    Column("offset", BigInteger, nullable=False),
+    Column("basis_id", CHUNK_ID, nullable=True),  # for delta encodings: the chunk this one is xor'ed against
+    Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Index(None, "basis_id"),
+)
+
+version_chunks = Table(
+    "version_chunks", metadata,
+    Column("version_id", Integer, ForeignKey("versions.id", ondelete="CASCADE"), primary_key=True),
+    Column("chunk_id", CHUNK_ID, primary_key=True),
+    Index(None, "chunk_id"),
+)
+
+family_chunks = Table(
+    "family_chunks", metadata,
+    Column("family_id", Integer, ForeignKey("families.id"), primary_key=True),
+    Column("chunk_id", CHUNK_ID, primary_key=True),
+    Column("users", Integer, nullable=False),
+    Column("tier", String(8), nullable=False),
+    Index(None, "family_id", "users"),
+    Index(None, "family_id", "tier"),
+    Index(None, "chunk_id"),
+)

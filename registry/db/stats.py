@@ -1,0 +1,90 @@
+"""Aggregate queries for sharing figures (registry/stats.py shapes them)."""
+
+from __future__ import annotations
+
+from sqlalchemy import Connection, case, func, select
+
+from registry.db.models import chunks, families, family_chunks as fc, packs, version_chunks as vc, versions
+from registry.tiers import BASE, GROUP, TIERS, UNIQUE
+
+
+def _family_id(name: str | None):
+    return None if name is None else select(families.c.id).where(families.c.name == name).scalar_subquery()
+
+
+def logical_bytes(conn: Connection, family: str | None) -> tuple[int, int]:
+    q = select(func.coalesce(func.sum(versions.c.logical_bytes), 0), func.count())
+    if family is not None:
+        q = q.where(versions.c.family_id == _family_id(family))
+    total, n = conn.execute(q).one()
+    return int(total), int(n)
+
+
+def tier_totals(conn: Connection, family: str | None) -> dict[str, tuple[int, int]]:
+    """tier -> (chunks, stored bytes). Across families a chunk counts once, in its highest tier."""
+    if family is not None:
+        q = (
+            select(fc.c.tier, func.count(), func.coalesce(func.sum(chunks.c.stored_size), 0))
+            .join(chunks, chunks.c.id == fc.c.chunk_id)
+            .where(fc.c.family_id == _family_id(family))
+            .group_by(fc.c.tier)
+        )
+        rows = conn.execute(q).all()
+    else:
+        rank = func.min(case((fc.c.tier == BASE, 0), (fc.c.tier == GROUP, 1), else_=2)).label("rank")
+        best = select(fc.c.chunk_id, rank).group_by(fc.c.chunk_id).subquery()
+        q = (
+            select(best.c.rank, func.count(), func.coalesce(func.sum(chunks.c.stored_size), 0))
+            .join(chunks, chunks.c.id == best.c.chunk_id)
+            .group_by(best.c.rank)
+        )
+        rows = [(TIERS[r], n, b) for r, n, b in conn.execute(q)]
+    out = {t: (0, 0) for t in (BASE, GROUP, UNIQUE)}
+    for tier, n, b in rows:
+        out[tier] = (int(n), int(b))
+    return out
+
+
+def encodings(conn: Connection, family: str | None) -> dict[str, tuple[int, int, int]]:
+    """encoding -> (chunks, raw bytes, stored bytes) over the chunks in use."""
+    used = select(fc.c.chunk_id).distinct()
+    if family is not None:
+        used = used.where(fc.c.family_id == _family_id(family))
+    q = (
+        select(chunks.c.encoding, func.count(), func.sum(chunks.c.size), func.sum(chunks.c.stored_size))
+        .where(chunks.c.id.in_(used))
+        .group_by(chunks.c.encoding)
+    )
+    return {e: (int(n), int(r), int(s)) for e, n, r, s in conn.execute(q)}
+
+
+def version_figures(conn: Connection, family: str | None) -> list[tuple[str, str, int, int, int]]:
+    """(family, version, logical bytes, stored bytes it needs, stored bytes it alone holds)."""
+    alone = case((fc.c.users == 1, chunks.c.stored_size), else_=0)
+    per = (
+        select(vc.c.version_id, func.sum(chunks.c.stored_size).label("needed"), func.sum(alone).label("alone"))
+        .join(versions, versions.c.id == vc.c.version_id)
+        .join(fc, (fc.c.chunk_id == vc.c.chunk_id) & (fc.c.family_id == versions.c.family_id))
+        .join(chunks, chunks.c.id == vc.c.chunk_id)
+        .group_by(vc.c.version_id)
+        .subquery()
+    )
+    q = (
+        select(families.c.name, versions.c.name, versions.c.logical_bytes,
+               func.coalesce(per.c.needed, 0), func.coalesce(per.c.alone, 0))
+        .join(families, families.c.id == versions.c.family_id)
+        .outerjoin(per, per.c.version_id == versions.c.id)
+        .order_by(families.c.name, versions.c.id)
+    )
+    if family is not None:
+        q = q.where(families.c.name == family)
+    return [(f, v, int(lb), int(n), int(a)) for f, v, lb, n, a in conn.execute(q)]
+
+
+def storage_totals(conn: Connection) -> tuple[int, int]:
+    """(bytes in packs, stored bytes of recorded chunks that no family uses: interrupted pushes)."""
+    pack_bytes = conn.execute(select(func.coalesce(func.sum(packs.c.size), 0))).scalar_one()
+    orphan = conn.execute(
+        select(func.coalesce(func.sum(chunks.c.stored_size), 0)).where(~chunks.c.id.in_(select(fc.c.chunk_id)))
+    ).scalar_one()
+    return int(pack_bytes), int(orphan)

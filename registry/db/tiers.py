@@ -1,0 +1,99 @@
+"""SQL for incremental tier rebalancing (policy in registry/tiers.py).
+
+Each function works inside the caller's write transaction, after the family row has been locked,
+and returns how many rows changed tier so that callers (and tests) can see the work done.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from sqlalchemy import Connection, and_, case, delete, func, select, update
+
+from registry.db.dialect import batches, insert
+from registry.db.models import family_chunks as fc
+from registry.tiers import BASE, GROUP, UNIQUE, threshold
+
+
+def _tier_expr(members: int, base_quorum: float):
+    return case(
+        (fc.c.users >= threshold(members, base_quorum), BASE),
+        (fc.c.users >= 2, GROUP),
+        else_=UNIQUE,
+    )
+
+
+def _retier(conn: Connection, family_id: int, chunk_ids: Sequence[str], members: int, quorum: float) -> int:
+    """Set the tier of ``chunk_ids`` from their users; returns rows whose tier changed."""
+    tier = _tier_expr(members, quorum)
+    changed = 0
+    for batch in batches(list(chunk_ids)):
+        changed += conn.execute(
+            update(fc)
+            .where(fc.c.family_id == family_id, fc.c.chunk_id.in_(batch), fc.c.tier != tier)
+            .values(tier=tier)
+        ).rowcount
+    return changed
+
+
+def add_member(conn: Connection, family_id: int, chunk_ids: Sequence[str], members_before: int, quorum: float) -> int:
+    """A new member that uses ``chunk_ids`` (distinct) joins; returns rows that changed tier."""
+    members = members_before + 1
+    if chunk_ids:
+        stmt = insert(conn, fc)
+        stmt = stmt.on_conflict_do_update(index_elements=[fc.c.family_id, fc.c.chunk_id], set_={"users": fc.c.users + 1})
+        conn.execute(stmt, [dict(family_id=family_id, chunk_id=c, users=1, tier=UNIQUE) for c in chunk_ids])
+    changed = _retier(conn, family_id, chunk_ids, members, quorum)
+    # The threshold rose from t0 to t1: chunks the new member does not use, with users in [t0, t1),
+    # leave base. (The new member's own chunks were re-tiered above with the new count.)
+    t0, t1 = threshold(members_before, quorum), threshold(members, quorum)
+    if t1 > t0:
+        changed += conn.execute(
+            update(fc)
+            .where(fc.c.family_id == family_id, fc.c.users >= t0, fc.c.users < t1, fc.c.tier == BASE)
+            .values(tier=case((fc.c.users >= 2, GROUP), else_=UNIQUE))
+        ).rowcount
+    return changed
+
+
+def remove_member(conn: Connection, family_id: int, chunk_ids: Sequence[str], members_before: int, quorum: float) -> tuple[int, list[str]]:
+    """A member that used ``chunk_ids`` leaves; returns (rows that changed tier, ids no member uses now)."""
+    members = members_before - 1
+    ids = list(chunk_ids)
+    for batch in batches(ids):
+        conn.execute(
+            update(fc).where(fc.c.family_id == family_id, fc.c.chunk_id.in_(batch)).values(users=fc.c.users - 1)
+        )
+    dropped: list[str] = []
+    for batch in batches(ids):
+        dropped += conn.execute(
+            select(fc.c.chunk_id).where(fc.c.family_id == family_id, fc.c.chunk_id.in_(batch), fc.c.users <= 0)
+        ).scalars()
+    for batch in batches(dropped):
+        conn.execute(delete(fc).where(fc.c.family_id == family_id, fc.c.chunk_id.in_(batch)))
+    changed = _retier(conn, family_id, ids, members, quorum)
+    t0, t1 = threshold(members_before, quorum), threshold(members, quorum)
+    if members > 0 and t1 < t0:
+        changed += conn.execute(
+            update(fc)
+            .where(fc.c.family_id == family_id, fc.c.users >= t1, fc.c.users < t0, fc.c.tier != BASE)
+            .values(tier=BASE)
+        ).rowcount
+    return changed, dropped
+
+
+def recompute(conn: Connection, family_id: int, members: int, quorum: float) -> int:
+    """Re-tier every chunk of a family (after a quorum change); returns rows that changed."""
+    tier = _tier_expr(members, quorum)
+    return conn.execute(update(fc).where(fc.c.family_id == family_id, fc.c.tier != tier).values(tier=tier)).rowcount
+
+
+def tier_counts(conn: Connection, family_id: int) -> dict[str, int]:
+    rows = conn.execute(select(fc.c.tier, func.count()).where(fc.c.family_id == family_id).group_by(fc.c.tier))
+    return {t: n for t, n in rows}
+
+
+def chunks_in_tier(conn: Connection, family_id: int, tier: str) -> list[str]:
+    return list(conn.execute(select(fc.c.chunk_id).where(and_(fc.c.family_id == family_id, fc.c.tier == tier))).scalars())
+
+

@@ -1,0 +1,135 @@
+"""Queries on families and versions: create, lock, list, read, delete."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+
+from sqlalchemy import Connection, delete, func, select, update
+
+from registry.db.dialect import batches, insert
+from registry.db.models import families, version_chunks, versions
+from registry.errors import NotFound
+
+
+@dataclass(frozen=True)
+class FamilyRow:
+    id: int
+    name: str
+    base_quorum: float
+    member_count: int
+
+
+@dataclass(frozen=True)
+class VersionRow:
+    id: int
+    family: str
+    name: str
+    parent: str | None
+    digest: str
+    logical_bytes: int
+    file_count: int
+    single_file: bool
+    created_at: datetime
+
+
+def lock_family(conn: Connection, name: str, create: bool) -> FamilyRow:
+    """The family row, locked for this transaction (Postgres: FOR UPDATE; SQLite: the write lock is
+    already held). Pushes to one family commit one after another; uploads still run side by side."""
+    if create:
+        conn.execute(insert(conn, families).values(name=name).on_conflict_do_nothing())
+    q = select(families.c.id, families.c.name, families.c.base_quorum, families.c.member_count).where(families.c.name == name)
+    if conn.dialect.name == "postgresql":
+        q = q.with_for_update()
+    row = conn.execute(q).first()
+    if row is None:
+        raise NotFound(f"family {name!r} does not exist: see `mfsreg ls`")
+    return FamilyRow(*row)
+
+
+def set_member_count(conn: Connection, family_id: int, count: int) -> None:
+    conn.execute(update(families).where(families.c.id == family_id).values(member_count=count))
+
+
+def set_quorum(conn: Connection, family_id: int, quorum: float) -> None:
+    conn.execute(update(families).where(families.c.id == family_id).values(base_quorum=quorum))
+
+
+def _version_query():
+    parent = versions.alias("parent")
+    return (
+        select(
+            versions.c.id, families.c.name, versions.c.name, parent.c.name, versions.c.digest,
+            versions.c.logical_bytes, versions.c.file_count, versions.c.single_file, versions.c.created_at,
+        )
+        .join(families, families.c.id == versions.c.family_id)
+        .outerjoin(parent, parent.c.id == versions.c.parent_id)
+    )
+
+
+def _row(r) -> VersionRow:
+    return VersionRow(r[0], r[1], r[2], r[3], r[4], r[5], r[6], bool(r[7]), r[8])
+
+
+def find_version(conn: Connection, family: str, name: str) -> VersionRow | None:
+    r = conn.execute(_version_query().where(families.c.name == family, versions.c.name == name)).first()
+    return _row(r) if r else None
+
+
+def get_version(conn: Connection, family: str, name: str) -> VersionRow:
+    row = find_version(conn, family, name)
+    if row is None:
+        if conn.execute(select(families.c.id).where(families.c.name == family)).first() is None:
+            raise NotFound(f"family {family!r} does not exist: see `mfsreg ls`")
+        raise NotFound(f"version {family}/{name} does not exist: see `mfsreg ls {family}`")
+    return row
+
+
+def list_versions(conn: Connection, family: str | None = None) -> list[VersionRow]:
+    q = _version_query().order_by(families.c.name, versions.c.id)
+    if family is not None:
+        q = q.where(families.c.name == family)
+    return [_row(r) for r in conn.execute(q)]
+
+
+def list_families(conn: Connection) -> list[FamilyRow]:
+    q = select(families.c.id, families.c.name, families.c.base_quorum, families.c.member_count).order_by(families.c.name)
+    return [FamilyRow(*r) for r in conn.execute(q)]
+
+
+def family_exists(conn: Connection, name: str) -> bool:
+    return conn.execute(select(families.c.id).where(families.c.name == name)).first() is not None
+
+
+def read_manifest(conn: Connection, version_id: int) -> bytes:
+    return conn.execute(select(versions.c.manifest).where(versions.c.id == version_id)).scalar_one()
+
+
+def insert_version(
+    conn: Connection, family_id: int, name: str, parent_id: int | None, digest: str,
+    logical_bytes: int, file_count: int, single_file: bool, manifest: bytes, chunk_ids: Sequence[str],
+) -> int:
+    vid = conn.execute(
+        versions.insert().values(
+            family_id=family_id, name=name, parent_id=parent_id, digest=digest, logical_bytes=logical_bytes,
+            file_count=file_count, single_file=int(single_file), manifest=manifest,
+        )
+    ).inserted_primary_key[0]
+    for batch in batches(list(chunk_ids), 5000):
+        conn.execute(version_chunks.insert(), [dict(version_id=vid, chunk_id=c) for c in batch])
+    return vid
+
+
+def version_chunk_ids(conn: Connection, version_id: int) -> list[str]:
+    return list(conn.execute(select(version_chunks.c.chunk_id).where(version_chunks.c.version_id == version_id)).scalars())
+
+
+def delete_version(conn: Connection, version_id: int) -> None:
+    conn.execute(delete(version_chunks).where(version_chunks.c.version_id == version_id))
+    conn.execute(update(versions).where(versions.c.parent_id == version_id).values(parent_id=None))
+    conn.execute(delete(versions).where(versions.c.id == version_id))
+
+
+def count_versions(conn: Connection, family_id: int) -> int:
+    return conn.execute(select(func.count()).select_from(versions).where(versions.c.family_id == family_id)).scalar_one()

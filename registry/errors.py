@@ -1,0 +1,75 @@
+"""The one error tree of mfsreg.
+
+Every failure a user can cause is a RegistryError subclass with a one-line message that says what is
+wrong and what to do. The CLI maps the tree to exit codes, the API to HTTP statuses, each in one table
+(cli/errors.py, api/errors.py); nothing here knows about either.
+"""
+
+from __future__ import annotations
+
+
+class RegistryError(Exception):
+    """Base of every error mfsreg reports to a user."""
+
+    code = "registry_error"
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class InvalidName(RegistryError):
+    """A family or version name outside the allowed alphabet."""
+
+    code = "invalid_name"
+
+
+class InvalidModel(RegistryError):
+    """A model file or directory that is malformed or not a safetensors checkpoint."""
+
+    code = "invalid_model"
+
+
+class InvalidRequest(RegistryError):
+    """Arguments that do not fit together (bad option values, wrong paths)."""
+
+    code = "invalid_request"
+
+
+class NotFound(RegistryError):
+    """A family, version, chunk or blob that does not exist."""
+
+    code = "not_found"
+
+
+class Conflict(RegistryError):
+    """An operation that contradicts stored state, e.g. a version name reused for other bytes."""
+
+    code = "conflict"
+
+
+class IntegrityError(RegistryError):
+    """Stored or received bytes that do not match their recorded digest."""
+
+    code = "integrity_error"
+
+
+class Unauthorized(RegistryError):
+    """No credentials, or credentials that are not valid."""
+
+    code = "unauthorized"
+
+
+class Forbidden(RegistryError):
+    """Valid credentials without the scope for this operation."""
+
+    code = "forbidden"
+
+
+class StorageError(RegistryError):
+    """The metadata database or blob store cannot be reached or refused an operation."""
+
+    code = "storage_error"

@@ -1,0 +1,92 @@
+"""Manifests: what rebuilds a version byte for byte.
+
+A version is a list of files. Each file is a list of chunks in file order (their concatenation is the
+file) plus, for safetensors files, the tensors and their byte ranges, so that a node can build
+tensors straight from chunks. The first chunk of a safetensors file is its header, kept verbatim.
+Stored as zstd-compressed JSON in the versions table; chunk lists are compact rows, not objects.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+
+import zstandard
+
+from registry.chunking import ChunkRef
+from registry.safetensors import TensorSpan
+
+SAFETENSORS = "safetensors"
+BLOB = "blob"
+FORMAT = 1
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    path: str  # relative, '/'-separated
+    kind: str  # SAFETENSORS or BLOB
+    size: int
+    sha256: str
+    chunks: tuple[ChunkRef, ...]
+    tensors: tuple[TensorSpan, ...] = ()
+
+
+@dataclass(frozen=True)
+class Manifest:
+    files: tuple[FileEntry, ...]
+    single_file: bool  # pushed as one .safetensors file: pull writes a file, not a directory
+
+    @property
+    def logical_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+    @property
+    def digest(self) -> str:
+        """sha256 over the sorted (path, size, sha256) of every file: the version's identity."""
+        h = hashlib.sha256()
+        for f in sorted(self.files, key=lambda f: f.path):
+            h.update(f"{f.path}\0{f.size}\0{f.sha256}\n".encode())
+        return "sha256:" + h.hexdigest()
+
+    def chunk_ids(self) -> list[str]:
+        """Distinct chunk ids, in first-use order."""
+        return list(dict.fromkeys(c.id for f in self.files for c in f.chunks))
+
+    def chunk_sizes(self) -> dict[str, int]:
+        return {c.id: c.size for f in self.files for c in f.chunks}
+
+    def to_bytes(self) -> bytes:
+        doc = {
+            "format": FORMAT,
+            "single_file": self.single_file,
+            "files": [
+                {
+                    "path": f.path, "kind": f.kind, "size": f.size, "sha256": f.sha256,
+                    "chunks": [[c.id, c.offset, c.size, c.itemsize] for c in f.chunks],
+                    "tensors": [[t.name, t.dtype, list(t.shape), t.start, t.end] for t in f.tensors],
+                }
+                for f in self.files
+            ],
+        }
+        return zstandard.ZstdCompressor(level=3).compress(json.dumps(doc, separators=(",", ":")).encode())
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "Manifest":
+        doc = json.loads(zstandard.ZstdDecompressor().decompress(data))
+        return cls.from_doc(doc)
+
+    def to_doc(self) -> dict:
+        return json.loads(zstandard.ZstdDecompressor().decompress(self.to_bytes()))
+
+    @classmethod
+    def from_doc(cls, doc: dict) -> "Manifest":
+        files = tuple(
+            FileEntry(
+                path=f["path"], kind=f["kind"], size=f["size"], sha256=f["sha256"],
+                chunks=tuple(ChunkRef(i, o, s, w) for i, o, s, w in f["chunks"]),
+                tensors=tuple(TensorSpan(n, d, tuple(sh), s, e) for n, d, sh, s, e in f["tensors"]),
+            )
+            for f in doc["files"]
+        )
+        return cls(files=files, single_file=bool(doc["single_file"]))

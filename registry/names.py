@@ -1,0 +1,23 @@
+"""Family and version names: the one place that says which names are valid.
+
+Names end up in URLs, database rows and (on pull) file names, so they are restricted to a small
+alphabet with no path separators and no leading dot.
+"""
+
+from __future__ import annotations
+
+import re
+
+from registry.errors import InvalidName
+
+_NAME = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}$")
+
+
+def check_name(kind: str, name: str) -> str:
+    """Return ``name`` if valid for a family or version, else raise InvalidName."""
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise InvalidName(
+            f"invalid {kind} name {name!r}: use 1-128 letters, digits, '.', '_' or '-', "
+            "not starting with '.'"
+        )
+    return name

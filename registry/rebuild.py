@@ -1,0 +1,123 @@
+"""Rebuild: manifest -> exact file bytes, every chunk and every file verified.
+
+Each file is written to a temp name beside its target, chunk by chunk at its offsets (a chunk used
+twice in a file is fetched once), then its sha256 is checked against the digest recorded at push and
+only then renamed into place. Chunk payloads are decoded on a thread pool; each decoded chunk's
+xxh3-128 must equal its id.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import uuid
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+from registry import codec
+from registry.blobs.packs import StoredChunk
+from registry.chunking import chunk_id
+from registry.errors import IntegrityError, InvalidRequest
+from registry.manifest import FileEntry, Manifest
+from registry.progress import NullProgress, Progress
+
+# A source of encoded payloads: given stored chunks, yield (chunk, payload) in any order.
+PayloadSource = Callable[[list[StoredChunk]], Iterator[tuple[StoredChunk, bytes]]]
+
+
+@dataclass(frozen=True)
+class PullResult:
+    family: str
+    version: str
+    digest: str
+    path: str
+    logical_bytes: int
+    files: int
+    seconds: float
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def decode_verified(chunk: StoredChunk, payload, basis: bytes | None = None) -> bytes:
+    """Decode one stored chunk and check that its bytes hash to its id."""
+    try:
+        raw = codec.decode(chunk.encoding, payload, chunk.size, basis)
+    except Exception as exc:  # zstd raises its own error types on corrupt frames
+        raise IntegrityError(f"chunk {chunk.id} cannot be decoded ({exc}): the stored pack is damaged") from None
+    if len(raw) != chunk.size or chunk_id(raw) != chunk.id:
+        raise IntegrityError(f"chunk {chunk.id} does not match its digest: the stored pack is damaged")
+    return raw
+
+
+def safe_relpath(path: str) -> PurePosixPath:
+    p = PurePosixPath(path)
+    if p.is_absolute() or not p.parts or any(part in ("..", "") or part.startswith(".") and part != "." for part in p.parts):
+        raise IntegrityError(f"manifest names an unsafe path {path!r}: refusing to write it")
+    return p
+
+
+def targets(manifest: Manifest, out: Path) -> list[tuple[FileEntry, Path]]:
+    """Where each file of the version is written: ``out`` itself for a single-file version."""
+    if manifest.single_file:
+        f = manifest.files[0]
+        dest = out / safe_relpath(f.path).name if out.is_dir() else out
+        return [(f, dest)]
+    if out.exists() and not out.is_dir():
+        raise InvalidRequest(f"{out} is a file, but this version is a directory of {len(manifest.files)} files: give a directory")
+    return [(f, out.joinpath(*safe_relpath(f.path).parts)) for f in manifest.files]
+
+
+def _file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(16 << 20):
+            h.update(block)
+    return h.hexdigest()
+
+
+def write_file(entry: FileEntry, dest: Path, located: dict[str, StoredChunk], payloads: PayloadSource,
+               pool: ThreadPoolExecutor, progress: Progress) -> None:
+    """Write one file atomically from its chunks and verify it against its sha256."""
+    offsets: dict[str, list[int]] = defaultdict(list)
+    for c in entry.chunks:
+        offsets[c.id].append(c.offset)
+    wanted = [located[i] for i in offsets]
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex}.tmp")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.ftruncate(fd, entry.size)
+            decoded = pool.map(lambda cp: (cp[0], decode_verified(cp[0], cp[1])), payloads(wanted))
+            for chunk, raw in decoded:
+                for off in offsets[chunk.id]:
+                    os.pwrite(fd, raw, off)
+                progress.advance("write", chunk.size * len(offsets[chunk.id]))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        if _file_sha256(tmp) != entry.sha256:
+            raise IntegrityError(f"{entry.path}: rebuilt bytes do not match the sha256 recorded at push")
+        os.replace(tmp, dest)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def rebuild(manifest: Manifest, out: Path, located: dict[str, StoredChunk], payloads: PayloadSource,
+            pool: ThreadPoolExecutor, progress: Progress | None = None) -> list[Path]:
+    progress = progress or NullProgress()
+    missing = [c.id for f in manifest.files for c in f.chunks if c.id not in located]
+    if missing:
+        raise IntegrityError(f"{len(missing)} chunks of this version are missing from the registry (first: {missing[0]})")
+    plan = targets(manifest, out)
+    progress.start("write", manifest.logical_bytes)
+    for entry, dest in plan:
+        write_file(entry, dest, located, payloads, pool, progress)
+    return [d for _, d in plan]
+
+

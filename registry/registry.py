@@ -1,0 +1,147 @@
+"""The Registry: one object that ties settings, metadata and blobs together.
+
+The CLI and the API call only this (and the value types it returns); they hold no logic of their own.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from registry import ingest, rebuild
+from registry.blobs import open_blob_store
+from registry.blobs.packs import StoredChunk, read_payloads
+from registry.config import Settings
+from registry.db import chunks as chunk_db
+from registry.db import schema
+from registry.db import tiers as tier_db
+from registry.db import versions as version_db
+from registry.db.engine import create_db_engine, read_tx, write_tx
+from registry.manifest import Manifest
+from registry.names import check_name
+from registry.progress import Progress
+from registry.stats import compute_stats
+from registry.tiers import check_quorum
+
+
+@dataclass(frozen=True)
+class DeleteResult:
+    family: str
+    version: str
+    tier_changes: int
+    released_chunks: int
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+class Registry:
+    def __init__(self, settings: Settings | None = None, migrate: bool | None = None):
+        self.settings = settings or Settings.from_env()
+        self.engine = create_db_engine(self.settings.database_url)
+        auto = self.settings.embedded if migrate is None else migrate
+        with read_tx(self.engine):
+            pass  # surfaces an unreachable database as a StorageError before anything else
+        schema.ensure_current(self.engine, auto_upgrade=auto)
+        self.blobs = open_blob_store(self.settings.blob_url, self.settings.s3_endpoint_url)
+        self.pool = ThreadPoolExecutor(max_workers=self.settings.workers, thread_name_prefix="mfsreg")
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+        self.engine.dispose()
+
+    def __enter__(self) -> "Registry":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- push / pull ---------------------------------------------------------------------------
+
+    def push(self, path: Path, family: str, version: str, parent: str | None = None,
+             progress: Progress | None = None) -> ingest.PushResult:
+        return ingest.push(self, Path(path), family, version, parent, progress)
+
+    def manifest(self, family: str, version: str) -> tuple[version_db.VersionRow, Manifest]:
+        check_name("family", family)
+        check_name("version", version)
+        with read_tx(self.engine) as conn:
+            row = version_db.get_version(conn, family, version)
+            data = version_db.read_manifest(conn, row.id)
+        return row, Manifest.from_bytes(data)
+
+    def locate(self, ids) -> dict[str, StoredChunk]:
+        with read_tx(self.engine) as conn:
+            return chunk_db.locate(conn, ids)
+
+    def read_payloads(self, chunks: list[StoredChunk]):
+        return read_payloads(self.blobs, chunks)
+
+    def pull(self, family: str, version: str, out: Path, progress: Progress | None = None) -> rebuild.PullResult:
+        t0 = time.perf_counter()
+        row, manifest = self.manifest(family, version)
+        located = self.locate(manifest.chunk_ids())
+        rebuild.rebuild(manifest, Path(out), located, self.read_payloads, self.pool, progress)
+        return rebuild.PullResult(
+            family=family, version=version, digest=row.digest, path=str(out), logical_bytes=row.logical_bytes,
+            files=row.file_count, seconds=time.perf_counter() - t0,
+        )
+
+    # -- listing -------------------------------------------------------------------------------
+
+    def families(self) -> list[version_db.FamilyRow]:
+        with read_tx(self.engine) as conn:
+            return version_db.list_families(conn)
+
+    def versions(self, family: str | None = None) -> list[version_db.VersionRow]:
+        if family is not None:
+            check_name("family", family)
+        with read_tx(self.engine) as conn:
+            if family is not None and not version_db.family_exists(conn, family):
+                from registry.errors import NotFound
+
+                raise NotFound(f"family {family!r} does not exist: see `mfsreg ls`")
+            return version_db.list_versions(conn, family)
+
+    def stats(self, family: str | None = None) -> dict:
+        if family is not None:
+            check_name("family", family)
+        return compute_stats(self.engine, family)
+
+    # -- changes -------------------------------------------------------------------------------
+
+    def delete(self, family: str, version: str) -> DeleteResult:
+        """Remove a version; its chunks stay stored while any other version (or delta) needs them."""
+        check_name("family", family)
+        check_name("version", version)
+        with write_tx(self.engine) as conn:
+            fam = version_db.lock_family(conn, family, create=False)
+            row = version_db.get_version(conn, family, version)
+            ids = version_db.version_chunk_ids(conn, row.id)
+            version_db.delete_version(conn, row.id)
+            changed, dropped = tier_db.remove_member(conn, fam.id, ids, fam.member_count, fam.base_quorum)
+            version_db.set_member_count(conn, fam.id, fam.member_count - 1)
+        return DeleteResult(family, version, changed, len(dropped))
+
+    def set_base_quorum(self, family: str, quorum: float) -> int:
+        """Change a family's base quorum and re-tier its chunks; returns rows that changed tier."""
+        check_name("family", family)
+        check_quorum(quorum)
+        with write_tx(self.engine) as conn:
+            fam = version_db.lock_family(conn, family, create=False)
+            version_db.set_quorum(conn, fam.id, quorum)
+            return tier_db.recompute(conn, fam.id, fam.member_count, quorum)
+
+
+def upgrade_database(settings: Settings | None = None) -> str:
+    """Apply pending migrations (``mfsreg db upgrade``); returns the revision now in force."""
+    settings = settings or Settings.from_env()
+    engine = create_db_engine(settings.database_url)
+    try:
+        with read_tx(engine):
+            pass
+        return schema.upgrade(engine)
+    finally:
+        engine.dispose()

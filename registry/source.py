@@ -1,0 +1,124 @@
+"""What a push reads: a single .safetensors file, a sharded checkpoint, or a model directory.
+
+Everything is validated here, before the registry is touched, so that bad input leaves every stored
+byte as it was. A directory may hold .safetensors files, a ``*.safetensors.index.json`` that maps
+tensors to shards, and small side files (config.json, tokenizer files), which are stored as blobs
+and come back on pull. Hidden files and folders (``.git``, ``.cache``) are skipped.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+from registry.errors import InvalidModel, InvalidRequest
+from registry.safetensors import SafetensorsHeader, read_header
+
+INDEX_SUFFIX = ".safetensors.index.json"
+MAX_INDEX_BYTES = 64 << 20
+
+
+@dataclass(frozen=True)
+class SourceFile:
+    rel: str  # path inside the version, '/'-separated
+    path: Path
+    size: int
+    header: SafetensorsHeader | None  # None for side files
+
+
+@dataclass(frozen=True)
+class Source:
+    files: tuple[SourceFile, ...]
+    single_file: bool
+
+
+def open_source(path: Path) -> Source:
+    path = Path(path)
+    if not path.exists():
+        raise InvalidRequest(f"{path}: no such file or directory")
+    if path.is_dir():
+        return _directory(path)
+    if path.name.endswith(INDEX_SUFFIX):
+        return _index_only(path)
+    if path.suffix == ".safetensors":
+        return Source((_safetensors(path, path.name),), single_file=True)
+    raise InvalidModel(f"{path}: not a .safetensors file, a {INDEX_SUFFIX} index or a model directory")
+
+
+def _safetensors(path: Path, rel: str) -> SourceFile:
+    return SourceFile(rel, path, path.stat().st_size, read_header(path, where=rel))
+
+
+def _side(path: Path, rel: str) -> SourceFile:
+    return SourceFile(rel, path, path.stat().st_size, None)
+
+
+def _walk(root: Path) -> list[Path]:
+    out = []
+    for p in sorted(root.rglob("*")):
+        rel = p.relative_to(root)
+        if any(part.startswith(".") for part in rel.parts):
+            continue
+        if p.is_file():
+            out.append(p)
+    return out
+
+
+def _directory(root: Path) -> Source:
+    files: list[SourceFile] = []
+    for p in _walk(root):
+        rel = p.relative_to(root).as_posix()
+        files.append(_safetensors(p, rel) if p.suffix == ".safetensors" else _side(p, rel))
+    if not any(f.header is not None for f in files):
+        raise InvalidModel(f"{root}: no .safetensors file in this directory")
+    for f in files:
+        if f.rel.endswith(INDEX_SUFFIX):
+            _check_index(f.path, f.rel, {x.rel: x for x in files}, PurePosixPath(f.rel).parent)
+    return Source(tuple(files), single_file=False)
+
+
+def _index_only(index: Path) -> Source:
+    """An index file named directly: push it and the shards it names (plus nothing else)."""
+    root = index.parent
+    weight_map = _read_index(index, index.name)
+    shards = {}
+    for shard in sorted(set(weight_map.values())):
+        p = root / shard
+        if not p.is_file():
+            raise InvalidModel(f"{index.name}: names shard {shard!r}, which is missing beside it")
+        shards[shard] = _safetensors(p, shard)
+    files = {index.name: _side(index, index.name), **shards}
+    _check_index(index, index.name, files, PurePosixPath("."))
+    return Source(tuple(files.values()), single_file=False)
+
+
+def _read_index(path: Path, rel: str) -> dict[str, str]:
+    if path.stat().st_size > MAX_INDEX_BYTES:
+        raise InvalidModel(f"{rel}: index is over {MAX_INDEX_BYTES} bytes: not a safetensors index")
+    try:
+        doc = json.loads(path.read_bytes())
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise InvalidModel(f"{rel}: not valid JSON: a sharded checkpoint needs a valid index") from None
+    weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+        raise InvalidModel(f"{rel}: no weight_map of tensor names to shard files")
+    for shard in set(weight_map.values()):
+        p = PurePosixPath(shard)
+        if p.is_absolute() or ".." in p.parts or not shard.endswith(".safetensors"):
+            raise InvalidModel(f"{rel}: shard name {shard!r} must be a relative .safetensors path")
+    return weight_map
+
+
+def _check_index(path: Path, rel: str, files: dict[str, SourceFile], base: PurePosixPath) -> None:
+    weight_map = _read_index(path, rel)
+    names: dict[str, set[str]] = {}
+    for tensor, shard in weight_map.items():
+        key = (base / shard).as_posix()
+        f = files.get(key)
+        if f is None or f.header is None:
+            raise InvalidModel(f"{rel}: names shard {shard!r}, which is missing")
+        if key not in names:
+            names[key] = {t.name for t in f.header.tensors}
+        if tensor not in names[key]:
+            raise InvalidModel(f"{rel}: tensor {tensor!r} is not in shard {shard!r}")

@@ -1,0 +1,45 @@
+"""Sharing figures for one family or the whole registry.
+
+- logical_bytes: what the versions would take as plain copies (sum of their file sizes)
+- stored_bytes: the encoded bytes of the distinct chunks they use; the tiers add up to it
+- sharing_ratio: logical / stored
+- per version: logical bytes, the stored bytes it needs, and the stored bytes it alone holds
+  (what deleting it would free)
+"""
+
+from __future__ import annotations
+
+from registry.db import stats as q
+from registry.db.engine import read_tx
+from registry.db.versions import family_exists
+from registry.errors import NotFound
+
+
+def compute_stats(engine, family: str | None = None) -> dict:
+    with read_tx(engine) as conn:
+        if family is not None and not family_exists(conn, family):
+            raise NotFound(f"family {family!r} does not exist: see `mfsreg ls`")
+        logical, n_versions = q.logical_bytes(conn, family)
+        tiers = q.tier_totals(conn, family)
+        encodings = q.encodings(conn, family)
+        per_version = q.version_figures(conn, family)
+        pack_bytes, orphan_bytes = q.storage_totals(conn) if family is None else (None, None)
+    stored = sum(b for _, b in tiers.values())
+    out = {
+        "scope": family or "registry",
+        "family": family,
+        "versions_count": n_versions,
+        "logical_bytes": logical,
+        "stored_bytes": stored,
+        "sharing_ratio": round(logical / stored, 4) if stored else 0.0,
+        "tiers": {t: {"chunks": n, "bytes": b} for t, (n, b) in tiers.items()},
+        "encodings": {e: {"chunks": n, "raw_bytes": r, "bytes": s} for e, (n, r, s) in sorted(encodings.items())},
+        "versions": [
+            {"family": f, "version": v, "logical_bytes": lb, "stored_bytes": need, "unique_bytes": alone}
+            for f, v, lb, need, alone in per_version
+        ],
+    }
+    if family is None:
+        out["pack_bytes"] = pack_bytes
+        out["unreferenced_bytes"] = orphan_bytes
+    return out

@@ -1,0 +1,45 @@
+"""Tier policy: which chunks of a family are base, group or unique.
+
+A chunk's tier depends only on how many members of its family use it (``users``), the number of
+members (``members``) and the family's ``base_quorum``:
+
+- base:   users >= threshold, where threshold = ceil(base_quorum * members) (at least 1)
+- group:  used by two or more members, below the threshold
+- unique: used by one member
+
+Rebalancing is incremental (db/tiers.py): a push changes ``users`` only for the new member's chunks,
+and moves the threshold by at most one step, so the rows whose tier can change are the new member's
+chunks plus those whose ``users`` lies between the old and the new threshold. Both sets are reached
+through indexes; no member's manifest is re-read.
+"""
+
+from __future__ import annotations
+
+import math
+
+BASE, GROUP, UNIQUE = "base", "group", "unique"
+TIERS = (BASE, GROUP, UNIQUE)
+# Order in which a node cache drops chunks first (unique) to last (base).
+EVICTION_ORDER = (UNIQUE, GROUP, BASE)
+
+
+def threshold(members: int, base_quorum: float) -> int:
+    """The number of users from which a chunk is in base."""
+    if members <= 0:
+        return 1
+    # The small epsilon keeps 0.3 * 10 from becoming 4 through float rounding.
+    return max(1, math.ceil(base_quorum * members - 1e-9))
+
+
+def tier_of(users: int, members: int, base_quorum: float) -> str:
+    if users >= threshold(members, base_quorum):
+        return BASE
+    return GROUP if users >= 2 else UNIQUE
+
+
+def check_quorum(value: float) -> float:
+    from registry.errors import InvalidRequest
+
+    if not 0.0 < value <= 1.0:
+        raise InvalidRequest(f"base_quorum {value} is out of range: use a fraction in (0, 1]")
+    return value
