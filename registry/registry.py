@@ -105,6 +105,13 @@ class Registry:
                 raise NotFound(f"family {family!r} does not exist: see `mfsreg ls`")
             return version_db.list_versions(conn, family)
 
+    def chunk_tiers(self, family: str, tier: str | None = None) -> dict[str, tuple[str, int]]:
+        """chunk id -> (tier, number of members using it) for one family."""
+        check_name("family", family)
+        with read_tx(self.engine) as conn:
+            fam = version_db.get_family(conn, family)
+            return tier_db.chunk_tiers(conn, fam.id, tier)
+
     def stats(self, family: str | None = None) -> dict:
         if family is not None:
             check_name("family", family)

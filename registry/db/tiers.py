@@ -93,7 +93,11 @@ def tier_counts(conn: Connection, family_id: int) -> dict[str, int]:
     return {t: n for t, n in rows}
 
 
-def chunks_in_tier(conn: Connection, family_id: int, tier: str) -> list[str]:
-    return list(conn.execute(select(fc.c.chunk_id).where(and_(fc.c.family_id == family_id, fc.c.tier == tier))).scalars())
+def chunk_tiers(conn: Connection, family_id: int, tier: str | None = None) -> dict[str, tuple[str, int]]:
+    """chunk id -> (tier, users) for a family's chunks, optionally of one tier."""
+    q = select(fc.c.chunk_id, fc.c.tier, fc.c.users).where(fc.c.family_id == family_id)
+    if tier is not None:
+        q = q.where(and_(fc.c.tier == tier))
+    return {c: (t, u) for c, t, u in conn.execute(q)}
 
 

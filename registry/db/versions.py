@@ -98,6 +98,14 @@ def list_families(conn: Connection) -> list[FamilyRow]:
     return [FamilyRow(*r) for r in conn.execute(q)]
 
 
+def get_family(conn: Connection, name: str) -> FamilyRow:
+    q = select(families.c.id, families.c.name, families.c.base_quorum, families.c.member_count).where(families.c.name == name)
+    row = conn.execute(q).first()
+    if row is None:
+        raise NotFound(f"family {name!r} does not exist: see `mfsreg ls`")
+    return FamilyRow(*row)
+
+
 def family_exists(conn: Connection, name: str) -> bool:
     return conn.execute(select(families.c.id).where(families.c.name == name)).first() is not None
 

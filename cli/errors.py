@@ -1,0 +1,57 @@
+"""The CLI's one table from error type to exit code, and the wrapper that applies it.
+
+A user's mistake prints one line on stderr and exits non-zero; no traceback ever reaches a user
+for bad input. Unexpected errors still print one line, plus a hint to re-run with MFSREG_DEBUG=1.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from registry import errors as e
+
+EXIT_CODES: list[tuple[type[BaseException], int]] = [
+    (e.InvalidName, 2),
+    (e.InvalidModel, 2),
+    (e.InvalidRequest, 2),
+    (e.NotFound, 2),
+    (e.Conflict, 2),
+    (e.Unauthorized, 3),
+    (e.Forbidden, 3),
+    (e.IntegrityError, 4),
+    (e.StorageError, 5),
+    (e.RegistryError, 1),
+]
+
+
+def exit_code(exc: BaseException) -> int:
+    for kind, code in EXIT_CODES:
+        if isinstance(exc, kind):
+            return code
+    return 1
+
+
+def fail(message: str, code: int) -> None:
+    print(f"mfsreg: error: {message}", file=sys.stderr)
+    raise SystemExit(code)
+
+
+def run_guarded(fn) -> None:
+    """Run the Typer app, turning every error into one line and an exit code."""
+    try:
+        fn()
+    except e.RegistryError as exc:
+        fail(str(exc), exit_code(exc))
+    except KeyboardInterrupt:
+        fail("interrupted; nothing partial was committed, re-run to continue", 130)
+    except (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError) as exc:
+        fail(f"{exc.filename or ''}: {exc.strerror}", 2)
+    except OSError as exc:
+        if os.environ.get("MFSREG_DEBUG"):
+            raise
+        fail(f"{exc.strerror or exc}: {exc.filename or ''}", 1)
+    except Exception as exc:  # a bug, not a user mistake: still one line unless debugging
+        if os.environ.get("MFSREG_DEBUG"):
+            raise
+        fail(f"internal error: {exc.__class__.__name__}: {exc} (re-run with MFSREG_DEBUG=1 for a traceback)", 1)

@@ -1,0 +1,32 @@
+"""The `mfsreg` command: a thin Typer layer over the registry library."""
+
+from __future__ import annotations
+
+import typer
+
+from cli import admin, stats, versions
+from cli.errors import run_guarded
+
+app = typer.Typer(
+    name="mfsreg",
+    help="Content-addressed registry for families of fine-tuned models.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+app.command()(versions.push)
+app.command()(versions.pull)
+app.command()(versions.ls)
+app.command()(versions.show)
+app.command()(versions.delete)
+app.command()(stats.stats)
+app.add_typer(admin.db_app, name="db")
+app.add_typer(admin.family_app, name="family")
+
+
+def main() -> None:
+    run_guarded(app)
+
+
+if __name__ == "__main__":
+    main()

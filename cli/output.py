@@ -1,0 +1,34 @@
+"""Printing results: one JSON object with --json, human tables otherwise."""
+
+from __future__ import annotations
+
+import json
+
+from rich.console import Console
+from rich.table import Table
+
+console = Console()
+
+
+def emit_json(obj) -> None:
+    print(json.dumps(obj, indent=None, sort_keys=False, default=str))
+
+
+def human_bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024
+    return f"{n} B"
+
+
+def table(title: str | None, columns: list[str], rows: list[list]) -> None:
+    t = Table(title=title)
+    for i, c in enumerate(columns):
+        t.add_column(c, justify="left" if i == 0 else "right")
+    for r in rows:
+        t.add_row(*[str(x) for x in r])
+    console.print(t)

@@ -1,0 +1,32 @@
+"""`mfsreg stats`: how much is shared, per family, tier and version."""
+
+from __future__ import annotations
+
+import typer
+
+from cli.backend import RegistryOption, open_backend
+from cli.output import emit_json, human_bytes, table
+
+
+def stats(
+    family: str = typer.Option(None, "--family", "-f", help="One family; without it, the whole registry."),
+    json_: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    registry: str = RegistryOption,
+) -> None:
+    """Logical vs stored bytes, the tiers, and what each version alone holds."""
+    with open_backend(registry) as reg:
+        s = reg.stats(family)
+    if json_:
+        emit_json(s)
+        return
+    typer.echo(
+        f"{s['scope']}: {s['versions_count']} versions, {human_bytes(s['logical_bytes'])} logical, "
+        f"{human_bytes(s['stored_bytes'])} stored, sharing ratio {s['sharing_ratio']:.2f}x"
+    )
+    table("tiers", ["tier", "chunks", "stored"], [[t, v["chunks"], human_bytes(v["bytes"])] for t, v in s["tiers"].items()])
+    if s.get("encodings"):
+        table("encodings", ["encoding", "chunks", "raw", "stored"],
+              [[e, v["chunks"], human_bytes(v["raw_bytes"]), human_bytes(v["bytes"])] for e, v in s["encodings"].items()])
+    table("versions", ["family", "version", "logical", "needs stored", "alone holds"],
+          [[v["family"], v["version"], human_bytes(v["logical_bytes"]), human_bytes(v["stored_bytes"]),
+            human_bytes(v["unique_bytes"])] for v in s["versions"]])

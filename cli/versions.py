@@ -1,0 +1,120 @@
+"""Commands on versions: push, pull, ls, show, delete."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from cli.backend import RegistryOption, open_backend
+from cli.output import emit_json, human_bytes, table
+from cli.progress import progress_for
+
+JsonOption = typer.Option(False, "--json", help="Print one JSON object (for scripts and CI).")
+
+
+def push(
+    path: Path = typer.Argument(..., help="A .safetensors file, a sharded checkpoint's index, or a model directory."),
+    family: str = typer.Option(..., "--family", "-f", help="Family name, e.g. qwen7b."),
+    version: str = typer.Option(..., "--version", "-v", help="Version name, e.g. medical-v3."),
+    parent: str = typer.Option(None, "--parent", help="The version this one was fine-tuned from."),
+    json_: bool = JsonOption,
+    registry: str = RegistryOption,
+) -> None:
+    """Store one version of a family; only chunks the registry lacks are written."""
+    with open_backend(registry) as reg, progress_for(json_) as progress:
+        result = reg.push(path, family, version, parent=parent, progress=progress)
+    if json_:
+        emit_json(result.to_dict())
+        return
+    verb = "already stored" if result.existed else "pushed"
+    typer.echo(
+        f"{verb} {result.family}/{result.version} {result.digest[:19]}: {human_bytes(result.logical_bytes)} logical, "
+        f"{human_bytes(result.new_bytes)} new, {result.reused_chunks}/{result.chunks} chunks reused "
+        f"in {result.seconds:.2f}s"
+    )
+
+
+def pull(
+    family: str = typer.Argument(...),
+    version: str = typer.Argument(...),
+    out: Path = typer.Option(..., "--out", "-o", help="A file for a single-file version, a directory otherwise."),
+    json_: bool = JsonOption,
+    registry: str = RegistryOption,
+) -> None:
+    """Rebuild a version byte for byte, verified against its digests."""
+    with open_backend(registry) as reg, progress_for(json_) as progress:
+        result = reg.pull(family, version, out, progress=progress)
+    if json_:
+        emit_json(result.to_dict())
+        return
+    typer.echo(f"pulled {family}/{version} to {result.path}: {human_bytes(result.logical_bytes)} in {result.seconds:.2f}s, verified")
+
+
+def ls(
+    family: str = typer.Argument(None, help="List this family's versions; without it, list families."),
+    json_: bool = JsonOption,
+    registry: str = RegistryOption,
+) -> None:
+    """List families, or the versions of one family."""
+    with open_backend(registry) as reg:
+        if family is None:
+            fams = reg.families()
+            rows = [dict(family=f.name, versions=f.member_count, base_quorum=f.base_quorum) for f in fams]
+            if json_:
+                emit_json({"families": rows})
+            else:
+                table(None, ["family", "versions", "base quorum"], [[r["family"], r["versions"], r["base_quorum"]] for r in rows])
+            return
+        vers = reg.versions(family)
+    rows = [
+        dict(family=v.family, version=v.name, parent=v.parent, digest=v.digest, logical_bytes=v.logical_bytes,
+             files=v.file_count, created_at=v.created_at.isoformat() if hasattr(v.created_at, "isoformat") else v.created_at)
+        for v in vers
+    ]
+    if json_:
+        emit_json({"family": family, "versions": rows})
+        return
+    table(family, ["version", "parent", "size", "files", "digest"],
+          [[r["version"], r["parent"] or "-", human_bytes(r["logical_bytes"]), r["files"], r["digest"][:19]] for r in rows])
+
+
+def show(
+    family: str = typer.Argument(...),
+    version: str = typer.Argument(...),
+    json_: bool = JsonOption,
+    registry: str = RegistryOption,
+) -> None:
+    """Show one version: digest, parent, files and their tensors and chunks."""
+    with open_backend(registry) as reg:
+        row, manifest = reg.manifest(family, version)
+    files = [
+        dict(path=f.path, kind=f.kind, size=f.size, sha256=f.sha256, tensors=len(f.tensors), chunks=len(f.chunks))
+        for f in manifest.files
+    ]
+    doc = dict(
+        family=row.family, version=row.name, parent=row.parent, digest=row.digest, logical_bytes=row.logical_bytes,
+        created_at=str(row.created_at), chunks=len(manifest.chunk_ids()), files=files,
+    )
+    if json_:
+        emit_json(doc)
+        return
+    typer.echo(f"{row.family}/{row.name}  {row.digest}")
+    typer.echo(f"parent: {row.parent or '-'}   size: {human_bytes(row.logical_bytes)}   distinct chunks: {doc['chunks']}")
+    table(None, ["file", "kind", "size", "tensors", "chunks"],
+          [[f["path"], f["kind"], human_bytes(f["size"]), f["tensors"], f["chunks"]] for f in files])
+
+
+def delete(
+    family: str = typer.Argument(...),
+    version: str = typer.Argument(...),
+    json_: bool = JsonOption,
+    registry: str = RegistryOption,
+) -> None:
+    """Delete a version; chunks other versions still need stay stored."""
+    with open_backend(registry) as reg:
+        result = reg.delete(family, version)
+    if json_:
+        emit_json(result.to_dict())
+        return
+    typer.echo(f"deleted {family}/{version}; {result.released_chunks} chunks no longer used by the family")

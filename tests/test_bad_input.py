@@ -1,0 +1,156 @@
+"""Bad input gets one clear line on stderr, exit 2, and leaves the registry exactly as it was."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sqlite3
+import struct
+from pathlib import Path
+
+import pytest
+
+from tests.cli_run import mfsreg
+
+
+def st_bytes(header: dict, data: bytes, claimed_len: int | None = None) -> bytes:
+    h = json.dumps(header).encode()
+    return struct.pack("<Q", len(h) if claimed_len is None else claimed_len) + h + data
+
+
+def good_file_bytes() -> bytes:
+    header = {
+        "a": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]},
+        "b": {"dtype": "BF16", "shape": [4], "data_offsets": [16, 24]},
+    }
+    return st_bytes(header, bytes(range(24)))
+
+
+def snapshot(home: Path) -> tuple:
+    """Every row of every table and every blob's bytes."""
+    con = sqlite3.connect(home / "registry.db")
+    try:
+        rows = tuple(con.iterdump())
+    finally:
+        con.close()
+    blobs = tuple(
+        (p.relative_to(home).as_posix(), hashlib.sha256(p.read_bytes()).hexdigest())
+        for p in sorted((home / "blobs").rglob("*")) if p.is_file()
+    )
+    return rows, blobs
+
+
+@pytest.fixture
+def seeded(home_env, fam):
+    """A registry that already holds a version, so 'as it was' is not trivially empty."""
+    mfsreg("push", fam["base"], "--family", "fam", "--version", "base", env=home_env)
+    return home_env
+
+
+def _truncated(tmp):
+    return good_file_bytes()[:-5]
+
+
+def _truncated_prefix(tmp):
+    return b"\x10\x00\x00"
+
+
+def _corrupted_header(tmp):
+    raw = bytearray(good_file_bytes())
+    raw[8:14] = b"\xff\xfe{{]]"
+    return bytes(raw)
+
+
+def _offset_past_end(tmp):
+    return st_bytes({"a": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4000]}}, b"\0" * 4)
+
+
+def _overlapping(tmp):
+    header = {
+        "a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
+        "b": {"dtype": "F32", "shape": [4], "data_offsets": [8, 24]},
+    }
+    return st_bytes(header, b"\0" * 24)
+
+
+def _unknown_dtype(tmp):
+    return st_bytes({"a": {"dtype": "F12", "shape": [4], "data_offsets": [0, 4]}}, b"\0" * 4)
+
+
+def _claims_100mb(tmp):
+    raw = good_file_bytes()
+    return struct.pack("<Q", 100 * 1024 * 1024) + raw[8:]
+
+
+def _shape_mismatch(tmp):
+    return st_bytes({"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 16]}}, b"\0" * 16)
+
+
+CASES = {
+    "truncated": (_truncated, "truncated"),
+    "truncated-prefix": (_truncated_prefix, "truncated"),
+    "corrupted-header": (_corrupted_header, "corrupted header"),
+    "offset-past-end": (_offset_past_end, "past the end"),
+    "overlapping": (_overlapping, "overlap"),
+    "unknown-dtype": (_unknown_dtype, "unknown dtype"),
+    "header-claims-100mb": (_claims_100mb, "over the"),
+    "shape-mismatch": (_shape_mismatch, "shape"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_malformed_file_is_refused_and_nothing_changes(case, seeded, tmp_path):
+    make, words = CASES[case]
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(make(tmp_path))
+    home = Path(seeded["MFSREG_HOME"])
+    before = snapshot(home)
+    proc = mfsreg("push", bad, "--family", "fam", "--version", "bad", env=seeded, check=False)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert words in lines[0] and "bad.safetensors" in lines[0], lines[0]
+    assert snapshot(home) == before
+    assert "bad" not in mfsreg("ls", "fam", "--json", env=seeded).stdout
+
+
+@pytest.mark.parametrize("family,version", [("../../x", "v1"), ("fam", "../../x"), (".hidden", "v1"), ("fam", "a/b")])
+def test_bad_names_are_refused(family, version, seeded, fam):
+    home = Path(seeded["MFSREG_HOME"])
+    before = snapshot(home)
+    proc = mfsreg("push", fam["lora-chat"], "--family", family, "--version", version, env=seeded, check=False)
+    assert proc.returncode == 2
+    assert len(proc.stderr.strip().splitlines()) == 1 and "invalid" in proc.stderr and "name" in proc.stderr
+    assert snapshot(home) == before
+    assert not (home.parent / "x").exists()
+
+
+def test_not_a_model_and_missing_path(seeded, tmp_path):
+    txt = tmp_path / "notes.txt"
+    txt.write_text("hello")
+    for path, words in ((txt, "not a .safetensors file"), (tmp_path / "missing.safetensors", "no such file")):
+        proc = mfsreg("push", path, "--family", "fam", "--version", "x", env=seeded, check=False)
+        assert proc.returncode == 2 and words in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_directory_without_weights_and_broken_index(seeded, tmp_path):
+    d = tmp_path / "empty"
+    d.mkdir()
+    (d / "config.json").write_text("{}")
+    proc = mfsreg("push", d, "--family", "fam", "--version", "x", env=seeded, check=False)
+    assert proc.returncode == 2 and "no .safetensors file" in proc.stderr
+    (d / "model.safetensors").write_bytes(good_file_bytes())
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "model-2.safetensors"}}))
+    proc = mfsreg("push", d, "--family", "fam", "--version", "x", env=seeded, check=False)
+    assert proc.returncode == 2 and "missing" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_unknown_version_and_family(seeded, tmp_path):
+    for args, words in (
+        (("pull", "fam", "nope", "-o", tmp_path / "o"), "does not exist"),
+        (("show", "nofam", "v1"), "does not exist"),
+        (("stats", "--family", "nofam"), "does not exist"),
+        (("ls", "nofam"), "does not exist"),
+    ):
+        proc = mfsreg(*args, env=seeded, check=False)
+        assert proc.returncode == 2 and words in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr

@@ -1,0 +1,138 @@
+"""Push and pull on the embedded default and on Postgres: byte-identical round trips and dedup."""
+
+from __future__ import annotations
+
+import filecmp
+
+import pytest
+import torch
+
+from registry.errors import Conflict, NotFound
+from tests import synth
+
+
+def test_family_round_trip_is_byte_identical(reg, fam, tmp_path):
+    results = {}
+    for name, path in fam.items():
+        results[name] = reg.push(path, "fam", name, parent=None if name == "base" else "base")
+    # genuinely different members: each stores something new, none is a copy of another
+    assert len({r.digest for r in results.values()}) == len(fam)
+    assert all(r.new_bytes > 0 for r in results.values())
+    for name, path in fam.items():
+        out = tmp_path / f"{name}.out"
+        reg.pull("fam", name, out)
+        assert filecmp.cmp(out, path, shallow=False), name
+
+
+def test_members_reuse_the_base_chunks(reg, fam):
+    base = reg.push(fam["base"], "fam", "base")
+    lora = reg.push(fam["lora-chat"], "fam", "lora-chat")
+    vocab = reg.push(fam["vocab-ext"], "fam", "vocab-ext")
+    # LoRA on q/v leaves embeddings, k/o, mlp and norms untouched: most chunks are reused
+    assert lora.reused_chunks > lora.chunks // 2
+    assert lora.new_bytes < base.new_bytes / 2
+    # appended vocabulary rows change only the last chunk of two tensors, plus the header
+    assert vocab.new_chunks == 3
+    assert vocab.new_bytes < base.new_bytes / 5
+
+
+def test_repush_stores_no_new_bytes(reg, fam):
+    first = reg.push(fam["base"], "fam", "v1")
+    again = reg.push(fam["base"], "fam", "v1-again")
+    same_name = reg.push(fam["base"], "fam", "v1")
+    assert first.new_bytes > 0
+    assert again.new_bytes == 0 and again.new_chunks == 0 and not again.existed
+    assert same_name.existed and same_name.new_bytes == 0
+    assert reg.stats("fam")["stored_bytes"] == first.new_bytes
+
+
+def test_reordered_tensors_with_other_metadata_store_only_the_header(reg, tmp_path):
+    tensors = synth.base_tensors()
+    a = synth.write(tmp_path / "a.safetensors", tensors, {"note": "first"})
+    reordered = dict(reversed(list(tensors.items())))
+    b = synth.write(tmp_path / "b.safetensors", reordered, {"note": "second, other metadata", "x": "y"})
+    assert a.read_bytes() != b.read_bytes()
+    reg.push(a, "fam", "a")
+    rb = reg.push(b, "fam", "b")
+    _, manifest = reg.manifest("fam", "b")
+    header = manifest.files[0].chunks[0]
+    assert rb.new_chunks == 1
+    assert reg.locate([header.id])[header.id].stored_size == rb.new_bytes
+    reg.pull("fam", "b", tmp_path / "b.out")
+    assert (tmp_path / "b.out").read_bytes() == b.read_bytes()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_dtypes_round_trip(reg, tmp_path, dtype):
+    paths = synth.family(tmp_path / "f", dtype=dtype)
+    for name, p in paths.items():
+        reg.push(p, "fam", name)
+    for name, p in paths.items():
+        reg.pull("fam", name, tmp_path / "out.safetensors")
+        assert filecmp.cmp(tmp_path / "out.safetensors", p, shallow=False)
+
+
+def test_sharded_directory_with_side_files(reg, tmp_path):
+    src = tmp_path / "ckpt"
+    src.mkdir()
+    synth.sharded_dir(src, synth.base_tensors())
+    (src / ".cache").mkdir()
+    (src / ".cache" / "junk").write_text("skipped")
+    res = reg.push(src, "fam", "sharded")
+    assert res.files == 5  # two shards, the index, config.json, tokenizer.json
+    out = tmp_path / "pulled"
+    reg.pull("fam", "sharded", out)
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in src.iterdir() if not p.name.startswith("."))
+    for p in src.iterdir():
+        if p.is_file():
+            assert filecmp.cmp(p, out / p.name, shallow=False), p.name
+    assert not (out / ".cache").exists()
+    # the same tensors as one file share every tensor chunk with the shards
+    single = synth.write(tmp_path / "single.safetensors", synth.base_tensors())
+    r2 = reg.push(single, "fam", "single")
+    assert r2.new_chunks == 1  # the header
+
+
+def test_index_file_pushes_index_and_shards(reg, tmp_path):
+    src = tmp_path / "ckpt"
+    src.mkdir()
+    synth.sharded_dir(src, synth.base_tensors(), side_files=False)
+    (src / "unrelated.txt").write_text("not part of the checkpoint")
+    res = reg.push(src / "model.safetensors.index.json", "fam", "idx")
+    assert res.files == 3
+    reg.pull("fam", "idx", tmp_path / "out")
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(
+        ["model.safetensors.index.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    )
+
+
+def test_same_name_other_bytes_is_a_conflict(reg, fam):
+    reg.push(fam["base"], "fam", "v1")
+    with pytest.raises(Conflict):
+        reg.push(fam["lora-chat"], "fam", "v1")
+
+
+def test_unknown_parent_is_refused_before_storing(reg, fam):
+    with pytest.raises(NotFound):
+        reg.push(fam["base"], "fam", "v1", parent="nope")
+    assert reg.stats()["stored_bytes"] == 0
+    assert list(reg.blobs.list()) == []
+
+
+def test_pull_into_existing_directory_for_single_file(reg, fam, tmp_path):
+    reg.push(fam["base"], "fam", "v1")
+    d = tmp_path / "dir"
+    d.mkdir()
+    reg.pull("fam", "v1", d)
+    assert filecmp.cmp(d / fam["base"].name, fam["base"], shallow=False)
+
+
+def test_delete_keeps_chunks_others_need(reg, fam, tmp_path):
+    reg.push(fam["base"], "fam", "base")
+    reg.push(fam["lora-chat"], "fam", "lora")
+    res = reg.delete("fam", "base")
+    assert res.released_chunks > 0
+    with pytest.raises(NotFound):
+        reg.manifest("fam", "base")
+    reg.pull("fam", "lora", tmp_path / "l.out")
+    assert filecmp.cmp(tmp_path / "l.out", fam["lora-chat"], shallow=False)

@@ -1,0 +1,99 @@
+"""Tiers: base / group / unique, rebalanced incrementally on push and delete."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from registry.tiers import BASE, GROUP, UNIQUE, threshold, tier_of
+from tests import synth
+
+
+def expected_tiers(reg, family: str, quorum: float = 1.0) -> dict[str, tuple[str, int]]:
+    """Tiers recomputed from scratch from every member's manifest (what incremental must equal)."""
+    members = reg.versions(family)
+    users = Counter()
+    for v in members:
+        _, m = reg.manifest(family, v.name)
+        users.update(m.chunk_ids())
+    return {c: (tier_of(n, len(members), quorum), n) for c, n in users.items()}
+
+
+def test_threshold_policy():
+    assert threshold(1, 1.0) == 1 and threshold(5, 1.0) == 5
+    assert threshold(10, 0.3) == 3 and threshold(3, 0.5) == 2
+    assert tier_of(5, 5, 1.0) == BASE and tier_of(4, 5, 1.0) == GROUP and tier_of(1, 5, 1.0) == UNIQUE
+    assert tier_of(3, 10, 0.3) == BASE
+
+
+def test_tiers_add_up_to_stored_bytes_and_match_recompute(reg, fam):
+    for name, p in fam.items():
+        reg.push(p, "fam", name)
+        assert reg.chunk_tiers("fam") == expected_tiers(reg, "fam")
+        if name == "last-code":  # before the full fine-tune, the untouched tensors are base
+            assert reg.stats("fam")["tiers"][BASE]["chunks"] > 0
+    s = reg.stats("fam")
+    assert sum(t["bytes"] for t in s["tiers"].values()) == s["stored_bytes"] > 0
+    # a full fine-tune shares no exact chunk with the others, so base empties under quorum 1.0
+    assert s["tiers"][BASE]["chunks"] == 0
+    assert s["tiers"][GROUP]["chunks"] > 0 and s["tiers"][UNIQUE]["chunks"] > 0
+    whole = reg.stats()
+    assert sum(t["bytes"] for t in whole["tiers"].values()) == whole["stored_bytes"] == s["stored_bytes"]
+    assert whole["sharing_ratio"] == pytest.approx(whole["logical_bytes"] / whole["stored_bytes"], rel=1e-3)
+    # what each version alone holds is exactly its unique-tier chunks
+    unique = s["tiers"][UNIQUE]["bytes"]
+    assert sum(v["unique_bytes"] for v in s["versions"]) == unique
+
+
+def test_drift_moves_only_affected_chunks_out_of_base(reg, tmp_path):
+    base = synth.base_tensors()
+    paths = {
+        "base": synth.write(tmp_path / "base.safetensors", base),
+        "chat": synth.write(tmp_path / "chat.safetensors", synth.lora(base, seed=11)),
+        "code": synth.write(tmp_path / "code.safetensors", synth.lora(base, seed=12)),
+        "drift": synth.write(tmp_path / "drift.safetensors", synth.lora(synth.extend_vocab(base), seed=13)),
+    }
+    for name in ("base", "chat", "code"):
+        reg.push(paths[name], "fam", name)
+    base_before = set(reg.chunk_tiers("fam", BASE))
+    assert len(base_before) > 10
+    res = reg.push(paths["drift"], "fam", "drift")
+    base_after = set(reg.chunk_tiers("fam", BASE))
+    _, drift = reg.manifest("fam", "drift")
+    left = base_before - base_after
+    # exactly the base chunks the drifted member does not use left base...
+    assert left == base_before - set(drift.chunk_ids())
+    # ...which are only the shared header and the last chunk of each of the two vocabulary tensors
+    _, b = reg.manifest("fam", "base")
+    f = b.files[0]
+    tails = {[c.id for c in f.chunks if t.start <= c.offset < t.end][-1]
+             for t in f.tensors if t.name in ("model.embed_tokens.weight", "lm_head.weight")}
+    assert left == tails | {f.chunks[0].id}
+    assert base_after == base_before - left
+    # the rebalance touched the chunks that changed tier, not every chunk of the family
+    assert res.tier_changes == len(left)
+    assert reg.chunk_tiers("fam") == expected_tiers(reg, "fam")
+
+
+def test_delete_rebalances(reg, fam):
+    for name in ("base", "lora-chat", "last-code"):
+        reg.push(fam[name], "fam", name)
+    reg.delete("fam", "last-code")
+    assert reg.chunk_tiers("fam") == expected_tiers(reg, "fam")
+    reg.delete("fam", "base")
+    assert reg.chunk_tiers("fam") == expected_tiers(reg, "fam")
+    assert set(t for t, _ in reg.chunk_tiers("fam").values()) == {BASE}  # one member: all of it is base
+
+
+def test_base_quorum(reg, fam):
+    for name, p in fam.items():
+        reg.push(p, "fam", name)
+    before = reg.stats("fam")["tiers"][BASE]["chunks"]
+    changed = reg.set_base_quorum("fam", 0.6)
+    assert changed > 0
+    assert reg.chunk_tiers("fam") == expected_tiers(reg, "fam", 0.6)
+    assert reg.stats("fam")["tiers"][BASE]["chunks"] > before
+    # incremental rebalancing keeps honouring the quorum
+    reg.delete("fam", "full-med")
+    assert reg.chunk_tiers("fam") == expected_tiers(reg, "fam", 0.6)
