@@ -1,0 +1,213 @@
+"""A BlobStore on S3 or any S3-compatible server (MinIO, Ceph): the shared deployment backend.
+
+Atomicity comes from S3 itself: an object becomes visible only once its PUT (or the completion of a
+multipart upload) succeeds, so readers never see a part. Keys are content-addressed, so a put finds
+an object of the same size already there and skips the upload. Every botocore failure is turned
+into NotFound or a one-line StorageError here; no botocore exception leaves this module.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+
+import boto3
+from boto3.s3.transfer import TransferConfig
+from botocore.config import Config
+from botocore.exceptions import (
+    BotoCoreError,
+    ClientError,
+    ConnectionError,
+    CredentialRetrievalError,
+    IncompleteReadError,
+    NoCredentialsError,
+    PartialCredentialsError,
+    ReadTimeoutError,
+    ResponseStreamingError,
+)
+
+from registry.blobs.base import BlobStore, check_key
+from registry.errors import InvalidRequest, NotFound, StorageError
+
+MiB = 1 << 20
+# Packs are tens of MiB, so most are one PUT; bigger objects go multipart, where a failed part is
+# retried alone instead of re-sending the whole object.
+MULTIPART_THRESHOLD = 64 * MiB
+MULTIPART_CHUNK = 16 * MiB
+# botocore retries whole requests, but not a body stream that breaks half-way; re-read those.
+_STREAM_ERRORS = (IncompleteReadError, ResponseStreamingError, ReadTimeoutError)
+_STREAM_TRIES = 3
+
+
+class S3BlobStore(BlobStore):
+    def __init__(
+        self,
+        bucket: str,
+        prefix: str = "",
+        endpoint_url: str | None = None,
+        *,
+        max_attempts: int = 5,
+        connect_timeout: float = 5.0,
+        read_timeout: float = 60.0,
+        max_workers: int = 8,
+    ):
+        if not bucket:
+            raise InvalidRequest("s3 blob URL without a bucket: use s3://bucket/prefix")
+        self.bucket = bucket
+        self.prefix = check_key(prefix.strip("/")) if prefix.strip("/") else ""
+        self.url = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
+        self.max_workers = max_workers
+        config = Config(
+            retries={"mode": "standard", "max_attempts": max_attempts},
+            connect_timeout=connect_timeout,
+            read_timeout=read_timeout,
+            # range readers and multipart parts share the pool; keep them from queueing on it
+            max_pool_connections=max(10, max_workers + 4),
+            # MinIO and most self-hosted servers only serve path-style requests
+            s3={"addressing_style": "path"} if endpoint_url else None,
+        )
+        # a private session: boto3's default session is not safe to share between threads
+        session = boto3.session.Session()
+        self._s3 = session.client(
+            "s3", endpoint_url=endpoint_url, region_name=session.region_name or "us-east-1", config=config
+        )
+        self.endpoint_url = self._s3.meta.endpoint_url
+        self._transfer = TransferConfig(
+            multipart_threshold=MULTIPART_THRESHOLD, multipart_chunksize=MULTIPART_CHUNK, max_concurrency=4
+        )
+        self._bucket_seen = False
+
+    def _key(self, key: str) -> str:
+        check_key(key)
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    @contextmanager
+    def _errors(self, op: str, key: str = ""):
+        """Translate botocore failures into the registry's error tree, with what to do about them."""
+        try:
+            yield
+        except ClientError as exc:
+            err = exc.response.get("Error", {})
+            code = str(err.get("Code", ""))
+            status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if code == "NoSuchBucket":
+                raise self._no_bucket() from None
+            if code in ("NoSuchKey", "NotFound") or status == 404:
+                raise NotFound(f"blob {key} is missing from {self.url}") from None
+            if code == "InvalidRange" or status == 416:
+                raise NotFound(f"blob {key}: requested range is outside the object") from None
+            if code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch") or status == 403:
+                raise StorageError(
+                    f"S3 refused {op} on {self.url} ({code}): check the AWS credentials and bucket policy"
+                ) from None
+            raise StorageError(f"S3 {op} of {key or self.url} failed: {code} {err.get('Message', '')}".strip()) from None
+        except (NoCredentialsError, PartialCredentialsError, CredentialRetrievalError):
+            raise StorageError(
+                f"no AWS credentials for {self.url}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE"
+            ) from None
+        except ConnectionError:
+            raise StorageError(
+                f"cannot reach S3 endpoint {self.endpoint_url}: check MFSREG_S3_ENDPOINT_URL and that the server is up"
+            ) from None
+        except BotoCoreError as exc:
+            raise StorageError(f"S3 {op} of {key or self.url} failed: {exc}") from None
+
+    def _no_bucket(self) -> StorageError:
+        return StorageError(
+            f"bucket {self.bucket} does not exist at {self.endpoint_url}: create it or fix MFSREG_BLOB_URL"
+        )
+
+    def _missing(self, key: str) -> NotFound:
+        """A HEAD 404 carries no error code, so tell a missing key from a missing bucket, once."""
+        if not self._bucket_seen:
+            try:
+                with self._errors("head_bucket"):
+                    self._s3.head_bucket(Bucket=self.bucket)
+            except NotFound:
+                raise self._no_bucket() from None
+            self._bucket_seen = True
+        return NotFound(f"blob {key} is missing from {self.url}")
+
+    def size(self, key: str) -> int:
+        k = self._key(key)
+        try:
+            with self._errors("head", key):
+                return int(self._s3.head_object(Bucket=self.bucket, Key=k)["ContentLength"])
+        except NotFound:
+            raise self._missing(key) from None
+
+    def put(self, key: str, data: bytes | memoryview) -> None:
+        k = self._key(key)
+        n = memoryview(data).nbytes
+        try:
+            if self.size(key) == n:
+                return  # content-addressed keys: same key and size means the same bytes are there
+        except NotFound:
+            pass
+        with self._errors("put", key):
+            if n < MULTIPART_THRESHOLD:
+                # botocore sends a CRC32 checksum with the body, so the server rejects damaged bytes
+                self._s3.put_object(Bucket=self.bucket, Key=k, Body=bytes(data))
+            else:
+                # the object appears only when CompleteMultipartUpload succeeds; a failed upload is
+                # aborted by the transfer manager, leaving nothing visible under the key
+                self._s3.upload_fileobj(io.BytesIO(data), self.bucket, k, Config=self._transfer)
+
+    def get(self, key: str, start: int = 0, end: int | None = None) -> bytes:
+        return self.get_ranges(key, [(start, end)])[0]
+
+    def get_ranges(self, key: str, ranges: list[tuple[int, int | None]]) -> list[bytes]:
+        k = self._key(key)
+        # S3 has no syntax for an empty range, and an invalid Range header is ignored (the whole
+        # object comes back), so those ranges are checked against a HEAD and never sent.
+        if any(end is None and start != 0 or end is not None and end <= start for start, end in ranges):
+            total = self.size(key)
+            ranges = [(s, total if e is None else e) for s, e in ranges]
+            for s, e in ranges:
+                if s < 0 or s > e or e > total:
+                    raise NotFound(f"blob {key}: range {s}-{e} is outside its {total} bytes")
+        for s, e in ranges:
+            if s < 0 or e is not None and e < s:
+                raise NotFound(f"blob {key}: range {s}-{e} is invalid")
+        if len(ranges) == 1:
+            return [self._fetch(k, key, *ranges[0])]
+        # boto3 clients are thread-safe; a few concurrent range GETs hide the per-request latency
+        with ThreadPoolExecutor(max_workers=min(self.max_workers, len(ranges))) as pool:
+            return list(pool.map(lambda r: self._fetch(k, key, *r), ranges))
+
+    def _fetch(self, k: str, key: str, start: int, end: int | None) -> bytes:
+        if end == start:
+            return b""  # bounds already checked against the object's size
+        args = {"Bucket": self.bucket, "Key": k}
+        if end is not None:
+            args["Range"] = f"bytes={start}-{end - 1}"
+        with self._errors("get", key):
+            for attempt in range(_STREAM_TRIES):
+                resp = self._s3.get_object(**args)
+                try:
+                    data = resp["Body"].read()
+                    break
+                except _STREAM_ERRORS:
+                    if attempt == _STREAM_TRIES - 1:
+                        raise
+        want = int(resp["ContentLength"]) if end is None else end - start
+        if len(data) != want:
+            # S3 answers a range that runs past the end with the bytes it has: a short read would
+            # silently corrupt a chunk, so it is reported like any range outside the object
+            raise NotFound(f"blob {key}: range {start}-{end} is outside the object ({resp.get('ContentRange')})")
+        return data
+
+    def delete(self, key: str) -> None:
+        with self._errors("delete", key):
+            self._s3.delete_object(Bucket=self.bucket, Key=self._key(key))  # a missing key is a 204
+
+    def list(self, prefix: str = "") -> Iterator[str]:
+        # the trailing '/' keeps a store at 'p' from listing the keys of a sibling store at 'p2'
+        base = f"{self.prefix}/" if self.prefix else ""
+        pages = self._s3.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=base + prefix)
+        with self._errors("list", prefix):
+            for page in pages:
+                for obj in page.get("Contents", []):
+                    yield obj["Key"][len(base):]

@@ -1,0 +1,294 @@
+"""The BlobStore contract (registry/blobs/base.py), checked on every backend by one shared suite.
+
+``store`` is each backend in turn: a local directory, and S3 on a real endpoint on loopback (moto's
+server, see tests/s3server.py). A backend-specific test sits at the end only where a failure mode
+exists on that backend alone (unreachable endpoint, missing bucket, multipart).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+import threading
+import time
+
+import boto3
+import pytest
+
+from registry.blobs import open_blob_store
+from registry.blobs.base import BlobStore
+from registry.blobs.packs import PackWriter, StoredChunk, read_payloads
+from registry.blobs.s3 import MULTIPART_CHUNK, MULTIPART_THRESHOLD, S3BlobStore
+from registry.errors import InvalidRequest, NotFound, StorageError
+from tests.s3server import s3_bucket, s3_server  # noqa: F401  (fixtures)
+
+DATA = bytes(range(256)) * 40 + b"tail"  # 10244 bytes, every offset distinguishable
+
+
+@pytest.fixture(params=["local", "s3"])
+def store(request, tmp_path) -> BlobStore:
+    if request.param == "local":
+        return open_blob_store((tmp_path / "blobs").as_uri())
+    endpoint_url, bucket = request.getfixturevalue("s3_bucket")
+    return open_blob_store(f"s3://{bucket}/reg/blobs", endpoint_url)
+
+
+def big_data(mib: int) -> bytes:
+    """Incompressible, cheap to make: one random MiB repeated, each copy stamped with its index."""
+    block = os.urandom(1 << 20)
+    return b"".join(i.to_bytes(8, "little") + block[8:] for i in range(mib))
+
+
+def test_put_get_round_trip(store):
+    store.put("packs/aa/one.pack", DATA)
+    assert store.get("packs/aa/one.pack") == DATA
+    assert store.get("packs/aa/one.pack", 0, len(DATA)) == DATA
+    assert store.get("packs/aa/one.pack", 10000) == DATA[10000:]
+    assert store.size("packs/aa/one.pack") == len(DATA)
+
+
+def test_put_accepts_memoryview(store):
+    store.put("mv", memoryview(DATA)[100:200])
+    assert store.get("mv") == DATA[100:200]
+
+
+def test_get_range(store):
+    store.put("k", DATA)
+    assert store.get("k", 5, 17) == DATA[5:17]
+    assert store.get("k", len(DATA) - 1, len(DATA)) == DATA[-1:]
+    assert store.get("k", 0, 1) == DATA[:1]
+
+
+def test_zero_length_ranges(store):
+    store.put("k", DATA)
+    assert store.get("k", 7, 7) == b""
+    assert store.get("k", len(DATA), len(DATA)) == b""
+    assert store.get("k", len(DATA)) == b""
+    with pytest.raises(NotFound):
+        store.get("k", len(DATA) + 1, len(DATA) + 1)
+    with pytest.raises(NotFound):
+        store.get("nope", 0, 0)
+
+
+def test_empty_object(store):
+    store.put("empty", b"")
+    assert store.size("empty") == 0
+    assert store.get("empty") == b""
+    with pytest.raises(NotFound):
+        store.get("empty", 0, 1)
+
+
+@pytest.mark.parametrize(
+    "start,end",
+    [(5, len(DATA) + 1), (len(DATA), len(DATA) + 10), (len(DATA) + 5, len(DATA) + 10), (len(DATA) + 1, None), (-1, 4), (9, 3)],
+)
+def test_range_outside_object_raises_not_found(store, start, end):
+    store.put("k", DATA)
+    with pytest.raises(NotFound):
+        store.get("k", start, end)
+    with pytest.raises(NotFound):
+        store.get_ranges("k", [(0, 4), (start, end)])
+
+
+def test_missing_key(store):
+    with pytest.raises(NotFound):
+        store.get("missing/key")
+    with pytest.raises(NotFound):
+        store.get("missing/key", 0, 10)
+    with pytest.raises(NotFound):
+        store.size("missing/key")
+    with pytest.raises(NotFound):
+        store.get_ranges("missing/key", [(0, 1), (2, 3)])
+    assert not store.exists("missing/key")
+
+
+def test_exists(store):
+    assert not store.exists("a/b")
+    store.put("a/b", DATA)
+    assert store.exists("a/b")
+
+
+def test_put_is_idempotent(store):
+    store.put("k", DATA)
+    store.put("k", DATA)
+    store.put("k", memoryview(DATA))
+    assert store.get("k") == DATA
+    assert list(store.list()) == ["k"]
+
+
+def test_put_replaces_whole_object(store):
+    store.put("k", DATA[:100])
+    store.put("k", DATA)  # another size: written again, all of it
+    assert store.get("k") == DATA
+
+
+def test_reader_never_sees_part_of_a_put(store):
+    data = big_data(4)
+    seen: list[int] = []
+    done = threading.Event()
+
+    def reader():
+        while not done.is_set():
+            try:
+                got = store.get("atomic")
+            except NotFound:
+                seen.append(0)
+                continue
+            seen.append(len(got))
+            assert got == data
+            return
+
+    t = threading.Thread(target=reader)
+    t.start()
+    try:
+        store.put("atomic", data)
+    finally:
+        t.join(timeout=30)
+        done.set()
+    assert seen and set(seen) <= {0, len(data)}
+    assert store.get("atomic") == data
+
+
+def test_delete(store):
+    store.delete("never/there")
+    store.put("k", DATA)
+    store.delete("k")
+    assert not store.exists("k")
+    store.delete("k")
+
+
+def test_list_with_prefix(store):
+    keys = ["packs/ab/1.pack", "packs/cd/2.pack", "packs2/x", "other/y", "z"]
+    for k in keys:
+        store.put(k, k.encode())
+    assert sorted(store.list()) == sorted(keys)
+    assert sorted(store.list("packs/")) == ["packs/ab/1.pack", "packs/cd/2.pack"]
+    assert sorted(store.list("packs")) == ["packs/ab/1.pack", "packs/cd/2.pack", "packs2/x"]
+    assert list(store.list("nothing/")) == []
+
+
+def test_get_ranges_in_request_order(store):
+    store.put("k", DATA)
+    ranges = [(9000, 10244), (0, 5), (5, 5), (300, 301), (0, 5), (1000, 3000)]
+    assert store.get_ranges("k", ranges) == [DATA[s:e] for s, e in ranges]
+    assert store.get_ranges("k", []) == []
+
+
+@pytest.mark.parametrize("key", ["../x", "/abs", "a//b", "a/../b", "", ".hidden", "sp ace"])
+def test_invalid_keys(store, key):
+    for call in (
+        lambda: store.put(key, b"x"),
+        lambda: store.get(key),
+        lambda: store.get_ranges(key, [(0, 1)]),
+        lambda: store.size(key),
+        lambda: store.exists(key),
+        lambda: store.delete(key),
+    ):
+        with pytest.raises(InvalidRequest):
+            call()
+
+
+def test_large_object_by_ranges(store):
+    data = big_data(80)
+    store.put("big/one.pack", data)
+    assert store.size("big/one.pack") == len(data)
+    c = MULTIPART_CHUNK
+    ranges = [(0, 1 << 20), (c - 10, c + 10), (3 * c - 1, 4 * c + 1), (len(data) - 100, len(data))]
+    assert store.get_ranges("big/one.pack", ranges) == [data[s:e] for s, e in ranges]
+    assert hashlib.sha256(store.get("big/one.pack")).digest() == hashlib.sha256(data).digest()
+    store.put("big/one.pack", data)  # idempotent: nothing is sent again
+
+
+def test_packs_interop(store):
+    flushed: list[StoredChunk] = []
+    writer = PackWriter(store, pack_size=4096, on_flush=lambda pid, n, chunks: flushed.extend(chunks))
+    payloads = {f"c{i:03d}": os.urandom(100 + 37 * i) for i in range(60)}
+    for cid, p in payloads.items():
+        writer.add(cid, len(p), hashlib.sha256(p).hexdigest(), "raw", p)
+    writer.flush()
+    assert {c.id for c in flushed} == set(payloads)
+    assert len({c.pack_id for c in flushed}) > 1
+    wanted = flushed[::3] + flushed[1::7]  # a scattered subset, in several packs
+    got = {c.id: bytes(b) for c, b in read_payloads(store, wanted)}
+    assert got == {c.id: payloads[c.id] for c in wanted}
+
+
+# S3 alone -------------------------------------------------------------------------------------
+
+
+def test_s3_url_and_prefix_isolation(s3_bucket):
+    endpoint_url, bucket = s3_bucket
+    a = open_blob_store(f"s3://{bucket}/p", endpoint_url)
+    b = S3BlobStore(bucket, "p2", endpoint_url=endpoint_url)
+    assert a.url == f"s3://{bucket}/p" and b.url == f"s3://{bucket}/p2"
+    a.put("k", b"in a")
+    b.put("k", b"in b")
+    assert list(a.list()) == ["k"] and a.get("k") == b"in a"
+    raw = boto3.session.Session().client("s3", endpoint_url=endpoint_url)
+    assert raw.get_object(Bucket=bucket, Key="p2/k")["Body"].read() == b"in b"
+
+
+def test_s3_large_put_is_multipart(s3_bucket):
+    endpoint_url, bucket = s3_bucket
+    store = S3BlobStore(bucket, "m", endpoint_url=endpoint_url)
+    data = big_data(MULTIPART_THRESHOLD // (1 << 20) + 1)
+    store.put("big", data)
+    raw = boto3.session.Session().client("s3", endpoint_url=endpoint_url)
+    etag = raw.head_object(Bucket=bucket, Key="m/big")["ETag"].strip('"')
+    assert etag.endswith(f"-{-(-len(data) // MULTIPART_CHUNK)}")  # "<md5>-<parts>" marks multipart
+    assert store.get("big", 1, len(data) - 1) == data[1:-1]
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _one_line(exc: BaseException) -> str:
+    msg = str(exc)
+    assert "\n" not in msg and "Traceback" not in msg
+    return msg
+
+
+def test_s3_unreachable_endpoint(monkeypatch):
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    endpoint = f"http://127.0.0.1:{_closed_port()}"
+    store = S3BlobStore("bucket", "p", endpoint_url=endpoint, max_attempts=1, connect_timeout=1)
+    t0 = time.monotonic()
+    for call in (lambda: store.put("k", b"x"), lambda: store.get("k"), lambda: store.size("k"), lambda: list(store.list())):
+        with pytest.raises(StorageError) as info:
+            call()
+        msg = _one_line(info.value)
+        assert endpoint in msg and "MFSREG_S3_ENDPOINT_URL" in msg
+    assert time.monotonic() - t0 < 10
+
+
+def test_s3_missing_bucket(s3_server):
+    store = S3BlobStore("no-such-bucket-mfsreg", "p", endpoint_url=s3_server)
+    for call in (lambda: store.put("k", b"x"), lambda: store.get("k"), lambda: store.size("k"), lambda: list(store.list())):
+        with pytest.raises(StorageError) as info:
+            call()
+        assert "does not exist" in _one_line(info.value)
+
+
+def test_s3_no_credentials(s3_bucket, monkeypatch, tmp_path):
+    endpoint_url, bucket = s3_bucket
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE",
+                "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+                "AWS_WEB_IDENTITY_TOKEN_FILE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # else botocore waits on the metadata service
+    store = S3BlobStore(bucket, "p", endpoint_url=endpoint_url, max_attempts=1)
+    with pytest.raises(StorageError) as info:
+        store.get("k")
+    assert "AWS_ACCESS_KEY_ID" in _one_line(info.value)
+
+
+def test_s3_bad_url():
+    with pytest.raises(InvalidRequest):
+        open_blob_store("s3:///prefix-only")

@@ -1,0 +1,69 @@
+"""The `mfsreg` command as scripts and CI use it: --json output of every command."""
+
+from __future__ import annotations
+
+import filecmp
+
+from tests.cli_run import mfsreg, mfsreg_json
+
+
+def test_json_contract(home_env, fam, tmp_path):
+    push = mfsreg_json("push", fam["base"], "--family", "fam", "--version", "base", env=home_env)
+    assert {"family", "version", "digest", "logical_bytes", "new_bytes"} <= set(push)
+    assert push["logical_bytes"] == fam["base"].stat().st_size and push["new_bytes"] > 0
+    assert push["digest"].startswith("sha256:")
+    child = mfsreg_json("push", fam["lora-chat"], "--family", "fam", "--version", "chat", "--parent", "base", env=home_env)
+    assert 0 < child["new_bytes"] < push["new_bytes"]
+
+    pulled = mfsreg_json("pull", "fam", "chat", "-o", tmp_path / "chat.safetensors", env=home_env)
+    assert pulled["digest"] == child["digest"]
+    assert filecmp.cmp(tmp_path / "chat.safetensors", fam["lora-chat"], shallow=False)
+
+    ls = mfsreg_json("ls", env=home_env)
+    assert ls["families"] == [{"family": "fam", "versions": 2, "base_quorum": 1.0}]
+    versions = mfsreg_json("ls", "fam", env=home_env)["versions"]
+    assert [(v["version"], v["parent"]) for v in versions] == [("base", None), ("chat", "base")]
+
+    show = mfsreg_json("show", "fam", "chat", env=home_env)
+    assert show["parent"] == "base" and show["files"][0]["tensors"] > 0 and show["digest"] == child["digest"]
+
+    stats = mfsreg_json("stats", env=home_env)
+    assert {"logical_bytes", "stored_bytes", "sharing_ratio", "tiers", "versions"} <= set(stats)
+    assert set(stats["tiers"]) == {"base", "group", "unique"}
+    assert all(set(t) >= {"chunks", "bytes"} for t in stats["tiers"].values())
+    assert {"family", "version", "logical_bytes", "unique_bytes"} <= set(stats["versions"][0])
+    assert stats["logical_bytes"] == push["logical_bytes"] + child["logical_bytes"]
+    assert stats["stored_bytes"] == push["new_bytes"] + child["new_bytes"]
+    assert stats["sharing_ratio"] > 1.0
+    fam_stats = mfsreg_json("stats", "--family", "fam", env=home_env)
+    assert fam_stats["stored_bytes"] == stats["stored_bytes"]
+
+    quorum = mfsreg_json("family", "quorum", "fam", "0.5", env=home_env)
+    assert quorum["tier_changes"] > 0
+    assert mfsreg_json("stats", env=home_env)["tiers"]["group"]["chunks"] == 0
+
+    deleted = mfsreg_json("delete", "fam", "chat", env=home_env)
+    assert deleted["version"] == "chat"
+    assert [v["version"] for v in mfsreg_json("ls", "fam", env=home_env)["versions"]] == ["base"]
+
+
+def test_human_output_and_db_upgrade(home_env, fam, tmp_path):
+    up = mfsreg("db", "upgrade", env=home_env)
+    assert "revision" in up.stdout
+    out = mfsreg("push", fam["base"], "--family", "fam", "--version", "v1", env=home_env).stdout
+    assert "pushed fam/v1" in out
+    again = mfsreg("push", fam["base"], "--family", "fam", "--version", "v1", env=home_env).stdout
+    assert "already stored" in again
+    assert "sharing ratio" in mfsreg("stats", env=home_env).stdout
+    assert "v1" in mfsreg("ls", "fam", env=home_env).stdout
+
+
+def test_bad_option_values_are_one_line(home_env, fam):
+    proc = mfsreg("family", "quorum", "nofam", "2.0", env=home_env, check=False)
+    assert proc.returncode == 2 and "out of range" in proc.stderr
+    env = dict(home_env, MFSREG_CHUNK_SIZE="lots")
+    proc = mfsreg("push", fam["base"], "--family", "f", "--version", "v", env=env, check=False)
+    assert proc.returncode == 2 and "MFSREG_CHUNK_SIZE" in proc.stderr and "Traceback" not in proc.stderr
+    env = dict(home_env, MFSREG_DATABASE_URL="postgresql+psycopg://nobody@127.0.0.1:1/none")
+    proc = mfsreg("ls", env=env, check=False)
+    assert proc.returncode == 5 and "database" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
