@@ -171,8 +171,8 @@ class S3BlobStore(BlobStore):
         for s, e in ranges:
             if s < 0 or e is not None and e < s:
                 raise NotFound(f"blob {key}: range {s}-{e} is invalid")
-        if len(ranges) == 1:
-            return [self._fetch(k, key, *ranges[0])]
+        if len(ranges) <= 1:
+            return [self._fetch(k, key, *r) for r in ranges]
         # boto3 clients are thread-safe; a few concurrent range GETs hide the per-request latency
         with ThreadPoolExecutor(max_workers=min(self.max_workers, len(ranges))) as pool:
             return list(pool.map(lambda r: self._fetch(k, key, *r), ranges))
