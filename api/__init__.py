@@ -1,0 +1,1 @@
+"""The FastAPI app: routes, pydantic schemas, auth and error mapping; thin over registry/."""

@@ -17,6 +17,7 @@ EXIT_CODES: list[tuple[type[BaseException], int]] = [
     (e.InvalidRequest, 2),
     (e.NotFound, 2),
     (e.Conflict, 2),
+    (e.TooLarge, 2),
     (e.Unauthorized, 3),
     (e.Forbidden, 3),
     (e.IntegrityError, 4),

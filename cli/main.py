@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from cli import admin, stats, versions
+from cli import admin, server, stats, versions
 from cli.errors import run_guarded
 
 app = typer.Typer(
@@ -22,6 +22,8 @@ app.command()(versions.delete)
 app.command()(stats.stats)
 app.add_typer(admin.db_app, name="db")
 app.add_typer(admin.family_app, name="family")
+app.command()(server.serve)
+app.add_typer(server.token_app, name="token")
 
 
 def main() -> None:

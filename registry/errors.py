@@ -73,3 +73,9 @@ class StorageError(RegistryError):
     """The metadata database or blob store cannot be reached or refused an operation."""
 
     code = "storage_error"
+
+
+class TooLarge(RegistryError):
+    """A request or input over a configured size limit."""
+
+    code = "too_large"

@@ -7,11 +7,12 @@ touches no database: it reads files, cuts them, hashes and encodes.
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 
 from registry import codec
 from registry.chunking import ChunkRef, MappedFile, chunk_sha256, hash_file, plan_cuts
 from registry.manifest import BLOB, SAFETENSORS, FileEntry, Manifest
+from registry.parallel import windowed_map
 from registry.progress import Progress
 from registry.source import Source
 
@@ -41,18 +42,6 @@ def _encode(view: memoryview, itemsize: int) -> tuple[str, str, bytes]:
     return sha, encoding, payload
 
 
-def _windowed(pool: ThreadPoolExecutor, jobs: Iterable, window: int) -> Iterator:
-    """pool.map with at most ``window`` jobs in flight, results in order."""
-    pending = []
-    for fn, args, meta in jobs:
-        pending.append((pool.submit(fn, *args), meta))
-        if len(pending) >= window:
-            fut, m = pending.pop(0)
-            yield fut.result(), m
-    for fut, m in pending:
-        yield fut.result(), m
-
-
 def missing_bytes(manifest: Manifest, missing: set[str]) -> int:
     sizes = manifest.chunk_sizes()
     return sum(sizes[i] for i in missing if i in sizes)
@@ -75,6 +64,7 @@ def encoded_chunks(source: Source, manifest: Manifest, wanted: set[str], pool: T
         if not chosen:
             continue
         with MappedFile(src.path) as mf:
-            jobs = ((_encode, (mf.view[c.offset : c.offset + c.size], c.itemsize), c) for c in chosen)
-            for (sha, encoding, payload), c in _windowed(pool, jobs, ENCODE_WINDOW):
-                yield c, sha, encoding, payload
+            def job(c: ChunkRef, view=mf.view):
+                return c, *_encode(view[c.offset : c.offset + c.size], c.itemsize)
+
+            yield from windowed_map(pool, job, chosen, ENCODE_WINDOW)

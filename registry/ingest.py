@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 from registry.blobs.packs import PackWriter, StoredChunk
@@ -20,31 +19,14 @@ from registry.db import chunks as chunk_db
 from registry.db import tiers as tier_db
 from registry.db import versions as version_db
 from registry.db.engine import read_tx, write_tx
-from registry.errors import Conflict, NotFound
+from registry import results
+from registry.errors import NotFound
 from registry.hashing import encoded_chunks, hash_source, missing_bytes
 from registry.manifest import Manifest
 from registry.names import check_name
 from registry.progress import NullProgress, Progress
+from registry.results import PushResult
 from registry.source import Source, open_source
-
-@dataclass(frozen=True)
-class PushResult:
-    family: str
-    version: str
-    digest: str
-    logical_bytes: int
-    new_bytes: int  # stored (encoded) bytes this push added
-    new_chunks: int
-    reused_chunks: int
-    chunks: int
-    files: int
-    tier_changes: int
-    existed: bool  # the same version with the same digest was already there: nothing was done
-    seconds: float
-
-    def to_dict(self) -> dict:
-        return dict(self.__dict__)
-
 
 def upload_missing(reg, source: Source, manifest: Manifest, missing: set[str], pool: ThreadPoolExecutor, progress: Progress) -> int:
     """Encode and store the chunks in ``missing``; returns the stored bytes this push added."""
@@ -138,14 +120,5 @@ def push(reg, path: Path, family: str, version: str, parent: str | None = None, 
 
 
 def existing_result(row, manifest: Manifest, family: str, version: str, t0: float) -> PushResult:
-    """The result of pushing a version that is already there: fine if it is the same content."""
-    if row.digest != manifest.digest:
-        raise Conflict(
-            f"version {family}/{version} already exists with other content ({row.digest[:19]}...): versions are immutable, push under a new name"
-        )
-    n = len(manifest.chunk_ids())
-    return PushResult(
-        family=family, version=version, digest=row.digest, logical_bytes=row.logical_bytes, new_bytes=0,
-        new_chunks=0, reused_chunks=n, chunks=n, files=row.file_count, tier_changes=0,
-        existed=True, seconds=time.perf_counter() - t0,
-    )
+    return results.existing_result(row.digest, row.logical_bytes, row.file_count, manifest.digest,
+                                   len(manifest.chunk_ids()), family, version, t0)

@@ -90,3 +90,45 @@ class Manifest:
             for f in doc["files"]
         )
         return cls(files=files, single_file=bool(doc["single_file"]))
+
+
+def parse_doc(doc: object) -> Manifest:
+    """A manifest sent by a client, checked for shape and self-consistency (InvalidRequest if not).
+
+    Checked here: safe unique paths, chunks that tile each file from 0 to its size, tensors that lie
+    on chunk boundaries. The header chunk's bytes are checked against the tensors on commit, once
+    the chunk is stored (registry/service.py).
+    """
+    from registry.errors import InvalidRequest
+    from registry.safetensors import DTYPE_SIZES
+    from registry.wire import check_id
+
+    try:
+        m = Manifest.from_doc(doc)  # type: ignore[arg-type]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise InvalidRequest(f"malformed manifest: {exc.__class__.__name__} {exc}") from None
+    if not m.files or (m.single_file and len(m.files) != 1):
+        raise InvalidRequest("malformed manifest: no files, or several files in a single-file version")
+    seen = set()
+    for f in m.files:
+        p = f.path.split("/")
+        if f.path in seen or not f.path or f.path.startswith("/") or any(x in ("", ".", "..") or x.startswith(".") for x in p):
+            raise InvalidRequest(f"malformed manifest: unsafe or repeated path {f.path!r}")
+        seen.add(f.path)
+        if f.kind not in (SAFETENSORS, BLOB) or not isinstance(f.sha256, str) or len(f.sha256) != 64:
+            raise InvalidRequest(f"malformed manifest: {f.path}: bad kind or sha256")
+        pos = 0
+        for c in f.chunks:
+            check_id(c.id)
+            if c.offset != pos or c.size <= 0 or c.itemsize not in (1, 2, 4, 8):
+                raise InvalidRequest(f"malformed manifest: {f.path}: chunks do not tile the file at offset {pos}")
+            pos += c.size
+        if pos != f.size:
+            raise InvalidRequest(f"malformed manifest: {f.path}: chunks cover {pos} of {f.size} bytes")
+        starts = {c.offset for c in f.chunks} | {f.size}
+        for t in f.tensors:
+            if t.dtype not in DTYPE_SIZES or t.start not in starts or t.end not in starts or t.start > t.end:
+                raise InvalidRequest(f"malformed manifest: {f.path}: tensor {t.name!r} is not on chunk boundaries")
+        if f.kind == SAFETENSORS and not f.chunks:
+            raise InvalidRequest(f"malformed manifest: {f.path}: a safetensors file without a header chunk")
+    return m

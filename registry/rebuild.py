@@ -23,6 +23,7 @@ from registry.blobs.packs import StoredChunk
 from registry.chunking import chunk_id
 from registry.errors import IntegrityError, InvalidRequest
 from registry.manifest import FileEntry, Manifest
+from registry.parallel import windowed_map
 from registry.progress import NullProgress, Progress
 
 # A source of encoded payloads: given stored chunks, yield (chunk, payload) in any order.
@@ -93,7 +94,7 @@ def write_file(entry: FileEntry, dest: Path, located: dict[str, StoredChunk], pa
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             os.ftruncate(fd, entry.size)
-            decoded = pool.map(lambda cp: (cp[0], decode_verified(cp[0], cp[1])), payloads(wanted))
+            decoded = windowed_map(pool, lambda cp: (cp[0], decode_verified(cp[0], cp[1])), payloads(wanted))
             for chunk, raw in decoded:
                 for off in offsets[chunk.id]:
                     os.pwrite(fd, raw, off)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 from registry import ingest, rebuild
@@ -22,19 +21,9 @@ from registry.db.engine import create_db_engine, read_tx, write_tx
 from registry.manifest import Manifest
 from registry.names import check_name
 from registry.progress import Progress
+from registry.results import DeleteResult
 from registry.stats import compute_stats
 from registry.tiers import check_quorum
-
-
-@dataclass(frozen=True)
-class DeleteResult:
-    family: str
-    version: str
-    tier_changes: int
-    released_chunks: int
-
-    def to_dict(self) -> dict:
-        return dict(self.__dict__)
 
 
 class Registry:

@@ -2,7 +2,7 @@
 
 Revision ID: 0001
 Revises: 
-Create Date: 2026-11-29 13:55:17.443420
+
 """
 from alembic import op
 import sqlalchemy as sa

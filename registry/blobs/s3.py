@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 import boto3
+from boto3.exceptions import Boto3Error
 from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
 from botocore.exceptions import (
@@ -111,7 +112,7 @@ class S3BlobStore(BlobStore):
             raise StorageError(
                 f"cannot reach S3 endpoint {self.endpoint_url}: check MFSREG_S3_ENDPOINT_URL and that the server is up"
             ) from None
-        except BotoCoreError as exc:
+        except (BotoCoreError, Boto3Error) as exc:
             raise StorageError(f"S3 {op} of {key or self.url} failed: {exc}") from None
 
     def _no_bucket(self) -> StorageError:

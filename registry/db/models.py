@@ -10,6 +10,7 @@
 - version_chunks: which distinct chunks each version needs (for stats, tiers and delete).
 - family_chunks: per family and chunk, how many members use it and its tier; rebalanced
   incrementally (registry/tiers.py) so a push never re-reads every member.
+- tokens: API bearer tokens, stored only as sha256 hashes, each with a role and a family pattern.
 """
 
 from __future__ import annotations
@@ -91,4 +92,16 @@ family_chunks = Table(
     Index(None, "family_id", "users"),
     Index(None, "family_id", "tier"),
     Index(None, "chunk_id"),
+)
+
+tokens = Table(
+    "tokens", metadata,
+    Column("id", Integer, primary_key=True),
+    Column("token_hash", String(64), nullable=False, unique=True),
+    Column("prefix", String(16), nullable=False),  # first characters, to tell tokens apart in listings
+    Column("role", String(8), nullable=False),
+    Column("family_pattern", String(128), nullable=False),
+    Column("description", String(256), nullable=False, server_default=""),
+    Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("revoked_at", DateTime(timezone=True), nullable=True),
 )

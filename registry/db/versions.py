@@ -3,35 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from datetime import datetime
 
 from sqlalchemy import Connection, delete, func, select, update
 
 from registry.db.dialect import batches, insert
 from registry.db.models import families, version_chunks, versions
 from registry.errors import NotFound
-
-
-@dataclass(frozen=True)
-class FamilyRow:
-    id: int
-    name: str
-    base_quorum: float
-    member_count: int
-
-
-@dataclass(frozen=True)
-class VersionRow:
-    id: int
-    family: str
-    name: str
-    parent: str | None
-    digest: str
-    logical_bytes: int
-    file_count: int
-    single_file: bool
-    created_at: datetime
+from registry.results import FamilyRow, VersionRow
 
 
 def lock_family(conn: Connection, name: str, create: bool) -> FamilyRow:

@@ -1,0 +1,136 @@
+"""The mfsreg HTTP API. Stateless: every request goes to the shared database and blob store, so
+several processes can serve one registry behind a load balancer.
+
+Push protocol: negotiate (which chunks are missing) -> upload batches of missing chunks (each one
+re-hashed by the server) -> commit (the version becomes visible). Pull: read the version's manifest
+and chunk table, then download batches of chunks as a stream.
+"""
+
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+
+from fastapi import Depends, FastAPI, Query, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import StreamingResponse
+
+from api import errors
+from api.auth import principal
+from api.limits import BodyLimit, read_body
+from api.schemas import (
+    CommitRequest, DeleteResultModel, DownloadRequest, FamilyModel, NegotiateRequest, NegotiateResponse,
+    PushResultModel, UploadResponse, VersionModel,
+)
+from registry import service
+from registry.auth import Principal
+from registry.config import Settings
+from registry.db.engine import read_tx
+from registry.errors import Forbidden
+from registry.names import check_name
+from registry.registry import Registry
+
+
+def create_app(settings: Settings | None = None, registry: Registry | None = None) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        reg = registry or Registry(settings or Settings.from_env())
+        app.state.registry = reg
+        try:
+            yield
+        finally:
+            if registry is None:
+                reg.close()
+
+    app = FastAPI(
+        title="mfsreg",
+        version="0.1.0",
+        summary="Content-addressed registry for families of fine-tuned models.",
+        lifespan=lifespan,
+    )
+    errors.install(app)
+    app.add_middleware(BodyLimit, max_body=(settings or (registry.settings if registry else Settings.from_env())).max_body)
+
+    def reg_of(request: Request) -> Registry:
+        return request.app.state.registry
+
+    @app.get("/healthz", tags=["ops"])
+    def healthz(request: Request) -> dict:
+        """Liveness and readiness: the database answers."""
+        with read_tx(reg_of(request).engine):
+            pass
+        return {"status": "ok"}
+
+    @app.get("/v1/families", response_model=list[FamilyModel], tags=["read"])
+    def families(request: Request, who: Principal = Depends(principal)):
+        """Families the caller may read."""
+        return [
+            FamilyModel(family=f.name, versions=f.member_count, base_quorum=f.base_quorum)
+            for f in reg_of(request).families() if who.allows("read", f.name)
+        ]
+
+    @app.get("/v1/families/{family}/versions", response_model=list[VersionModel], tags=["read"])
+    def versions(family: str, request: Request, who: Principal = Depends(principal)):
+        check_name("family", family)
+        who.require("read", family)
+        return [_version_model(v) for v in reg_of(request).versions(family)]
+
+    @app.get("/v1/families/{family}/versions/{version}", tags=["read"])
+    def version(family: str, version: str, request: Request, who: Principal = Depends(principal)) -> dict:
+        """A version with its manifest and, per chunk id, [encoding, stored bytes, basis id]."""
+        check_name("family", family)
+        who.require("read", family)
+        return service.version_doc(reg_of(request), family, version)
+
+    @app.delete("/v1/families/{family}/versions/{version}", response_model=DeleteResultModel, tags=["admin"])
+    def delete(family: str, version: str, request: Request, who: Principal = Depends(principal)):
+        check_name("family", family)
+        who.require("admin", family)
+        return reg_of(request).delete(family, version).to_dict()
+
+    @app.post("/v1/families/{family}/versions/{version}/negotiate", response_model=NegotiateResponse, tags=["push"])
+    def negotiate(family: str, version: str, body: NegotiateRequest, request: Request, who: Principal = Depends(principal)):
+        """Step 1 of a push: which of the manifest's chunks must be uploaded."""
+        check_name("family", family)
+        who.require("push", family)
+        return service.negotiate(reg_of(request), family, version, body.manifest)
+
+    @app.post("/v1/families/{family}/chunks", response_model=UploadResponse, tags=["push"],
+              openapi_extra={"requestBody": {"content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}})
+    async def upload(family: str, request: Request, who: Principal = Depends(principal)):
+        """Step 2: a batch of encoded chunks (registry/wire.py). Each is decoded and re-hashed; a
+        chunk whose bytes do not match its id refuses the whole batch."""
+        check_name("family", family)
+        who.require("push", family)
+        body = await read_body(request, reg_of(request).settings.max_body)
+        return await run_in_threadpool(service.receive_batch, reg_of(request), body)
+
+    @app.post("/v1/families/{family}/versions/{version}/commit", response_model=PushResultModel, status_code=201, tags=["push"])
+    def commit(family: str, version: str, body: CommitRequest, request: Request, who: Principal = Depends(principal)):
+        """Step 3: the version becomes visible, atomically, if every chunk is stored."""
+        check_name("family", family)
+        who.require("push", family)
+        return service.commit(reg_of(request), family, version, body.parent, body.manifest).to_dict()
+
+    @app.post("/v1/families/{family}/chunks/download", tags=["read"],
+              responses={200: {"content": {"application/octet-stream": {}}}})
+    def download(family: str, body: DownloadRequest, request: Request, who: Principal = Depends(principal)):
+        """Stored payloads of chunks of this family, streamed as one batch (registry/wire.py)."""
+        check_name("family", family)
+        who.require("read", family)
+        reg = reg_of(request)
+        chunks = service.plan_download(reg, family, body.ids)
+        return StreamingResponse(service.stream_chunks(reg, chunks), media_type="application/octet-stream")
+
+    @app.get("/v1/stats", tags=["read"])
+    def stats(request: Request, family: str | None = Query(None), who: Principal = Depends(principal)) -> dict:
+        if family is None and who.family_pattern != "*":
+            raise Forbidden(f"this token is limited to families matching {who.family_pattern!r}: ask for one family")
+        who.require("read", family)
+        return reg_of(request).stats(family)
+
+    return app
+
+
+def _version_model(v) -> VersionModel:
+    return VersionModel(family=v.family, version=v.name, parent=v.parent, digest=v.digest, logical_bytes=v.logical_bytes,
+                        files=v.file_count, single_file=v.single_file, created_at=str(v.created_at))

@@ -1,0 +1,56 @@
+"""One table from the registry's error tree to HTTP problem details (RFC 9457)."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from registry import errors as e
+
+STATUS: list[tuple[type[e.RegistryError], int]] = [
+    (e.InvalidName, 400),
+    (e.InvalidModel, 400),
+    (e.InvalidRequest, 400),
+    (e.Unauthorized, 401),
+    (e.Forbidden, 403),
+    (e.NotFound, 404),
+    (e.Conflict, 409),
+    (e.TooLarge, 413),
+    (e.IntegrityError, 422),
+    (e.StorageError, 503),
+    (e.RegistryError, 500),
+]
+
+
+
+def status_for(exc: e.RegistryError) -> int:
+    for kind, status in STATUS:
+        if isinstance(exc, kind):
+            return status
+    return 500
+
+
+def problem(status: int, code: str, detail: str) -> JSONResponse:
+    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    return JSONResponse(
+        {"type": f"urn:mfsreg:{code}", "title": code.replace("_", " "), "status": status, "detail": detail},
+        status_code=status, media_type="application/problem+json", headers=headers,
+    )
+
+
+def install(app: FastAPI) -> None:
+    @app.exception_handler(e.RegistryError)
+    async def _registry_error(_req: Request, exc: e.RegistryError):
+        return problem(status_for(exc), exc.code, str(exc))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_req: Request, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(x) for x in first.get("loc", ()))
+        return problem(422, "invalid_request", f"{where}: {first.get('msg', 'invalid request')}")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_req: Request, exc: StarletteHTTPException):
+        return problem(exc.status_code, "http_error", str(exc.detail))

@@ -1,0 +1,73 @@
+"""Request and response bodies (pydantic lives here only)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+
+class NegotiateRequest(BaseModel):
+    manifest: dict[str, Any] = Field(description="The manifest the client computed (files, chunks, tensors).")
+
+
+class NegotiateResponse(BaseModel):
+    digest: str
+    exists: bool
+    existing_digest: str | None
+    missing: list[str] = Field(description="Chunk ids the registry lacks, in first-use order.")
+    missing_bytes: int
+    chunks: int
+
+
+class CommitRequest(BaseModel):
+    parent: str | None = None
+    manifest: dict[str, Any]
+
+
+class UploadResponse(BaseModel):
+    received: int
+    new_bytes: int
+
+
+class DownloadRequest(BaseModel):
+    ids: list[str] = Field(max_length=100_000)
+
+
+class PushResultModel(BaseModel):
+    family: str
+    version: str
+    digest: str
+    logical_bytes: int
+    new_bytes: int
+    new_chunks: int
+    reused_chunks: int
+    chunks: int
+    files: int
+    tier_changes: int
+    existed: bool
+    seconds: float
+
+
+class FamilyModel(BaseModel):
+    family: str
+    versions: int
+    base_quorum: float
+
+
+class VersionModel(BaseModel):
+    family: str
+    version: str
+    parent: str | None
+    digest: str
+    logical_bytes: int
+    files: int
+    single_file: bool
+    created_at: str
+
+
+class DeleteResultModel(BaseModel):
+    family: str
+    version: str
+    tier_changes: int
+    released_chunks: int

@@ -1,0 +1,71 @@
+"""`mfsreg serve` and `mfsreg token ...`: running the API and managing its tokens (admin side)."""
+
+from __future__ import annotations
+
+import typer
+
+from cli.output import emit_json, table
+
+token_app = typer.Typer(help="API tokens (runs against the database, not over HTTP).", no_args_is_help=True)
+
+
+def serve(
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to bind."),
+    port: int = typer.Option(8700, "--port", help="Port to bind."),
+    workers: int = typer.Option(1, "--workers", help="Worker processes (the API keeps no state)."),
+    log_level: str = typer.Option("info", "--log-level"),
+) -> None:
+    """Serve the registry over HTTP (MFSREG_DATABASE_URL and MFSREG_BLOB_URL, or the embedded default)."""
+    import uvicorn
+
+    from registry.registry import Registry
+
+    Registry().close()  # fail fast, with one line, if the database or blob store is unusable
+    uvicorn.run("api.app:create_app", factory=True, host=host, port=port, workers=workers, log_level=log_level)
+
+
+@token_app.command("create")
+def create(
+    scope: str = typer.Option("read", "--scope", help="read, push or admin (each includes the ones before it)."),
+    family: str = typer.Option("*", "--family", help="Family name or shell pattern, e.g. 'qwen*'."),
+    description: str = typer.Option("", "--description", help="A note to tell tokens apart."),
+    json_: bool = typer.Option(False, "--json"),
+) -> None:
+    """Create a token; it is printed once and stored only as a hash."""
+    from registry.auth import create_token
+    from registry.registry import Registry
+
+    with Registry() as reg:
+        secret = create_token(reg.engine, scope, family, description)
+    if json_:
+        emit_json({"token": secret, "scope": scope, "family": family})
+    else:
+        typer.echo(secret)
+
+
+@token_app.command("list")
+def list_(json_: bool = typer.Option(False, "--json")) -> None:
+    """Tokens that are not revoked (their prefixes, never the secrets)."""
+    from registry.auth import list_tokens
+    from registry.registry import Registry
+
+    with Registry() as reg:
+        rows = [dict(prefix=t.prefix, scope=t.role, family=t.family_pattern, description=t.description,
+                     created_at=str(t.created_at)) for t in list_tokens(reg.engine)]
+    if json_:
+        emit_json({"tokens": rows})
+    else:
+        table(None, ["prefix", "scope", "family", "description"], [[r["prefix"], r["scope"], r["family"], r["description"]] for r in rows])
+
+
+@token_app.command("revoke")
+def revoke(prefix: str = typer.Argument(..., help="The token's prefix, as `mfsreg token list` shows it.")) -> None:
+    """Revoke a token by its prefix."""
+    from registry.auth import revoke_token
+    from registry.errors import NotFound
+    from registry.registry import Registry
+
+    with Registry() as reg:
+        if revoke_token(reg.engine, prefix) == 0:
+            raise NotFound(f"no active token with prefix {prefix!r}: see `mfsreg token list`")
+    typer.echo(f"revoked {prefix}")

@@ -1,0 +1,93 @@
+"""Scoped bearer tokens: roles, family patterns, and the check every API request goes through.
+
+A token is shown once at creation and stored only as its sha256. Roles are ordered: read < push <
+admin; each includes the ones before it. A token's family pattern (shell-style, e.g. ``qwen*``)
+limits which families it may touch; ``*`` means all. Anonymous reads can be opened by a setting;
+anonymous writes never.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import secrets
+from dataclasses import dataclass
+
+from registry.db import tokens as token_db
+from registry.db.engine import read_tx, write_tx
+from registry.errors import Forbidden, InvalidRequest, Unauthorized
+
+ROLES = ("read", "push", "admin")
+TOKEN_PREFIX = "mfs_"
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who is asking: a role and the families it may touch (anonymous readers get role read, '*')."""
+
+    role: str
+    family_pattern: str
+    anonymous: bool = False
+
+    def allows(self, role: str, family: str | None) -> bool:
+        if ROLES.index(self.role) < ROLES.index(role):
+            return False
+        return family is None or fnmatch.fnmatchcase(family, self.family_pattern)
+
+    def require(self, role: str, family: str | None = None) -> None:
+        if self.anonymous and role != "read":
+            raise Unauthorized("this operation needs a token: set MFSREG_TOKEN (create one with `mfsreg token create`)")
+        if ROLES.index(self.role) < ROLES.index(role):
+            raise Forbidden(f"this token has role {self.role!r}; the operation needs {role!r}")
+        if family is not None and not fnmatch.fnmatchcase(family, self.family_pattern):
+            raise Forbidden(f"this token is limited to families matching {self.family_pattern!r}, not {family!r}")
+
+
+ANONYMOUS_READER = Principal(role="read", family_pattern="*", anonymous=True)
+
+
+def hash_token(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def check_pattern(pattern: str) -> str:
+    if not pattern or len(pattern) > 128 or any(c in pattern for c in "/\\\0"):
+        raise InvalidRequest(f"invalid family pattern {pattern!r}: use a family name or a shell pattern like 'qwen*'")
+    return pattern
+
+
+def create_token(engine, role: str, family_pattern: str = "*", description: str = "") -> str:
+    """Create a token; returns the secret, which is not stored and cannot be shown again."""
+    if role not in ROLES:
+        raise InvalidRequest(f"unknown role {role!r}: use one of {', '.join(ROLES)}")
+    check_pattern(family_pattern)
+    secret = TOKEN_PREFIX + secrets.token_urlsafe(32)
+    with write_tx(engine) as conn:
+        token_db.insert_token(conn, hash_token(secret), secret[:10], role, family_pattern, description[:256])
+    return secret
+
+
+def authenticate(engine, authorization: str | None, anonymous_read: bool) -> Principal:
+    """The principal for an Authorization header value (``Bearer <token>``), or raise Unauthorized."""
+    if not authorization:
+        if anonymous_read:
+            return ANONYMOUS_READER
+        raise Unauthorized("missing token: set MFSREG_TOKEN (create one with `mfsreg token create`)")
+    scheme, _, value = authorization.partition(" ")
+    if scheme.lower() != "bearer" or not value.strip():
+        raise Unauthorized("malformed Authorization header: send 'Bearer <token>'")
+    with read_tx(engine) as conn:
+        row = token_db.find_token(conn, hash_token(value.strip()))
+    if row is None:
+        raise Unauthorized("unknown or revoked token: check MFSREG_TOKEN")
+    return Principal(role=row.role, family_pattern=row.family_pattern)
+
+
+def list_tokens(engine) -> list[token_db.TokenRow]:
+    with read_tx(engine) as conn:
+        return token_db.list_tokens(conn)
+
+
+def revoke_token(engine, prefix: str) -> int:
+    with write_tx(engine) as conn:
+        return token_db.revoke(conn, prefix)

@@ -1,0 +1,236 @@
+"""RemoteRegistry: the same operations as registry.Registry, over the HTTP API.
+
+Push hashes locally, asks the server which chunks it lacks, uploads only those in batches (encoding
+on a thread pool while the previous batch is in flight), then commits. The server records chunks
+batch by batch, so a push that dies midway and is run again sends only what is still missing.
+Pull reads the manifest and chunk table, downloads chunk batches as streams, decodes and verifies
+every chunk and every file (registry/rebuild.py) and writes files atomically.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+from registry import rebuild
+from registry.blobs.packs import StoredChunk
+from registry.errors import (
+    Conflict, Forbidden, IntegrityError, InvalidRequest, NotFound, RegistryError, StorageError, TooLarge, Unauthorized,
+)
+from registry.hashing import encoded_chunks, hash_source, missing_bytes
+from registry.manifest import Manifest
+from registry.names import check_name
+from registry.progress import NullProgress, Progress
+from registry.results import DeleteResult, FamilyRow, PushResult, VersionRow, existing_result
+from registry.source import open_source
+from registry.wire import Entry, build_batch, read_stream
+
+UPLOAD_BATCH = 32 << 20  # bytes of payload per upload request: well under the server's body limit
+DOWNLOAD_BATCH = 64 << 20  # stored bytes per download request
+DEFAULT_CHUNK_SIZE = 1 << 20
+
+# One table from HTTP status to the registry's error tree (the server sends problem details).
+_STATUS = {400: InvalidRequest, 401: Unauthorized, 403: Forbidden, 404: NotFound, 409: Conflict,
+           413: TooLarge, 422: IntegrityError, 503: StorageError}
+
+
+class RemoteRegistry:
+    def __init__(self, url: str, token: str | None = None, chunk_size: int | None = None, workers: int | None = None,
+                 timeout: float = 300.0):
+        if not url.startswith(("http://", "https://")):
+            raise InvalidRequest(f"registry URL {url!r} must start with http:// or https://")
+        self.url = url.rstrip("/")
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.http = httpx.Client(
+            base_url=self.url, headers=headers, timeout=httpx.Timeout(timeout, connect=10.0),
+            transport=httpx.HTTPTransport(retries=3),  # retries failed connects, not requests
+        )
+        self.chunk_size = chunk_size or int(os.environ.get("MFSREG_CHUNK_SIZE") or DEFAULT_CHUNK_SIZE)
+        self.pool = ThreadPoolExecutor(max_workers=workers or max(1, os.cpu_count() or 1), thread_name_prefix="mfsreg-client")
+        self.bytes_received = 0  # network bytes of chunk payloads, over this client's life
+
+    def close(self) -> None:
+        self.http.close()
+        self.pool.shutdown(wait=True)
+
+    def __enter__(self) -> "RemoteRegistry":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- HTTP plumbing ----------------------------------------------------------------------------
+
+    def _request(self, method: str, path: str, **kw) -> httpx.Response:
+        try:
+            resp = self.http.request(method, path, **kw)
+        except httpx.TransportError as exc:
+            raise StorageError(f"cannot reach the registry at {self.url}: {exc.__class__.__name__}; check MFSREG_URL and that the server runs") from None
+        _raise_for(resp)
+        return resp
+
+    def _json(self, method: str, path: str, **kw):
+        return self._request(method, path, **kw).json()
+
+    # -- push -------------------------------------------------------------------------------------
+
+    def push(self, path: Path, family: str, version: str, parent: str | None = None,
+             progress: Progress | None = None) -> PushResult:
+        progress = progress or NullProgress()
+        t0 = time.perf_counter()
+        check_name("family", family)
+        check_name("version", version)
+        if parent is not None:
+            check_name("version", parent)
+        source = open_source(Path(path))
+        manifest = hash_source(source, self.chunk_size, self.pool, progress)
+        doc = manifest.to_doc()
+        base = f"/v1/families/{family}/versions/{version}"
+        neg = self._json("POST", f"{base}/negotiate", json={"manifest": doc})
+        if neg["exists"]:
+            return existing_result(neg["existing_digest"], manifest.logical_bytes, len(manifest.files), manifest.digest,
+                                   neg["chunks"], family, version, t0)
+        missing = set(neg["missing"])
+        skipped = manifest.logical_bytes - missing_bytes(manifest, missing)
+        progress.start("skip", skipped)
+        progress.advance("skip", skipped)
+        sent, added = self._upload(family, source, manifest, missing, progress)
+        res = self._json("POST", f"{base}/commit", json={"parent": parent, "manifest": doc})
+        return PushResult(**{**res, "new_bytes": added, "new_chunks": len(missing),
+                             "reused_chunks": res["chunks"] - len(missing), "sent_bytes": sent,
+                             "seconds": time.perf_counter() - t0})
+
+    def _upload(self, family: str, source, manifest: Manifest, missing: set[str], progress: Progress) -> tuple[int, int]:
+        """Send the missing chunks in batches; one batch is in flight while the next is encoded."""
+        progress.start("send", missing_bytes(manifest, missing))
+        sent = added = 0
+        uploader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mfsreg-upload")
+        inflight = None
+
+        def post(body: bytes, raw: int) -> tuple[int, int]:
+            r = self._json("POST", f"/v1/families/{family}/chunks", content=body,
+                           headers={"Content-Type": "application/octet-stream"})
+            progress.advance("send", raw)
+            return len(body), r["new_bytes"]
+
+        def collect():
+            nonlocal sent, added
+            if inflight is not None:
+                s, a = inflight.result()
+                sent, added = sent + s, added + a
+
+        try:
+            batch: list[tuple[Entry, bytes]] = []
+            size = raw = 0
+            for c, _sha, encoding, payload in encoded_chunks(source, manifest, missing, self.pool):
+                batch.append((Entry(c.id, c.size, encoding, len(payload)), payload))
+                size, raw = size + len(payload), raw + c.size
+                if size >= UPLOAD_BATCH:
+                    collect()
+                    inflight = uploader.submit(post, build_batch(batch), raw)
+                    batch, size, raw = [], 0, 0
+            collect()
+            inflight = uploader.submit(post, build_batch(batch), raw) if batch else None
+            collect()
+        finally:
+            uploader.shutdown(wait=True)
+        return sent, added
+
+    # -- pull -------------------------------------------------------------------------------------
+
+    def version_doc(self, family: str, version: str) -> dict:
+        check_name("family", family)
+        check_name("version", version)
+        return self._json("GET", f"/v1/families/{family}/versions/{version}")
+
+    def manifest(self, family: str, version: str) -> tuple[VersionRow, Manifest]:
+        doc = self.version_doc(family, version)
+        return _version_row(doc), Manifest.from_doc(doc["manifest"])
+
+    def located(self, doc: dict) -> dict[str, StoredChunk]:
+        return {i: StoredChunk(i, 0, "", enc, n, "", 0, basis) for i, (enc, n, basis) in doc["chunks"].items()}
+
+    def fetch(self, family: str, chunks: list[StoredChunk]) -> Iterator[tuple[StoredChunk, bytes]]:
+        """Payloads of ``chunks`` from the server, in batches of about DOWNLOAD_BATCH stored bytes."""
+        batch: list[StoredChunk] = []
+        size = 0
+        for c in chunks:
+            batch.append(c)
+            size += c.stored_size
+            if size >= DOWNLOAD_BATCH:
+                yield from self._fetch_batch(family, batch)
+                batch, size = [], 0
+        if batch:
+            yield from self._fetch_batch(family, batch)
+
+    def _fetch_batch(self, family: str, chunks: list[StoredChunk]) -> Iterator[tuple[StoredChunk, bytes]]:
+        by_id = {c.id: c for c in chunks}
+        try:
+            with self.http.stream("POST", f"/v1/families/{family}/chunks/download", json={"ids": list(by_id)}) as resp:
+                if resp.status_code >= 400:
+                    resp.read()
+                    _raise_for(resp)
+                for entry, payload in read_stream(resp.iter_bytes()):
+                    known = by_id.get(entry.id)
+                    if known is None:
+                        raise IntegrityError(f"server sent chunk {entry.id}, which was not asked for")
+                    self.bytes_received += len(payload)
+                    yield StoredChunk(entry.id, entry.size, "", entry.encoding, entry.length, "", 0, entry.basis_id), payload
+        except httpx.TransportError as exc:
+            raise StorageError(f"connection to {self.url} broke during a download ({exc.__class__.__name__}): run the pull again") from None
+
+    def pull(self, family: str, version: str, out: Path, progress: Progress | None = None) -> rebuild.PullResult:
+        t0 = time.perf_counter()
+        doc = self.version_doc(family, version)
+        manifest = Manifest.from_doc(doc["manifest"])
+        located = self.located(doc)
+        rebuild.rebuild(manifest, Path(out), located, lambda cs: self.fetch(family, cs), self.pool, progress)
+        return rebuild.PullResult(
+            family=family, version=version, digest=doc["digest"], path=str(out), logical_bytes=doc["logical_bytes"],
+            files=doc["files"], seconds=time.perf_counter() - t0,
+        )
+
+    # -- listing and changes ----------------------------------------------------------------------
+
+    def families(self) -> list[FamilyRow]:
+        return [FamilyRow(0, f["family"], f["base_quorum"], f["versions"]) for f in self._json("GET", "/v1/families")]
+
+    def versions(self, family: str | None = None) -> list[VersionRow]:
+        if family is None:
+            return [v for f in self.families() for v in self.versions(f.name)]
+        check_name("family", family)
+        return [_version_row(v) for v in self._json("GET", f"/v1/families/{family}/versions")]
+
+    def stats(self, family: str | None = None) -> dict:
+        if family is not None:
+            check_name("family", family)
+        return self._json("GET", "/v1/stats", params={"family": family} if family else None)
+
+    def delete(self, family: str, version: str) -> DeleteResult:
+        check_name("family", family)
+        check_name("version", version)
+        return DeleteResult(**self._json("DELETE", f"/v1/families/{family}/versions/{version}"))
+
+    def health(self) -> dict:
+        return self._json("GET", "/healthz")
+
+
+def _version_row(d: dict) -> VersionRow:
+    return VersionRow(0, d["family"], d["version"], d.get("parent"), d["digest"], d["logical_bytes"], d["files"],
+                      bool(d["single_file"]), d["created_at"])
+
+
+def _raise_for(resp: httpx.Response) -> None:
+    if resp.status_code < 400:
+        return
+    try:
+        detail = resp.json().get("detail") or resp.reason_phrase
+    except ValueError:
+        detail = resp.text[:200] or resp.reason_phrase
+    kind = _STATUS.get(resp.status_code, RegistryError)
+    raise kind(f"{detail}" if kind is not RegistryError else f"server answered {resp.status_code}: {detail}")

@@ -1,0 +1,20 @@
+"""Bounded parallel map: pool.map submits its whole input at once, which would hold every chunk of a
+multi-GB file in memory; this keeps at most ``window`` jobs in flight and yields results in order."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Executor
+
+DEFAULT_WINDOW = 64
+
+
+def windowed_map(pool: Executor, fn: Callable, items: Iterable, window: int = DEFAULT_WINDOW) -> Iterator:
+    pending: deque = deque()
+    for item in items:
+        pending.append(pool.submit(fn, item))
+        if len(pending) >= window:
+            yield pending.popleft().result()
+    while pending:
+        yield pending.popleft().result()

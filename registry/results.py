@@ -1,0 +1,75 @@
+"""Result values shared by the embedded registry and the remote client (no database imports)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from datetime import datetime
+
+from registry.errors import Conflict
+
+
+@dataclass(frozen=True)
+class FamilyRow:
+    id: int
+    name: str
+    base_quorum: float
+    member_count: int
+
+
+@dataclass(frozen=True)
+class VersionRow:
+    id: int
+    family: str
+    name: str
+    parent: str | None
+    digest: str
+    logical_bytes: int
+    file_count: int
+    single_file: bool
+    created_at: datetime | str
+
+
+@dataclass(frozen=True)
+class PushResult:
+    family: str
+    version: str
+    digest: str
+    logical_bytes: int
+    new_bytes: int  # stored (encoded) bytes this push added
+    new_chunks: int
+    reused_chunks: int
+    chunks: int
+    files: int
+    tier_changes: int
+    existed: bool  # the same version with the same digest was already there: nothing was done
+    seconds: float
+    sent_bytes: int = 0  # bytes of chunk payloads sent over the network (remote pushes)
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass(frozen=True)
+class DeleteResult:
+    family: str
+    version: str
+    tier_changes: int
+    released_chunks: int
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def existing_result(digest: str, logical_bytes: int, files: int, new_digest: str, n_chunks: int,
+                    family: str, version: str, t0: float) -> PushResult:
+    """The result of pushing a version that is already there: fine if it is the same content."""
+    if digest != new_digest:
+        raise Conflict(
+            f"version {family}/{version} already exists with other content ({digest[:19]}...): versions are immutable, push under a new name"
+        )
+    return PushResult(
+        family=family, version=version, digest=digest, logical_bytes=logical_bytes, new_bytes=0,
+        new_chunks=0, reused_chunks=n_chunks, chunks=n_chunks, files=files, tier_changes=0,
+        existed=True, seconds=time.perf_counter() - t0,
+    )

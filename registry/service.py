@@ -1,0 +1,176 @@
+"""The server side of the push and pull protocol, free of any web framework.
+
+api/ routes call these; they take already-authorised requests and speak in registry values:
+- ``negotiate``: which of a manifest's chunks the registry lacks (and whether the version exists)
+- ``receive_batch``: store uploaded chunks after re-hashing each one (a mismatch stores nothing)
+- ``commit``: make the version visible, after checking the manifest against its stored header chunks
+- ``stream_chunks``: the stored payloads of a family's chunks, as a streamed batch
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+
+from registry.blobs.packs import PackWriter, StoredChunk
+from registry.chunking import chunk_sha256
+from registry.config import MAX_CHUNK_SIZE
+from registry.db import chunks as chunk_db
+from registry.db import versions as version_db
+from registry.db.engine import read_tx, write_tx
+from registry.db.models import family_chunks
+from registry.errors import IntegrityError, InvalidModel, InvalidRequest
+from registry.ingest import check_push_names, commit_version, existing_result
+from registry.results import PushResult
+from registry.manifest import SAFETENSORS, Manifest, parse_doc
+from registry.rebuild import decode_verified
+from registry.safetensors import MAX_HEADER_BYTES, parse_header
+from registry.wire import Entry, encode_index, parse_batch
+
+KNOWN_ENCODINGS = ("raw", "zstd")
+
+
+def _check_encoding(name: str) -> None:
+    if name in KNOWN_ENCODINGS or (name.startswith("zstd-p") and name[6:] in ("2", "4", "8")):
+        return
+    raise InvalidRequest(f"unknown chunk encoding {name!r}")
+
+
+def negotiate(reg, family: str, version: str, doc: object) -> dict:
+    check_push_names(family, version, None)
+    manifest = parse_doc(doc)
+    ids = manifest.chunk_ids()
+    sizes = manifest.chunk_sizes()
+    with read_tx(reg.engine) as conn:
+        existing = version_db.find_version(conn, family, version)
+        missing = chunk_db.missing_ids(conn, ids)
+    return {
+        "digest": manifest.digest,
+        "exists": existing is not None,
+        "existing_digest": existing.digest if existing else None,
+        "missing": [i for i in ids if i in missing],
+        "missing_bytes": sum(sizes[i] for i in missing),
+        "chunks": len(ids),
+    }
+
+
+def receive_batch(reg, body: bytes) -> dict:
+    """Verify and store one uploaded batch. Every chunk is decoded and re-hashed (xxh3-128 must
+    equal its id); any mismatch rejects the whole batch before a byte is written."""
+    verified: list[tuple[Entry, memoryview, str]] = []
+    for e, payload in parse_batch(body):
+        _check_encoding(e.encoding)
+        if e.basis_id is not None:
+            raise InvalidRequest("delta-encoded uploads are not accepted: send raw or zstd chunks")
+        if not 0 < e.size <= max(MAX_CHUNK_SIZE, MAX_HEADER_BYTES + 8):
+            raise InvalidRequest(f"chunk {e.id}: size {e.size} is out of range")
+        stored = StoredChunk(e.id, e.size, "", e.encoding, e.length, "", 0)
+        try:
+            raw = decode_verified(stored, payload)
+        except IntegrityError:
+            raise IntegrityError(f"chunk {e.id}: bytes do not match the id; the batch was refused") from None
+        verified.append((e, payload, chunk_sha256(raw)))
+    added = 0
+
+    def on_flush(pack_id: str, size: int, stored: list[StoredChunk]) -> None:
+        nonlocal added
+        with write_tx(reg.engine) as conn:
+            added += chunk_db.record_pack(conn, pack_id, size, stored)
+
+    with read_tx(reg.engine) as conn:
+        missing = chunk_db.missing_ids(conn, [e.id for e, _, _ in verified])
+    writer = PackWriter(reg.blobs, reg.settings.pack_size, on_flush)
+    for e, payload, sha in verified:
+        if e.id in missing:
+            writer.add(e.id, e.size, sha, e.encoding, bytes(payload))
+            missing.discard(e.id)
+    writer.flush()
+    return {"received": len(verified), "new_bytes": added}
+
+
+def _check_headers(reg, manifest: Manifest) -> None:
+    """Each safetensors file's first chunk must be a header that describes exactly its tensors."""
+    heads = {f.chunks[0].id for f in manifest.files if f.kind == SAFETENSORS}
+    with read_tx(reg.engine) as conn:
+        located = chunk_db.locate(conn, heads)
+    raw = {}
+    for c, payload in reg.read_payloads([located[i] for i in heads if i in located]):
+        raw[c.id] = decode_verified(c, payload)
+    for f in manifest.files:
+        if f.kind != SAFETENSORS:
+            continue
+        head = f.chunks[0]
+        if head.id not in raw:
+            continue  # commit_version reports missing chunks
+        try:
+            parsed = parse_header(raw[head.id], f.size, f.path)
+        except InvalidModel as exc:
+            raise InvalidRequest(f"manifest does not match its header: {exc}") from None
+        if parsed.header_size != head.size or tuple(parsed.tensors) != tuple(f.tensors):
+            raise InvalidRequest(f"manifest does not match its header: {f.path}: tensors differ")
+
+
+def commit(reg, family: str, version: str, parent: str | None, doc: object) -> PushResult:
+    t0 = time.perf_counter()
+    check_push_names(family, version, parent)
+    manifest = parse_doc(doc)
+    _check_headers(reg, manifest)
+    changed, existing = commit_version(reg, family, version, parent, manifest)
+    if existing is not None:
+        return existing_result(existing, manifest, family, version, t0)
+    n = len(manifest.chunk_ids())
+    return PushResult(
+        family=family, version=version, digest=manifest.digest, logical_bytes=manifest.logical_bytes,
+        new_bytes=0, new_chunks=0, reused_chunks=n, chunks=n, files=len(manifest.files),
+        tier_changes=changed, existed=False, seconds=time.perf_counter() - t0,
+    )
+
+
+def family_chunk_ids(conn, family_id: int, ids: list[str]) -> set[str]:
+    from sqlalchemy import select
+
+    from registry.db.dialect import batches
+
+    found: set[str] = set()
+    for batch in batches(ids):
+        found.update(conn.execute(
+            select(family_chunks.c.chunk_id).where(family_chunks.c.family_id == family_id, family_chunks.c.chunk_id.in_(batch))
+        ).scalars())
+    return found
+
+
+def plan_download(reg, family: str, ids: list[str]) -> list[StoredChunk]:
+    """The stored chunks to stream, after checking they belong to ``family`` (a token scoped to one
+    family must not read another family's bytes by naming their ids)."""
+    ids = list(dict.fromkeys(ids))
+    with read_tx(reg.engine) as conn:
+        fam = version_db.get_family(conn, family)
+        allowed = family_chunk_ids(conn, fam.id, ids)
+        outside = [i for i in ids if i not in allowed]
+        if outside:
+            from registry.errors import NotFound
+
+            raise NotFound(f"{len(outside)} requested chunks are not part of family {family!r} (first: {outside[0]})")
+        located = chunk_db.locate(conn, ids)
+    # pack order lets the blob reads coalesce
+    return sorted((located[i] for i in ids), key=lambda c: (c.pack_id, c.offset))
+
+
+def stream_chunks(reg, chunks: list[StoredChunk]) -> Iterator[bytes]:
+    yield encode_index(Entry(c.id, c.size, c.encoding, c.stored_size, c.basis_id) for c in chunks)
+    for _c, payload in reg.read_payloads(chunks):
+        yield bytes(payload)
+
+
+def version_doc(reg, family: str, version: str) -> dict:
+    row, manifest = reg.manifest(family, version)
+    located = reg.locate(manifest.chunk_ids())
+    return {
+        "family": row.family, "version": row.name, "parent": row.parent, "digest": row.digest,
+        "logical_bytes": row.logical_bytes, "files": row.file_count, "single_file": row.single_file,
+        "created_at": str(row.created_at), "manifest": manifest.to_doc(),
+        "chunks": {i: [c.encoding, c.stored_size, c.basis_id] for i, c in located.items()},
+    }
+
+

@@ -1,0 +1,111 @@
+"""The chunk batch format shared by the API and the node-side client.
+
+A batch is a 4-byte little-endian length, a JSON index (a list of entries), then the entries'
+payloads back to back in index order. Uploads carry encoded chunks from a pushing client; downloads
+stream stored payloads to a node. A length-prefixed index keeps it streamable (the reader knows
+where each payload ends) without multipart parsing, and it costs nothing to build from packs.
+
+Entry keys: ``id`` (xxh3-128 hex), ``size`` (raw bytes), ``encoding``, ``length`` (payload bytes),
+and optionally ``basis_id``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+from registry.errors import InvalidRequest
+
+MAX_INDEX_BYTES = 16 << 20
+_ID = re.compile(r"^[0-9a-f]{32}$")
+
+
+@dataclass(frozen=True)
+class Entry:
+    id: str
+    size: int
+    encoding: str
+    length: int
+    basis_id: str | None = None
+
+    def to_doc(self) -> dict:
+        d = {"id": self.id, "size": self.size, "encoding": self.encoding, "length": self.length}
+        if self.basis_id:
+            d["basis_id"] = self.basis_id
+        return d
+
+
+def check_id(value: str) -> str:
+    if not isinstance(value, str) or not _ID.fullmatch(value):
+        raise InvalidRequest(f"invalid chunk id {value!r}: expected 32 lowercase hex digits")
+    return value
+
+
+def encode_index(entries: Iterable[Entry]) -> bytes:
+    doc = json.dumps([e.to_doc() for e in entries], separators=(",", ":")).encode()
+    return struct.pack("<I", len(doc)) + doc
+
+
+def build_batch(items: Iterable[tuple[Entry, bytes]]) -> bytes:
+    items = list(items)
+    return encode_index(e for e, _ in items) + b"".join(p for _, p in items)
+
+
+def parse_index(data: bytes | memoryview) -> tuple[list[Entry], int]:
+    """The entries of a batch and the offset where payloads start; InvalidRequest if malformed."""
+    if len(data) < 4:
+        raise InvalidRequest("malformed chunk batch: shorter than its length prefix")
+    (n,) = struct.unpack("<I", bytes(data[:4]))
+    if n > MAX_INDEX_BYTES or 4 + n > len(data):
+        raise InvalidRequest("malformed chunk batch: index length is out of range")
+    try:
+        doc = json.loads(bytes(data[4 : 4 + n]))
+        entries = [
+            Entry(check_id(d["id"]), int(d["size"]), str(d["encoding"]), int(d["length"]),
+                  check_id(d["basis_id"]) if d.get("basis_id") else None)
+            for d in doc
+        ]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise InvalidRequest(f"malformed chunk batch index: {exc.__class__.__name__}") from None
+    if any(e.size < 0 or e.length < 0 for e in entries):
+        raise InvalidRequest("malformed chunk batch: negative sizes")
+    return entries, 4 + n
+
+
+def parse_batch(data: bytes) -> Iterator[tuple[Entry, memoryview]]:
+    entries, pos = parse_index(data)
+    if pos + sum(e.length for e in entries) != len(data):
+        raise InvalidRequest("malformed chunk batch: payload lengths do not add up to the body")
+    view = memoryview(data)
+    for e in entries:
+        yield e, view[pos : pos + e.length]
+        pos += e.length
+
+
+def read_stream(chunks: Iterator[bytes]) -> Iterator[tuple[Entry, bytes]]:
+    """Parse a streamed batch (an iterator of byte pieces) as payloads arrive."""
+    buf = bytearray()
+    it = iter(chunks)
+
+    def fill(n: int) -> None:
+        while len(buf) < n:
+            piece = next(it, None)
+            if piece is None:
+                raise InvalidRequest("chunk stream ended early: the connection broke, retry")
+            buf.extend(piece)
+
+    fill(4)
+    (n,) = struct.unpack("<I", bytes(buf[:4]))
+    if n > MAX_INDEX_BYTES:
+        raise InvalidRequest("malformed chunk stream: index length is out of range")
+    fill(4 + n)
+    entries, pos = parse_index(bytes(buf[: 4 + n]))
+    del buf[:pos]
+    for e in entries:
+        fill(e.length)
+        payload = bytes(buf[: e.length])
+        del buf[: e.length]
+        yield e, payload
