@@ -13,6 +13,7 @@ from registry.config import Settings
 from registry.registry import Registry
 
 from tests import synth
+from tests.s3server import s3_blob_url, s3_bucket, s3_server  # noqa: F401
 
 PG_ADMIN = os.environ.get("MFSREG_TEST_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
 

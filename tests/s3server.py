@@ -9,6 +9,8 @@ multipart) exactly as against MinIO or AWS; nothing of ours is mocked. Fixtures:
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 import uuid
 
@@ -25,31 +27,44 @@ _ENV = {
 }
 
 
+# One server per process even when the fixture is imported into several modules (conftest.py and a
+# test module each make their own session fixture from the same function): count the users.
+_shared: dict = {"users": 0}
+
+
 @pytest.fixture(scope="session")
 def s3_server():
-    from moto.server import ThreadedMotoServer
+    if not _shared["users"]:
+        from moto.server import ThreadedMotoServer
 
-    saved = {k: os.environ.get(k) for k in _ENV}
-    for k, v in _ENV.items():
+        _shared["saved"] = {k: os.environ.get(k) for k in _ENV}
+        _set_env(_ENV)
+        server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)  # port 0: a free one
+        server.start()
+        logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one INFO line per request otherwise
+        host, port = server.get_host_and_port()
+        _shared.update(server=server, endpoint=f"http://{host}:{port}")
+    _shared["users"] += 1
+    try:
+        yield _shared["endpoint"]
+    finally:
+        _shared["users"] -= 1
+        if not _shared["users"]:
+            _shared["server"].stop()
+            _set_env(_shared["saved"])
+
+
+def _set_env(values: dict) -> None:
+    for k, v in values.items():
         if v is None:
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)  # port 0: a free one
-    server.start()
-    host, port = server.get_host_and_port()
-    try:
-        yield f"http://{host}:{port}"
-    finally:
-        server.stop()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
+@functools.cache
 def _client(endpoint_url: str):
+    # one client per endpoint: building one parses the S3 service model, about 0.1 s each time
     return boto3.session.Session().client("s3", endpoint_url=endpoint_url, region_name="us-east-1")
 
 
