@@ -44,7 +44,7 @@ class PushResult:
     tier_changes: int
     existed: bool  # the same version with the same digest was already there: nothing was done
     seconds: float
-    sent_bytes: int = 0  # bytes of chunk payloads sent over the network (remote pushes)
+    sent_bytes: int = 0  # chunk payload bytes sent to a server (remote pushes; batch framing excluded)
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)

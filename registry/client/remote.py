@@ -30,7 +30,7 @@ from registry.results import DeleteResult, FamilyRow, PushResult, VersionRow, ex
 from registry.source import open_source
 from registry.wire import Entry, build_batch, read_stream
 
-UPLOAD_BATCH = 32 << 20  # bytes of payload per upload request: well under the server's body limit
+UPLOAD_BATCH = 32 << 20  # bytes of payload per upload request: well under the server's body limit (MFSREG_UPLOAD_BATCH)
 DOWNLOAD_BATCH = 64 << 20  # stored bytes per download request
 DEFAULT_CHUNK_SIZE = 1 << 20
 
@@ -52,6 +52,7 @@ class RemoteRegistry:
         )
         self.chunk_size = chunk_size or int(os.environ.get("MFSREG_CHUNK_SIZE") or DEFAULT_CHUNK_SIZE)
         self.pool = ThreadPoolExecutor(max_workers=workers or max(1, os.cpu_count() or 1), thread_name_prefix="mfsreg-client")
+        self.upload_batch = int(os.environ.get("MFSREG_UPLOAD_BATCH") or UPLOAD_BATCH)
         self.bytes_received = 0  # network bytes of chunk payloads, over this client's life
 
     def close(self) -> None:
@@ -106,17 +107,18 @@ class RemoteRegistry:
                              "seconds": time.perf_counter() - t0})
 
     def _upload(self, family: str, source, manifest: Manifest, missing: set[str], progress: Progress) -> tuple[int, int]:
-        """Send the missing chunks in batches; one batch is in flight while the next is encoded."""
+        """Send the missing chunks in batches; one batch is in flight while the next is encoded.
+        Returns (payload bytes sent, stored bytes the server added)."""
         progress.start("send", missing_bytes(manifest, missing))
         sent = added = 0
         uploader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mfsreg-upload")
         inflight = None
 
-        def post(body: bytes, raw: int) -> tuple[int, int]:
-            r = self._json("POST", f"/v1/families/{family}/chunks", content=body,
+        def post(batch: list[tuple[Entry, bytes]], raw: int) -> tuple[int, int]:
+            r = self._json("POST", f"/v1/families/{family}/chunks", content=build_batch(batch),
                            headers={"Content-Type": "application/octet-stream"})
             progress.advance("send", raw)
-            return len(body), r["new_bytes"]
+            return sum(len(p) for _, p in batch), r["new_bytes"]
 
         def collect():
             nonlocal sent, added
@@ -130,12 +132,12 @@ class RemoteRegistry:
             for c, _sha, encoding, payload in encoded_chunks(source, manifest, missing, self.pool):
                 batch.append((Entry(c.id, c.size, encoding, len(payload)), payload))
                 size, raw = size + len(payload), raw + c.size
-                if size >= UPLOAD_BATCH:
+                if size >= self.upload_batch:
                     collect()
-                    inflight = uploader.submit(post, build_batch(batch), raw)
+                    inflight = uploader.submit(post, batch, raw)
                     batch, size, raw = [], 0, 0
             collect()
-            inflight = uploader.submit(post, build_batch(batch), raw) if batch else None
+            inflight = uploader.submit(post, batch, raw) if batch else None
             collect()
         finally:
             uploader.shutdown(wait=True)

@@ -1,0 +1,207 @@
+"""The API over real HTTP: uvicorn on loopback, Postgres metadata, packs in moto's S3 server."""
+
+from __future__ import annotations
+
+import filecmp
+import json
+import signal
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import boto3
+import httpx
+import pytest
+import torch
+
+from registry.chunking import chunk_id
+from registry.hashing import hash_source
+from registry.progress import NullProgress
+from registry.source import open_source
+from registry.wire import Entry, build_batch
+from tests import synth
+from tests.cli_run import MFSREG, mfsreg, mfsreg_json
+from tests.server import client_env, free_port, servers, server_env, token  # noqa: F401
+
+
+def bucket_keys(env: dict) -> list[str]:
+    bucket = env["MFSREG_BLOB_URL"].split("/")[2]
+    s3 = boto3.client("s3", endpoint_url=env["MFSREG_S3_ENDPOINT_URL"], region_name="us-east-1")
+    return [o["Key"] for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket) for o in page.get("Contents", [])]
+
+
+def test_push_pull_ls_show_stats_delete_over_http(servers, server_env, fam, tmp_path):
+    (srv,) = servers(1)
+    env = client_env(tmp_path, srv.url, token(server_env, "admin"))
+    pushed = {}
+    for name in ("base", "lora-chat", "vocab-ext"):
+        pushed[name] = mfsreg_json("push", fam[name], "--family", "fam", "--version", name, env=env)
+    assert pushed["lora-chat"]["sent_bytes"] < pushed["base"]["sent_bytes"] / 2
+    for name in pushed:
+        out = tmp_path / f"{name}.out"
+        res = mfsreg_json("pull", "fam", name, "-o", out, env=env)
+        assert res["digest"] == pushed[name]["digest"]
+        assert filecmp.cmp(out, fam[name], shallow=False)
+    assert mfsreg_json("ls", env=env)["families"] == [{"family": "fam", "versions": 3, "base_quorum": 1.0}]
+    assert [v["version"] for v in mfsreg_json("ls", "fam", env=env)["versions"]] == ["base", "lora-chat", "vocab-ext"]
+    show = mfsreg_json("show", "fam", "lora-chat", env=env)
+    assert show["digest"] == pushed["lora-chat"]["digest"] and show["files"][0]["tensors"] > 0
+    stats = mfsreg_json("stats", env=env)
+    assert sum(t["bytes"] for t in stats["tiers"].values()) == stats["stored_bytes"]
+    assert stats["stored_bytes"] == sum(p["new_bytes"] for p in pushed.values())
+    assert mfsreg_json("delete", "fam", "vocab-ext", env=env)["version"] == "vocab-ext"
+    assert [v["version"] for v in mfsreg_json("ls", "fam", env=env)["versions"]] == ["base", "lora-chat"]
+    assert any(k.endswith(".pack") for k in bucket_keys(server_env))
+    assert not Path(env["MFSREG_HOME"]).exists()  # remote mode writes nothing under MFSREG_HOME
+
+
+def test_sharded_directory_over_http(servers, server_env, tmp_path):
+    (srv,) = servers(1)
+    env = client_env(tmp_path, srv.url, token(server_env, "push", "llama*"))
+    src = tmp_path / "ckpt"
+    src.mkdir()
+    synth.sharded_dir(src, synth.base_tensors())
+    mfsreg_json("push", src, "--family", "llama-3", "--version", "v1", env=env)
+    mfsreg("pull", "llama-3", "v1", "-o", tmp_path / "out", env=env)
+    for p in src.iterdir():
+        assert filecmp.cmp(p, tmp_path / "out" / p.name, shallow=False)
+
+
+@pytest.mark.parametrize("scope,family,status", [(None, "*", 401), ("read", "*", 403), ("push", "qwen*", 403)])
+def test_push_without_the_right_token_stores_nothing(scope, family, status, servers, server_env, fam, tmp_path):
+    (srv,) = servers(1)
+    tok = token(server_env, scope, family) if scope else None
+    env = client_env(tmp_path, srv.url, tok)
+    proc = mfsreg("push", fam["base"], "--family", "llama", "--version", "v1", env=env, check=False)
+    assert proc.returncode == 3 and len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+    # the upload endpoint itself refuses too, even for a batch that would be valid
+    payload = b"\x01" * 64
+    body = build_batch([(Entry(chunk_id(payload), 64, "raw", 64), payload)])
+    headers = {"Authorization": f"Bearer {tok}"} if tok else {}
+    r = httpx.post(f"{srv.url}/v1/families/llama/chunks", content=body, headers=headers)
+    assert r.status_code == status and r.headers["content-type"].startswith("application/problem+json")
+    assert bucket_keys(server_env) == []
+    admin = client_env(tmp_path, srv.url, token(server_env, "admin"))
+    stats = mfsreg_json("stats", env=admin)
+    assert stats["versions_count"] == 0 and stats["pack_bytes"] == 0
+
+
+def test_chunk_that_does_not_match_its_id_is_refused(servers, server_env, tmp_path):
+    (srv,) = servers(1)
+    tok = token(server_env, "push")
+    good = b"\x02" * 4096
+    bad = b"\x03" * 4096
+    body = build_batch([(Entry(chunk_id(good), 4096, "raw", 4096), good),
+                        (Entry(chunk_id(good)[:-1] + "0", 4096, "raw", 4096), bad)])
+    r = httpx.post(f"{srv.url}/v1/families/fam/chunks", content=body, headers={"Authorization": f"Bearer {tok}"})
+    assert r.status_code == 422 and "do not match" in r.json()["detail"]
+    assert bucket_keys(server_env) == []
+    # a commit naming chunks that were never stored is refused, and no version appears
+    path = synth.write(tmp_path / "m.safetensors", synth.base_tensors())
+    with ThreadPoolExecutor(2) as pool:
+        doc = hash_source(open_source(path), 64 << 10, pool, NullProgress()).to_doc()
+    r = httpx.post(f"{srv.url}/v1/families/fam/versions/v1/commit", json={"manifest": doc},
+                   headers={"Authorization": f"Bearer {tok}"})
+    assert r.status_code == 404 and "not stored" in r.json()["detail"]
+    r = httpx.get(f"{srv.url}/v1/families/fam/versions/v1", headers={"Authorization": f"Bearer {tok}"})
+    assert r.status_code == 404
+
+
+def test_bad_requests_get_problem_details(servers, server_env, tmp_path):
+    (srv,) = servers(1)
+    h = {"Authorization": f"Bearer {token(server_env, 'admin')}"}
+    r = httpx.post(f"{srv.url}/v1/families/fam/versions/v1/negotiate", json={"manifest": {"files": "nope"}}, headers=h)
+    assert r.status_code == 400 and r.json()["detail"].startswith("malformed manifest")
+    r = httpx.post(f"{srv.url}/v1/families/fam/chunks", content=b"\xff\xff\xff\x7fgarbage", headers=h)
+    assert r.status_code == 400 and "malformed chunk batch" in r.json()["detail"]
+    r = httpx.get(f"{srv.url}/v1/families/nofam/versions/v1", headers=h)
+    assert r.status_code == 404 and r.json()["status"] == 404
+    r = httpx.get(f"{srv.url}/v1/families/.hidden/versions", headers=h)
+    assert r.status_code == 400 and "invalid family name" in r.json()["detail"]
+    schema = httpx.get(f"{srv.url}/openapi.json").json()
+    assert "/v1/families/{family}/versions/{version}/commit" in schema["paths"]
+
+
+def test_body_limit(server_env, servers, tmp_path):
+    server_env["MFSREG_MAX_BODY"] = str(1 << 20)
+    (srv,) = servers(1)
+    h = {"Authorization": f"Bearer {token(server_env, 'push')}"}
+    r = httpx.post(f"{srv.url}/v1/families/fam/chunks", content=b"\0" * (2 << 20), headers=h)
+    assert r.status_code == 413 and "limit" in r.json()["detail"]
+
+
+def test_anonymous_reads_when_opened(server_env, servers, fam, tmp_path):
+    server_env["MFSREG_ANONYMOUS_READ"] = "1"
+    (srv,) = servers(1)
+    mfsreg_json("push", fam["base"], "--family", "fam", "--version", "v1", env=client_env(tmp_path, srv.url, token(server_env, "push")))
+    anon = client_env(tmp_path, srv.url, None)
+    assert [v["version"] for v in mfsreg_json("ls", "fam", env=anon)["versions"]] == ["v1"]
+    proc = mfsreg("push", fam["lora-chat"], "--family", "fam", "--version", "v2", env=anon, check=False)
+    assert proc.returncode == 3 and "token" in proc.stderr
+
+
+def test_killed_push_rerun_sends_only_the_rest(servers, server_env, tmp_path):
+    (srv,) = servers(1)
+    admin = client_env(tmp_path, srv.url, token(server_env, "admin"))
+    env = dict(admin, MFSREG_UPLOAD_BATCH=str(1 << 20))
+    g = torch.Generator().manual_seed(5)
+    src = synth.write(tmp_path / "big.safetensors", {f"w.{i}": torch.randn(1024, 1024, generator=g) for i in range(24)})
+    proc = subprocess.Popen([MFSREG, "push", str(src), "--family", "fam", "--version", "big"], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        if mfsreg_json("stats", env=admin)["unreferenced_bytes"] >= 4 << 20:
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, "push finished before it could be killed"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    time.sleep(0.5)  # let the server finish the batch it was receiving
+    stats = mfsreg_json("stats", env=admin)
+    assert stats["versions_count"] == 0
+    stored_before = stats["unreferenced_bytes"]
+    rerun = mfsreg_json("push", src, "--family", "fam", "--version", "big", env=env)
+    total = mfsreg_json("stats", "--family", "fam", env=admin)["stored_bytes"]
+    assert rerun["sent_bytes"] == total - stored_before  # only the chunks not yet stored were sent
+    assert 0 < rerun["sent_bytes"] < total
+    mfsreg("pull", "fam", "big", "-o", tmp_path / "big.out", env=admin)
+    assert filecmp.cmp(tmp_path / "big.out", src, shallow=False)
+
+
+def test_two_api_processes_take_concurrent_pushes(servers, server_env, tmp_path):
+    a_srv, b_srv = servers(2)
+    tok = token(server_env, "push")
+    g = torch.Generator().manual_seed(9)
+    shared = {f"shared.{i}": torch.randn(512, 1024, generator=g) for i in range(8)}
+    files = {}
+    for v, seed in (("a", 1), ("b", 2)):
+        gg = torch.Generator().manual_seed(seed)
+        own = {f"own.{i}": torch.randn(256, 1024, generator=gg) for i in range(4)}
+        files[v] = synth.write(tmp_path / f"{v}.safetensors", {**shared, **own})
+    procs = [
+        subprocess.Popen([MFSREG, "push", str(files[v]), "--family", "fam", "--version", v, "--json"],
+                         env=client_env(tmp_path, srv.url, tok), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for v, srv in (("a", a_srv), ("b", b_srv))
+    ]
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err
+        assert json.loads(out)["version"] in ("a", "b")
+    for v, srv in (("a", b_srv), ("b", a_srv)):  # each read back through the other process
+        mfsreg("pull", "fam", v, "-o", tmp_path / f"{v}.out", env=client_env(tmp_path, srv.url, tok))
+        assert filecmp.cmp(tmp_path / f"{v}.out", files[v], shallow=False)
+    stats = mfsreg_json("stats", "--family", "fam", env=client_env(tmp_path, a_srv.url, tok))
+    assert stats["versions_count"] == 2
+    assert stats["tiers"]["base"]["chunks"] == 8 * (2 << 20) // (64 << 10) + 1  # shared tensors + same header
+
+
+def test_unreachable_server_is_one_line(fam, tmp_path):
+    env = client_env(tmp_path, f"http://127.0.0.1:{free_port()}", "mfs_whatever")
+    for args in (("ls",), ("push", fam["base"], "--family", "fam", "--version", "v1"), ("pull", "fam", "v1", "-o", tmp_path / "o")):
+        proc = mfsreg(*args, env=env, check=False)
+        assert proc.returncode == 5 and "cannot reach the registry" in proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+    env["MFSREG_URL"] = "ftp://example"
+    proc = mfsreg("ls", env=env, check=False)
+    assert proc.returncode == 2 and "must start with http" in proc.stderr
