@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: install
-	$(BIN)/python -m benchmarks.demo
+	$(BIN)/python examples/demo.py
 
 test: install
 	$(BIN)/python -m pytest -q
