@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import mmap
 import os
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -82,26 +81,9 @@ class MappedFile:
         self.close()
 
 
-def _file_sha256(view: memoryview) -> str:
+def file_sha256(view: memoryview) -> str:
     h = hashlib.sha256()
     step = 16 << 20
     for o in range(0, len(view), step):
         h.update(view[o : o + step])  # hashlib releases the GIL on large buffers
     return h.hexdigest()
-
-
-def hash_file(mf: MappedFile, cuts: list[Cut], pool: ThreadPoolExecutor | None = None, progress=None) -> tuple[list[ChunkRef], str]:
-    """Chunk ids for ``cuts`` and the whole file's sha256, computed side by side.
-
-    The file digest runs on a pool thread while this thread computes the chunk ids; both hash
-    functions release the GIL, so on two cores the pass costs about one sha256 of the file.
-    """
-    view = mf.view
-    future = pool.submit(_file_sha256, view) if pool is not None else None
-    refs = []
-    for c in cuts:
-        refs.append(ChunkRef(chunk_id(view[c.offset : c.offset + c.size]), c.offset, c.size, c.itemsize))
-        if progress is not None:
-            progress(c.size)
-    digest = future.result() if future is not None else _file_sha256(view)
-    return refs, digest

@@ -21,14 +21,14 @@ from registry.db import versions as version_db
 from registry.db.engine import read_tx, write_tx
 from registry import results
 from registry.errors import NotFound
-from registry.hashing import encoded_chunks, hash_source, missing_bytes
+from registry.hashing import HashJob, encoded_chunks, missing_bytes
 from registry.manifest import Manifest
 from registry.names import check_name
 from registry.progress import NullProgress, Progress
 from registry.results import PushResult
 from registry.source import Source, open_source
 
-def upload_missing(reg, source: Source, manifest: Manifest, missing: set[str], pool: ThreadPoolExecutor, progress: Progress) -> int:
+def upload_missing(reg, source: Source, job: HashJob, missing: set[str], pool: ThreadPoolExecutor, progress: Progress) -> int:
     """Encode and store the chunks in ``missing``; returns the stored bytes this push added."""
     added = 0
 
@@ -38,8 +38,8 @@ def upload_missing(reg, source: Source, manifest: Manifest, missing: set[str], p
             added += chunk_db.record_pack(conn, pack_id, size, stored)
 
     writer = PackWriter(reg.blobs, reg.settings.pack_size, on_flush)
-    progress.start("send", missing_bytes(manifest, missing))
-    for c, sha, encoding, payload in encoded_chunks(source, manifest, missing, pool):
+    progress.start("send", missing_bytes(job, missing))
+    for c, sha, encoding, payload in encoded_chunks(source, job.file_chunks, missing, pool):
         writer.add(c.id, c.size, sha, encoding, payload)
         progress.advance("send", c.size)
     writer.flush()
@@ -98,17 +98,18 @@ def push(reg, path: Path, family: str, version: str, parent: str | None = None, 
     check_push_names(family, version, parent)
     source = open_source(Path(path))  # every input check happens before the registry is touched
     check_parent(reg, family, parent)
-    manifest = hash_source(source, reg.settings.chunk_size, reg.pool, progress)
-    ids = manifest.chunk_ids()
-    with read_tx(reg.engine) as conn:
-        existing = version_db.find_version(conn, family, version)
-        missing = chunk_db.missing_ids(conn, ids)
-    if existing is not None:
-        return existing_result(existing, manifest, family, version, t0)
-    skipped = manifest.logical_bytes - missing_bytes(manifest, missing)
-    progress.start("skip", skipped)
-    progress.advance("skip", skipped)
-    added = upload_missing(reg, source, manifest, missing, reg.pool, progress)
+    with HashJob(source, reg.settings.chunk_size, progress) as job:
+        ids = job.chunk_ids()
+        with read_tx(reg.engine) as conn:
+            existing = version_db.find_version(conn, family, version)
+            missing = chunk_db.missing_ids(conn, ids)
+        if existing is not None:
+            return existing_result(existing, job.manifest(), family, version, t0)
+        skipped = job.logical_bytes - missing_bytes(job, missing)
+        progress.start("skip", skipped)
+        progress.advance("skip", skipped)
+        added = upload_missing(reg, source, job, missing, reg.pool, progress)
+        manifest = job.manifest()  # waits for the file digests, which ran beside the encoding
     changed, existing = commit_version(reg, family, version, parent, manifest)
     if existing is not None:  # a concurrent push of the same name committed first
         return existing_result(existing, manifest, family, version, t0)

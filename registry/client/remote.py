@@ -22,7 +22,7 @@ from registry.blobs.packs import StoredChunk
 from registry.errors import (
     Conflict, Forbidden, IntegrityError, InvalidRequest, NotFound, RegistryError, StorageError, TooLarge, Unauthorized,
 )
-from registry.hashing import encoded_chunks, hash_source, missing_bytes
+from registry.hashing import HashJob, encoded_chunks, missing_bytes
 from registry.manifest import Manifest
 from registry.names import check_name
 from registry.progress import NullProgress, Progress
@@ -89,7 +89,9 @@ class RemoteRegistry:
         if parent is not None:
             check_name("version", parent)
         source = open_source(Path(path))
-        manifest = hash_source(source, self.chunk_size, self.pool, progress)
+        with HashJob(source, self.chunk_size, progress) as job:
+            manifest = job.manifest()
+            file_chunks = job.file_chunks
         doc = manifest.to_doc()
         base = f"/v1/families/{family}/versions/{version}"
         neg = self._json("POST", f"{base}/negotiate", json={"manifest": doc})
@@ -100,13 +102,13 @@ class RemoteRegistry:
         skipped = manifest.logical_bytes - missing_bytes(manifest, missing)
         progress.start("skip", skipped)
         progress.advance("skip", skipped)
-        sent, added = self._upload(family, source, manifest, missing, progress)
+        sent, added = self._upload(family, source, file_chunks, manifest, missing, progress)
         res = self._json("POST", f"{base}/commit", json={"parent": parent, "manifest": doc})
         return PushResult(**{**res, "new_bytes": added, "new_chunks": len(missing),
                              "reused_chunks": res["chunks"] - len(missing), "sent_bytes": sent,
                              "seconds": time.perf_counter() - t0})
 
-    def _upload(self, family: str, source, manifest: Manifest, missing: set[str], progress: Progress) -> tuple[int, int]:
+    def _upload(self, family: str, source, file_chunks, manifest: Manifest, missing: set[str], progress: Progress) -> tuple[int, int]:
         """Send the missing chunks in batches; one batch is in flight while the next is encoded.
         Returns (payload bytes sent, stored bytes the server added)."""
         progress.start("send", missing_bytes(manifest, missing))
@@ -129,7 +131,7 @@ class RemoteRegistry:
         try:
             batch: list[tuple[Entry, bytes]] = []
             size = raw = 0
-            for c, _sha, encoding, payload in encoded_chunks(source, manifest, missing, self.pool):
+            for c, _sha, encoding, payload in encoded_chunks(source, file_chunks, missing, self.pool):
                 batch.append((Entry(c.id, c.size, encoding, len(payload)), payload))
                 size, raw = size + len(payload), raw + c.size
                 if size >= self.upload_batch:
