@@ -7,7 +7,7 @@ touches no database: it reads files, cuts them, hashes and encodes.
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from registry import codec
 from registry.chunking import ChunkRef, MappedFile, chunk_id, chunk_sha256, file_sha256, plan_cuts
@@ -91,24 +91,22 @@ def hash_source(source: Source, chunk_size: int, progress: Progress) -> Manifest
         return job.manifest()
 
 
-def _encode(view: memoryview, itemsize: int) -> tuple[str, str, bytes]:
-    sha = chunk_sha256(view)
-    encoding, payload = codec.encode(view, itemsize)
-    return sha, encoding, payload
-
-
 def missing_bytes(manifest: Manifest | HashJob, missing: set[str]) -> int:
     sizes = manifest.chunk_sizes()
     return sum(sizes[i] for i in missing if i in sizes)
 
 
 def encoded_chunks(source: Source, file_chunks: list[tuple[ChunkRef, ...]], wanted: set[str], pool: ThreadPoolExecutor,
-                   ) -> Iterator[tuple[ChunkRef, str, str, bytes]]:
-    """(chunk, sha256, encoding, payload) for each chunk in ``wanted``, once each, in file order.
+                   bases: dict[str, str] | None = None, basis_raw: Callable[[str], bytes] | None = None,
+                   ) -> Iterator[tuple[ChunkRef, str, str, bytes, str | None]]:
+    """(chunk, sha256, encoding, payload, basis id or None) for each chunk in ``wanted``, once
+    each, in file order. With ``bases`` (chunk id -> basis chunk id) and ``basis_raw`` (basis id ->
+    its raw bytes), a chunk is stored as a delta when that is smaller than plain.
 
-    Encoding runs on the pool (zstd and hashlib release the GIL). A file's mmap stays open until
-    all of its chunks have been yielded, so callers must consume each item before the next file.
+    Encoding runs on the pool (zstd, numpy and hashlib release the GIL). A file's mmap stays open
+    until all of its chunks have been yielded, so callers must consume each item in turn.
     """
+    bases = bases or {}
     todo = set(wanted)
     for src, refs in zip(source.files, file_chunks):
         chosen: list[ChunkRef] = []
@@ -120,6 +118,10 @@ def encoded_chunks(source: Source, file_chunks: list[tuple[ChunkRef, ...]], want
             continue
         with MappedFile(src.path) as mf:
             def job(c: ChunkRef, view=mf.view):
-                return c, *_encode(view[c.offset : c.offset + c.size], c.itemsize)
+                data = view[c.offset : c.offset + c.size]
+                basis_id = bases.get(c.id)
+                basis = basis_raw(basis_id) if basis_id is not None else None
+                encoding, payload, is_delta = codec.best_encoding(data, c.itemsize, basis)
+                return c, chunk_sha256(data), encoding, payload, basis_id if is_delta else None
 
             yield from windowed_map(pool, job, chosen, ENCODE_WINDOW)

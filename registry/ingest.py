@@ -19,16 +19,49 @@ from registry.db import chunks as chunk_db
 from registry.db import tiers as tier_db
 from registry.db import versions as version_db
 from registry.db.engine import read_tx, write_tx
-from registry import results
+from registry import deltas, results
+from registry.deltas import BasisReader
 from registry.errors import NotFound
 from registry.hashing import HashJob, encoded_chunks, missing_bytes
 from registry.manifest import Manifest
 from registry.names import check_name
 from registry.progress import NullProgress, Progress
+from registry.rebuild import decode_verified
 from registry.results import PushResult
 from registry.source import Source, open_source
 
-def upload_missing(reg, source: Source, job: HashJob, missing: set[str], pool: ThreadPoolExecutor, progress: Progress) -> int:
+def plan_deltas(reg, family: str, parent: str | None, job: HashJob, missing: set[str]) -> tuple[dict[str, str], BasisReader | None]:
+    """Bases for the missing chunks (see registry/deltas.py) and a reader for their bytes."""
+    if not missing or not any(f.header for f in job.source.files):
+        return {}, None
+    present = [i for i in job.chunk_ids() if i not in missing]
+    with read_tx(reg.engine) as conn:
+        fam = version_db.find_family(conn, family)
+        if fam is None:
+            return {}, None
+        vid = None
+        if parent is not None:
+            row = version_db.find_version(conn, family, parent)
+            vid = row.id if row else None
+        vid = vid or version_db.most_shared_version(conn, fam.id, present) or version_db.first_version(conn, fam.id)
+        if vid is None:
+            return {}, None
+        basis_manifest = Manifest.from_bytes(version_db.read_manifest(conn, vid))
+        index = deltas.position_index((f.chunks, f.tensors) for f in basis_manifest.files)
+        new_files = [(refs, f.header.tensors if f.header else ()) for refs, f in zip(job.file_chunks, job.source.files)]
+        planned = deltas.plan_bases(new_files, index, missing)
+        located = chunk_db.locate_closure(conn, set(planned.values()))
+    bases = {}
+    for cid, bid in planned.items():
+        capped = deltas.cap_depth(bid, located)
+        if capped is not None:
+            bases[cid] = capped
+    reader = deltas.BasisReader(located, reg.read_payloads, decode_verified)
+    return bases, reader
+
+
+def upload_missing(reg, source: Source, job: HashJob, missing: set[str], pool: ThreadPoolExecutor, progress: Progress,
+                   bases: dict[str, str] | None = None, reader: BasisReader | None = None) -> int:
     """Encode and store the chunks in ``missing``; returns the stored bytes this push added."""
     added = 0
 
@@ -39,8 +72,10 @@ def upload_missing(reg, source: Source, job: HashJob, missing: set[str], pool: T
 
     writer = PackWriter(reg.blobs, reg.settings.pack_size, on_flush)
     progress.start("send", missing_bytes(job, missing))
-    for c, sha, encoding, payload in encoded_chunks(source, job.file_chunks, missing, pool):
-        writer.add(c.id, c.size, sha, encoding, payload)
+    basis_raw = reader.raw if reader is not None else None
+    for c, sha, encoding, payload, basis_id in encoded_chunks(source, job.file_chunks, missing, pool, bases, basis_raw):
+        depth = reader.located[basis_id].depth + 1 if basis_id else 0
+        writer.add(c.id, c.size, sha, encoding, payload, basis_id, depth)
         progress.advance("send", c.size)
     writer.flush()
     return added
@@ -68,7 +103,6 @@ def commit_version(reg, family: str, version: str, parent: str | None, manifest:
     Returns (rows that changed tier, None), or (0, existing row) when the same name was committed
     first by someone else (then the caller compares digests).
     """
-    ids = manifest.chunk_ids()
     with write_tx(reg.engine) as conn:
         fam = version_db.lock_family(conn, family, create=True)
         existing = version_db.find_version(conn, family, version)
@@ -80,14 +114,19 @@ def commit_version(reg, family: str, version: str, parent: str | None, manifest:
             if prow is None:
                 raise NotFound(f"parent version {family}/{parent} does not exist: push it first or drop --parent")
             parent_id = prow.id
-        still_missing = chunk_db.missing_ids(conn, ids)
+        # The version uses its chunks and, to rebuild them, the bases of its deltas: tiers count both.
+        ids = manifest.chunk_ids()
+        located = chunk_db.locate_closure(conn, ids)
+        still_missing = [i for i in ids if i not in located] + [
+            c.basis_id for c in located.values() if c.basis_id and c.basis_id not in located
+        ]
         if still_missing:
             raise NotFound(f"{len(still_missing)} chunks of {family}/{version} are not stored (first: {min(still_missing)}): upload them, then commit again")
         version_db.insert_version(
             conn, fam.id, version, parent_id, manifest.digest, manifest.logical_bytes, len(manifest.files),
-            manifest.single_file, manifest.to_bytes(), ids,
+            manifest.single_file, manifest.to_bytes(), list(located),
         )
-        changed = tier_db.add_member(conn, fam.id, ids, fam.member_count, fam.base_quorum)
+        changed = tier_db.add_member(conn, fam.id, list(located), fam.member_count, fam.base_quorum)
         version_db.set_member_count(conn, fam.id, fam.member_count + 1)
     return changed, None
 
@@ -108,7 +147,8 @@ def push(reg, path: Path, family: str, version: str, parent: str | None = None, 
         skipped = job.logical_bytes - missing_bytes(job, missing)
         progress.start("skip", skipped)
         progress.advance("skip", skipped)
-        added = upload_missing(reg, source, job, missing, reg.pool, progress)
+        bases, reader = plan_deltas(reg, family, parent, job, missing)
+        added = upload_missing(reg, source, job, missing, reg.pool, progress, bases, reader)
         manifest = job.manifest()  # waits for the file digests, which ran beside the encoding
     changed, existing = commit_version(reg, family, version, parent, manifest)
     if existing is not None:  # a concurrent push of the same name committed first

@@ -81,24 +81,89 @@ def _file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+BATCH_BYTES = 64 << 20  # raw bytes decoded per step: bounds memory whatever the file size
+
+
+def _batches(ids: list[str], sizes: dict[str, int]) -> Iterator[list[str]]:
+    batch, n = [], 0
+    for i in ids:
+        batch.append(i)
+        n += sizes[i]
+        if n >= BATCH_BYTES:
+            yield batch
+            batch, n = [], 0
+    if batch:
+        yield batch
+
+
+def _closure(ids: list[str], located: dict[str, StoredChunk]) -> list[str]:
+    """``ids`` plus the bases their deltas need, each listed after its basis (decode order)."""
+    order: list[str] = []
+    seen: set[str] = set()
+
+    def visit(i: str, depth: int = 0) -> None:
+        if i in seen:
+            return
+        if depth > 64:
+            raise IntegrityError(f"chunk {i}: delta chain too long or circular")
+        b = located[i].basis_id
+        if b:
+            if b not in located:
+                raise IntegrityError(f"chunk {i}: its basis {b} is missing from the registry")
+            visit(b, depth + 1)
+        seen.add(i)
+        order.append(i)
+
+    for i in ids:
+        visit(i)
+    return order
+
+
+def decode_batch(ids: list[str], located: dict[str, StoredChunk], payloads: PayloadSource,
+                 pool: ThreadPoolExecutor) -> dict[str, bytes]:
+    """Raw bytes of ``ids`` (and of the bases they need), fetched in one go, decoded level by level
+    so that each delta finds its basis decoded; each level decodes in parallel."""
+    order = _closure(ids, located)
+    fetched = {c.id: (c, p) for c, p in payloads([located[i] for i in order])}
+    missing = [i for i in order if i not in fetched]
+    if missing:
+        raise IntegrityError(f"chunk {missing[0]} was not delivered by the store")
+    level: dict[str, int] = {}
+    for i in order:  # bases come first in ``order``
+        b = located[i].basis_id
+        level[i] = level[b] + 1 if b else 0
+    raw: dict[str, bytes] = {}
+    for depth in range(max(level.values(), default=-1) + 1):
+        todo = [i for i in order if level[i] == depth]
+
+        def job(i: str) -> tuple[str, bytes]:
+            c, p = fetched[i]
+            return i, decode_verified(c, p, raw.get(located[i].basis_id) if located[i].basis_id else None)
+
+        raw.update(windowed_map(pool, job, todo))
+    return raw
+
+
 def write_file(entry: FileEntry, dest: Path, located: dict[str, StoredChunk], payloads: PayloadSource,
                pool: ThreadPoolExecutor, progress: Progress) -> None:
     """Write one file atomically from its chunks and verify it against its sha256."""
     offsets: dict[str, list[int]] = defaultdict(list)
+    sizes: dict[str, int] = {}
     for c in entry.chunks:
         offsets[c.id].append(c.offset)
-    wanted = [located[i] for i in offsets]
+        sizes[c.id] = c.size
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex}.tmp")
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             os.ftruncate(fd, entry.size)
-            decoded = windowed_map(pool, lambda cp: (cp[0], decode_verified(cp[0], cp[1])), payloads(wanted))
-            for chunk, raw in decoded:
-                for off in offsets[chunk.id]:
-                    os.pwrite(fd, raw, off)
-                progress.advance("write", chunk.size * len(offsets[chunk.id]))
+            for batch in _batches(list(offsets), sizes):
+                raw = decode_batch(batch, located, payloads, pool)
+                for i in batch:
+                    for off in offsets[i]:
+                        os.pwrite(fd, raw[i], off)
+                    progress.advance("write", sizes[i] * len(offsets[i]))
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -113,6 +178,7 @@ def rebuild(manifest: Manifest, out: Path, located: dict[str, StoredChunk], payl
             pool: ThreadPoolExecutor, progress: Progress | None = None) -> list[Path]:
     progress = progress or NullProgress()
     missing = [c.id for f in manifest.files for c in f.chunks if c.id not in located]
+    missing += [c.basis_id for c in located.values() if c.basis_id and c.basis_id not in located]
     if missing:
         raise IntegrityError(f"{len(missing)} chunks of this version are missing from the registry (first: {missing[0]})")
     plan = targets(manifest, out)

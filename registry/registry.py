@@ -62,8 +62,9 @@ class Registry:
         return row, Manifest.from_bytes(data)
 
     def locate(self, ids) -> dict[str, StoredChunk]:
+        """Where ``ids`` and the bases of their deltas are stored."""
         with read_tx(self.engine) as conn:
-            return chunk_db.locate(conn, ids)
+            return chunk_db.locate_closure(conn, ids)
 
     def read_payloads(self, chunks: list[StoredChunk]):
         return read_payloads(self.blobs, chunks)

@@ -11,12 +11,13 @@ from tests import synth
 
 
 def expected_tiers(reg, family: str, quorum: float = 1.0) -> dict[str, tuple[str, int]]:
-    """Tiers recomputed from scratch from every member's manifest (what incremental must equal)."""
+    """Tiers recomputed from scratch from every member's manifest (what incremental must equal).
+    A member uses its chunks and, to rebuild them, the bases of its deltas."""
     members = reg.versions(family)
     users = Counter()
     for v in members:
         _, m = reg.manifest(family, v.name)
-        users.update(m.chunk_ids())
+        users.update(reg.locate(m.chunk_ids()).keys())
     return {c: (tier_of(n, len(members), quorum), n) for c, n in users.items()}
 
 
@@ -35,9 +36,16 @@ def test_tiers_add_up_to_stored_bytes_and_match_recompute(reg, fam):
             assert reg.stats("fam")["tiers"][BASE]["chunks"] > 0
     s = reg.stats("fam")
     assert sum(t["bytes"] for t in s["tiers"].values()) == s["stored_bytes"] > 0
-    # a full fine-tune shares no exact chunk with the others, so base empties under quorum 1.0
-    assert s["tiers"][BASE]["chunks"] == 0
-    assert s["tiers"][GROUP]["chunks"] > 0 and s["tiers"][UNIQUE]["chunks"] > 0
+    # a full fine-tune shares no exact chunk with the others, but it is stored as deltas whose bases
+    # are the base's chunks: it needs them to rebuild, so they stay in base
+    _, full = reg.manifest("fam", "full-med")
+    located = reg.locate(full.chunk_ids())
+    deltas = [c for c in located.values() if c.basis_id]
+    assert len(deltas) > len(full.chunk_ids()) // 2
+    tiers = reg.chunk_tiers("fam")
+    assert {tiers[c.basis_id][0] for c in deltas} == {BASE}
+    assert {tiers[c.id][0] for c in deltas} == {UNIQUE}
+    assert s["tiers"][UNIQUE]["chunks"] > 0
     whole = reg.stats()
     assert sum(t["bytes"] for t in whole["tiers"].values()) == whole["stored_bytes"] == s["stored_bytes"]
     assert whole["sharing_ratio"] == pytest.approx(whole["logical_bytes"] / whole["stored_bytes"], rel=1e-3)
@@ -61,15 +69,17 @@ def test_drift_moves_only_affected_chunks_out_of_base(reg, tmp_path):
     res = reg.push(paths["drift"], "fam", "drift")
     base_after = set(reg.chunk_tiers("fam", BASE))
     _, drift = reg.manifest("fam", "drift")
+    needs = set(reg.locate(drift.chunk_ids()))  # its chunks and the bases of its deltas
     left = base_before - base_after
-    # exactly the base chunks the drifted member does not use left base...
-    assert left == base_before - set(drift.chunk_ids())
-    # ...which are only the shared header and the last chunk of each of the two vocabulary tensors
+    # exactly the base chunks the drifted member does not need left base...
+    assert left == base_before - needs
+    # ...which are only its header and the tails of the two vocabulary tensors (a tail that changed
+    # size is stored as a delta against the old tail when that is smaller, and then stays needed)
     _, b = reg.manifest("fam", "base")
     f = b.files[0]
     tails = {[c.id for c in f.chunks if t.start <= c.offset < t.end][-1]
              for t in f.tensors if t.name in ("model.embed_tokens.weight", "lm_head.weight")}
-    assert left == tails | {f.chunks[0].id}
+    assert f.chunks[0].id in left and left <= tails | {f.chunks[0].id}
     assert base_after == base_before - left
     # the rebalance touched the chunks that changed tier, not every chunk of the family
     assert res.tier_changes == len(left)
@@ -87,13 +97,19 @@ def test_delete_rebalances(reg, fam):
 
 
 def test_base_quorum(reg, fam):
-    for name, p in fam.items():
+    # chat's LoRA chunks are used by two of four members: group under quorum 1.0, base under 0.5
+    for name, p in (("base", fam["base"]), ("chat", fam["lora-chat"]), ("chat-copy", fam["lora-chat"]),
+                    ("code", fam["last-code"])):
         reg.push(p, "fam", name)
-    before = reg.stats("fam")["tiers"][BASE]["chunks"]
-    changed = reg.set_base_quorum("fam", 0.6)
-    assert changed > 0
-    assert reg.chunk_tiers("fam") == expected_tiers(reg, "fam", 0.6)
-    assert reg.stats("fam")["tiers"][BASE]["chunks"] > before
+    before = reg.stats("fam")["tiers"]
+    assert before[GROUP]["chunks"] > 0
+    changed = reg.set_base_quorum("fam", 0.5)
+    assert changed == before[GROUP]["chunks"]
+    assert reg.chunk_tiers("fam") == expected_tiers(reg, "fam", 0.5)
+    after = reg.stats("fam")["tiers"]
+    assert after[BASE]["chunks"] == before[BASE]["chunks"] + before[GROUP]["chunks"] and after[GROUP]["chunks"] == 0
     # incremental rebalancing keeps honouring the quorum
-    reg.delete("fam", "full-med")
-    assert reg.chunk_tiers("fam") == expected_tiers(reg, "fam", 0.6)
+    reg.push(fam["vocab-ext"], "fam", "vocab")
+    assert reg.chunk_tiers("fam") == expected_tiers(reg, "fam", 0.5)
+    reg.delete("fam", "code")
+    assert reg.chunk_tiers("fam") == expected_tiers(reg, "fam", 0.5)

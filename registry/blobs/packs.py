@@ -30,6 +30,7 @@ class StoredChunk:
     pack_id: str
     offset: int
     basis_id: str | None = None
+    depth: int = 0  # deltas between this chunk and a plain one
 
 
 def pack_key(pack_id: str) -> str:
@@ -48,11 +49,12 @@ class PackWriter:
         self.pack_size = pack_size
         self.on_flush = on_flush
         self._buf = bytearray()
-        self._pending: list[tuple[str, int, str, str, int, int, str | None]] = []
+        self._pending: list[tuple] = []
         self.bytes_written = 0
 
-    def add(self, chunk_id: str, size: int, sha256: str, encoding: str, payload: bytes, basis_id: str | None = None) -> None:
-        self._pending.append((chunk_id, size, sha256, encoding, len(self._buf), len(payload), basis_id))
+    def add(self, chunk_id: str, size: int, sha256: str, encoding: str, payload: bytes, basis_id: str | None = None,
+            depth: int = 0) -> None:
+        self._pending.append((chunk_id, size, sha256, encoding, len(self._buf), len(payload), basis_id, depth))
         self._buf += payload
         if len(self._buf) >= self.pack_size:
             self.flush()
@@ -64,8 +66,8 @@ class PackWriter:
         pack_id = xxhash.xxh3_128_hexdigest(data)
         self.store.put(pack_key(pack_id), data)
         chunks = [
-            StoredChunk(cid, size, sha, enc, n, pack_id, off, basis)
-            for cid, size, sha, enc, off, n, basis in self._pending
+            StoredChunk(cid, size, sha, enc, n, pack_id, off, basis, depth)
+            for cid, size, sha, enc, off, n, basis, depth in self._pending
         ]
         self.bytes_written += len(data)
         self._buf = bytearray()

@@ -28,7 +28,7 @@ def record_pack(conn: Connection, pack_id: str, size: int, stored: Sequence[Stor
     conn.execute(insert(conn, packs).values(id=pack_id, size=size).on_conflict_do_nothing())
     rows = [
         dict(id=c.id, size=c.size, sha256=c.sha256, encoding=c.encoding, stored_size=c.stored_size,
-             pack_id=c.pack_id, offset=c.offset, basis_id=c.basis_id)
+             pack_id=c.pack_id, offset=c.offset, basis_id=c.basis_id, depth=c.depth)
         for c in stored
     ]
     new = missing_ids(conn, [r["id"] for r in rows])
@@ -41,8 +41,19 @@ def locate(conn: Connection, ids: Iterable[str]) -> dict[str, StoredChunk]:
     """Where each of ``ids`` is stored. Ids that are not stored are simply absent from the result."""
     out: dict[str, StoredChunk] = {}
     cols = (chunks.c.id, chunks.c.size, chunks.c.sha256, chunks.c.encoding, chunks.c.stored_size,
-            chunks.c.pack_id, chunks.c.offset, chunks.c.basis_id)
+            chunks.c.pack_id, chunks.c.offset, chunks.c.basis_id, chunks.c.depth)
     for batch in batches(list(dict.fromkeys(ids))):
         for row in conn.execute(select(*cols).where(chunks.c.id.in_(batch))):
             out[row.id] = StoredChunk(*row)
+    return out
+
+
+def locate_closure(conn: Connection, ids: Iterable[str]) -> dict[str, StoredChunk]:
+    """Where ``ids`` and, transitively, the basis chunks of their deltas are stored."""
+    out = locate(conn, ids)
+    todo = {c.basis_id for c in out.values() if c.basis_id and c.basis_id not in out}
+    while todo:
+        found = locate(conn, todo)
+        out.update(found)
+        todo = {c.basis_id for c in found.values() if c.basis_id and c.basis_id not in out}
     return out

@@ -72,6 +72,7 @@ chunks = Table(
     Column("pack_id", String(32), ForeignKey("packs.id"), nullable=False),
     Column("offset", BigInteger, nullable=False),
     Column("basis_id", CHUNK_ID, nullable=True),  # for delta encodings: the chunk this one is xor'ed against
+    Column("depth", Integer, nullable=False, server_default="0"),  # delta chain length down to a plain chunk
     Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
     Index(None, "basis_id"),
 )

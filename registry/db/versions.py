@@ -119,3 +119,30 @@ def delete_version(conn: Connection, version_id: int) -> None:
 
 def count_versions(conn: Connection, family_id: int) -> int:
     return conn.execute(select(func.count()).select_from(versions).where(versions.c.family_id == family_id)).scalar_one()
+
+
+def most_shared_version(conn: Connection, family_id: int, ids: Sequence[str]) -> int | None:
+    """The member of the family that uses the most of ``ids`` (ties: the oldest)."""
+    counts: dict[int, int] = {}
+    for batch in batches(list(ids)):
+        q = (
+            select(version_chunks.c.version_id, func.count())
+            .join(versions, versions.c.id == version_chunks.c.version_id)
+            .where(versions.c.family_id == family_id, version_chunks.c.chunk_id.in_(batch))
+            .group_by(version_chunks.c.version_id)
+        )
+        for vid, n in conn.execute(q):
+            counts[vid] = counts.get(vid, 0) + n
+    if not counts:
+        return None
+    return max(counts, key=lambda v: (counts[v], -v))
+
+
+def first_version(conn: Connection, family_id: int) -> int | None:
+    return conn.execute(select(func.min(versions.c.id)).where(versions.c.family_id == family_id)).scalar()
+
+
+def find_family(conn: Connection, name: str) -> FamilyRow | None:
+    q = select(families.c.id, families.c.name, families.c.base_quorum, families.c.member_count).where(families.c.name == name)
+    row = conn.execute(q).first()
+    return FamilyRow(*row) if row else None

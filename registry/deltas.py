@@ -1,0 +1,105 @@
+"""Choosing a basis for each new chunk, and reading basis bytes back.
+
+A new chunk's basis is the chunk at the same tensor and position in the version it is closest to:
+the explicit parent; else the member that shares the most chunks with it (known from the dedup
+lookup); else the family's first version. Positions are (tensor name, chunk index in the tensor),
+so they match across shard layouts. A delta chain never grows past MAX_DEPTH: a basis that is
+already that deep is replaced by its own basis, one step closer to a plain chunk.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+
+from registry.blobs.packs import StoredChunk
+from registry.chunking import ChunkRef
+from registry.safetensors import TensorSpan
+
+MAX_DEPTH = 3  # a pull decodes at most this many deltas on top of a plain chunk
+Position = tuple[str, int]
+
+
+def positions(chunks: Sequence[ChunkRef], tensors: Sequence[TensorSpan]) -> dict[int, Position]:
+    """chunk offset -> (tensor name, index of the chunk within that tensor)."""
+    out: dict[int, Position] = {}
+    ts = sorted(tensors, key=lambda t: t.start)
+    i = 0
+    for t in ts:
+        k = 0
+        while i < len(chunks) and chunks[i].offset < t.start:
+            i += 1
+        while i < len(chunks) and chunks[i].offset < t.end:
+            out[chunks[i].offset] = (t.name, k)
+            k += 1
+            i += 1
+    return out
+
+
+def position_index(files: Iterable[tuple[Sequence[ChunkRef], Sequence[TensorSpan]]]) -> dict[Position, ChunkRef]:
+    """(tensor name, index) -> chunk, over every file of a version."""
+    out: dict[Position, ChunkRef] = {}
+    for chunks, tensors in files:
+        by_offset = {c.offset: c for c in chunks}
+        for off, pos in positions(chunks, tensors).items():
+            out[pos] = by_offset[off]
+    return out
+
+
+def plan_bases(new_files: Iterable[tuple[Sequence[ChunkRef], Sequence[TensorSpan]]], basis_index: dict[Position, ChunkRef],
+               wanted: set[str]) -> dict[str, str]:
+    """new chunk id -> basis chunk id, for the chunks in ``wanted`` that have a counterpart."""
+    out: dict[str, str] = {}
+    for chunks, tensors in new_files:
+        by_offset = {c.offset: c for c in chunks}
+        for off, pos in positions(chunks, tensors).items():
+            c = by_offset[off]
+            b = basis_index.get(pos)
+            if c.id in wanted and c.id not in out and b is not None and b.id != c.id and b.itemsize == c.itemsize:
+                out[c.id] = b.id
+    return out
+
+
+def cap_depth(basis_id: str, located: dict[str, StoredChunk]) -> str | None:
+    """The basis to use instead of ``basis_id`` so that the new delta stays within MAX_DEPTH."""
+    b = located.get(basis_id)
+    while b is not None and b.depth >= MAX_DEPTH:
+        b = located.get(b.basis_id) if b.basis_id else None
+    return b.id if b is not None else None
+
+
+class BasisReader:
+    """Raw bytes of stored chunks, decoding delta chains, with a small byte-bounded LRU cache.
+
+    ``fetch(chunks)`` yields (chunk, payload); ``decode(chunk, payload, basis)`` returns verified raw
+    bytes. Thread-safe: encoder threads call ``raw`` concurrently.
+    """
+
+    def __init__(self, located: dict[str, StoredChunk], fetch: Callable, decode: Callable, cache_bytes: int = 256 << 20):
+        self.located = located
+        self._fetch = fetch
+        self._decode = decode
+        self._cache: OrderedDict[str, bytes] = OrderedDict()
+        self._cached = 0
+        self._limit = cache_bytes
+        self._lock = threading.Lock()
+
+    def raw(self, chunk_id: str) -> bytes:
+        with self._lock:
+            hit = self._cache.get(chunk_id)
+            if hit is not None:
+                self._cache.move_to_end(chunk_id)
+                return hit
+        c = self.located[chunk_id]
+        basis = self.raw(c.basis_id) if c.basis_id else None
+        ((_, payload),) = list(self._fetch([c]))
+        data = self._decode(c, payload, basis)
+        with self._lock:
+            if chunk_id not in self._cache:
+                self._cache[chunk_id] = data
+                self._cached += len(data)
+                while self._cached > self._limit and len(self._cache) > 1:
+                    _, old = self._cache.popitem(last=False)
+                    self._cached -= len(old)
+        return data
