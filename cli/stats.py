@@ -27,6 +27,6 @@ def stats(
     if s.get("encodings"):
         table("encodings", ["encoding", "chunks", "raw", "stored"],
               [[e, v["chunks"], human_bytes(v["raw_bytes"]), human_bytes(v["bytes"])] for e, v in s["encodings"].items()])
-    table("versions", ["family", "version", "logical", "needs stored", "alone holds"],
+    table("versions", ["family", "version", "logical", "needs stored", "as deltas", "alone holds"],
           [[v["family"], v["version"], human_bytes(v["logical_bytes"]), human_bytes(v["stored_bytes"]),
-            human_bytes(v["unique_bytes"])] for v in s["versions"]])
+            human_bytes(v["delta_bytes"]), human_bytes(v["unique_bytes"])] for v in s["versions"]])

@@ -3,8 +3,10 @@
 - logical_bytes: what the versions would take as plain copies (sum of their file sizes)
 - stored_bytes: the encoded bytes of the distinct chunks they use; the tiers add up to it
 - sharing_ratio: logical / stored
-- per version: logical bytes, the stored bytes it needs, and the stored bytes it alone holds
+- per version: logical bytes, the stored bytes it needs (its chunks and the bases of its deltas),
+  of those the bytes stored as deltas and as plain chunks, and the stored bytes it alone holds
   (what deleting it would free)
+- per encoding: chunks, raw bytes and stored bytes
 """
 
 from __future__ import annotations
@@ -35,8 +37,9 @@ def compute_stats(engine, family: str | None = None) -> dict:
         "tiers": {t: {"chunks": n, "bytes": b} for t, (n, b) in tiers.items()},
         "encodings": {e: {"chunks": n, "raw_bytes": r, "bytes": s} for e, (n, r, s) in sorted(encodings.items())},
         "versions": [
-            {"family": f, "version": v, "logical_bytes": lb, "stored_bytes": need, "unique_bytes": alone}
-            for f, v, lb, need, alone in per_version
+            {"family": f, "version": v, "logical_bytes": lb, "stored_bytes": need, "unique_bytes": alone,
+             "delta_bytes": delta, "plain_bytes": plain}
+            for f, v, lb, need, alone, delta, plain in per_version
         ],
     }
     if family is None:

@@ -58,11 +58,14 @@ def encodings(conn: Connection, family: str | None) -> dict[str, tuple[int, int,
     return {e: (int(n), int(r), int(s)) for e, n, r, s in conn.execute(q)}
 
 
-def version_figures(conn: Connection, family: str | None) -> list[tuple[str, str, int, int, int]]:
-    """(family, version, logical bytes, stored bytes it needs, stored bytes it alone holds)."""
+def version_figures(conn: Connection, family: str | None) -> list[tuple[str, str, int, int, int, int, int]]:
+    """(family, version, logical bytes, stored bytes it needs, stored bytes it alone holds,
+    of what it needs: bytes stored as deltas, bytes stored plain)."""
     alone = case((fc.c.users == 1, chunks.c.stored_size), else_=0)
+    delta = case((chunks.c.basis_id.is_not(None), chunks.c.stored_size), else_=0)
     per = (
-        select(vc.c.version_id, func.sum(chunks.c.stored_size).label("needed"), func.sum(alone).label("alone"))
+        select(vc.c.version_id, func.sum(chunks.c.stored_size).label("needed"), func.sum(alone).label("alone"),
+               func.sum(delta).label("delta"))
         .join(versions, versions.c.id == vc.c.version_id)
         .join(fc, (fc.c.chunk_id == vc.c.chunk_id) & (fc.c.family_id == versions.c.family_id))
         .join(chunks, chunks.c.id == vc.c.chunk_id)
@@ -71,14 +74,14 @@ def version_figures(conn: Connection, family: str | None) -> list[tuple[str, str
     )
     q = (
         select(families.c.name, versions.c.name, versions.c.logical_bytes,
-               func.coalesce(per.c.needed, 0), func.coalesce(per.c.alone, 0))
+               func.coalesce(per.c.needed, 0), func.coalesce(per.c.alone, 0), func.coalesce(per.c.delta, 0))
         .join(families, families.c.id == versions.c.family_id)
         .outerjoin(per, per.c.version_id == versions.c.id)
         .order_by(families.c.name, versions.c.id)
     )
     if family is not None:
         q = q.where(families.c.name == family)
-    return [(f, v, int(lb), int(n), int(a)) for f, v, lb, n, a in conn.execute(q)]
+    return [(f, v, int(lb), int(n), int(a), int(d), int(n) - int(d)) for f, v, lb, n, a, d in conn.execute(q)]
 
 
 def storage_totals(conn: Connection) -> tuple[int, int]:

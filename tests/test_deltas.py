@@ -1,0 +1,126 @@
+"""Lossless deltas: near-duplicate chunks stored as xor byte planes against a basis chunk."""
+
+from __future__ import annotations
+
+import filecmp
+
+import numpy as np
+import pytest
+import torch
+
+from registry import codec
+from registry.blobs.packs import StoredChunk
+from registry.chunking import chunk_id
+from registry.deltas import MAX_DEPTH
+from registry.errors import IntegrityError
+from registry.rebuild import decode_verified
+from tests import synth
+
+
+@pytest.mark.parametrize("itemsize", [1, 2, 4, 8])
+@pytest.mark.parametrize("basis_len", [0.5, 1.0, 1.5])
+def test_codec_round_trip(itemsize, basis_len):
+    rng = np.random.default_rng(itemsize)
+    data = rng.integers(0, 255, 4096 * itemsize, dtype=np.uint8)
+    basis = data.copy()
+    basis[::7] ^= 1  # near-duplicate
+    basis = basis[: int(basis.size * basis_len) // itemsize * itemsize] if basis_len <= 1 else np.concatenate([basis, basis[:100 * itemsize]])
+    enc, payload, is_delta = codec.best_encoding(data.tobytes(), itemsize, basis.tobytes())
+    assert codec.decode(enc, payload, data.size, basis.tobytes() if is_delta else None) == data.tobytes()
+    plain_enc, plain = codec.encode(data.tobytes(), itemsize)
+    assert codec.decode(plain_enc, plain, data.size) == data.tobytes()
+
+
+def test_unrelated_basis_falls_back_to_plain():
+    t = (torch.randn(1 << 16) * 0.02).to(torch.bfloat16).view(torch.uint8).numpy().tobytes()
+    other = (torch.randn(1 << 16) * 0.02).to(torch.bfloat16).view(torch.uint8).numpy().tobytes()
+    enc, payload, is_delta = codec.best_encoding(t, 2, other)
+    assert not is_delta and enc.startswith("zstd")
+    near = (torch.frombuffer(bytearray(t), dtype=torch.bfloat16).float() * 1.001).to(torch.bfloat16).view(torch.uint8).numpy().tobytes()
+    enc, payload, is_delta = codec.best_encoding(near, 2, t)
+    assert is_delta and enc == "xor-p2" and len(payload) < len(codec.encode(near, 2)[1]) / 2
+
+
+def test_corrupt_delta_is_detected():
+    base = bytes(range(256)) * 64
+    near = bytearray(base)
+    near[100] ^= 0xFF
+    enc, payload, _ = codec.best_encoding(bytes(near), 2, base)
+    chunk = StoredChunk(chunk_id(bytes(near)), len(near), "", enc, len(payload), "", 0, "b" * 32, 1)
+    assert decode_verified(chunk, payload, base) == bytes(near)
+    with pytest.raises(IntegrityError):
+        decode_verified(chunk, payload, base[::-1])  # wrong basis: bytes do not match the id
+    with pytest.raises(IntegrityError):
+        decode_verified(chunk, payload[:-3] + b"xyz", base)
+
+
+def test_full_fine_tune_is_stored_as_small_deltas(reg, fam, tmp_path):
+    base = reg.push(fam["base"], "fam", "base")
+    full = reg.push(fam["full-med"], "fam", "full-med", parent="base")
+    assert full.new_chunks >= full.chunks - 2  # every weight moved: no exact chunk is shared
+    assert full.new_bytes < 0.5 * base.new_bytes  # ...yet it costs less than half of the base
+    s = reg.stats("fam")
+    assert s["encodings"]["xor-p2"]["chunks"] > 0
+    v = {x["version"]: x for x in s["versions"]}
+    assert v["full-med"]["delta_bytes"] > 0 and v["base"]["delta_bytes"] == 0
+    assert v["full-med"]["delta_bytes"] + v["full-med"]["plain_bytes"] == v["full-med"]["stored_bytes"]
+    reg.pull("fam", "full-med", tmp_path / "out")
+    assert filecmp.cmp(tmp_path / "out", fam["full-med"], shallow=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_chain_of_fine_tunes_round_trips_with_bounded_depth(reg, tmp_path, dtype):
+    t = synth.base_tensors(dtype)
+    paths = []
+    for i in range(MAX_DEPTH + 3):
+        paths.append(synth.write(tmp_path / f"v{i}.safetensors", t))
+        t = synth.dense_update(t, seed=100 + i)
+    for i, p in enumerate(paths):
+        reg.push(p, "fam", f"v{i}", parent=f"v{i - 1}" if i else None)
+    depths = [c.depth for c in reg.locate(reg.manifest("fam", f"v{len(paths) - 1}")[1].chunk_ids()).values()]
+    assert max(depths) == MAX_DEPTH  # the chain grew to the bound and no further
+    for i, p in enumerate(paths):
+        out = tmp_path / f"out{i}.safetensors"
+        reg.pull("fam", f"v{i}", out)
+        assert filecmp.cmp(out, p, shallow=False), f"v{i}"
+
+
+def test_vocab_extended_tail_changes_size(reg, tmp_path):
+    base = synth.base_tensors()
+    ext = synth.dense_update(synth.extend_vocab(base, rows=8), seed=8)  # the last chunk grows, no new chunk
+    a = synth.write(tmp_path / "a.safetensors", base)
+    b = synth.write(tmp_path / "b.safetensors", ext)
+    reg.push(a, "fam", "a")
+    reg.push(b, "fam", "b", parent="a")
+    _, m = reg.manifest("fam", "b")
+    _, ma = reg.manifest("fam", "a")
+    f, fa = m.files[0], ma.files[0]
+    emb = next(t for t in f.tensors if t.name == "model.embed_tokens.weight")
+    emb_a = next(t for t in fa.tensors if t.name == "model.embed_tokens.weight")
+    tail = [c for c in f.chunks if emb.start <= c.offset < emb.end][-1]
+    tail_a = [c for c in fa.chunks if emb_a.start <= c.offset < emb_a.end][-1]
+    assert tail.size > tail_a.size
+    stored = reg.locate([tail.id])[tail.id]
+    assert stored.basis_id == tail_a.id and stored.encoding == "xor-p2"
+    reg.pull("fam", "b", tmp_path / "b.out")
+    assert filecmp.cmp(tmp_path / "b.out", b, shallow=False)
+
+
+def test_deleting_a_basis_version_keeps_what_deltas_need(reg, fam, tmp_path):
+    reg.push(fam["base"], "fam", "base")
+    reg.push(fam["full-med"], "fam", "full-med", parent="base")
+    reg.delete("fam", "base")
+    tiers = reg.chunk_tiers("fam")
+    _, m = reg.manifest("fam", "full-med")
+    needed = reg.locate(m.chunk_ids())
+    assert any(c.basis_id for c in needed.values())
+    assert set(needed) == set(tiers)  # the bases stay in the family, owned by the member that needs them
+    reg.pull("fam", "full-med", tmp_path / "out")
+    assert filecmp.cmp(tmp_path / "out", fam["full-med"], shallow=False)
+
+
+def test_basis_is_the_most_similar_member_without_parent(reg, fam):
+    reg.push(fam["base"], "fam", "base")
+    reg.push(fam["lora-chat"], "fam", "chat")
+    res = reg.push(fam["full-med"], "fam", "full-med")  # no --parent: the member sharing most is used
+    assert res.new_bytes < reg.stats("fam")["versions"][0]["stored_bytes"] * 0.5
