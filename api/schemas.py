@@ -8,6 +8,7 @@ from pydantic import BaseModel, Field
 
 
 class NegotiateRequest(BaseModel):
+    parent: str | None = None
     manifest: dict[str, Any] = Field(description="The manifest the client computed (files, chunks, tensors).")
 
 
@@ -18,6 +19,7 @@ class NegotiateResponse(BaseModel):
     missing: list[str] = Field(description="Chunk ids the registry lacks, in first-use order.")
     missing_bytes: int
     chunks: int
+    bases: dict[str, str] = Field(description="Suggested delta basis per missing chunk id; send it with the chunk.")
 
 
 class CommitRequest(BaseModel):

@@ -30,11 +30,13 @@ from registry.rebuild import decode_verified
 from registry.results import PushResult
 from registry.source import Source, open_source
 
-def plan_deltas(reg, family: str, parent: str | None, job: HashJob, missing: set[str]) -> tuple[dict[str, str], BasisReader | None]:
-    """Bases for the missing chunks (see registry/deltas.py) and a reader for their bytes."""
-    if not missing or not any(f.header for f in job.source.files):
+def plan_deltas(reg, family: str, parent: str | None, new_files: list, ids: list[str],
+                missing: set[str]) -> tuple[dict[str, str], BasisReader | None]:
+    """Bases for the missing chunks (see registry/deltas.py) and a reader for their bytes.
+    ``new_files`` holds (chunks, tensors) per file of the version being pushed."""
+    if not missing or not any(tensors for _, tensors in new_files):
         return {}, None
-    present = [i for i in job.chunk_ids() if i not in missing]
+    present = [i for i in ids if i not in missing]
     with read_tx(reg.engine) as conn:
         fam = version_db.find_family(conn, family)
         if fam is None:
@@ -48,7 +50,6 @@ def plan_deltas(reg, family: str, parent: str | None, job: HashJob, missing: set
             return {}, None
         basis_manifest = Manifest.from_bytes(version_db.read_manifest(conn, vid))
         index = deltas.position_index((f.chunks, f.tensors) for f in basis_manifest.files)
-        new_files = [(refs, f.header.tensors if f.header else ()) for refs, f in zip(job.file_chunks, job.source.files)]
         planned = deltas.plan_bases(new_files, index, missing)
         located = chunk_db.locate_closure(conn, set(planned.values()))
     bases = {}
@@ -147,7 +148,8 @@ def push(reg, path: Path, family: str, version: str, parent: str | None = None, 
         skipped = job.logical_bytes - missing_bytes(job, missing)
         progress.start("skip", skipped)
         progress.advance("skip", skipped)
-        bases, reader = plan_deltas(reg, family, parent, job, missing)
+        new_files = [(refs, f.header.tensors if f.header else ()) for refs, f in zip(job.file_chunks, source.files)]
+        bases, reader = plan_deltas(reg, family, parent, new_files, ids, missing)
         added = upload_missing(reg, source, job, missing, reg.pool, progress, bases, reader)
         manifest = job.manifest()  # waits for the file digests, which ran beside the encoding
     changed, existing = commit_version(reg, family, version, parent, manifest)

@@ -13,6 +13,7 @@ import time
 from collections.abc import Iterator
 
 
+from registry import codec
 from registry.blobs.packs import PackWriter, StoredChunk
 from registry.chunking import chunk_sha256
 from registry.config import MAX_CHUNK_SIZE
@@ -21,31 +22,33 @@ from registry.db import versions as version_db
 from registry.db.engine import read_tx, write_tx
 from registry.db.models import family_chunks
 from registry.errors import IntegrityError, InvalidModel, InvalidRequest
-from registry.ingest import check_push_names, commit_version, existing_result
+from registry.deltas import BasisReader, cap_depth
+from registry.ingest import check_push_names, commit_version, existing_result, plan_deltas
+from registry.parallel import windowed_map
 from registry.results import PushResult
 from registry.manifest import SAFETENSORS, Manifest, parse_doc
 from registry.rebuild import decode_verified
 from registry.safetensors import MAX_HEADER_BYTES, parse_header
 from registry.wire import Entry, encode_index, parse_batch
 
-KNOWN_ENCODINGS = ("raw", "zstd")
-
-
 def _check_encoding(name: str) -> None:
-    if name in KNOWN_ENCODINGS or (name.startswith("zstd-p") and name[6:] in ("2", "4", "8")):
-        return
-    raise InvalidRequest(f"unknown chunk encoding {name!r}")
+    if not codec.is_known(name):
+        raise InvalidRequest(f"unknown chunk encoding {name!r}")
 
 
-def negotiate(reg, family: str, version: str, doc: object) -> dict:
-    check_push_names(family, version, None)
+def negotiate(reg, family: str, version: str, doc: object, parent: str | None = None) -> dict:
+    """Which chunks to upload, and for each a suggested basis: the server stores an uploaded chunk
+    as a delta against it when that is smaller (the client never needs the basis bytes)."""
+    check_push_names(family, version, parent)
     manifest = parse_doc(doc)
     ids = manifest.chunk_ids()
     sizes = manifest.chunk_sizes()
     with read_tx(reg.engine) as conn:
         existing = version_db.find_version(conn, family, version)
         missing = chunk_db.missing_ids(conn, ids)
+    bases, _ = plan_deltas(reg, family, parent, [(f.chunks, f.tensors) for f in manifest.files], ids, missing)
     return {
+        "bases": bases,
         "digest": manifest.digest,
         "exists": existing is not None,
         "existing_digest": existing.digest if existing else None,
@@ -57,11 +60,12 @@ def negotiate(reg, family: str, version: str, doc: object) -> dict:
 
 def receive_batch(reg, body: bytes) -> dict:
     """Verify and store one uploaded batch. Every chunk is decoded and re-hashed (xxh3-128 must
-    equal its id); any mismatch rejects the whole batch before a byte is written."""
-    verified: list[tuple[Entry, memoryview, str]] = []
+    equal its id); any mismatch rejects the whole batch before a byte is written. A chunk that
+    names a suggested basis is stored as a delta against it when that is smaller."""
+    verified: list[tuple[Entry, memoryview, bytes]] = []
     for e, payload in parse_batch(body):
         _check_encoding(e.encoding)
-        if e.basis_id is not None:
+        if e.encoding.startswith(codec.XOR):
             raise InvalidRequest("delta-encoded uploads are not accepted: send raw or zstd chunks")
         if not 0 < e.size <= max(MAX_CHUNK_SIZE, MAX_HEADER_BYTES + 8):
             raise InvalidRequest(f"chunk {e.id}: size {e.size} is out of range")
@@ -70,7 +74,21 @@ def receive_batch(reg, body: bytes) -> dict:
             raw = decode_verified(stored, payload)
         except IntegrityError:
             raise IntegrityError(f"chunk {e.id}: bytes do not match the id; the batch was refused") from None
-        verified.append((e, payload, chunk_sha256(raw)))
+        verified.append((e, payload, raw))
+    with read_tx(reg.engine) as conn:
+        located = chunk_db.locate_closure(conn, {e.basis_id for e, _, _ in verified if e.basis_id})
+    reader = BasisReader(located, reg.read_payloads, decode_verified)
+
+    def encode(item):
+        e, payload, raw = item
+        basis_id = cap_depth(e.basis_id, located) if e.basis_id else None
+        if basis_id is None:
+            return e, chunk_sha256(raw), e.encoding, bytes(payload), None, 0
+        encoding, out, is_delta = codec.best_encoding(raw, e.itemsize, reader.raw(basis_id))
+        if not is_delta or len(out) >= e.length:
+            return e, chunk_sha256(raw), e.encoding, bytes(payload), None, 0
+        return e, chunk_sha256(raw), encoding, out, basis_id, located[basis_id].depth + 1
+
     added = 0
 
     def on_flush(pack_id: str, size: int, stored: list[StoredChunk]) -> None:
@@ -81,10 +99,13 @@ def receive_batch(reg, body: bytes) -> dict:
     with read_tx(reg.engine) as conn:
         missing = chunk_db.missing_ids(conn, [e.id for e, _, _ in verified])
     writer = PackWriter(reg.blobs, reg.settings.pack_size, on_flush)
-    for e, payload, sha in verified:
-        if e.id in missing:
-            writer.add(e.id, e.size, sha, e.encoding, bytes(payload))
-            missing.discard(e.id)
+    todo = []
+    for item in verified:
+        if item[0].id in missing:
+            todo.append(item)
+            missing.discard(item[0].id)
+    for e, sha, encoding, payload, basis_id, depth in windowed_map(reg.pool, encode, todo):
+        writer.add(e.id, e.size, sha, encoding, payload, basis_id, depth)
     writer.flush()
     return {"received": len(verified), "new_bytes": added}
 

@@ -6,7 +6,8 @@ stream stored payloads to a node. A length-prefixed index keeps it streamable (t
 where each payload ends) without multipart parsing, and it costs nothing to build from packs.
 
 Entry keys: ``id`` (xxh3-128 hex), ``size`` (raw bytes), ``encoding``, ``length`` (payload bytes),
-and optionally ``basis_id``.
+and optionally ``basis_id`` (downloads: the basis of a delta; uploads: the basis the server
+suggested at negotiation, against which it may store the chunk as a delta) and ``itemsize``.
 """
 
 from __future__ import annotations
@@ -30,11 +31,14 @@ class Entry:
     encoding: str
     length: int
     basis_id: str | None = None
+    itemsize: int = 1
 
     def to_doc(self) -> dict:
         d = {"id": self.id, "size": self.size, "encoding": self.encoding, "length": self.length}
         if self.basis_id:
             d["basis_id"] = self.basis_id
+        if self.itemsize != 1:
+            d["itemsize"] = self.itemsize
         return d
 
 
@@ -65,13 +69,13 @@ def parse_index(data: bytes | memoryview) -> tuple[list[Entry], int]:
         doc = json.loads(bytes(data[4 : 4 + n]))
         entries = [
             Entry(check_id(d["id"]), int(d["size"]), str(d["encoding"]), int(d["length"]),
-                  check_id(d["basis_id"]) if d.get("basis_id") else None)
+                  check_id(d["basis_id"]) if d.get("basis_id") else None, int(d.get("itemsize", 1)))
             for d in doc
         ]
     except (ValueError, KeyError, TypeError) as exc:
         raise InvalidRequest(f"malformed chunk batch index: {exc.__class__.__name__}") from None
-    if any(e.size < 0 or e.length < 0 for e in entries):
-        raise InvalidRequest("malformed chunk batch: negative sizes")
+    if any(e.size < 0 or e.length < 0 or e.itemsize not in (1, 2, 4, 8) for e in entries):
+        raise InvalidRequest("malformed chunk batch: negative sizes or a bad itemsize")
     return entries, 4 + n
 
 

@@ -203,3 +203,15 @@ def test_unreachable_server_is_one_line(fam, tmp_path):
     env["MFSREG_URL"] = "ftp://example"
     proc = mfsreg("ls", env=env, check=False)
     assert proc.returncode == 2 and "must start with http" in proc.stderr
+
+
+def test_server_stores_uploaded_near_duplicates_as_deltas(servers, server_env, fam, tmp_path):
+    (srv,) = servers(1)
+    env = client_env(tmp_path, srv.url, token(server_env, "push"))
+    base = mfsreg_json("push", fam["base"], "--family", "fam", "--version", "base", env=env)
+    full = mfsreg_json("push", fam["full-med"], "--family", "fam", "--version", "full-med", "--parent", "base", env=env)
+    assert full["new_bytes"] < 0.5 * base["new_bytes"]  # stored as deltas against the base's chunks
+    stats = mfsreg_json("stats", "--family", "fam", env=env)
+    assert stats["encodings"]["xor-p2"]["chunks"] > 0
+    mfsreg("pull", "fam", "full-med", "-o", tmp_path / "out", env=env)
+    assert filecmp.cmp(tmp_path / "out", fam["full-med"], shallow=False)

@@ -94,7 +94,7 @@ class RemoteRegistry:
             file_chunks = job.file_chunks
         doc = manifest.to_doc()
         base = f"/v1/families/{family}/versions/{version}"
-        neg = self._json("POST", f"{base}/negotiate", json={"manifest": doc})
+        neg = self._json("POST", f"{base}/negotiate", json={"manifest": doc, "parent": parent})
         if neg["exists"]:
             return existing_result(neg["existing_digest"], manifest.logical_bytes, len(manifest.files), manifest.digest,
                                    neg["chunks"], family, version, t0)
@@ -102,13 +102,14 @@ class RemoteRegistry:
         skipped = manifest.logical_bytes - missing_bytes(manifest, missing)
         progress.start("skip", skipped)
         progress.advance("skip", skipped)
-        sent, added = self._upload(family, source, file_chunks, manifest, missing, progress)
+        sent, added = self._upload(family, source, file_chunks, manifest, missing, progress, neg.get("bases", {}))
         res = self._json("POST", f"{base}/commit", json={"parent": parent, "manifest": doc})
         return PushResult(**{**res, "new_bytes": added, "new_chunks": len(missing),
                              "reused_chunks": res["chunks"] - len(missing), "sent_bytes": sent,
                              "seconds": time.perf_counter() - t0})
 
-    def _upload(self, family: str, source, file_chunks, manifest: Manifest, missing: set[str], progress: Progress) -> tuple[int, int]:
+    def _upload(self, family: str, source, file_chunks, manifest: Manifest, missing: set[str], progress: Progress,
+                bases: dict[str, str]) -> tuple[int, int]:
         """Send the missing chunks in batches; one batch is in flight while the next is encoded.
         Returns (payload bytes sent, stored bytes the server added)."""
         progress.start("send", missing_bytes(manifest, missing))
@@ -131,8 +132,8 @@ class RemoteRegistry:
         try:
             batch: list[tuple[Entry, bytes]] = []
             size = raw = 0
-            for c, _sha, encoding, payload in encoded_chunks(source, file_chunks, missing, self.pool):
-                batch.append((Entry(c.id, c.size, encoding, len(payload)), payload))
+            for c, _sha, encoding, payload, _ in encoded_chunks(source, file_chunks, missing, self.pool):
+                batch.append((Entry(c.id, c.size, encoding, len(payload), bases.get(c.id), c.itemsize), payload))
                 size, raw = size + len(payload), raw + c.size
                 if size >= self.upload_batch:
                     collect()
