@@ -53,6 +53,7 @@ class Settings:
     chunk_size: int = DEFAULT_CHUNK_SIZE
     pack_size: int = DEFAULT_PACK_SIZE
     workers: int = field(default_factory=lambda: max(1, os.cpu_count() or 1))
+    delta: bool = True  # store near-duplicate chunks as deltas against a basis (MFSREG_DELTA=0: exact dedup only)
     anonymous_read: bool = False  # server: let requests without a token read
     max_body: int = 256 << 20  # server: largest request body accepted (uploads are batched below it)
 
@@ -76,6 +77,7 @@ class Settings:
             s3_endpoint_url=env.get("MFSREG_S3_ENDPOINT_URL") or None,
             chunk_size=chunk_size,
             pack_size=_size(env, "MFSREG_PACK_SIZE", DEFAULT_PACK_SIZE),
+            delta=env.get("MFSREG_DELTA", "1").lower() not in ("0", "false", "no", "off"),
             anonymous_read=env.get("MFSREG_ANONYMOUS_READ", "").lower() in ("1", "true", "yes", "on"),
             max_body=_size(env, "MFSREG_MAX_BODY", 256 << 20),
         )

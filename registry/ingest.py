@@ -34,7 +34,7 @@ def plan_deltas(reg, family: str, parent: str | None, new_files: list, ids: list
                 missing: set[str]) -> tuple[dict[str, str], BasisReader | None]:
     """Bases for the missing chunks (see registry/deltas.py) and a reader for their bytes.
     ``new_files`` holds (chunks, tensors) per file of the version being pushed."""
-    if not missing or not any(tensors for _, tensors in new_files):
+    if not reg.settings.delta or not missing or not any(tensors for _, tensors in new_files):
         return {}, None
     present = [i for i in ids if i not in missing]
     with read_tx(reg.engine) as conn:
