@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from cli import admin, server, stats, versions
+from cli import admin, cache, server, stats, versions
 from cli.errors import run_guarded
 
 app = typer.Typer(
@@ -24,6 +24,7 @@ app.add_typer(admin.db_app, name="db")
 app.add_typer(admin.family_app, name="family")
 app.command()(server.serve)
 app.add_typer(server.token_app, name="token")
+app.add_typer(cache.cache_app, name="cache")
 
 
 def main() -> None:

@@ -9,6 +9,7 @@ import typer
 from cli.backend import RegistryOption, open_backend
 from cli.output import emit_json, human_bytes, table
 from cli.progress import progress_for
+from registry.errors import InvalidRequest
 
 JsonOption = typer.Option(False, "--json", help="Print one JSON object (for scripts and CI).")
 
@@ -38,17 +39,31 @@ def push(
 def pull(
     family: str = typer.Argument(...),
     version: str = typer.Argument(...),
-    out: Path = typer.Option(..., "--out", "-o", help="A file for a single-file version, a directory otherwise."),
+    out: Path = typer.Option(None, "--out", "-o", help="A file for a single-file version, a directory otherwise."),
+    to_dir: Path = typer.Option(None, "--to-dir", help="A directory an engine (vLLM, transformers) loads: every file "
+                                "of the version, hardlinked from the node cache where the filesystem allows it."),
     json_: bool = JsonOption,
     registry: str = RegistryOption,
 ) -> None:
-    """Rebuild a version byte for byte, verified against its digests."""
+    """Rebuild a version byte for byte, verified against its digests (through the node cache on a server)."""
+    if (out is None) == (to_dir is None):
+        raise InvalidRequest("give exactly one of --out/-o FILE_OR_DIR and --to-dir DIR")
     with open_backend(registry) as reg, progress_for(json_) as progress:
-        result = reg.pull(family, version, out, progress=progress)
+        if to_dir is not None:
+            if hasattr(reg, "fetch"):  # remote: through the node cache, with hardlinks
+                result = reg.pull(family, version, to_dir, progress=progress, to_dir=True)
+            else:
+                to_dir.mkdir(parents=True, exist_ok=True)
+                result = reg.pull(family, version, to_dir, progress=progress)
+        else:
+            result = reg.pull(family, version, out, progress=progress)
     if json_:
         emit_json(result.to_dict())
         return
-    typer.echo(f"pulled {family}/{version} to {result.path}: {human_bytes(result.logical_bytes)} in {result.seconds:.2f}s, verified")
+    extra = ""
+    if result.fetched_bytes or result.cached_bytes:
+        extra = f" ({human_bytes(result.fetched_bytes)} fetched, {human_bytes(result.cached_bytes)} from the node cache)"
+    typer.echo(f"pulled {family}/{version} to {result.path}: {human_bytes(result.logical_bytes)} in {result.seconds:.2f}s, verified{extra}")
 
 
 def ls(

@@ -39,6 +39,8 @@ class PullResult:
     logical_bytes: int
     files: int
     seconds: float
+    fetched_bytes: int = 0  # payload bytes received over the network (node pulls through the cache)
+    cached_bytes: int = 0  # raw bytes found in the node cache
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -96,13 +98,16 @@ def _batches(ids: list[str], sizes: dict[str, int]) -> Iterator[list[str]]:
         yield batch
 
 
-def _closure(ids: list[str], located: dict[str, StoredChunk]) -> list[str]:
-    """``ids`` plus the bases their deltas need, each listed after its basis (decode order)."""
+def closure(ids: list[str], located: dict[str, StoredChunk], have: Callable[[str], bool] = lambda i: False) -> list[str]:
+    """``ids`` plus the bases their deltas need, each listed after its basis (decode order).
+    Bases for which ``have`` is true (already decoded elsewhere, e.g. in a node cache) stop the walk."""
     order: list[str] = []
     seen: set[str] = set()
 
     def visit(i: str, depth: int = 0) -> None:
         if i in seen:
+            return
+        if depth and have(i):
             return
         if depth > 64:
             raise IntegrityError(f"chunk {i}: delta chain too long or circular")
@@ -120,10 +125,21 @@ def _closure(ids: list[str], located: dict[str, StoredChunk]) -> list[str]:
 
 
 def decode_batch(ids: list[str], located: dict[str, StoredChunk], payloads: PayloadSource,
-                 pool: ThreadPoolExecutor) -> dict[str, bytes]:
+                 pool: ThreadPoolExecutor, known: Callable[[str], bytes | None] | None = None) -> dict[str, bytes]:
     """Raw bytes of ``ids`` (and of the bases they need), fetched in one go, decoded level by level
-    so that each delta finds its basis decoded; each level decodes in parallel."""
-    order = _closure(ids, located)
+    so that each delta finds its basis decoded; each level decodes in parallel. ``known`` supplies
+    raw bytes of bases held elsewhere (a node cache), which are then neither fetched nor decoded."""
+    known_raw: dict[str, bytes] = {}
+
+    def have(i: str) -> bool:
+        if known is None:
+            return False
+        data = known(i)
+        if data is not None:
+            known_raw[i] = data
+        return data is not None
+
+    order = closure(ids, located, have)
     fetched = {c.id: (c, p) for c, p in payloads([located[i] for i in order])}
     missing = [i for i in order if i not in fetched]
     if missing:
@@ -131,16 +147,20 @@ def decode_batch(ids: list[str], located: dict[str, StoredChunk], payloads: Payl
     level: dict[str, int] = {}
     for i in order:  # bases come first in ``order``
         b = located[i].basis_id
-        level[i] = level[b] + 1 if b else 0
-    raw: dict[str, bytes] = {}
+        level[i] = level[b] + 1 if b and b in level else 0
+    raw: dict[str, bytes] = dict(known_raw)
     for depth in range(max(level.values(), default=-1) + 1):
         todo = [i for i in order if level[i] == depth]
 
         def job(i: str) -> tuple[str, bytes]:
             c, p = fetched[i]
-            return i, decode_verified(c, p, raw.get(located[i].basis_id) if located[i].basis_id else None)
+            b = located[i].basis_id
+            return i, decode_verified(c, p, raw[b] if b else None)
 
         raw.update(windowed_map(pool, job, todo))
+    for i in known_raw:
+        if i not in order:
+            raw.pop(i, None)
     return raw
 
 

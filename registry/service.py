@@ -185,13 +185,28 @@ def stream_chunks(reg, chunks: list[StoredChunk]) -> Iterator[bytes]:
 
 
 def version_doc(reg, family: str, version: str) -> dict:
+    """A version for a node: its manifest, and per chunk it needs (its own and the bases of its
+    deltas) [encoding, stored bytes, basis id, raw bytes, tier]."""
     row, manifest = reg.manifest(family, version)
     located = reg.locate(manifest.chunk_ids())
+    tiers = reg.chunk_tiers(family)
     return {
         "family": row.family, "version": row.name, "parent": row.parent, "digest": row.digest,
         "logical_bytes": row.logical_bytes, "files": row.file_count, "single_file": row.single_file,
         "created_at": str(row.created_at), "manifest": manifest.to_doc(),
-        "chunks": {i: [c.encoding, c.stored_size, c.basis_id] for i, c in located.items()},
+        "chunks": {i: [c.encoding, c.stored_size, c.basis_id, c.size, tiers.get(i, (None,))[0]] for i, c in located.items()},
     }
+
+
+def tier_doc(reg, family: str, tier: str | None) -> dict:
+    """A family's chunks of one tier (or all), with what a node needs to fetch them."""
+    from registry.tiers import TIERS
+
+    if tier is not None and tier not in TIERS:
+        raise InvalidRequest(f"unknown tier {tier!r}: use one of {', '.join(TIERS)}")
+    tiers = reg.chunk_tiers(family, tier)
+    located = reg.locate(list(tiers))
+    return {"family": family, "tier": tier,
+            "chunks": {i: [c.encoding, c.stored_size, c.basis_id, c.size, tiers.get(i, (None,))[0]] for i, c in located.items()}}
 
 

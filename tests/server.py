@@ -79,7 +79,8 @@ def token(server_env: dict, scope: str, family: str = "*") -> str:
 def client_env(tmp_path, url: str, tok: str | None, **extra) -> dict:
     """A node or CI runner: only MFSREG_URL and MFSREG_TOKEN, and a home that must stay untouched."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MFSREG_")}
-    env.update(MFSREG_URL=url, MFSREG_HOME=str(tmp_path / "client-home"), MFSREG_CHUNK_SIZE=str(64 << 10), **extra)
+    env.update(MFSREG_URL=url, MFSREG_HOME=str(tmp_path / "client-home"), MFSREG_CHUNK_SIZE=str(64 << 10),
+               MFSREG_CACHE_DIR=str(tmp_path / "node-cache"), **extra)
     if tok:
         env["MFSREG_TOKEN"] = tok
     return env

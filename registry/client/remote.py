@@ -158,7 +158,11 @@ class RemoteRegistry:
         return _version_row(doc), Manifest.from_doc(doc["manifest"])
 
     def located(self, doc: dict) -> dict[str, StoredChunk]:
-        return {i: StoredChunk(i, 0, "", enc, n, "", 0, basis) for i, (enc, n, basis) in doc["chunks"].items()}
+        return {i: StoredChunk(i, row[3], "", row[0], row[1], "", 0, row[2]) for i, row in doc["chunks"].items()}
+
+    def tier_doc(self, family: str, tier: str | None = None) -> dict:
+        check_name("family", family)
+        return self._json("GET", f"/v1/families/{family}/chunks", params={"tier": tier} if tier else None)
 
     def fetch(self, family: str, chunks: list[StoredChunk]) -> Iterator[tuple[StoredChunk, bytes]]:
         """Payloads of ``chunks`` from the server, in batches of about DOWNLOAD_BATCH stored bytes."""
@@ -189,16 +193,22 @@ class RemoteRegistry:
         except httpx.TransportError as exc:
             raise StorageError(f"connection to {self.url} broke during a download ({exc.__class__.__name__}): run the pull again") from None
 
-    def pull(self, family: str, version: str, out: Path, progress: Progress | None = None) -> rebuild.PullResult:
-        t0 = time.perf_counter()
-        doc = self.version_doc(family, version)
-        manifest = Manifest.from_doc(doc["manifest"])
-        located = self.located(doc)
-        rebuild.rebuild(manifest, Path(out), located, lambda cs: self.fetch(family, cs), self.pool, progress)
-        return rebuild.PullResult(
-            family=family, version=version, digest=doc["digest"], path=str(out), logical_bytes=doc["logical_bytes"],
-            files=doc["files"], seconds=time.perf_counter() - t0,
-        )
+    def pull(self, family: str, version: str, out: Path, progress: Progress | None = None,
+             to_dir: bool = False, cache=None) -> rebuild.PullResult:
+        """Pull through the node cache (MFSREG_CACHE_DIR): only chunks it lacks cross the network."""
+        from registry.client import node
+        from registry.client.cache import NodeCache
+        from registry.client.fetch import Fetcher
+
+        check_name("family", family)
+        check_name("version", version)
+        own = cache is None
+        cache = cache or NodeCache()
+        try:
+            return node.pull(Fetcher(self, cache), family, version, Path(out), progress, to_dir)
+        finally:
+            if own:
+                cache.close()
 
     # -- listing and changes ----------------------------------------------------------------------
 

@@ -1,0 +1,172 @@
+"""Storage and speed anchors: what simpler schemes achieve on the same files.
+
+- plain copy: every file stored as it is (the sum of their sizes)
+- whole-file dedup: identical files stored once (distinct sha256)
+- 64 KiB CDC: FastCDC content-defined chunks (pyfastcdc, avg_size 64 KiB, min 16 KiB, max 256 KiB;
+  pyfastcdc's mean chunk is about avg + min, see its docs), each distinct chunk stored once, keyed
+  by xxh3-128. Reported raw (``bytes``) and, as a second figure, with each distinct chunk
+  compressed by zstd level 1 (``zstd_bytes``), since mfsreg stores its chunks compressed too.
+
+Speed anchors: plain file copy (shutil.copyfile to the same disk, with and without fsync) and CDC
+chunking (cut only, and cut + xxh3-128 per chunk, which is what a CDC store must at least do).
+pyfastcdc runs on one thread; the figures are per process, not per core.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import statistics
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+import xxhash
+import zstandard
+from pyfastcdc import FastCDC
+
+CDC_AVG = 64 << 10
+
+
+def plain_copy_bytes(paths: Iterable[Path]) -> int:
+    return sum(Path(p).stat().st_size for p in paths)
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb", buffering=0) as f:
+        while block := f.read(16 << 20):
+            h.update(block)
+    return h.hexdigest()
+
+
+def whole_file_dedup_bytes(paths: Iterable[Path]) -> dict:
+    seen: dict[str, int] = {}
+    for p in paths:
+        seen.setdefault(file_sha256(Path(p)), Path(p).stat().st_size)
+    return {"bytes": sum(seen.values()), "distinct_files": len(seen)}
+
+
+def cdc_dedup(paths: Iterable[Path], avg_size: int = CDC_AVG, compress: bool = True) -> dict:
+    """Distinct-chunk bytes under FastCDC, plus chunk counts and the time of the cut+hash pass.
+
+    Compression (when asked) runs after the timed pass, on the distinct chunks only.
+    """
+    cdc = FastCDC(avg_size)
+    sizes: dict[bytes, int] = {}
+    total_chunks = 0
+    total_bytes = 0
+    paths = [Path(p) for p in paths]
+    t0 = time.perf_counter()
+    for p in paths:
+        for c in cdc.cut_file(str(p)):
+            sizes.setdefault(xxhash.xxh3_128_digest(c.data), c.length)
+            total_chunks += 1
+            total_bytes += c.length
+    seconds = time.perf_counter() - t0
+    out = {
+        "avg_size": avg_size, "min_size": cdc.min_size, "max_size": cdc.max_size,
+        "chunks": total_chunks, "distinct_chunks": len(sizes), "bytes": sum(sizes.values()),
+        "mean_chunk": round(total_bytes / max(1, total_chunks)), "input_bytes": total_bytes,
+        "cut_hash_seconds": seconds, "cut_hash_gbps": total_bytes / seconds / 1e9,
+    }
+    if compress:
+        out["zstd_bytes"] = _cdc_zstd_bytes(paths, cdc)
+    return out
+
+
+def _cdc_zstd_bytes(paths: list[Path], cdc: FastCDC) -> int:
+    cctx = zstandard.ZstdCompressor(level=1)
+    seen: set[bytes] = set()
+    total = 0
+    for p in paths:
+        for c in cdc.cut_file(str(p)):
+            key = xxhash.xxh3_128_digest(c.data)
+            if key in seen:
+                continue
+            seen.add(key)
+            total += min(c.length, len(cctx.compress(c.data)))
+    return total
+
+
+def cdc_cut_gbps(path: Path, avg_size: int = CDC_AVG, runs: int = 3) -> float:
+    """Throughput of the cut alone (no hashing), median of ``runs`` passes over one file."""
+    cdc = FastCDC(avg_size)
+    size = Path(path).stat().st_size
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        for _c in cdc.cut_file(str(path)):
+            pass
+        times.append(time.perf_counter() - t0)
+    return size / statistics.median(times) / 1e9
+
+
+def copy_gbps(path: Path, dest_dir: Path, runs: int = 3) -> dict:
+    """shutil.copyfile to ``dest_dir`` (same disk as the registry): GB/s without and with fsync."""
+    size = Path(path).stat().st_size
+    plain, synced = [], []
+    dest = Path(dest_dir) / f".copy-anchor-{os.getpid()}"
+    try:
+        for _ in range(runs):
+            dest.unlink(missing_ok=True)
+            t0 = time.perf_counter()
+            shutil.copyfile(path, dest)
+            t1 = time.perf_counter()
+            fd = os.open(dest, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            t2 = time.perf_counter()
+            plain.append(t1 - t0)
+            synced.append(t2 - t0)
+    finally:
+        dest.unlink(missing_ok=True)
+    return {"copy_gbps": size / statistics.median(plain) / 1e9, "copy_fsync_gbps": size / statistics.median(synced) / 1e9}
+
+
+def storage_anchors(paths: Iterable[Path], cdc_avg: int = CDC_AVG, compress: bool = True) -> dict:
+    paths = [Path(p) for p in paths]
+    return {
+        "plain_copy_bytes": plain_copy_bytes(paths),
+        "whole_file_dedup": whole_file_dedup_bytes(paths),
+        "cdc": cdc_dedup(paths, cdc_avg, compress),
+    }
+
+
+def prewarm(paths: Iterable[Path]) -> float:
+    """Read every file once so that timed passes find it in the page cache; returns seconds taken."""
+    t0 = time.perf_counter()
+    buf = bytearray(16 << 20)
+    view = memoryview(buf)
+    for p in paths:
+        with open(p, "rb", buffering=0) as f:
+            while f.readinto(view):
+                pass
+    return time.perf_counter() - t0
+
+
+def hash_gbps(path: Path) -> dict:
+    """Single-thread xxh3-128 (per 1 MiB piece) and sha256 (whole file) over a cached file.
+
+    The floor under any content-addressed push: every byte must be hashed at least once.
+    """
+    import mmap
+
+    size = Path(path).stat().st_size
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        view = memoryview(mm)
+        try:
+            t0 = time.perf_counter()
+            for o in range(0, size, 1 << 20):
+                xxhash.xxh3_128_digest(view[o : o + (1 << 20)])
+            t1 = time.perf_counter()
+            h = hashlib.sha256()
+            for o in range(0, size, 16 << 20):
+                h.update(view[o : o + (16 << 20)])
+            t2 = time.perf_counter()
+        finally:
+            view.release()
+    return {"xxh3_128_gbps": size / (t1 - t0) / 1e9, "sha256_gbps": size / (t2 - t1) / 1e9}

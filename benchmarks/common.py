@@ -1,0 +1,118 @@
+"""What the benchmark scripts share: machine facts, a fresh embedded registry, family pushes, tables."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from benchmarks.family import MEMBERS
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = Path(__file__).resolve().parent / "results"
+FAMILY = "bench"
+GB = 1e9
+MB = 1e6
+
+
+def machine_info() -> dict:
+    cpu = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                mem = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+        dirty = bool(subprocess.run(["git", "status", "--porcelain", "registry"], cwd=REPO, capture_output=True, text=True).stdout.strip())
+    except OSError:
+        commit, dirty = None, None
+    return {
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "cpu_count": os.cpu_count(), "cpu_model": cpu, "memory_bytes": mem,
+        "python": sys.version.split()[0], "platform": platform.platform(),
+        "git_commit": commit, "registry_dirty": dirty,
+        # other work on the machine skews timings: the load average says how busy it was
+        "loadavg_1_5_15": [round(x, 2) for x in os.getloadavg()],
+    }
+
+
+@contextmanager
+def fresh_registry(parent_dir: Path, chunk_size: int | None = None) -> Iterator:
+    """An embedded registry (SQLite + local packs) in a new temp dir under ``parent_dir``, removed after."""
+    from registry.config import Settings
+    from registry.registry import Registry
+
+    parent_dir.mkdir(parents=True, exist_ok=True)
+    home = Path(tempfile.mkdtemp(prefix="mfsreg-bench-", dir=parent_dir))
+    overrides = {} if chunk_size is None else {"chunk_size": chunk_size}
+    reg = Registry(Settings.from_env({"MFSREG_HOME": str(home)}, **overrides))
+    try:
+        yield reg, home
+    finally:
+        reg.close()
+        shutil.rmtree(home, ignore_errors=True)
+        os.sync()  # let the deletes (ext4 with discard) settle before the next timed run
+
+
+def timed_push(reg, path: Path, version: str, parent: str | None) -> dict:
+    t0 = time.perf_counter()
+    r = reg.push(path, FAMILY, version, parent=parent)
+    wall = time.perf_counter() - t0
+    return {
+        "version": version, "parent": parent, "logical_bytes": r.logical_bytes, "new_bytes": r.new_bytes,
+        "new_chunks": r.new_chunks, "reused_chunks": r.reused_chunks, "chunks": r.chunks,
+        "seconds": wall, "reported_seconds": r.seconds, "gbps": r.logical_bytes / wall / GB,
+    }
+
+
+def push_family(reg, paths: dict[str, Path]) -> list[dict]:
+    """Push every member in order (parents first), as versions named after the members."""
+    return [timed_push(reg, paths[m], m, MEMBERS[m]) for m in MEMBERS]
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
+
+
+def median(xs):
+    return statistics.median(xs) if xs else None
+
+
+def spread(xs) -> str:
+    return f"{min(xs):.2f}-{max(xs):.2f}" if len(xs) > 1 else ""
+
+
+def table(headers: list[str], rows: list[list]) -> str:
+    def cell(v):
+        return v if isinstance(v, str) else f"{v:,}" if isinstance(v, int) else f"{v:.3g}" if isinstance(v, float) else str(v)
+
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(cell(v) for v in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def write_json(name: str, doc: dict) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    out = RESULTS / name
+    out.write_text(json.dumps(doc, indent=2) + "\n")
+    return out

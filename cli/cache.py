@@ -1,0 +1,77 @@
+"""`mfsreg cache ...`: the node cache of an inference node (MFSREG_CACHE_DIR)."""
+
+from __future__ import annotations
+
+import typer
+
+from cli.backend import RegistryOption
+from cli.output import emit_json, human_bytes, table
+
+cache_app = typer.Typer(help="The node cache (MFSREG_CACHE_DIR, default ~/.cache/mfsreg).", no_args_is_help=True)
+
+
+@cache_app.command("warm")
+def warm(
+    family: str = typer.Argument(...),
+    tier: str = typer.Option("base", "--tier", help="base, group or unique: the family's chunks of this tier."),
+    recent: int = typer.Option(0, "--recent", help="Also keep the chunks of the N most recently pulled members warm."),
+    pin: bool = typer.Option(True, "--pin/--no-pin", help="Pin the family's base tier so eviction never drops it."),
+    json_: bool = typer.Option(False, "--json"),
+    registry: str = RegistryOption,
+) -> None:
+    """Fetch a family's tier (and recent members) into the cache ahead of time."""
+    from registry.client.warm import warm_cache
+
+    result = warm_cache(_remote(registry), family, tier, recent, pin)
+    if json_:
+        emit_json(result)
+    else:
+        typer.echo(f"{family}: {result['chunks']} chunks warm, {human_bytes(result['fetched_bytes'])} fetched")
+
+
+@cache_app.command("stats")
+def stats(json_: bool = typer.Option(False, "--json")) -> None:
+    """What the cache holds, by tier."""
+    from registry.client.cache import NodeCache
+
+    s = NodeCache().stats()
+    if json_:
+        emit_json(s)
+        return
+    typer.echo(f"{s['path']}: {s['chunks']} chunks, {human_bytes(s['bytes'])} (limit {human_bytes(s['max_bytes'])})")
+    table(None, ["tier", "entries", "bytes"], [[t, v["entries"], human_bytes(v["bytes"])] for t, v in s["by_tier"].items()])
+
+
+@cache_app.command("prune")
+def prune(
+    max_size: str = typer.Option(None, "--max-size", help="Shrink to this size (e.g. 20G); default MFSREG_CACHE_MAX."),
+    json_: bool = typer.Option(False, "--json"),
+) -> None:
+    """Evict files, then unique, group and base chunks (least recently used first) down to the limit."""
+    from registry.client.cache import NodeCache
+    from registry.config import parse_size
+    from registry.errors import InvalidRequest
+
+    cache = NodeCache()
+    try:
+        limit = parse_size(max_size) if max_size else cache.max_bytes
+    except ValueError:
+        raise InvalidRequest(f"--max-size {max_size!r} is not a size: use bytes or a suffix K, M, G") from None
+    if limit is None:
+        raise InvalidRequest("no limit to prune to: give --max-size or set MFSREG_CACHE_MAX")
+    removed, freed = cache.evict(limit)
+    if json_:
+        emit_json({"removed": removed, "freed_bytes": freed, "bytes": cache.total_bytes()})
+    else:
+        typer.echo(f"removed {removed} entries, freed {human_bytes(freed)}")
+
+
+def _remote(registry: str | None):
+    import os
+
+    from registry.client.remote import RemoteRegistry
+    from registry.errors import InvalidRequest
+
+    if not registry:
+        raise InvalidRequest("the node cache serves a remote registry: set MFSREG_URL or pass --registry")
+    return RemoteRegistry(registry, token=os.environ.get("MFSREG_TOKEN"))

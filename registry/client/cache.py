@@ -1,0 +1,241 @@
+"""The node cache: verified raw chunks on local disk, content-addressed and size-bounded.
+
+Layout under MFSREG_CACHE_DIR (default ~/.cache/mfsreg):
+  chunks/ab/<id>     raw chunk bytes (decoded and checked against the id before they are written)
+  files/<sha256>     whole files materialised for engines (`pull --to-dir` hardlinks them)
+  index.db           SQLite (stdlib, WAL): size, tier, pin and last use per entry
+
+Several processes on one node share it safely: each write goes to a unique temp name and is renamed
+into place (the same id always holds the same bytes, so a lost race costs nothing), and the index
+is a WAL database that serialises its writers. Eviction drops materialised files first, then
+unique, group and base chunks, least recently used first within each, and never a chunk of a
+pinned family's base tier or one the current operation still needs.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import threading
+import time
+import uuid
+from collections.abc import Iterable
+from pathlib import Path
+
+from registry.tiers import EVICTION_ORDER
+
+# Lower ranks go first. Materialised files can be rebuilt from chunks, so they go before any chunk.
+FILE_RANK = -1
+RANK = {tier: i for i, tier in enumerate(EVICTION_ORDER)}  # unique 0, group 1, base 2
+UNKNOWN_RANK = RANK["unique"]
+
+
+def default_cache_dir() -> Path:
+    env = os.environ.get("MFSREG_CACHE_DIR")
+    if env:
+        return Path(env).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "mfsreg"
+
+
+def default_max_bytes() -> int | None:
+    raw = os.environ.get("MFSREG_CACHE_MAX")
+    if not raw:
+        return None
+    from registry.config import parse_size
+
+    return parse_size(raw)
+
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS entries (
+    key TEXT PRIMARY KEY,      -- chunk id, or 'file:<sha256>'
+    size INTEGER NOT NULL,
+    rank INTEGER NOT NULL,
+    family TEXT,
+    last_used REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS entries_evict ON entries (rank, last_used);
+CREATE TABLE IF NOT EXISTS pins (family TEXT PRIMARY KEY);
+CREATE TABLE IF NOT EXISTS pulls (family TEXT, version TEXT, last_used REAL, PRIMARY KEY (family, version));
+"""
+
+
+class NodeCache:
+    def __init__(self, root: Path | None = None, max_bytes: int | None = None):
+        self.root = Path(root) if root is not None else default_cache_dir()
+        self.max_bytes = max_bytes if max_bytes is not None else default_max_bytes()
+        (self.root / "chunks").mkdir(parents=True, exist_ok=True)
+        (self.root / "files").mkdir(parents=True, exist_ok=True)
+        self._local = threading.local()
+        self._conn().executescript(_SCHEMA)  # idempotent; executescript manages its own transaction
+
+    # -- index ------------------------------------------------------------------------------------
+
+    def _conn(self) -> sqlite3.Connection:
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = sqlite3.connect(self.root / "index.db", timeout=60, isolation_level=None)
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA busy_timeout=60000")
+            self._local.conn = conn
+        return conn
+
+    def _db(self):
+        return _Tx(self._conn())
+
+    def close(self) -> None:
+        conn = getattr(self._local, "conn", None)
+        if conn is not None:
+            conn.close()
+            self._local.conn = None
+
+    # -- chunks -----------------------------------------------------------------------------------
+
+    def chunk_path(self, chunk_id: str) -> Path:
+        return self.root / "chunks" / chunk_id[:2] / chunk_id
+
+    def file_path(self, sha256: str) -> Path:
+        return self.root / "files" / sha256
+
+    def has(self, chunk_id: str) -> bool:
+        return self.chunk_path(chunk_id).exists()
+
+    def get(self, chunk_id: str) -> bytes | None:
+        try:
+            return self.chunk_path(chunk_id).read_bytes()
+        except FileNotFoundError:
+            return None
+
+    def read_into(self, chunk_id: str, out) -> bool:
+        """Read a chunk straight into a writable buffer (a tensor's bytes); False if not cached."""
+        try:
+            with open(self.chunk_path(chunk_id), "rb", buffering=0) as f:
+                n = f.readinto(out)
+        except FileNotFoundError:
+            return False
+        return n == len(out)
+
+    def put(self, chunk_id: str, raw: bytes, tier: str | None = None, family: str | None = None) -> None:
+        """Store verified raw bytes (the caller checked them against the id)."""
+        path = self.chunk_path(chunk_id)
+        if not path.exists():
+            atomic_write(path, raw)
+        self.record([(chunk_id, len(raw), tier, family)])
+
+    def record(self, items: Iterable[tuple[str, int, str | None, str | None]]) -> None:
+        now = time.time()
+        rows = [(k, n, RANK.get(t, UNKNOWN_RANK) if t else UNKNOWN_RANK, fam, now) for k, n, t, fam in items]
+        with self._db() as db:
+            db.executemany(
+                "INSERT INTO entries (key, size, rank, family, last_used) VALUES (?, ?, ?, ?, ?) "
+                "ON CONFLICT(key) DO UPDATE SET rank = MAX(rank, excluded.rank), last_used = excluded.last_used, "
+                "family = COALESCE(entries.family, excluded.family)",
+                rows,
+            )
+
+    def touch(self, chunk_ids: Iterable[str]) -> None:
+        now = time.time()
+        with self._db() as db:
+            db.executemany("UPDATE entries SET last_used = ? WHERE key = ?", [(now, i) for i in chunk_ids])
+
+    def set_tiers(self, tiers: dict[str, str | None]) -> None:
+        with self._db() as db:
+            db.executemany("UPDATE entries SET rank = ? WHERE key = ?",
+                           [(RANK.get(t, UNKNOWN_RANK) if t else UNKNOWN_RANK, i) for i, t in tiers.items()])
+
+    # -- files ------------------------------------------------------------------------------------
+
+    def add_file(self, sha256: str, size: int) -> None:
+        self.record([(f"file:{sha256}", size, None, None)])
+        with self._db() as db:
+            db.execute("UPDATE entries SET rank = ? WHERE key = ?", (FILE_RANK, f"file:{sha256}"))
+
+    # -- pins, recent pulls -------------------------------------------------------------------------
+
+    def pin(self, family: str) -> None:
+        with self._db() as db:
+            db.execute("INSERT OR IGNORE INTO pins (family) VALUES (?)", (family,))
+
+    def unpin(self, family: str) -> None:
+        with self._db() as db:
+            db.execute("DELETE FROM pins WHERE family = ?", (family,))
+
+    def pinned(self) -> list[str]:
+        return [r[0] for r in self._conn().execute("SELECT family FROM pins ORDER BY family")]
+
+    def record_pull(self, family: str, version: str) -> None:
+        with self._db() as db:
+            db.execute("INSERT INTO pulls (family, version, last_used) VALUES (?, ?, ?) "
+                       "ON CONFLICT(family, version) DO UPDATE SET last_used = excluded.last_used", (family, version, time.time()))
+
+    def recent_pulls(self, family: str, n: int) -> list[str]:
+        q = "SELECT version FROM pulls WHERE family = ? ORDER BY last_used DESC LIMIT ?"
+        return [r[0] for r in self._conn().execute(q, (family, n))]
+
+    # -- size limit -------------------------------------------------------------------------------
+
+    def total_bytes(self) -> int:
+        return self._conn().execute("SELECT COALESCE(SUM(size), 0) FROM entries").fetchone()[0]
+
+    def evict(self, max_bytes: int | None = None, protect: Iterable[str] = ()) -> tuple[int, int]:
+        """Drop entries until the cache fits ``max_bytes`` (default: its limit); returns (entries, bytes)."""
+        limit = self.max_bytes if max_bytes is None else max_bytes
+        if limit is None:
+            return 0, 0
+        keep = set(protect)
+        total = self.total_bytes()
+        removed = freed = 0
+        if total <= limit:
+            return 0, 0
+        q = ("SELECT key, size FROM entries WHERE NOT (rank = ? AND family IN (SELECT family FROM pins)) "
+             "ORDER BY rank, last_used")
+        for key, size in self._conn().execute(q, (RANK["base"],)).fetchall():
+            if total <= limit:
+                break
+            if key in keep:
+                continue
+            path = self.file_path(key[5:]) if key.startswith("file:") else self.chunk_path(key)
+            with self._db() as db:
+                db.execute("DELETE FROM entries WHERE key = ?", (key,))
+            path.unlink(missing_ok=True)
+            total -= size
+            removed += 1
+            freed += size
+        return removed, freed
+
+    def stats(self) -> dict:
+        rows = self._conn().execute("SELECT rank, COUNT(*), COALESCE(SUM(size), 0) FROM entries GROUP BY rank").fetchall()
+        names = {FILE_RANK: "files", **{r: t for t, r in RANK.items()}}
+        by = {names[r]: {"entries": n, "bytes": b} for r, n, b in rows}
+        return {
+            "path": str(self.root), "max_bytes": self.max_bytes, "bytes": sum(b for _, _, b in rows),
+            "chunks": sum(n for r, n, _ in rows if r != FILE_RANK), "by_tier": by, "pinned_families": self.pinned(),
+        }
+
+
+class _Tx:
+    """BEGIN IMMEDIATE ... COMMIT: writers queue for the lock instead of failing halfway."""
+
+    def __init__(self, conn: sqlite3.Connection):
+        self.conn = conn
+
+    def __enter__(self) -> sqlite3.Connection:
+        self.conn.execute("BEGIN IMMEDIATE")
+        return self.conn
+
+    def __exit__(self, exc_type, *_):
+        self.conn.execute("ROLLBACK" if exc_type else "COMMIT")
+
+
+def atomic_write(path: Path, data) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+

@@ -1,0 +1,110 @@
+"""The fetcher: makes a version's chunks present in the node cache, fetching only what is missing.
+
+Missing chunks are requested in batches of encoded payloads (concurrent requests, one stream each),
+decoded on a thread pool and checked against their ids, then written to the cache. A delta whose
+basis is not cached brings its basis along, and the basis is cached too (it is usually a base-tier
+chunk that the next member needs as well).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from registry.blobs.packs import StoredChunk
+from registry.client.cache import NodeCache
+from registry.client.remote import RemoteRegistry
+from registry.manifest import Manifest
+from registry.progress import NullProgress, Progress
+from registry.rebuild import decode_batch
+
+BATCH_BYTES = 32 << 20  # raw bytes per request: several requests run at once
+
+
+@dataclass
+class FetchStats:
+    fetched_bytes: int = 0  # payload bytes received over the network
+    fetched_chunks: int = 0
+    cached_bytes: int = 0  # raw bytes that were already in the cache
+    cached_chunks: int = 0
+    chunk_ids: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class VersionInfo:
+    """What a node knows of a version: its manifest and, per chunk it needs, where and what it is."""
+
+    family: str
+    version: str
+    digest: str
+    logical_bytes: int
+    manifest: Manifest
+    located: dict[str, StoredChunk]
+    tiers: dict[str, str | None]
+
+
+class Fetcher:
+    def __init__(self, remote: RemoteRegistry, cache: NodeCache, concurrency: int = 4):
+        self.remote = remote
+        self.cache = cache
+        self.concurrency = concurrency
+
+    def version(self, family: str, version: str) -> VersionInfo:
+        doc = self.remote.version_doc(family, version)
+        return VersionInfo(
+            family=family, version=version, digest=doc["digest"], logical_bytes=doc["logical_bytes"],
+            manifest=Manifest.from_doc(doc["manifest"]), located=self.remote.located(doc),
+            tiers={i: row[4] for i, row in doc["chunks"].items()},
+        )
+
+    def ensure(self, family: str, ids: list[str], located: dict[str, StoredChunk], tiers: dict[str, str | None],
+               progress: Progress | None = None) -> FetchStats:
+        """Make ``ids`` present in the cache; returns what came from the network and from the cache."""
+        progress = progress or NullProgress()
+        stats = FetchStats(chunk_ids=list(ids))
+        missing = []
+        for i in dict.fromkeys(ids):
+            if self.cache.has(i):
+                stats.cached_bytes += located[i].size
+                stats.cached_chunks += 1
+            else:
+                missing.append(i)
+        self.cache.touch(ids)
+        progress.start("fetch", sum(located[i].size for i in missing))
+        if not missing:
+            return stats
+        batches = list(_batches(missing, located))
+        with ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix="mfsreg-fetch") as requests:
+            results = requests.map(lambda b: (self._fetch_batch(family, b, located, tiers), b), batches)
+            for (received, got), batch in results:
+                stats.fetched_bytes += received
+                stats.fetched_chunks += got
+                progress.advance("fetch", sum(located[i].size for i in batch))
+        return stats
+
+    def _fetch_batch(self, family: str, batch: list[str], located, tiers) -> tuple[int, int]:
+        received = 0
+
+        def payloads(chunks: list[StoredChunk]) -> Iterator[tuple[StoredChunk, bytes]]:
+            nonlocal received
+            for c, p in self.remote.fetch(family, chunks):
+                received += len(p)
+                yield c, p
+
+        raw = decode_batch(batch, located, payloads, self.remote.pool, known=self.cache.get)
+        for i, data in raw.items():
+            self.cache.put(i, data, tiers.get(i), family)
+        return received, len(raw)
+
+
+def _batches(ids: list[str], located: dict[str, StoredChunk]) -> Iterator[list[str]]:
+    batch, n = [], 0
+    for i in ids:
+        batch.append(i)
+        n += located[i].size
+        if n >= BATCH_BYTES:
+            yield batch
+            batch, n = [], 0
+    if batch:
+        yield batch

@@ -1,0 +1,31 @@
+"""Prefetch: bring a family's tier, and the members a node pulled recently, into the node cache."""
+
+from __future__ import annotations
+
+from registry.client.cache import NodeCache
+from registry.client.fetch import Fetcher
+from registry.client.remote import RemoteRegistry
+
+
+def warm_cache(remote: RemoteRegistry, family: str, tier: str | None = "base", recent: int = 0, pin: bool = True,
+               cache: NodeCache | None = None) -> dict:
+    cache = cache or NodeCache()
+    try:
+        fetcher = Fetcher(remote, cache)
+        doc = remote.tier_doc(family, tier)
+        located = remote.located(doc)
+        tiers = {i: row[4] for i, row in doc["chunks"].items()}
+        ids = [i for i, row in doc["chunks"].items() if tier is None or row[4] == tier]
+        if pin and tier == "base":
+            cache.pin(family)
+        stats = fetcher.ensure(family, ids, located, tiers)
+        fetched, chunks = stats.fetched_bytes, len(ids)
+        cache.set_tiers(tiers)  # tiers move as members join: refresh what the cache believes
+        for version in cache.recent_pulls(family, recent) if recent else []:
+            info = fetcher.version(family, version)
+            s = fetcher.ensure(family, info.manifest.chunk_ids(), info.located, info.tiers)
+            fetched += s.fetched_bytes
+            chunks += s.fetched_chunks + s.cached_chunks
+        return {"family": family, "tier": tier, "chunks": chunks, "fetched_bytes": fetched, "pinned": pin and tier == "base"}
+    finally:
+        remote.close()
