@@ -44,13 +44,21 @@ def _dctx() -> zstandard.ZstdDecompressor:
     return d
 
 
-def split_planes(data, itemsize: int) -> np.ndarray:
-    """Byte planes of ``data``: all first bytes of each element, then all second bytes, ..."""
-    a = np.frombuffer(data, dtype=np.uint8)
-    return np.ascontiguousarray(a.reshape(-1, itemsize).T)
-
-
 _WIDE = {2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def split_planes(data, itemsize: int) -> np.ndarray:
+    """Byte planes of ``data``: all first bytes of each element, then all second bytes, ...
+    Shifting wide little-endian integers runs at several GB/s; a strided transpose at under one."""
+    a = np.frombuffer(data, dtype=np.uint8)
+    if itemsize == 1:
+        return a
+    w = a.view(_WIDE[itemsize])
+    n = w.size
+    out = np.empty(a.size, dtype=np.uint8)
+    for k in range(itemsize):
+        np.copyto(out[k * n : (k + 1) * n], (w >> _WIDE[itemsize](8 * k)) if k else w, casting="unsafe")
+    return out
 
 
 def join_planes(planes, itemsize: int) -> np.ndarray:

@@ -64,7 +64,7 @@ class Settings:
     @classmethod
     def from_env(cls, env: dict | None = None, **overrides) -> "Settings":
         env = dict(os.environ if env is None else env)
-        home = Path(env.get("MFSREG_HOME") or Path.home() / ".mfsreg").expanduser()
+        home = Path(env.get("MFSREG_HOME") or Path.home() / ".mfsreg").expanduser().absolute()
         chunk_size = _size(env, "MFSREG_CHUNK_SIZE", DEFAULT_CHUNK_SIZE)
         if not MIN_CHUNK_SIZE <= chunk_size <= MAX_CHUNK_SIZE:
             raise InvalidRequest(

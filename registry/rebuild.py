@@ -12,7 +12,6 @@ import hashlib
 import os
 
 import uuid
-from collections import defaultdict
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -75,27 +74,7 @@ def targets(manifest: Manifest, out: Path) -> list[tuple[FileEntry, Path]]:
     return [(f, out.joinpath(*safe_relpath(f.path).parts)) for f in manifest.files]
 
 
-def _file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(16 << 20):
-            h.update(block)
-    return h.hexdigest()
-
-
 BATCH_BYTES = 64 << 20  # raw bytes decoded per step: bounds memory whatever the file size
-
-
-def _batches(ids: list[str], sizes: dict[str, int]) -> Iterator[list[str]]:
-    batch, n = [], 0
-    for i in ids:
-        batch.append(i)
-        n += sizes[i]
-        if n >= BATCH_BYTES:
-            yield batch
-            batch, n = [], 0
-    if batch:
-        yield batch
 
 
 def closure(ids: list[str], located: dict[str, StoredChunk], have: Callable[[str], bool] = lambda i: False) -> list[str]:
@@ -164,30 +143,48 @@ def decode_batch(ids: list[str], located: dict[str, StoredChunk], payloads: Payl
     return raw
 
 
+def _position_batches(chunks, limit: int = BATCH_BYTES) -> Iterator[list]:
+    batch, n = [], 0
+    for c in chunks:
+        batch.append(c)
+        n += c.size
+        if n >= limit:
+            yield batch
+            batch, n = [], 0
+    if batch:
+        yield batch
+
+
 def write_file(entry: FileEntry, dest: Path, located: dict[str, StoredChunk], payloads: PayloadSource,
                pool: ThreadPoolExecutor, progress: Progress) -> None:
-    """Write one file atomically from its chunks and verify it against its sha256."""
-    offsets: dict[str, list[int]] = defaultdict(list)
-    sizes: dict[str, int] = {}
-    for c in entry.chunks:
-        offsets[c.id].append(c.offset)
-        sizes[c.id] = c.size
+    """Write one file atomically from its chunks and verify it against its sha256.
+
+    The file is written front to back in batches; while one batch is hashed and written, the next
+    is fetched and decoded on another thread. The sha256 is computed over the bytes as they are
+    written, so the file is not read back.
+    """
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex}.tmp")
+    h = hashlib.sha256()
+    batches = list(_position_batches(entry.chunks))
+
+    def decode(batch):
+        return decode_batch(list(dict.fromkeys(c.id for c in batch)), located, payloads, pool)
+
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            os.ftruncate(fd, entry.size)
-            for batch in _batches(list(offsets), sizes):
-                raw = decode_batch(batch, located, payloads, pool)
-                for i in batch:
-                    for off in offsets[i]:
-                        os.pwrite(fd, raw[i], off)
-                    progress.advance("write", sizes[i] * len(offsets[i]))
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        if _file_sha256(tmp) != entry.sha256:
+        with open(tmp, "wb") as f, ThreadPoolExecutor(max_workers=1, thread_name_prefix="mfsreg-prefetch") as ahead:
+            nxt = ahead.submit(decode, batches[0]) if batches else None
+            for k, batch in enumerate(batches):
+                raw = nxt.result()
+                nxt = ahead.submit(decode, batches[k + 1]) if k + 1 < len(batches) else None
+                for c in batch:
+                    data = raw[c.id]
+                    h.update(data)
+                    f.write(data)
+                progress.advance("write", sum(c.size for c in batch))
+            f.flush()
+            os.fsync(f.fileno())
+        if os.path.getsize(tmp) != entry.size or h.hexdigest() != entry.sha256:
             raise IntegrityError(f"{entry.path}: rebuilt bytes do not match the sha256 recorded at push")
         os.replace(tmp, dest)
     finally:

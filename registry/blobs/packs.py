@@ -48,21 +48,25 @@ class PackWriter:
         self.store = store
         self.pack_size = pack_size
         self.on_flush = on_flush
-        self._buf = bytearray()
+        # Payloads are kept as a list and joined once per pack: growing one bytearray re-allocates
+        # and copies 64 MiB over and over (it was the main thread's largest cost in a push).
+        self._parts: list[bytes] = []
+        self._size = 0
         self._pending: list[tuple] = []
         self.bytes_written = 0
 
     def add(self, chunk_id: str, size: int, sha256: str, encoding: str, payload: bytes, basis_id: str | None = None,
             depth: int = 0) -> None:
-        self._pending.append((chunk_id, size, sha256, encoding, len(self._buf), len(payload), basis_id, depth))
-        self._buf += payload
-        if len(self._buf) >= self.pack_size:
+        self._pending.append((chunk_id, size, sha256, encoding, self._size, len(payload), basis_id, depth))
+        self._parts.append(payload)
+        self._size += len(payload)
+        if self._size >= self.pack_size:
             self.flush()
 
     def flush(self) -> None:
         if not self._pending:
             return
-        data = bytes(self._buf)
+        data = b"".join(self._parts)
         pack_id = xxhash.xxh3_128_hexdigest(data)
         self.store.put(pack_key(pack_id), data)
         chunks = [
@@ -70,8 +74,7 @@ class PackWriter:
             for cid, size, sha, enc, off, n, basis, depth in self._pending
         ]
         self.bytes_written += len(data)
-        self._buf = bytearray()
-        self._pending = []
+        self._parts, self._size, self._pending = [], 0, []
         self.on_flush(pack_id, len(data), chunks)
 
 
