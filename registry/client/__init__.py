@@ -1,5 +1,21 @@
-"""The node side: talks to an mfsreg server over HTTP only (a node needs no database driver)."""
+"""The node side: talks to an mfsreg server over HTTP only (a node needs no database driver).
+
+``load_tensors`` and ``ResidentModel`` need torch (the ``torch`` extra); they are imported lazily
+so that the rest of the client works without it.
+"""
 
 from registry.client.remote import RemoteRegistry
 
-__all__ = ["RemoteRegistry"]
+__all__ = ["RemoteRegistry", "load_tensors", "ResidentModel", "Node"]
+
+
+def __getattr__(name: str):
+    if name in ("load_tensors", "Node"):
+        from registry.client import torch_loader
+
+        return getattr(torch_loader, name)
+    if name == "ResidentModel":
+        from registry.client.resident import ResidentModel
+
+        return ResidentModel
+    raise AttributeError(name)

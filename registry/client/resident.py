@@ -1,0 +1,53 @@
+"""A model resident on a device that switches versions by copying only the chunks that differ."""
+
+from __future__ import annotations
+
+import torch
+
+from registry.client.torch_loader import Copier, Node, fill, layout
+
+
+class ResidentModel:
+    """One version of a family held on ``device`` in ``.tensors`` (name -> tensor).
+
+    ``switch(version)`` moves to another version in place: a tensor whose dtype and shape stay the
+    same gets only its differing chunks copied over; a tensor whose shape changes is reallocated and
+    filled; tensors the target lacks are dropped. Returns the bytes copied.
+    """
+
+    def __init__(self, family: str, version: str, device: str | torch.device = "cpu", node: Node | None = None):
+        self._own = node is None
+        self.node = node or Node()
+        self.family = family
+        self.device = torch.device(device)
+        self.copier = Copier(self.node.cache, self.device)
+        self.version = version
+        self.info = self.node.fetcher.version(family, version)
+        lay = layout(self.info)
+        self.tensors: dict[str, torch.Tensor] = {name: self.copier.empty(span) for name, (span, _) in lay.items()}
+        self.loaded_bytes = fill(self.node, self.info, self.copier, self.tensors, {n: p for n, (_, p) in lay.items()})
+
+    def switch(self, version: str) -> int:
+        target = self.node.fetcher.version(self.family, version)
+        old, new = layout(self.info), layout(target)
+        todo = {}
+        for name, (span, pieces) in new.items():
+            before = old.get(name)
+            t = self.tensors.get(name)
+            if before is None or t is None or before[0].dtype != span.dtype or before[0].shape != span.shape:
+                self.tensors[name] = self.copier.empty(span)
+                todo[name] = pieces
+                continue
+            have = {(p.start, p.chunk.size, p.chunk.id) for p in before[1]}
+            todo[name] = [p for p in pieces if (p.start, p.chunk.size, p.chunk.id) not in have]
+        for name in list(self.tensors):
+            if name not in new:
+                del self.tensors[name]
+        copied = fill(self.node, target, self.copier, self.tensors, todo)
+        self.info, self.version = target, version
+        self.node.cache.record_pull(self.family, version)
+        return copied
+
+    def close(self) -> None:
+        if self._own:
+            self.node.close()

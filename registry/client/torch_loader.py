@@ -1,0 +1,212 @@
+"""Tensors straight from the node cache, without writing a file.
+
+Each tensor is allocated once and its chunks are read from the cache directly into its bytes (one
+copy from the page cache, as safetensors' own loader does), each chunk re-checked against its id.
+Fetching runs ahead on a background thread, batch by batch, so network, decode and copy overlap.
+On a GPU, chunks go through two pinned staging buffers and are copied with non_blocking copies on
+a CUDA stream; a buffer is refilled only after the event of its last copy has completed.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from registry.chunking import ChunkRef, chunk_id
+from registry.client.cache import NodeCache
+from registry.client.fetch import Fetcher, VersionInfo
+from registry.client.remote import RemoteRegistry
+from registry.errors import IntegrityError, InvalidRequest
+from registry.manifest import SAFETENSORS
+from registry.safetensors import TensorSpan
+
+DTYPES = {
+    "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32,
+    "I64": torch.int64, "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64,
+    "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64, "C64": torch.complex64,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+if hasattr(torch, "float8_e8m0fnu"):
+    DTYPES["F8_E8M0"] = torch.float8_e8m0fnu
+
+FETCH_AHEAD_BYTES = 128 << 20  # raw bytes per fetch batch running ahead of the copies
+STAGE_BYTES = 64 << 20  # each of the two pinned staging buffers on a GPU
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One chunk of one tensor: where its bytes go inside the tensor."""
+
+    chunk: ChunkRef
+    start: int  # byte offset inside the tensor
+
+
+def layout(info: VersionInfo) -> dict[str, tuple[TensorSpan, list[Piece]]]:
+    """tensor name -> (span, its chunks in order)."""
+    out = {}
+    for f in info.manifest.files:
+        if f.kind != SAFETENSORS:
+            continue
+        chunks = sorted(f.chunks, key=lambda c: c.offset)
+        i = 0
+        for t in sorted(f.tensors, key=lambda t: t.start):
+            while i < len(chunks) and chunks[i].offset < t.start:
+                i += 1
+            pieces = []
+            while i < len(chunks) and chunks[i].offset < t.end:
+                pieces.append(Piece(chunks[i], chunks[i].offset - t.start))
+                i += 1
+            out[t.name] = (t, pieces)
+    return out
+
+
+class Node:
+    """What serving code needs on a node: the registry client, the node cache and a fetcher.
+    Reads MFSREG_URL, MFSREG_TOKEN and MFSREG_CACHE_DIR unless given."""
+
+    def __init__(self, url: str | None = None, token: str | None = None, cache_dir: str | None = None):
+        url = url or os.environ.get("MFSREG_URL")
+        if not url:
+            raise InvalidRequest("no registry to load from: set MFSREG_URL or pass url=")
+        self.remote = RemoteRegistry(url, token=token or os.environ.get("MFSREG_TOKEN"))
+        self.cache = NodeCache(cache_dir)
+        self.fetcher = Fetcher(self.remote, self.cache)
+
+    def close(self) -> None:
+        self.remote.close()
+        self.cache.close()
+
+
+class Copier:
+    """Copies cached chunks into tensor bytes on one device."""
+
+    def __init__(self, cache: NodeCache, device: torch.device):
+        self.cache = cache
+        self.device = device
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.stream = torch.cuda.Stream(device=device)
+            self.stages = [torch.empty(STAGE_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+            self.events: list = [None, None]
+            self.cur = 0
+            self.used = 0
+
+    def empty(self, span: TensorSpan) -> torch.Tensor:
+        dtype = DTYPES.get(span.dtype)
+        if dtype is None:
+            raise InvalidRequest(f"tensor {span.name!r}: dtype {span.dtype} has no torch equivalent here")
+        return torch.empty(span.shape, dtype=dtype, device=self.device)
+
+    def copy(self, tensor: torch.Tensor, pieces: list[Piece]) -> int:
+        """Copy ``pieces`` into ``tensor``; returns the bytes copied."""
+        if not pieces:
+            return 0
+        flat = tensor.view(-1).view(torch.uint8) if tensor.dim() else tensor.reshape(1).view(torch.uint8)
+        if not self.cuda:
+            arr = flat.numpy()
+            for p in pieces:
+                view = memoryview(arr[p.start : p.start + p.chunk.size])
+                self._read(p.chunk, view)
+            return sum(p.chunk.size for p in pieces)
+        for p in pieces:
+            n = p.chunk.size
+            if n > STAGE_BYTES:
+                raise InvalidRequest(f"chunk of {n} bytes is larger than the staging buffer")
+            if self.used + n > STAGE_BYTES:
+                self._next_stage()
+            stage = self.stages[self.cur]
+            self._read(p.chunk, memoryview(stage[self.used : self.used + n].numpy()))
+            with torch.cuda.stream(self.stream):
+                flat[p.start : p.start + n].copy_(stage[self.used : self.used + n], non_blocking=True)
+            self.used += n
+        return sum(p.chunk.size for p in pieces)
+
+    def _read(self, chunk: ChunkRef, view: memoryview) -> None:
+        if not self.cache.read_into(chunk.id, view) or chunk_id(view) != chunk.id:
+            raise IntegrityError(f"chunk {chunk.id} in the node cache is missing or damaged: run `mfsreg cache prune` and retry")
+
+    def _next_stage(self) -> None:
+        ev = torch.cuda.Event()
+        ev.record(self.stream)
+        self.events[self.cur] = ev
+        self.cur ^= 1
+        self.used = 0
+        if self.events[self.cur] is not None:
+            self.events[self.cur].synchronize()  # its copies are done: the buffer may be refilled
+
+    def finish(self) -> None:
+        if self.cuda:
+            self.stream.synchronize()
+
+
+def _fetch_ahead(fetcher: Fetcher, info: VersionInfo, groups: list[list[str]]) -> Iterator[int]:
+    """Yield group indexes as their chunks land in the cache; fetching runs on a background thread."""
+    done: queue.Queue = queue.Queue(maxsize=2)
+
+    def work():
+        try:
+            for k, ids in enumerate(groups):
+                fetcher.ensure(info.family, ids, info.located, info.tiers)
+                done.put(k)
+        except BaseException as exc:  # hand the error to the consumer
+            done.put(exc)
+
+    t = threading.Thread(target=work, name="mfsreg-fetch-ahead", daemon=True)
+    t.start()
+    for _ in groups:
+        item = done.get()
+        if isinstance(item, BaseException):
+            raise item
+        yield item
+    t.join()
+
+
+def _groups(names: list[str], lay: dict) -> list[list[str]]:
+    groups, cur, n = [], [], 0
+    for name in names:
+        cur.append(name)
+        n += lay[name][0].nbytes
+        if n >= FETCH_AHEAD_BYTES:
+            groups.append(cur)
+            cur, n = [], 0
+    if cur:
+        groups.append(cur)
+    return groups
+
+
+def fill(node: Node, info: VersionInfo, copier: Copier, targets: dict[str, torch.Tensor],
+         todo: dict[str, list[Piece]]) -> int:
+    """Fetch what ``todo`` needs (ahead of the copies) and copy it into ``targets``; returns bytes copied."""
+    lay = layout(info)
+    names = [n for n in todo if todo[n]]
+    groups = _groups(names, lay)
+    chunk_groups = [list(dict.fromkeys(p.chunk.id for n in g for p in todo[n])) for g in groups]
+    copied = 0
+    for k in _fetch_ahead(node.fetcher, info, chunk_groups):
+        for name in groups[k]:
+            copied += copier.copy(targets[name], todo[name])
+    copier.finish()
+    node.cache.evict(protect=[i for g in chunk_groups for i in g])
+    return copied
+
+
+def load_tensors(family: str, version: str, device: str | torch.device = "cpu", node: Node | None = None) -> dict[str, torch.Tensor]:
+    """A version's tensors on ``device``, built from the node cache (fetching what it lacks)."""
+    own = node is None
+    node = node or Node()
+    try:
+        info = node.fetcher.version(family, version)
+        copier = Copier(node.cache, torch.device(device))
+        lay = layout(info)
+        tensors = {name: copier.empty(span) for name, (span, _) in lay.items()}
+        fill(node, info, copier, tensors, {name: pieces for name, (_, pieces) in lay.items()})
+        node.cache.record_pull(family, version)
+        return tensors
+    finally:
+        if own:
+            node.close()

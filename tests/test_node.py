@@ -1,0 +1,184 @@
+"""The inference node: node cache, fetch of missing chunks only, tensors from the cache, in-place switch.
+All against a real `mfsreg serve` on Postgres and moto's S3 server."""
+
+from __future__ import annotations
+
+import filecmp
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from registry.client import ResidentModel, load_tensors
+from registry.client.cache import NodeCache
+from registry.client.torch_loader import Node
+from tests.cli_run import MFSREG, mfsreg, mfsreg_json
+from tests.server import client_env, servers, server_env, token  # noqa: F401
+
+
+@pytest.fixture
+def published(servers, server_env, fam, tmp_path):
+    """A server holding the synthetic family, and a node environment with an empty cache."""
+    (srv,) = servers(1)
+    env = client_env(tmp_path, srv.url, token(server_env, "push"))
+    for name, path in fam.items():
+        mfsreg_json("push", path, "--family", "fam", "--version", name, *(["--parent", "base"] if name != "base" else []), env=env)
+    return srv, env
+
+
+def needed(env: dict, version: str) -> dict:
+    """chunk id -> [encoding, stored bytes, basis, raw bytes, tier], for what the version needs."""
+    return Node(env["MFSREG_URL"], env["MFSREG_TOKEN"], env["MFSREG_CACHE_DIR"]).remote.version_doc("fam", version)["chunks"]
+
+
+def cached_ids(env: dict) -> list[str]:
+    return [p.name for p in (Path(env["MFSREG_CACHE_DIR"]) / "chunks").rglob("*") if p.is_file() and not p.name.startswith(".")]
+
+
+def test_pull_with_base_cached_fetches_only_what_is_not_shared(published, fam, tmp_path):
+    _, env = published
+    warm = mfsreg_json("cache", "warm", "fam", "--tier", "base", env=env)
+    assert warm["fetched_bytes"] > 0 and warm["pinned"]
+    base_ids = set(cached_ids(env))
+    for member in ("lora-chat", "vocab-ext", "full-med"):
+        have = set(cached_ids(env))
+        chunks = needed(env, member)
+        expected = sum(row[1] for i, row in chunks.items() if i not in have)
+        res = mfsreg_json("pull", "fam", member, "-o", tmp_path / f"{member}.out", env=env)
+        assert res["fetched_bytes"] == expected, member
+        # full-med shares no chunk outright: its deltas decode against the cached base chunks
+        assert (res["cached_bytes"] > 0) == (member != "full-med")
+        assert res["fetched_bytes"] < 0.5 * fam[member].stat().st_size
+        assert res["logical_bytes"] == fam[member].stat().st_size
+        assert filecmp.cmp(tmp_path / f"{member}.out", fam[member], shallow=False)
+    # with the base tier cached, a LoRA member moves far less than its size
+    lora = needed(env, "lora-chat")
+    assert sum(r[1] for i, r in lora.items() if i not in base_ids) < 0.25 * fam["lora-chat"].stat().st_size
+    again = mfsreg_json("pull", "fam", "lora-chat", "-o", tmp_path / "again.out", env=env)
+    assert again["fetched_bytes"] == 0
+
+
+def test_load_tensors_equals_safetensors_for_every_member(published, fam):
+    _, env = published
+    node = Node(env["MFSREG_URL"], env["MFSREG_TOKEN"], env["MFSREG_CACHE_DIR"])
+    try:
+        for member, path in fam.items():
+            got = load_tensors("fam", member, node=node)
+            want = load_file(str(path))
+            assert got.keys() == want.keys()
+            for name, t in want.items():
+                assert got[name].dtype == t.dtype and got[name].shape == t.shape
+                assert torch.equal(got[name].view(torch.uint8), t.view(torch.uint8)), (member, name)
+    finally:
+        node.close()
+    assert not list(Path(env["MFSREG_CACHE_DIR"]).rglob("*.safetensors"))  # no file was written
+
+
+def test_resident_model_switch_copies_only_differing_chunks(published, fam):
+    _, env = published
+    node = Node(env["MFSREG_URL"], env["MFSREG_TOKEN"], env["MFSREG_CACHE_DIR"])
+    model = ResidentModel("fam", "base", node=node)
+    try:
+        ptrs = {n: t.data_ptr() for n, t in model.tensors.items()}
+        for target in ("lora-chat", "vocab-ext", "lora-chat", "base"):
+            old = model.info
+            copied = model.switch(target)
+            old_pieces = {(c.offset - t.start, c.size, c.id, t.name) for f in old.manifest.files for t in f.tensors
+                          for c in f.chunks if t.start <= c.offset < t.end}
+            new_pieces = {(c.offset - t.start, c.size, c.id, t.name) for f in model.info.manifest.files for t in f.tensors
+                          for c in f.chunks if t.start <= c.offset < t.end}
+            old_shapes = {t.name: t.shape for f in old.manifest.files for t in f.tensors}
+            new_shapes = {t.name: t.shape for f in model.info.manifest.files for t in f.tensors}
+            reshaped = {n for n in new_shapes if old_shapes.get(n) != new_shapes[n]}
+            expected = sum(size for off, size, cid, name in new_pieces if name in reshaped or (off, size, cid, name) not in old_pieces)
+            assert copied == expected, target
+            assert copied < fam[target].stat().st_size / 2
+            want = load_file(str(fam[target]))
+            assert model.tensors.keys() == want.keys()
+            for name, t in want.items():
+                assert torch.equal(model.tensors[name].view(torch.uint8), t.view(torch.uint8)), (target, name)
+            # tensors whose shape did not change were updated in place
+            for name in want:
+                if name not in reshaped and name in ptrs and old_shapes.get(name) == new_shapes[name]:
+                    assert model.tensors[name].data_ptr() == ptrs[name]
+            ptrs = {n: t.data_ptr() for n, t in model.tensors.items()}
+    finally:
+        model.close()
+        node.close()
+
+
+def test_two_processes_pull_into_one_cache(published, fam, tmp_path):
+    _, env = published
+    procs = [
+        subprocess.Popen([MFSREG, "pull", "fam", m, "-o", str(tmp_path / f"{m}.out"), "--json"], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for m in ("lora-chat", "last-code")
+    ]
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err
+        json.loads(out)
+    for m in ("lora-chat", "last-code"):
+        assert filecmp.cmp(tmp_path / f"{m}.out", fam[m], shallow=False)
+    ids = cached_ids(env)
+    assert len(ids) == len(set(ids))  # each chunk once
+    wanted = set(needed(env, "lora-chat")) | set(needed(env, "last-code"))
+    assert set(ids) == wanted
+    assert not [p for p in Path(env["MFSREG_CACHE_DIR"]).rglob(".*.tmp")]
+
+
+def test_cache_limit_holds_and_base_is_evicted_last(published, fam, tmp_path):
+    _, env = published
+    base = needed(env, "base")
+    base_tier = {i for i, r in base.items() if r[4] == "base"}
+    base_bytes = sum(r[3] for i, r in base.items() if i in base_tier)
+    limit = base_bytes + 200_000
+    small = dict(env, MFSREG_CACHE_MAX=str(limit))
+    mfsreg_json("cache", "warm", "fam", "--tier", "base", "--no-pin", env=small)
+    for m in ("full-med", "last-code", "lora-chat"):
+        mfsreg_json("pull", "fam", m, "-o", tmp_path / f"{m}.out", env=small)
+        assert filecmp.cmp(tmp_path / f"{m}.out", fam[m], shallow=False)
+        stats = mfsreg_json("cache", "stats", env=small)
+        assert stats["bytes"] <= limit
+    # the cache was full of other members' chunks, yet the base tier is what stayed
+    assert base_tier <= set(cached_ids(env))
+    # an explicit prune goes below the base tier only once nothing else is left
+    pruned = mfsreg_json("cache", "prune", "--max-size", str(base_bytes // 2), env=small)
+    assert pruned["bytes"] <= base_bytes // 2
+    assert len(set(cached_ids(env)) & base_tier) < len(base_tier)
+
+
+def test_pinned_base_survives_prune(published, fam, tmp_path):
+    _, env = published
+    mfsreg_json("cache", "warm", "fam", "--tier", "base", env=env)  # pins the family's base tier
+    mfsreg_json("pull", "fam", "full-med", "-o", tmp_path / "f.out", env=env)
+    mfsreg_json("cache", "prune", "--max-size", "1", env=env)
+    base_tier = {i for i, r in needed(env, "base").items() if r[4] == "base"}
+    assert set(cached_ids(env)) == base_tier
+
+
+def test_to_dir_hardlinks_from_the_cache(published, fam, tmp_path):
+    _, env = published
+    a = mfsreg_json("pull", "fam", "lora-chat", "--to-dir", tmp_path / "engine-a", env=env)
+    b = mfsreg_json("pull", "fam", "lora-chat", "--to-dir", tmp_path / "engine-b", env=env)
+    fa, fb = tmp_path / "engine-a" / fam["lora-chat"].name, tmp_path / "engine-b" / fam["lora-chat"].name
+    assert filecmp.cmp(fa, fam["lora-chat"], shallow=False)
+    assert os.stat(fa).st_ino == os.stat(fb).st_ino  # one copy on disk, two engine directories
+    assert b["fetched_bytes"] == 0 and a["digest"] == b["digest"]
+    tensors = load_file(str(fb))
+    assert tensors.keys() == load_file(str(fam["lora-chat"])).keys()
+
+
+def test_cache_commands_need_a_registry_and_sane_sizes(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MFSREG_")}
+    env["MFSREG_CACHE_DIR"] = str(tmp_path / "c")
+    proc = mfsreg("cache", "warm", "fam", env=env, check=False)
+    assert proc.returncode == 2 and "MFSREG_URL" in proc.stderr
+    proc = mfsreg("cache", "prune", "--max-size", "lots", env=env, check=False)
+    assert proc.returncode == 2 and "not a size" in proc.stderr
+    assert mfsreg_json("cache", "stats", env=env)["chunks"] == 0
+    NodeCache(tmp_path / "c").close()
