@@ -24,7 +24,6 @@ from api.schemas import (
 from registry import service
 from registry.auth import Principal
 from registry.config import Settings
-from registry.db.engine import read_tx
 from registry.errors import Forbidden
 from registry.names import check_name
 from registry.registry import Registry
@@ -56,8 +55,7 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
     @app.get("/healthz", tags=["ops"])
     def healthz(request: Request) -> dict:
         """Liveness and readiness: the database answers."""
-        with read_tx(reg_of(request).engine):
-            pass
+        reg_of(request).ping()
         return {"status": "ok"}
 
     @app.get("/v1/families", response_model=list[FamilyModel], tags=["read"])
@@ -76,10 +74,17 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
 
     @app.get("/v1/families/{family}/versions/{version}", tags=["read"])
     def version(family: str, version: str, request: Request, who: Principal = Depends(principal)) -> dict:
-        """A version with its manifest and, per chunk id, [encoding, stored bytes, basis id]."""
+        """A version with its manifest and, per chunk id it needs, [encoding, stored bytes, basis id, raw bytes, tier]."""
         check_name("family", family)
         who.require("read", family)
         return service.version_doc(reg_of(request), family, version)
+
+    @app.get("/v1/families/{family}/chunks", tags=["read"])
+    def family_chunks(family: str, request: Request, tier: str | None = Query(None), who: Principal = Depends(principal)) -> dict:
+        """The family's chunks of one tier (base, group, unique) or all: what `mfsreg cache warm` fetches."""
+        check_name("family", family)
+        who.require("read", family)
+        return service.tier_doc(reg_of(request), family, tier)
 
     @app.delete("/v1/families/{family}/versions/{version}", response_model=DeleteResultModel, tags=["admin"])
     def delete(family: str, version: str, request: Request, who: Principal = Depends(principal)):

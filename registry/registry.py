@@ -37,6 +37,11 @@ class Registry:
         self.blobs = open_blob_store(self.settings.blob_url, self.settings.s3_endpoint_url)
         self.pool = ThreadPoolExecutor(max_workers=self.settings.workers, thread_name_prefix="mfsreg")
 
+    def ping(self) -> None:
+        """Raise StorageError unless the metadata database answers."""
+        with read_tx(self.engine):
+            pass
+
     def close(self) -> None:
         self.pool.shutdown(wait=True)
         self.engine.dispose()

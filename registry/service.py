@@ -18,10 +18,10 @@ from registry.blobs.packs import PackWriter, StoredChunk
 from registry.chunking import chunk_sha256
 from registry.config import MAX_CHUNK_SIZE
 from registry.db import chunks as chunk_db
+from registry.db import tiers as tier_db
 from registry.db import versions as version_db
 from registry.db.engine import read_tx, write_tx
-from registry.db.models import family_chunks
-from registry.errors import IntegrityError, InvalidModel, InvalidRequest
+from registry.errors import IntegrityError, InvalidModel, InvalidRequest, NotFound
 from registry.deltas import BasisReader, cap_depth
 from registry.ingest import check_push_names, commit_version, existing_result, plan_deltas
 from registry.parallel import windowed_map
@@ -29,6 +29,7 @@ from registry.results import PushResult
 from registry.manifest import SAFETENSORS, Manifest, parse_doc
 from registry.rebuild import decode_verified
 from registry.safetensors import MAX_HEADER_BYTES, parse_header
+from registry.tiers import TIERS
 from registry.wire import Entry, encode_index, parse_batch
 
 def _check_encoding(name: str) -> None:
@@ -148,30 +149,15 @@ def commit(reg, family: str, version: str, parent: str | None, doc: object) -> P
     )
 
 
-def family_chunk_ids(conn, family_id: int, ids: list[str]) -> set[str]:
-    from sqlalchemy import select
-
-    from registry.db.dialect import batches
-
-    found: set[str] = set()
-    for batch in batches(ids):
-        found.update(conn.execute(
-            select(family_chunks.c.chunk_id).where(family_chunks.c.family_id == family_id, family_chunks.c.chunk_id.in_(batch))
-        ).scalars())
-    return found
-
-
 def plan_download(reg, family: str, ids: list[str]) -> list[StoredChunk]:
     """The stored chunks to stream, after checking they belong to ``family`` (a token scoped to one
     family must not read another family's bytes by naming their ids)."""
     ids = list(dict.fromkeys(ids))
     with read_tx(reg.engine) as conn:
         fam = version_db.get_family(conn, family)
-        allowed = family_chunk_ids(conn, fam.id, ids)
+        allowed = tier_db.family_chunk_ids(conn, fam.id, ids)
         outside = [i for i in ids if i not in allowed]
         if outside:
-            from registry.errors import NotFound
-
             raise NotFound(f"{len(outside)} requested chunks are not part of family {family!r} (first: {outside[0]})")
         located = chunk_db.locate(conn, ids)
     # pack order lets the blob reads coalesce
@@ -200,8 +186,6 @@ def version_doc(reg, family: str, version: str) -> dict:
 
 def tier_doc(reg, family: str, tier: str | None) -> dict:
     """A family's chunks of one tier (or all), with what a node needs to fetch them."""
-    from registry.tiers import TIERS
-
     if tier is not None and tier not in TIERS:
         raise InvalidRequest(f"unknown tier {tier!r}: use one of {', '.join(TIERS)}")
     tiers = reg.chunk_tiers(family, tier)

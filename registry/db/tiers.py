@@ -101,3 +101,13 @@ def chunk_tiers(conn: Connection, family_id: int, tier: str | None = None) -> di
     return {c: (t, u) for c, t, u in conn.execute(q)}
 
 
+
+
+def family_chunk_ids(conn: Connection, family_id: int, ids: Sequence[str]) -> set[str]:
+    """The subset of ``ids`` that the family uses (directly or as a delta basis)."""
+    found: set[str] = set()
+    for batch in batches(list(ids)):
+        found.update(conn.execute(
+            select(fc.c.chunk_id).where(fc.c.family_id == family_id, fc.c.chunk_id.in_(batch))
+        ).scalars())
+    return found
