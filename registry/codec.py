@@ -30,10 +30,25 @@ ZSTD_LEVEL = 1  # level 1 is ~2x faster than 3 on weights and loses under 1% of 
 _local = threading.local()
 
 
+# Byte planes of weights (and their xor deltas) hold a low-entropy sign/exponent plane, few long
+# repeats, and near-random mantissa planes: the work is in entropy coding, not match finding.
+# A fast strategy with a long minimum match and a small hash table compresses the exponent plane
+# better (0.345 vs 0.368 of its size) and about twice as fast as level 1 (measured on bf16 planes).
+PLANE_PARAMS = dict(strategy=zstandard.STRATEGY_FAST, min_match=7, hash_log=10, window_log=17, search_log=1)
+
+
 def _cctx() -> zstandard.ZstdCompressor:
     c = getattr(_local, "cctx", None)
     if c is None:
         c = _local.cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
+    return c
+
+
+def _plane_cctx() -> zstandard.ZstdCompressor:
+    c = getattr(_local, "plane_cctx", None)
+    if c is None:
+        params = zstandard.ZstdCompressionParameters(**PLANE_PARAMS)
+        c = _local.plane_cctx = zstandard.ZstdCompressor(compression_params=params)
     return c
 
 
@@ -92,7 +107,7 @@ def xor_planes(data, basis, itemsize: int) -> np.ndarray:
 
 
 def encode_delta(data, basis, itemsize: int) -> bytes:
-    return _cctx().compress(xor_planes(data, basis, itemsize))
+    return _plane_cctx().compress(xor_planes(data, basis, itemsize))
 
 
 def best_encoding(data, itemsize: int, basis=None) -> tuple[str, bytes, bool]:
@@ -114,7 +129,7 @@ def encode(data, itemsize: int = 1) -> tuple[str, bytes]:
     """Encode a chunk's raw bytes; returns (encoding, payload), the smallest that was tried."""
     n = len(data)
     if itemsize > 1 and n % itemsize == 0 and n >= 4 * itemsize:
-        payload = _cctx().compress(split_planes(data, itemsize))
+        payload = _plane_cctx().compress(split_planes(data, itemsize))
         encoding = f"{ZSTD}-p{itemsize}"
     else:
         payload = _cctx().compress(data)

@@ -7,6 +7,9 @@ error that names the command to run, since upgrading a shared database is an ope
 
 from __future__ import annotations
 
+import fcntl
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from alembic import command
@@ -14,6 +17,7 @@ from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import Engine
+from sqlalchemy.exc import OperationalError
 
 from registry.errors import StorageError
 
@@ -48,9 +52,30 @@ def ensure_current(engine: Engine, auto_upgrade: bool) -> None:
     if current == head:
         return
     if auto_upgrade:
-        upgrade(engine)
+        with _migration_lock(engine):
+            if current_revision(engine) != head:  # another process may have just done it
+                try:
+                    upgrade(engine)
+                except OperationalError as exc:
+                    raise StorageError(f"cannot upgrade the embedded database: {str(exc.orig).splitlines()[0]}") from None
         return
     where = engine.url.render_as_string(hide_password=True)
     raise StorageError(
         f"database {where} is at schema revision {current or 'none'}, not {head}: run `mfsreg db upgrade`"
     )
+
+
+@contextmanager
+def _migration_lock(engine: Engine) -> Iterator[None]:
+    """Processes that open a fresh embedded registry at once take turns to create its schema
+    (SQLite's own locks would make all but one fail halfway through the DDL)."""
+    db = engine.url.database
+    if engine.dialect.name != "sqlite" or not db or db == ":memory:":
+        yield
+        return
+    with open(f"{db}.migrate.lock", "a+") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
