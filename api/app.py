@@ -107,7 +107,7 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
         check_name("family", family)
         who.require("push", family)
         body = await read_body(request, reg_of(request).settings.max_body)
-        return await run_in_threadpool(service.receive_batch, reg_of(request), body)
+        return await run_in_threadpool(service.receive_batch, reg_of(request), family, body)
 
     @app.post("/v1/families/{family}/versions/{version}/commit", response_model=PushResultModel, status_code=201, tags=["push"])
     def commit(family: str, version: str, body: CommitRequest, request: Request, who: Principal = Depends(principal)):

@@ -12,22 +12,55 @@ def _too_large(limit: int) -> TooLarge:
 
 
 class BodyLimit:
-    """ASGI middleware: a declared Content-Length over the limit gets 413 at once."""
+    """ASGI middleware: a declared Content-Length over the limit gets 413 at once. A body without
+    one (chunked transfer) is read here up to the limit, 413 past it, and replayed to the app:
+    the frameworks inside would turn an error raised mid-read into a 400."""
 
     def __init__(self, app, max_body: int):
         self.app = app
         self.max_body = max_body
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http":
-            for name, value in scope.get("headers", ()):
-                if name == b"content-length" and value.isdigit() and int(value) > self.max_body:
-                    from api.errors import problem
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers", ()))
+        length = headers.get(b"content-length")
+        if length is not None:
+            if length.isdigit() and int(length) > self.max_body:
+                await self._refuse(scope, receive, send)
+                return
+            await self.app(scope, receive, send)
+            return
+        if scope.get("method") in ("GET", "HEAD", "DELETE", "OPTIONS"):
+            await self.app(scope, receive, send)
+            return
+        body = bytearray()
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                break
+            body += message.get("body", b"")
+            if len(body) > self.max_body:
+                await self._refuse(scope, receive, send)
+                return
+            if not message.get("more_body", False):
+                break
+        replayed = False
 
-                    resp = problem(413, TooLarge.code, str(_too_large(self.max_body)))
-                    await resp(scope, receive, send)
-                    return
-        await self.app(scope, receive, send)
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": bytes(body), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, scope, receive, send):
+        from api.errors import problem
+
+        await problem(413, TooLarge.code, str(_too_large(self.max_body)))(scope, receive, send)
 
 
 async def read_body(request: Request, limit: int) -> bytes:

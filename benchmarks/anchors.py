@@ -6,6 +6,8 @@
   pyfastcdc's mean chunk is about avg + min, see its docs), each distinct chunk stored once, keyed
   by xxh3-128. Reported raw (``bytes``) and, as a second figure, with each distinct chunk
   compressed by zstd level 1 (``zstd_bytes``), since mfsreg stores its chunks compressed too.
+- per-file compressors (no dedup across files): zstd level 3 over each whole file, and ZipNN
+  (bf16 byte grouping + entropy coding) over each whole file where the package is installed.
 
 Speed anchors: plain file copy (shutil.copyfile to the same disk, with and without fsync) and CDC
 chunking (cut only, and cut + xxh3-128 per chunk, which is what a CDC store must at least do).
@@ -170,3 +172,74 @@ def hash_gbps(path: Path) -> dict:
         finally:
             view.release()
     return {"xxh3_128_gbps": size / (t1 - t0) / 1e9, "sha256_gbps": size / (t2 - t1) / 1e9}
+
+
+# -- per-file compressors (bench_delta): what compressing each file on its own achieves -------------
+
+ZSTD_FILE_LEVEL = 3
+
+
+class _Counter:
+    """A write-only sink that keeps only the number of bytes written."""
+
+    def __init__(self):
+        self.n = 0
+
+    def write(self, data) -> int:
+        self.n += len(data)
+        return len(data)
+
+
+def zstd_per_file(paths: Iterable[Path], level: int = ZSTD_FILE_LEVEL, threads: int = -1) -> dict:
+    """zstd over each whole file (streamed; ``threads=-1``: zstd's multithreaded mode on every core)."""
+    cctx = zstandard.ZstdCompressor(level=level, threads=threads)
+    total = size = 0
+    t0 = time.perf_counter()
+    for p in paths:
+        sink = _Counter()
+        with open(p, "rb") as f:
+            cctx.copy_stream(f, sink, read_size=16 << 20, write_size=16 << 20)
+        total += sink.n
+        size += Path(p).stat().st_size
+    seconds = time.perf_counter() - t0
+    return {"bytes": total, "level": level, "threads": threads, "input_bytes": size, "seconds": seconds,
+            "mbps": size / seconds / 1e6}
+
+
+def zipnn_per_file(paths: Iterable[Path], dtype: str = "bfloat16", verify: bool = True) -> dict:
+    """ZipNN over each whole file as bf16 bytes, the way its own file script does it (streaming in
+    1 MiB pieces, byte grouping + Huffman/zstd chosen per piece, its default thread count).
+
+    ZipNN (0.5.4) reorders bits of its input buffer in place, so each file is read into a private
+    bytearray; ``verify`` decompresses and checks the sha256 against the file. Returns
+    ``{"available": False, "reason": ...}`` when the package cannot be imported.
+    """
+    try:
+        import zipnn
+    except Exception as exc:  # not installed, or its C extension fails to load
+        return {"available": False, "reason": f"{exc.__class__.__name__}: {exc}"}
+    settings = dict(input_format="byte", bytearray_dtype=dtype, is_streaming=True, streaming_chunk=1 << 20)
+    total = size = 0
+    seconds = 0.0
+    verified = True if verify else None
+    for p in paths:
+        data = bytearray(Path(p).read_bytes())
+        t0 = time.perf_counter()
+        comp = zipnn.ZipNN(**settings).compress(data)
+        seconds += time.perf_counter() - t0
+        del data
+        total += len(comp)
+        size += Path(p).stat().st_size
+        if verify:
+            out = zipnn.ZipNN(**settings).decompress(bytes(comp))
+            if hashlib.sha256(out).hexdigest() != file_sha256(Path(p)):
+                verified = False
+            del out
+        del comp
+    version = getattr(zipnn, "__version__", None)
+    if version is None:
+        from importlib.metadata import version as _v
+
+        version = _v("zipnn")
+    return {"available": True, "bytes": total, "input_bytes": size, "seconds": seconds, "mbps": size / seconds / 1e6,
+            "verified": verified, "version": version, "settings": settings}

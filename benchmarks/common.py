@@ -57,14 +57,15 @@ def machine_info() -> dict:
 
 
 @contextmanager
-def fresh_registry(parent_dir: Path, chunk_size: int | None = None) -> Iterator:
-    """An embedded registry (SQLite + local packs) in a new temp dir under ``parent_dir``, removed after."""
+def fresh_registry(parent_dir: Path, chunk_size: int | None = None, **settings) -> Iterator:
+    """An embedded registry (SQLite + local packs) in a new temp dir under ``parent_dir``, removed after.
+    ``settings`` override Settings fields (e.g. ``delta=False``)."""
     from registry.config import Settings
     from registry.registry import Registry
 
     parent_dir.mkdir(parents=True, exist_ok=True)
     home = Path(tempfile.mkdtemp(prefix="mfsreg-bench-", dir=parent_dir))
-    overrides = {} if chunk_size is None else {"chunk_size": chunk_size}
+    overrides = dict(settings) if chunk_size is None else {**settings, "chunk_size": chunk_size}
     reg = Registry(Settings.from_env({"MFSREG_HOME": str(home)}, **overrides))
     try:
         yield reg, home

@@ -55,7 +55,7 @@ def prune(
     cache = NodeCache()
     try:
         limit = parse_size(max_size) if max_size else cache.max_bytes
-    except ValueError:
+    except (ValueError, OverflowError):
         raise InvalidRequest(f"--max-size {max_size!r} is not a size: use bytes or a suffix K, M, G") from None
     if limit is None:
         raise InvalidRequest("no limit to prune to: give --max-size or set MFSREG_CACHE_MAX")

@@ -139,21 +139,31 @@ def encode(data, itemsize: int = 1) -> tuple[str, bytes]:
     return encoding, payload
 
 
+def _decompress(payload, size: int) -> bytes:
+    # zstd trusts a frame's declared content size over max_output_size: check it first, or a tiny
+    # hostile frame could claim gigabytes.
+    declared = zstandard.frame_content_size(payload)
+    if declared != size:
+        raise ValueError(f"zstd frame declares {declared} bytes, the chunk has {size}")
+    return _dctx().decompress(payload, max_output_size=size)
+
+
 def decode(encoding: str, payload, size: int, basis=None) -> bytes:
-    """Rebuild a chunk's raw bytes from its stored payload. Raises ValueError on unknown encodings."""
+    """Rebuild a chunk's raw bytes from its stored payload. Raises ValueError on unknown encodings
+    and on frames that do not declare exactly ``size`` bytes."""
     if encoding == RAW:
         return bytes(payload)
     if encoding == ZSTD:
-        return _dctx().decompress(payload, max_output_size=size)
+        return _decompress(payload, size)
     if encoding.startswith(ZSTD + "-p"):
         itemsize = int(encoding[len(ZSTD) + 2 :])
-        planes = _dctx().decompress(payload, max_output_size=size)
+        planes = _decompress(payload, size)
         return join_planes(planes, itemsize).tobytes()
     if encoding.startswith(XOR + "-p"):
         if basis is None:
             raise ValueError(f"a {encoding} chunk needs its basis to decode")
         itemsize = int(encoding[len(XOR) + 2 :])
-        planes = _dctx().decompress(payload, max_output_size=size)
+        planes = _decompress(payload, size)
         x = join_planes(planes, itemsize)
         b = np.frombuffer(basis, dtype=np.uint8)
         m = min(x.size, b.size)

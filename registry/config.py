@@ -25,7 +25,7 @@ def _size(env: dict, name: str, default: int) -> int:
         return default
     try:
         value = parse_size(raw)
-    except ValueError:
+    except (ValueError, OverflowError):
         raise InvalidRequest(f"{name}={raw!r} is not a size: use bytes or a suffix K, M, G") from None
     return value
 
@@ -38,10 +38,10 @@ def parse_size(text: str) -> int:
         if t.endswith(suffix):
             t, mult = t[:-1], m
             break
-    value = int(float(t) * mult)
-    if value <= 0:
+    value = float(t) * mult
+    if not 0 < value < 1 << 62:  # also refuses inf and nan
         raise ValueError(text)
-    return value
+    return int(value)
 
 
 @dataclass(frozen=True)
@@ -83,3 +83,8 @@ class Settings:
         )
         values.update(overrides)
         return cls(**values)
+
+
+def size_from_env(name: str, default: int | None, env: dict | None = None) -> int | None:
+    """A size setting (bytes or K/M/G) from the environment; InvalidRequest if malformed."""
+    return _size(dict(os.environ if env is None else env), name, default)

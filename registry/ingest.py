@@ -21,7 +21,7 @@ from registry.db import versions as version_db
 from registry.db.engine import read_tx, write_tx
 from registry import deltas, results
 from registry.deltas import BasisReader
-from registry.errors import NotFound
+from registry.errors import InvalidRequest, NotFound
 from registry.hashing import HashJob, encoded_chunks, missing_bytes
 from registry.manifest import Manifest
 from registry.names import check_name
@@ -123,6 +123,9 @@ def commit_version(reg, family: str, version: str, parent: str | None, manifest:
         ]
         if still_missing:
             raise NotFound(f"{len(still_missing)} chunks of {family}/{version} are not stored (first: {min(still_missing)}): upload them, then commit again")
+        wrong = [c.id for f in manifest.files for c in f.chunks if located[c.id].size != c.size]
+        if wrong:
+            raise InvalidRequest(f"manifest gives chunk {wrong[0]} a size other than the stored one: it cannot rebuild")
         version_db.insert_version(
             conn, fam.id, version, parent_id, manifest.digest, manifest.logical_bytes, len(manifest.files),
             manifest.single_file, manifest.to_bytes(), list(located),

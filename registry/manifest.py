@@ -105,8 +105,19 @@ def parse_doc(doc: object) -> Manifest:
 
     try:
         m = Manifest.from_doc(doc)  # type: ignore[arg-type]
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise InvalidRequest(f"malformed manifest: {exc.__class__.__name__} {exc}") from None
+
+    def is_int(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    for f in m.files:
+        ok = isinstance(f.path, str) and isinstance(f.kind, str) and is_int(f.size) and f.size >= 0
+        ok = ok and all(isinstance(c.id, str) and is_int(c.offset) and is_int(c.size) and is_int(c.itemsize) for c in f.chunks)
+        ok = ok and all(isinstance(t.name, str) and isinstance(t.dtype, str) and is_int(t.start) and is_int(t.end)
+                        and all(is_int(d) and d >= 0 for d in t.shape) for t in f.tensors)
+        if not ok:
+            raise InvalidRequest("malformed manifest: paths, kinds and names must be strings; sizes and offsets integers")
     if not m.files or (m.single_file and len(m.files) != 1):
         raise InvalidRequest("malformed manifest: no files, or several files in a single-file version")
     seen = set()
@@ -126,6 +137,8 @@ def parse_doc(doc: object) -> Manifest:
         if pos != f.size:
             raise InvalidRequest(f"malformed manifest: {f.path}: chunks cover {pos} of {f.size} bytes")
         starts = {c.offset for c in f.chunks} | {f.size}
+        if f.kind == BLOB and f.tensors:
+            raise InvalidRequest(f"malformed manifest: {f.path}: a side file cannot hold tensors")
         for t in f.tensors:
             if t.dtype not in DTYPE_SIZES or t.start not in starts or t.end not in starts or t.start > t.end:
                 raise InvalidRequest(f"malformed manifest: {f.path}: tensor {t.name!r} is not on chunk boundaries")

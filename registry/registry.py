@@ -115,7 +115,9 @@ class Registry:
     # -- changes -------------------------------------------------------------------------------
 
     def delete(self, family: str, version: str) -> DeleteResult:
-        """Remove a version; its chunks stay stored while any other version (or delta) needs them."""
+        """Remove a version and re-tier its family. Chunks that no version needs any more become
+        unreferenced (see stats' ``unreferenced_bytes``); their bytes stay in their packs until pack
+        compaction exists, and a later push of the same bytes reuses them."""
         check_name("family", family)
         check_name("version", version)
         with write_tx(self.engine) as conn:

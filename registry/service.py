@@ -59,37 +59,48 @@ def negotiate(reg, family: str, version: str, doc: object, parent: str | None = 
     }
 
 
-def receive_batch(reg, body: bytes) -> dict:
+def receive_batch(reg, family: str, body: bytes) -> dict:
     """Verify and store one uploaded batch. Every chunk is decoded and re-hashed (xxh3-128 must
     equal its id); any mismatch rejects the whole batch before a byte is written. A chunk that
-    names a suggested basis is stored as a delta against it when that is smaller."""
-    verified: list[tuple[Entry, memoryview, bytes]] = []
-    for e, payload in parse_batch(body):
+    names a suggested basis of this family is stored as a delta against it when that is smaller.
+    Raw bytes are dropped as soon as each chunk is encoded: memory stays near the body's size."""
+    entries = list(parse_batch(body))
+    for e, _ in entries:
         _check_encoding(e.encoding)
         if e.encoding.startswith(codec.XOR):
             raise InvalidRequest("delta-encoded uploads are not accepted: send raw or zstd chunks")
         if not 0 < e.size <= max(MAX_CHUNK_SIZE, MAX_HEADER_BYTES + 8):
             raise InvalidRequest(f"chunk {e.id}: size {e.size} is out of range")
+    hinted = list({e.basis_id for e, _ in entries if e.basis_id})
+    with read_tx(reg.engine) as conn:
+        missing = chunk_db.missing_ids(conn, [e.id for e, _ in entries])
+        fam = version_db.find_family(conn, family)
+        # only bases this family already uses: a push must not pull another family's bytes in
+        allowed = tier_db.family_chunk_ids(conn, fam.id, hinted) if fam else set()
+        located = chunk_db.locate_closure(conn, allowed)
+    reader = BasisReader(located, reg.read_payloads, decode_verified)
+    todo = []
+    for e, payload in entries:
+        if e.id in missing:
+            todo.append((e, payload))
+            missing.discard(e.id)
+
+    def encode(item):
+        e, payload = item
         stored = StoredChunk(e.id, e.size, "", e.encoding, e.length, "", 0)
         try:
             raw = decode_verified(stored, payload)
         except IntegrityError:
             raise IntegrityError(f"chunk {e.id}: bytes do not match the id; the batch was refused") from None
-        verified.append((e, payload, raw))
-    with read_tx(reg.engine) as conn:
-        located = chunk_db.locate_closure(conn, {e.basis_id for e, _, _ in verified if e.basis_id})
-    reader = BasisReader(located, reg.read_payloads, decode_verified)
+        sha = chunk_sha256(raw)
+        basis_id = cap_depth(e.basis_id, located) if e.basis_id in allowed else None
+        if basis_id is not None:
+            encoding, out, is_delta = codec.best_encoding(raw, e.itemsize, reader.raw(basis_id))
+            if is_delta and len(out) < e.length:
+                return e, sha, encoding, out, basis_id, located[basis_id].depth + 1
+        return e, sha, e.encoding, bytes(payload), None, 0
 
-    def encode(item):
-        e, payload, raw = item
-        basis_id = cap_depth(e.basis_id, located) if e.basis_id else None
-        if basis_id is None:
-            return e, chunk_sha256(raw), e.encoding, bytes(payload), None, 0
-        encoding, out, is_delta = codec.best_encoding(raw, e.itemsize, reader.raw(basis_id))
-        if not is_delta or len(out) >= e.length:
-            return e, chunk_sha256(raw), e.encoding, bytes(payload), None, 0
-        return e, chunk_sha256(raw), encoding, out, basis_id, located[basis_id].depth + 1
-
+    ready = list(windowed_map(reg.pool, encode, todo))  # all verified before anything is written
     added = 0
 
     def on_flush(pack_id: str, size: int, stored: list[StoredChunk]) -> None:
@@ -97,18 +108,11 @@ def receive_batch(reg, body: bytes) -> dict:
         with write_tx(reg.engine) as conn:
             added += chunk_db.record_pack(conn, pack_id, size, stored)
 
-    with read_tx(reg.engine) as conn:
-        missing = chunk_db.missing_ids(conn, [e.id for e, _, _ in verified])
     writer = PackWriter(reg.blobs, reg.settings.pack_size, on_flush)
-    todo = []
-    for item in verified:
-        if item[0].id in missing:
-            todo.append(item)
-            missing.discard(item[0].id)
-    for e, sha, encoding, payload, basis_id, depth in windowed_map(reg.pool, encode, todo):
+    for e, sha, encoding, payload, basis_id, depth in ready:
         writer.add(e.id, e.size, sha, encoding, payload, basis_id, depth)
     writer.flush()
-    return {"received": len(verified), "new_bytes": added}
+    return {"received": len(entries), "new_bytes": added}
 
 
 def _check_headers(reg, manifest: Manifest) -> None:

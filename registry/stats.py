@@ -5,7 +5,7 @@
 - sharing_ratio: logical / stored
 - per version: logical bytes, the stored bytes it needs (its chunks and the bases of its deltas),
   of those the bytes stored as deltas and as plain chunks, and the stored bytes it alone holds
-  (what deleting it would free)
+  (deleting it makes them unreferenced; packs are not compacted yet, so no disk space is returned)
 - per encoding: chunks, raw bytes and stored bytes
 """
 

@@ -124,10 +124,14 @@ def test_two_processes_pull_into_one_cache(published, fam, tmp_path):
         json.loads(out)
     for m in ("lora-chat", "last-code"):
         assert filecmp.cmp(tmp_path / f"{m}.out", fam[m], shallow=False)
-    ids = cached_ids(env)
-    assert len(ids) == len(set(ids))  # each chunk once
-    wanted = set(needed(env, "lora-chat")) | set(needed(env, "last-code"))
-    assert set(ids) == wanted
+    wanted = {**needed(env, "lora-chat"), **needed(env, "last-code")}
+    assert set(cached_ids(env)) == set(wanted)
+    # each chunk once: the bytes on disk are exactly the distinct chunks' raw bytes, and the index
+    # that sizes the cache counts each of them once
+    on_disk = sum(p.stat().st_size for p in (Path(env["MFSREG_CACHE_DIR"]) / "chunks").rglob("*") if p.is_file())
+    assert on_disk == sum(row[3] for row in wanted.values())
+    stats = mfsreg_json("cache", "stats", env=env)
+    assert stats["chunks"] == len(wanted) and stats["bytes"] == on_disk
     assert not [p for p in Path(env["MFSREG_CACHE_DIR"]).rglob(".*.tmp")]
 
 

@@ -111,6 +111,17 @@ def test_bad_requests_get_problem_details(servers, server_env, tmp_path):
     h = {"Authorization": f"Bearer {token(server_env, 'admin')}"}
     r = httpx.post(f"{srv.url}/v1/families/fam/versions/v1/negotiate", json={"manifest": {"files": "nope"}}, headers=h)
     assert r.status_code == 400 and r.json()["detail"].startswith("malformed manifest")
+    bad_types = {"single_file": True, "files": [{"path": 7, "kind": "safetensors", "size": "1", "sha256": "0" * 64,
+                                                 "chunks": [["0" * 32, 0, "1", 1]], "tensors": []}]}
+    r = httpx.post(f"{srv.url}/v1/families/fam/versions/v1/negotiate", json={"manifest": bad_types}, headers=h)
+    assert r.status_code == 400 and r.json()["detail"].startswith("malformed manifest")
+    # a zstd frame that claims far more bytes than its chunk is refused without being inflated
+    import zstandard
+
+    bomb = zstandard.ZstdCompressor().compress(b"\0" * (64 << 20))
+    r = httpx.post(f"{srv.url}/v1/families/fam/chunks", headers=h,
+                   content=build_batch([(Entry(chunk_id(b"\0" * 1000), 1000, "zstd", len(bomb)), bomb)]))
+    assert r.status_code == 422
     r = httpx.post(f"{srv.url}/v1/families/fam/chunks", content=b"\xff\xff\xff\x7fgarbage", headers=h)
     assert r.status_code == 400 and "malformed chunk batch" in r.json()["detail"]
     r = httpx.get(f"{srv.url}/v1/families/nofam/versions/v1", headers=h)
@@ -127,6 +138,13 @@ def test_body_limit(server_env, servers, tmp_path):
     h = {"Authorization": f"Bearer {token(server_env, 'push')}"}
     r = httpx.post(f"{srv.url}/v1/families/fam/chunks", content=b"\0" * (2 << 20), headers=h)
     assert r.status_code == 413 and "limit" in r.json()["detail"]
+    # without a Content-Length (chunked transfer) the body is counted as it arrives, JSON bodies too
+    pieces = (b"[" + b"0," * (1 << 16) for _ in range(40))
+    r = httpx.post(f"{srv.url}/v1/families/fam/versions/v1/negotiate", content=pieces,
+                   headers={**h, "Content-Type": "application/json"})
+    assert r.status_code == 413
+    r = httpx.post(f"{srv.url}/v1/families/fam/chunks", content=(b"\0" * (1 << 16) for _ in range(40)), headers=h)
+    assert r.status_code == 413
 
 
 def test_anonymous_reads_when_opened(server_env, servers, fam, tmp_path):
@@ -215,3 +233,22 @@ def test_server_stores_uploaded_near_duplicates_as_deltas(servers, server_env, f
     assert stats["encodings"]["xor-p2"]["chunks"] > 0
     mfsreg("pull", "fam", "full-med", "-o", tmp_path / "out", env=env)
     assert filecmp.cmp(tmp_path / "out", fam["full-med"], shallow=False)
+
+
+def test_token_scoped_to_one_family_cannot_read_another(servers, server_env, fam, tmp_path):
+    (srv,) = servers(1)
+    admin = client_env(tmp_path, srv.url, token(server_env, "admin"))
+    mfsreg_json("push", fam["base"], "--family", "secret", "--version", "v1", env=admin)
+    mfsreg_json("push", fam["base"], "--family", "qwen", "--version", "v1", env=admin)
+    tok = token(server_env, "read", "qwen*")
+    h = {"Authorization": f"Bearer {tok}"}
+    assert httpx.get(f"{srv.url}/v1/families/secret/versions/v1", headers=h).status_code == 403
+    assert [f["family"] for f in httpx.get(f"{srv.url}/v1/families", headers=h).json()] == ["qwen"]
+    ids = list(httpx.get(f"{srv.url}/v1/families/qwen/versions/v1", headers=h).json()["chunks"])
+    assert httpx.post(f"{srv.url}/v1/families/secret/chunks/download", json={"ids": ids}, headers=h).status_code == 403
+    # both families hold the same bytes, but a chunk id is only served through a family that uses it
+    r = httpx.post(f"{srv.url}/v1/families/qwen/chunks/download", json={"ids": ids[:1] + ["f" * 32]}, headers=h)
+    assert r.status_code == 404
+    prefix = tok[:10]
+    mfsreg("token", "revoke", prefix, env=server_env)
+    assert httpx.get(f"{srv.url}/v1/families", headers=h).status_code == 401

@@ -39,12 +39,9 @@ def default_cache_dir() -> Path:
 
 
 def default_max_bytes() -> int | None:
-    raw = os.environ.get("MFSREG_CACHE_MAX")
-    if not raw:
-        return None
-    from registry.config import parse_size
+    from registry.config import size_from_env
 
-    return parse_size(raw)
+    return size_from_env("MFSREG_CACHE_MAX", None)
 
 
 _SCHEMA = """

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import time
+import uuid
 from pathlib import Path
 
 from registry import rebuild
@@ -16,17 +17,25 @@ from registry.progress import NullProgress, Progress
 from registry.rebuild import PullResult, safe_relpath
 
 
-def cached_source(cache: NodeCache):
-    """A payload source over the cache: raw chunks, re-checked against their ids as they are read."""
+def cached_source(cache: NodeCache, refetch=None):
+    """A payload source over the cache: raw chunks, re-checked against their ids as they are read.
+    A chunk that another process evicted meanwhile is fetched again through ``refetch(id)``."""
 
     def payloads(chunks: list[StoredChunk]):
         for c in chunks:
             data = cache.get(c.id)
+            if data is None and refetch is not None:
+                refetch(c.id)
+                data = cache.get(c.id)
             if data is None:
-                raise IntegrityError(f"chunk {c.id} left the node cache during the pull: raise MFSREG_CACHE_MAX")
+                raise IntegrityError(f"chunk {c.id} keeps leaving the node cache: raise MFSREG_CACHE_MAX")
             yield StoredChunk(c.id, len(data), "", "raw", len(data), "", 0), data
 
     return payloads
+
+
+def refetcher(fetcher: Fetcher, info: VersionInfo):
+    return lambda chunk_id: fetcher.ensure(info.family, [chunk_id], info.located, info.tiers)
 
 
 def _raw_located(info: VersionInfo) -> dict[str, StoredChunk]:
@@ -47,7 +56,7 @@ def pull(fetcher: Fetcher, family: str, version: str, out: Path, progress: Progr
     if to_dir:
         _materialise_dir(fetcher, info, out, located, progress)
     else:
-        rebuild.rebuild(info.manifest, out, located, cached_source(cache), fetcher.remote.pool, progress)
+        rebuild.rebuild(info.manifest, out, located, cached_source(cache, refetcher(fetcher, info)), fetcher.remote.pool, progress)
     cache.evict(protect=ids)
     return PullResult(
         family=family, version=version, digest=info.digest, path=str(out), logical_bytes=info.logical_bytes,
@@ -64,17 +73,21 @@ def _materialise_dir(fetcher: Fetcher, info: VersionInfo, out: Path, located, pr
     progress.start("write", info.logical_bytes)
     for entry in info.manifest.files:
         dest = out.joinpath(*safe_relpath(entry.path).parts)
+        source = cached_source(cache, refetcher(fetcher, info))
         stored = cache.file_path(entry.sha256)
-        if not stored.exists():
-            rebuild.write_file(entry, stored, located, cached_source(cache), fetcher.remote.pool, progress)
+        # A materialised file is shared by hardlinks; one that was changed in place (its size or
+        # write time moved) is rebuilt rather than handed on.
+        if not stored.exists() or stored.stat().st_size != entry.size or stored.stat().st_mode & 0o222:
+            stored.unlink(missing_ok=True)
+            rebuild.write_file(entry, stored, located, source, fetcher.remote.pool, progress)
+            stored.chmod(0o444)  # read-only: engines only read, and an edit through one link would hit all
             cache.add_file(entry.sha256, entry.size)
         dest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = dest.with_name(f".{dest.name}.link.tmp")
-        tmp.unlink(missing_ok=True)
+        tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex}.link")
         try:
             os.link(stored, tmp)
         except OSError:  # another filesystem, or links not allowed: fall back to one verified copy
-            rebuild.write_file(entry, dest, located, cached_source(cache), fetcher.remote.pool, progress)
+            rebuild.write_file(entry, dest, located, source, fetcher.remote.pool, progress)
             continue
         os.replace(tmp, dest)
 

@@ -19,6 +19,7 @@ import httpx
 
 from registry import rebuild
 from registry.blobs.packs import StoredChunk
+from registry.config import Settings, size_from_env
 from registry.errors import (
     Conflict, Forbidden, IntegrityError, InvalidRequest, NotFound, RegistryError, StorageError, TooLarge, Unauthorized,
 )
@@ -32,7 +33,6 @@ from registry.wire import Entry, build_batch, read_stream
 
 UPLOAD_BATCH = 32 << 20  # bytes of payload per upload request: well under the server's body limit (MFSREG_UPLOAD_BATCH)
 DOWNLOAD_BATCH = 64 << 20  # stored bytes per download request
-DEFAULT_CHUNK_SIZE = 1 << 20
 
 # One table from HTTP status to the registry's error tree (the server sends problem details).
 _STATUS = {400: InvalidRequest, 401: Unauthorized, 403: Forbidden, 404: NotFound, 409: Conflict,
@@ -50,9 +50,9 @@ class RemoteRegistry:
             base_url=self.url, headers=headers, timeout=httpx.Timeout(timeout, connect=10.0),
             transport=httpx.HTTPTransport(retries=3),  # retries failed connects, not requests
         )
-        self.chunk_size = chunk_size or int(os.environ.get("MFSREG_CHUNK_SIZE") or DEFAULT_CHUNK_SIZE)
+        self.chunk_size = chunk_size or Settings.from_env().chunk_size  # same parsing and range checks
         self.pool = ThreadPoolExecutor(max_workers=workers or max(1, os.cpu_count() or 1), thread_name_prefix="mfsreg-client")
-        self.upload_batch = int(os.environ.get("MFSREG_UPLOAD_BATCH") or UPLOAD_BATCH)
+        self.upload_batch = size_from_env("MFSREG_UPLOAD_BATCH", UPLOAD_BATCH)
         self.bytes_received = 0  # network bytes of chunk payloads, over this client's life
 
     def close(self) -> None:

@@ -29,12 +29,15 @@ class ResidentModel:
 
     def switch(self, version: str) -> int:
         target = self.node.fetcher.version(self.family, version)
-        old, new = layout(self.info), layout(target)
+        # After a failed switch the tensors are in an unknown state: refill everything.
+        old, new = (layout(self.info) if self.info is not None else {}), layout(target)
         todo = {}
         for name, (span, pieces) in new.items():
             before = old.get(name)
             t = self.tensors.get(name)
-            if before is None or t is None or before[0].dtype != span.dtype or before[0].shape != span.shape:
+            same = (before is not None and t is not None and before[0].dtype == span.dtype and before[0].shape == span.shape
+                    and tuple(t.shape) == span.shape and t.dtype == self.copier.empty_dtype(span))
+            if not same:
                 self.tensors[name] = self.copier.empty(span)
                 todo[name] = pieces
                 continue
@@ -43,6 +46,7 @@ class ResidentModel:
         for name in list(self.tensors):
             if name not in new:
                 del self.tensors[name]
+        self.info = None  # set again only once every copy has landed
         copied = fill(self.node, target, self.copier, self.tensors, todo)
         self.info, self.version = target, version
         self.node.cache.record_pull(self.family, version)

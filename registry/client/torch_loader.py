@@ -87,6 +87,7 @@ class Copier:
 
     def __init__(self, cache: NodeCache, device: torch.device):
         self.cache = cache
+        self.refetch = None  # chunk id -> None: fetch again a chunk another process evicted
         self.device = device
         self.cuda = device.type == "cuda"
         if self.cuda:
@@ -96,11 +97,15 @@ class Copier:
             self.cur = 0
             self.used = 0
 
-    def empty(self, span: TensorSpan) -> torch.Tensor:
+    @staticmethod
+    def empty_dtype(span: TensorSpan) -> torch.dtype:
         dtype = DTYPES.get(span.dtype)
         if dtype is None:
             raise InvalidRequest(f"tensor {span.name!r}: dtype {span.dtype} has no torch equivalent here")
-        return torch.empty(span.shape, dtype=dtype, device=self.device)
+        return dtype
+
+    def empty(self, span: TensorSpan) -> torch.Tensor:
+        return torch.empty(span.shape, dtype=self.empty_dtype(span), device=self.device)
 
     def copy(self, tensor: torch.Tensor, pieces: list[Piece]) -> int:
         """Copy ``pieces`` into ``tensor``; returns the bytes copied."""
@@ -127,7 +132,10 @@ class Copier:
         return sum(p.chunk.size for p in pieces)
 
     def _read(self, chunk: ChunkRef, view: memoryview) -> None:
-        if not self.cache.read_into(chunk.id, view) or chunk_id(view) != chunk.id:
+        if not self.cache.read_into(chunk.id, view) and self.refetch is not None:
+            self.refetch(chunk.id)
+            self.cache.read_into(chunk.id, view)
+        if chunk_id(view) != chunk.id:
             raise IntegrityError(f"chunk {chunk.id} in the node cache is missing or damaged: run `mfsreg cache prune` and retry")
 
     def _next_stage(self) -> None:
@@ -138,6 +146,12 @@ class Copier:
         self.used = 0
         if self.events[self.cur] is not None:
             self.events[self.cur].synchronize()  # its copies are done: the buffer may be refilled
+
+    def begin(self) -> None:
+        """Copies must not overtake work already queued on the current stream (say, kernels still
+        reading the weights that a switch is about to overwrite)."""
+        if self.cuda:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
 
     def finish(self) -> None:
         if self.cuda:
@@ -187,6 +201,8 @@ def fill(node: Node, info: VersionInfo, copier: Copier, targets: dict[str, torch
     groups = _groups(names, lay)
     chunk_groups = [list(dict.fromkeys(p.chunk.id for n in g for p in todo[n])) for g in groups]
     copied = 0
+    copier.refetch = lambda i: node.fetcher.ensure(info.family, [i], info.located, info.tiers)
+    copier.begin()
     for k in _fetch_ahead(node.fetcher, info, chunk_groups):
         for name in groups[k]:
             copied += copier.copy(targets[name], todo[name])

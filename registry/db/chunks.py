@@ -26,15 +26,18 @@ def record_pack(conn: Connection, pack_id: str, size: int, stored: Sequence[Stor
     NOTHING); the copy in this pack is dead weight until packs are compacted.
     """
     conn.execute(insert(conn, packs).values(id=pack_id, size=size).on_conflict_do_nothing())
-    rows = [
-        dict(id=c.id, size=c.size, sha256=c.sha256, encoding=c.encoding, stored_size=c.stored_size,
-             pack_id=c.pack_id, offset=c.offset, basis_id=c.basis_id, depth=c.depth)
-        for c in stored
-    ]
-    new = missing_ids(conn, [r["id"] for r in rows])
-    if rows:
-        conn.execute(insert(conn, chunks).on_conflict_do_nothing(), rows)
-    return sum(c.stored_size for c in stored if c.id in new)
+    # Sorted rows: two transactions inserting overlapping ids lock them in the same order (no deadlock).
+    rows = sorted(
+        (dict(id=c.id, size=c.size, sha256=c.sha256, encoding=c.encoding, stored_size=c.stored_size,
+              pack_id=c.pack_id, offset=c.offset, basis_id=c.basis_id, depth=c.depth) for c in stored),
+        key=lambda r: r["id"],
+    )
+    added = 0
+    for batch in batches(rows, 500):
+        # RETURNING names the rows this transaction really inserted, not those a concurrent push won
+        result = conn.execute(insert(conn, chunks).values(list(batch)).on_conflict_do_nothing().returning(chunks.c.stored_size))
+        added += sum(result.scalars())
+    return added
 
 
 def locate(conn: Connection, ids: Iterable[str]) -> dict[str, StoredChunk]:

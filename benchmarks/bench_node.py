@@ -1,0 +1,440 @@
+"""The inference node: pulls through the node cache, tensors from it, and in-place version switches.
+
+    python -m benchmarks.bench_node [--scale 1.0] [--runs 3] [--data DIR] [--device cpu|cuda]
+
+Method. One stack as in bench_api.py (moto's S3 server, a scratch Postgres database and
+`mfsreg serve`, on loopback) receives base, lora-chat, vocab-ext and full-medical through the API
+(RemoteRegistry.push, parent base), once. The files lie in the page cache (read once before).
+Then each figure is the median of --runs, measured in one process:
+
+- anchor A: boto3 download_file of the member file from the same S3 endpoint (a plain bucket,
+  boto3's default TransferConfig), then safetensors.torch.load_file of the downloaded file.
+- cold pull: RemoteRegistry.pull of a member into a file through a fresh, empty NodeCache
+  (everything crosses the network): seconds and fetched (payload) bytes. Members: lora-chat
+  (mostly duplicate of base) and full-medical (all deltas: their bases come along).
+- pull with the base cached: a fresh NodeCache warmed, untimed, by
+  registry.client.warm.warm_cache(own RemoteRegistry, family, "base") (the base tier), then the
+  timed pull of lora-chat. Shared fraction = raw bytes of lora-chat's chunks that base also uses /
+  lora-chat's logical bytes (from the two version documents' manifests). Gates: fetched bytes <=
+  (1 - shared fraction) x logical bytes, and seconds <= 0.3 x the boto3 download of the same file.
+- tensors: registry.client.load_tensors(lora-chat, node=Node(url, token, warm cache dir)) beside
+  safetensors.torch.load_file of the local file, each run once untimed first (page cache and node
+  cache warm). load_file is timed with its default backend ("mmap": on CPU it maps the page cache
+  and copies nothing, so it is nearly free) and with backend="pread" (bytes copied into process
+  memory, as load_tensors does); both ratios are gated (speed >= 0.9x load_file) and shown.
+- switch: ResidentModel(family, "base", node) built from the warm cache, then .switch("lora-chat")
+  and .switch("base") back: seconds and bytes copied, beside a full reload of the target
+  (load_tensors of lora-chat from the warm cache). On the first run the switched tensors are
+  compared bit for bit with load_file of lora-chat.
+
+On a machine with a GPU, --device cuda puts tensors there (load_file with device="cuda" beside it);
+the JSON records the device and whether CUDA was available. Writes benchmarks/results/node.json
+and prints a markdown table with the gates.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import torch
+from boto3.s3.transfer import TransferConfig
+from safetensors.torch import load_file
+
+from benchmarks import anchors
+from benchmarks.bench_api import Stack
+from benchmarks.common import FAMILY, MB, machine_info, median, table, write_json
+from benchmarks.family import DEFAULT_DIR, MEMBERS, Shape, generate
+
+NODE_MEMBERS = ("base", "lora-chat", "vocab-ext", "full-medical")
+COLD = ("lora-chat", "full-medical")
+DUP = "lora-chat"  # the mostly-duplicate member pulled with the base cached, loaded and switched to
+PULL_GATE = 0.3  # warm-base pull seconds / boto3 download seconds
+LOAD_GATE = 0.9  # load_tensors speed / load_file speed
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+class Bench:
+    def __init__(self, stack: Stack, url: str, paths: dict[str, Path], work: Path, device: str):
+        self.stack, self.url, self.token = stack, url, stack.token
+        self.paths, self.work, self.device = paths, work, device
+
+    def remote(self):
+        from registry.client.remote import RemoteRegistry
+
+        return RemoteRegistry(self.url, token=self.token)
+
+    def fresh_dir(self, what: str) -> Path:
+        return Path(tempfile.mkdtemp(prefix=f"{what}-", dir=self.work))
+
+    # -- set-up -------------------------------------------------------------------------------
+
+    def push(self) -> dict:
+        out = {}
+        with self.remote() as client:
+            for m in NODE_MEMBERS:
+                t0 = time.perf_counter()
+                r = client.push(self.paths[m], FAMILY, m, parent=MEMBERS[m])
+                out[m] = {"seconds": time.perf_counter() - t0, "logical_bytes": r.logical_bytes, "sent_bytes": r.sent_bytes,
+                          "new_bytes": r.new_bytes}
+        return out
+
+    def upload_plain(self) -> str:
+        self.bucket = f"plain-{uuid.uuid4().hex[:8]}"
+        self.stack.s3.create_bucket(Bucket=self.bucket)
+        for m in COLD:
+            self.stack.s3.upload_file(str(self.paths[m]), self.bucket, m, Config=TransferConfig())
+        return self.bucket
+
+    def shared(self) -> dict:
+        """Raw bytes of DUP's chunks that base also uses, from the version documents."""
+        from registry.manifest import Manifest
+
+        with self.remote() as r:
+            dup, base = r.version_doc(FAMILY, DUP), r.version_doc(FAMILY, "base")
+        base_ids = set(Manifest.from_doc(base["manifest"]).chunk_ids())
+        man = Manifest.from_doc(dup["manifest"])
+        logical = shared = 0
+        for f in man.files:
+            for c in f.chunks:  # every position counts, as logical bytes do
+                logical += c.size
+                shared += c.size if c.id in base_ids else 0
+        distinct = man.chunk_ids()
+        stored_new = sum(dup["chunks"][i][1] for i in distinct if i not in base_ids)
+        return {"logical_bytes": dup["logical_bytes"], "chunk_bytes": logical, "shared_bytes": shared,
+                "shared_fraction": shared / dup["logical_bytes"], "chunks": len(distinct),
+                "shared_chunks": sum(1 for i in distinct if i in base_ids), "stored_bytes_not_in_base": stored_new,
+                "base_chunk_ids": base_ids}
+
+    # -- measurements -------------------------------------------------------------------------
+
+    def anchor(self, member: str) -> dict:
+        dest = self.work / f"plain-{member}.safetensors"
+        try:
+            t0 = time.perf_counter()
+            self.stack.s3.download_file(self.bucket, member, str(dest), Config=TransferConfig())
+            t1 = time.perf_counter()
+            tensors = load_file(str(dest), device=self.device)
+            _sync(self.device)
+            t2 = time.perf_counter()
+            del tensors
+        finally:
+            dest.unlink(missing_ok=True)
+        return {"download_s": t1 - t0, "load_file_s": t2 - t1, "total_s": t2 - t0}
+
+    def cold_pull(self, member: str, verify: bool) -> dict:
+        from registry.client.cache import NodeCache
+
+        cache_dir = self.fresh_dir("cold-cache")
+        out = self.work / f"pulled-{member}.safetensors"
+        cache = NodeCache(cache_dir)
+        try:
+            with self.remote() as r:
+                t0 = time.perf_counter()
+                res = r.pull(FAMILY, member, out, cache=cache)
+                wall = time.perf_counter() - t0
+            ok = anchors.file_sha256(out) == anchors.file_sha256(self.paths[member]) if verify else None
+            if ok is False:
+                raise SystemExit(f"cold pull of {member} differs from its source file")
+        finally:
+            cache.close()
+            out.unlink(missing_ok=True)
+            shutil.rmtree(cache_dir, ignore_errors=True)
+        return {"seconds": wall, "fetched_bytes": res.fetched_bytes, "cached_bytes": res.cached_bytes,
+                "logical_bytes": res.logical_bytes, "verified": ok}
+
+    def warm_base_pull(self, shared: dict, verify: bool) -> dict:
+        from registry.client.cache import NodeCache
+        from registry.client.warm import warm_cache
+
+        cache_dir = self.fresh_dir("warm-cache")
+        out = self.work / f"pulled-{DUP}.safetensors"
+        cache = NodeCache(cache_dir)
+        try:
+            t0 = time.perf_counter()
+            warm = warm_cache(self.remote(), FAMILY, "base", cache=cache)  # closes the remote it is given
+            warm_s = time.perf_counter() - t0
+            base_ids = shared["base_chunk_ids"]
+            covered = sum(1 for i in base_ids if cache.has(i))
+            with self.remote() as r:
+                t0 = time.perf_counter()
+                res = r.pull(FAMILY, DUP, out, cache=cache)
+                wall = time.perf_counter() - t0
+            ok = anchors.file_sha256(out) == anchors.file_sha256(self.paths[DUP]) if verify else None
+            if ok is False:
+                raise SystemExit(f"pull of {DUP} with the base cached differs from its source file")
+        finally:
+            cache.close()
+            out.unlink(missing_ok=True)
+            shutil.rmtree(cache_dir, ignore_errors=True)
+        return {"seconds": wall, "fetched_bytes": res.fetched_bytes, "cached_bytes": res.cached_bytes,
+                "logical_bytes": res.logical_bytes, "verified": ok, "warm_seconds": warm_s,
+                "warm_fetched_bytes": warm["fetched_bytes"], "warm_chunks": warm["chunks"],
+                "base_chunks_cached": covered, "base_chunks": len(base_ids)}
+
+    def loads(self, node) -> dict:
+        """load_tensors from the warm cache beside load_file (default backend and pread) of the local file."""
+        from registry.client import load_tensors
+
+        out = {}
+        path = str(self.paths[DUP])
+        variants = {
+            "load_tensors": lambda: load_tensors(FAMILY, DUP, device=self.device, node=node),
+            "load_file": lambda: load_file(path, device=self.device),
+            "load_file_pread": lambda: load_file(path, device=self.device, backend="pread"),
+        }
+        for name, fn in variants.items():
+            try:
+                t0 = time.perf_counter()
+                tensors = fn()
+                _sync(self.device)
+                out[name] = time.perf_counter() - t0
+                out.setdefault("tensor_bytes", _nbytes(tensors))
+                del tensors
+            except TypeError as exc:  # an older safetensors without the backend argument
+                out[name] = None
+                out[name + "_error"] = str(exc)
+        return out
+
+    def switch(self, node, verify: bool) -> dict:
+        from registry.client import ResidentModel, load_tensors
+
+        t0 = time.perf_counter()
+        rm = ResidentModel(FAMILY, "base", device=self.device, node=node)
+        _sync(self.device)
+        init_s = time.perf_counter() - t0
+        try:
+            t0 = time.perf_counter()
+            copied = rm.switch(DUP)
+            _sync(self.device)
+            to_s = time.perf_counter() - t0
+            same = None
+            if verify:
+                ref = load_file(str(self.paths[DUP]), device=self.device)
+                same = set(ref) == set(rm.tensors) and all(
+                    torch.equal(ref[n].view(-1).view(torch.uint8), rm.tensors[n].view(-1).view(torch.uint8)) for n in ref)
+                del ref
+                if not same:
+                    raise SystemExit(f"ResidentModel.switch({DUP!r}) does not hold the tensors of {DUP}")
+            t0 = time.perf_counter()
+            copied_back = rm.switch("base")
+            _sync(self.device)
+            back_s = time.perf_counter() - t0
+            resident = _nbytes(rm.tensors)
+        finally:
+            rm.close()
+            del rm
+        t0 = time.perf_counter()
+        tensors = load_tensors(FAMILY, DUP, device=self.device, node=node)
+        _sync(self.device)
+        reload_s = time.perf_counter() - t0
+        reload_bytes = _nbytes(tensors)
+        del tensors
+        return {"init_base_s": init_s, "switch_s": to_s, "switch_bytes": copied, "switch_back_s": back_s,
+                "switch_back_bytes": copied_back, "reload_s": reload_s, "reload_bytes": reload_bytes,
+                "resident_bytes": resident, "verified": same}
+
+
+def run_all(bench: Bench, runs: int) -> dict:
+    from registry.client import Node, load_tensors
+
+    shared = bench.shared()
+    bench.upload_plain()
+    warm_dir = bench.fresh_dir("node-cache")
+    node = Node(bench.url, bench.token, str(warm_dir))
+    try:
+        # warm the long-lived node cache (lora-chat and base) and the page cache, untimed
+        load_tensors(FAMILY, DUP, device=bench.device, node=node)
+        load_tensors(FAMILY, "base", device=bench.device, node=node)
+        load_file(str(bench.paths[DUP]), device=bench.device)
+        out = {"anchor": {m: [] for m in COLD}, "cold": {m: [] for m in COLD}, "warm_base": [], "loads": [], "switch": []}
+        for i in range(runs):
+            t0 = time.perf_counter()
+            for m in COLD:
+                out["anchor"][m].append(bench.anchor(m))
+                out["cold"][m].append(bench.cold_pull(m, verify=(i == 0)))
+            out["warm_base"].append(bench.warm_base_pull(shared, verify=(i == 0)))
+            out["loads"].append(bench.loads(node))
+            out["switch"].append(bench.switch(node, verify=(i == 0)))
+            print(f"run {i + 1}/{runs} done in {time.perf_counter() - t0:.1f} s", flush=True)
+        out["node_cache"] = node.cache.stats()
+    finally:
+        node.close()
+        shutil.rmtree(warm_dir, ignore_errors=True)
+    shared.pop("base_chunk_ids")
+    out["shared"] = shared
+    return out
+
+
+def _med(rows: list[dict], key: str):
+    vals = [r[key] for r in rows if r.get(key) is not None]
+    return median(vals) if vals else None
+
+
+def summarise(raw: dict) -> dict:
+    s: dict = {"anchor": {}, "cold": {}}
+    for m in COLD:
+        s["anchor"][m] = {k: _med(raw["anchor"][m], k) for k in ("download_s", "load_file_s", "total_s")}
+        rows = raw["cold"][m]
+        s["cold"][m] = {"seconds": _med(rows, "seconds"), "fetched_bytes": rows[0]["fetched_bytes"],
+                        "logical_bytes": rows[0]["logical_bytes"], "verified": rows[0]["verified"]}
+        s["cold"][m]["vs_download"] = s["cold"][m]["seconds"] / s["anchor"][m]["download_s"]
+        s["cold"][m]["vs_download_and_load"] = s["cold"][m]["seconds"] / s["anchor"][m]["total_s"]
+    w = raw["warm_base"]
+    sh = raw["shared"]
+    s["warm_base"] = {k: _med(w, k) for k in ("seconds", "warm_seconds")}
+    s["warm_base"].update({k: w[0][k] for k in ("fetched_bytes", "cached_bytes", "logical_bytes", "verified", "warm_fetched_bytes",
+                                                "warm_chunks", "base_chunks_cached", "base_chunks")})
+    s["warm_base"]["shared_fraction"] = sh["shared_fraction"]
+    s["warm_base"]["shared_fraction_observed"] = w[0]["cached_bytes"] / w[0]["logical_bytes"]
+    s["warm_base"]["moved_limit_bytes"] = (1 - sh["shared_fraction"]) * sh["logical_bytes"]
+    s["warm_base"]["vs_download"] = s["warm_base"]["seconds"] / s["anchor"][DUP]["download_s"]
+    s["loads"] = {k: _med(raw["loads"], k) for k in ("load_tensors", "load_file", "load_file_pread")}
+    s["loads"]["tensor_bytes"] = raw["loads"][0]["tensor_bytes"]
+    sw = raw["switch"]
+    s["switch"] = {k: _med(sw, k) for k in ("init_base_s", "switch_s", "switch_back_s", "reload_s")}
+    s["switch"].update({k: sw[0][k] for k in ("switch_bytes", "switch_back_bytes", "reload_bytes", "resident_bytes", "verified")})
+    return s
+
+
+def gates(s: dict) -> dict:
+    w, ld = s["warm_base"], s["loads"]
+    out = {
+        "warm_base_moved_bytes": {"value": w["fetched_bytes"], "limit": w["moved_limit_bytes"],
+                                  "pass": w["fetched_bytes"] <= w["moved_limit_bytes"]},
+        "warm_base_time_vs_download": {"value": w["vs_download"], "limit": PULL_GATE, "pass": w["vs_download"] <= PULL_GATE},
+    }
+    for ref in ("load_file", "load_file_pread"):
+        if ld.get(ref) is None:
+            out[f"load_tensors_vs_{ref}"] = {"value": None, "limit": LOAD_GATE, "pass": False, "note": "anchor unavailable"}
+            continue
+        speed = ld[ref] / ld["load_tensors"]  # speed ratio = inverse time ratio
+        out[f"load_tensors_vs_{ref}"] = {"value": speed, "limit": LOAD_GATE, "pass": speed >= LOAD_GATE}
+    out["load_tensors_vs_load_file"]["note"] = ("load_file's default mmap backend maps the page cache and copies nothing "
+                                                "on CPU; load_tensors copies every byte into private tensors")
+    return out
+
+
+def _pf(ok: bool) -> str:
+    return "pass" if ok else "FAIL"
+
+
+def report(doc: dict) -> str:
+    s, g, p = doc["summary"], doc["gates"], doc["params"]
+    size = {m: doc["family"]["files"][m] for m in COLD}
+    out = [f"## mfsreg node benchmark (scale {p['scale']:g}, device {p['device']}, median of {p['runs']} runs, "
+           f"{doc['machine']['cpu_count']} CPUs, load {doc['machine']['loadavg_1_5_15']}; moto S3 + Postgres + mfsreg serve on loopback)", ""]
+    rows = []
+    for m in COLD:
+        a, c = s["anchor"][m], s["cold"][m]
+        rows.append([f"{m}: boto3 download_file + load_file", f"{size[m] / MB:,.1f}", f"{size[m] / MB:,.1f}",
+                     f"{a['download_s']:.3f} + {a['load_file_s']:.3f}", "", ""])
+        rows.append([f"{m}: cold pull (empty node cache)", f"{c['logical_bytes'] / MB:,.1f}", f"{c['fetched_bytes'] / MB:,.1f}",
+                     f"{c['seconds']:.3f}", f"{c['vs_download']:.2f}x", ""])
+    w = s["warm_base"]
+    rows.append([f"{DUP}: pull with base tier cached", f"{w['logical_bytes'] / MB:,.1f}", f"{w['fetched_bytes'] / MB:,.2f}",
+                 f"{w['seconds']:.3f}", f"{w['vs_download']:.2f}x",
+                 f"moved {_pf(g['warm_base_moved_bytes']['pass'])} (<= {w['moved_limit_bytes'] / MB:,.1f} MB); "
+                 f"time {_pf(g['warm_base_time_vs_download']['pass'])} (<= {PULL_GATE}x)"])
+    out += ["### Pulls", "", table(["what", "logical MB", "moved MB", "s", "s / boto3 download", "gate"], rows), ""]
+    out += [f"Shared with base: {w['shared_fraction']:.3f} of {DUP}'s logical bytes (version documents); observed in the pull: "
+            f"{w['shared_fraction_observed']:.3f}. The base-tier warm-up fetched {w['warm_fetched_bytes'] / MB:,.1f} MB "
+            f"({w['warm_chunks']} chunks) in {w['warm_seconds']:.2f} s, untimed; it left {w['base_chunks_cached']}/{w['base_chunks']} "
+            "of base's chunks cached.", ""]
+
+    ld = s["loads"]
+    n = ld["tensor_bytes"]
+    rows = [["load_tensors (node cache, warm)", f"{ld['load_tensors']:.3f}", f"{n / ld['load_tensors'] / MB:,.0f}", "", ""]]
+    for ref, label in (("load_file", "load_file, default backend (mmap)"), ("load_file_pread", "load_file, backend=pread")):
+        gg = g[f"load_tensors_vs_{ref}"]
+        if ld.get(ref) is None:
+            rows.append([label, "-", "-", "-", "unavailable"])
+            continue
+        rows.append([label, f"{ld[ref]:.3f}", f"{n / ld[ref] / MB:,.0f}", f"{gg['value']:.2f}x",
+                     f"{_pf(gg['pass'])} (>= {LOAD_GATE}x)"])
+    out += [f"### Tensors of {DUP} on {p['device']} ({n / MB:,.1f} MB; page cache and node cache warm)", "",
+            table(["loader", "s", "MB/s", "load_tensors speed / this", "gate"], rows), ""]
+    if p["device"] == "cpu":
+        out += ["On CPU, load_file's default mmap backend returns tensors that map the page cache: no byte is copied "
+                "until used, so it is the floor of any loader; backend=pread copies the bytes, as load_tensors does.", ""]
+
+    sw = s["switch"]
+    rows = [
+        ["ResidentModel(base) from the warm cache", f"{sw['init_base_s']:.3f}", f"{sw['resident_bytes'] / MB:,.1f}"],
+        [f"switch base -> {DUP}", f"{sw['switch_s']:.3f}", f"{sw['switch_bytes'] / MB:,.1f}"],
+        [f"switch {DUP} -> base", f"{sw['switch_back_s']:.3f}", f"{sw['switch_back_bytes'] / MB:,.1f}"],
+        [f"full reload of {DUP} (load_tensors, warm cache)", f"{sw['reload_s']:.3f}", f"{sw['reload_bytes'] / MB:,.1f}"],
+    ]
+    out += [f"### Switch (tensors on {p['device']}; switch checked bit for bit on run 1: {sw['verified']})", "",
+            table(["step", "s", "MB copied"], rows), "",
+            f"switch / full reload: {sw['switch_s'] / sw['reload_s']:.2f}x time, {sw['switch_bytes'] / sw['reload_bytes']:.3f}x bytes", ""]
+    bad = [k for k, v in g.items() if not v["pass"]]
+    out += [f"Gates: {'all pass' if not bad else 'FAILED: ' + ', '.join(bad)}", ""]
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--scale", type=float, default=1.0)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--data", type=Path, default=DEFAULT_DIR)
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda where a GPU exists")
+    ap.add_argument("--out", default="node.json", help="file name under benchmarks/results/")
+    args = ap.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    if args.device.startswith("cuda") and not cuda:
+        raise SystemExit("--device cuda: torch sees no GPU here (torch.cuda.is_available() is False)")
+
+    t_start = time.perf_counter()
+    family = generate(args.data, args.scale, verbose=True)
+    paths = {m: family[m] for m in NODE_MEMBERS}
+    anchors.prewarm(paths.values())
+    work = Path(tempfile.mkdtemp(prefix="mfsreg-bench-node-", dir=args.data))
+    stack = Stack(work)
+    try:
+        url = stack.start_api(f"reg-{uuid.uuid4().hex[:8]}")
+        bench = Bench(stack, url, paths, work, args.device)
+        t0 = time.perf_counter()
+        pushes = bench.push()
+        print(f"pushed {', '.join(NODE_MEMBERS)} through the API in {time.perf_counter() - t0:.1f} s", flush=True)
+        raw = run_all(bench, args.runs)
+    finally:
+        stack.close()
+        shutil.rmtree(work, ignore_errors=True)
+
+    summary = summarise(raw)
+    doc = {
+        "machine": machine_info(),
+        "params": {"scale": args.scale, "runs": args.runs, "device": args.device, "cuda_available": cuda,
+                   "gpu": torch.cuda.get_device_name(0) if cuda else None,
+                   "note": ("no GPU on this machine: tensors on CPU" if not cuda else "GPU present"),
+                   "s3": "moto server (loopback)", "metadata": "postgres 127.0.0.1", "page_cache": "pre-warmed",
+                   "members": list(NODE_MEMBERS), "torch": torch.__version__},
+        "family": {"shape": Shape.for_scale(args.scale).__dict__, "files": {m: p.stat().st_size for m, p in paths.items()}},
+        "pushes": pushes,
+        "summary": summary,
+        "gates": gates(summary),
+        "runs": {k: v for k, v in raw.items() if k != "shared"},
+        "shared": raw["shared"],
+    }
+    doc["seconds_total"] = time.perf_counter() - t_start
+    path = write_json(args.out, doc)
+    print()
+    print(report(doc))
+    print(f"results: {path} (whole benchmark: {doc['seconds_total']:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
