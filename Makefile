@@ -27,7 +27,11 @@ serve: install
 	$(BIN)/mfsreg serve --host 127.0.0.1 --port 8700
 
 bench: install
+	$(BIN)/python -m pip install -q -e ".[bench]"
 	$(BIN)/python -m benchmarks.bench_core
+	$(BIN)/python -m benchmarks.bench_delta
+	$(BIN)/python -m benchmarks.bench_api
+	$(BIN)/python -m benchmarks.bench_node
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

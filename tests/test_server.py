@@ -173,8 +173,14 @@ def test_killed_push_rerun_sends_only_the_rest(servers, server_env, tmp_path):
     assert proc.poll() is None, "push finished before it could be killed"
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    time.sleep(0.5)  # let the server finish the batch it was receiving
-    stats = mfsreg_json("stats", env=admin)
+    # the server may still be storing the batch it was receiving: wait until what it holds is stable
+    stats, deadline = mfsreg_json("stats", env=admin), time.monotonic() + 30
+    while time.monotonic() < deadline:
+        time.sleep(0.3)
+        again = mfsreg_json("stats", env=admin)
+        if again["unreferenced_bytes"] == stats["unreferenced_bytes"]:
+            break
+        stats = again
     assert stats["versions_count"] == 0
     stored_before = stats["unreferenced_bytes"]
     rerun = mfsreg_json("push", src, "--family", "fam", "--version", "big", env=env)
