@@ -84,7 +84,20 @@ class BasisReader:
         self._cached = 0
         self._limit = cache_bytes
         self._lock = threading.Lock()
+        self._payloads: dict[str, bytes] = {}
 
+    def prefetch(self, ids: Iterable[str]) -> None:
+        """Read the payloads of ``ids`` and of the bases they need in one call, so the store can
+        coalesce them into a few range reads (one request per basis chunk is slow on S3)."""
+        want: set[str] = set()
+        for i in ids:
+            while i and i in self.located and i not in want and i not in self._cache:
+                want.add(i)
+                i = self.located[i].basis_id
+        want -= set(self._payloads)
+        if want:
+            for c, payload in self._fetch([self.located[i] for i in want]):
+                self._payloads[c.id] = bytes(payload)
     def raw(self, chunk_id: str) -> bytes:
         with self._lock:
             hit = self._cache.get(chunk_id)
@@ -93,7 +106,10 @@ class BasisReader:
                 return hit
         c = self.located[chunk_id]
         basis = self.raw(c.basis_id) if c.basis_id else None
-        ((_, payload),) = list(self._fetch([c]))
+        with self._lock:
+            payload = self._payloads.pop(chunk_id, None)
+        if payload is None:
+            ((_, payload),) = list(self._fetch([c]))
         data = self._decode(c, payload, basis)
         with self._lock:
             if chunk_id not in self._cache:

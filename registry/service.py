@@ -84,6 +84,7 @@ def receive_batch(reg, family: str, body: bytes) -> dict:
         if e.id in missing:
             todo.append((e, payload))
             missing.discard(e.id)
+    reader.prefetch(cap_depth(e.basis_id, located) for e, _ in todo if e.basis_id in allowed)
 
     def encode(item):
         e, payload = item

@@ -20,7 +20,7 @@ class ResidentModel:
         self.node = node or Node()
         self.family = family
         self.device = torch.device(device)
-        self.copier = Copier(self.node.cache, self.device)
+        self.copier = Copier(self.node.cache, self.device, self.node.remote.pool)
         self.version = version
         self.info = self.node.fetcher.version(family, version)
         lay = layout(self.info)

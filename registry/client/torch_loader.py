@@ -23,6 +23,7 @@ from registry.client.fetch import Fetcher, VersionInfo
 from registry.client.remote import RemoteRegistry
 from registry.errors import IntegrityError, InvalidRequest
 from registry.manifest import SAFETENSORS
+from registry.parallel import windowed_map
 from registry.safetensors import TensorSpan
 
 DTYPES = {
@@ -85,10 +86,11 @@ class Node:
 class Copier:
     """Copies cached chunks into tensor bytes on one device."""
 
-    def __init__(self, cache: NodeCache, device: torch.device):
+    def __init__(self, cache: NodeCache, device: torch.device, pool=None):
         self.cache = cache
         self.refetch = None  # chunk id -> None: fetch again a chunk another process evicted
         self.device = device
+        self.pool = pool  # CPU: pieces are read on several threads (file reads and xxh3 release the GIL)
         self.cuda = device.type == "cuda"
         if self.cuda:
             self.stream = torch.cuda.Stream(device=device)
@@ -114,9 +116,16 @@ class Copier:
         flat = tensor.view(-1).view(torch.uint8) if tensor.dim() else tensor.reshape(1).view(torch.uint8)
         if not self.cuda:
             arr = flat.numpy()
-            for p in pieces:
-                view = memoryview(arr[p.start : p.start + p.chunk.size])
-                self._read(p.chunk, view)
+
+            def read(p: Piece) -> None:
+                self._read(p.chunk, memoryview(arr[p.start : p.start + p.chunk.size]))
+
+            if self.pool is not None and len(pieces) > 1:
+                for _ in windowed_map(self.pool, read, pieces):
+                    pass
+            else:
+                for p in pieces:
+                    read(p)
             return sum(p.chunk.size for p in pieces)
         for p in pieces:
             n = p.chunk.size
@@ -217,7 +226,7 @@ def load_tensors(family: str, version: str, device: str | torch.device = "cpu", 
     node = node or Node()
     try:
         info = node.fetcher.version(family, version)
-        copier = Copier(node.cache, torch.device(device))
+        copier = Copier(node.cache, torch.device(device), node.remote.pool)
         lay = layout(info)
         tensors = {name: copier.empty(span) for name, (span, _) in lay.items()}
         fill(node, info, copier, tensors, {name: pieces for name, (_, pieces) in lay.items()})
