@@ -61,17 +61,24 @@ def plan_deltas(reg, family: str, parent: str | None, new_files: list, ids: list
     return bases, reader
 
 
+class RecordedPacks(PackWriter):
+    """A PackWriter whose packs are recorded in the database as each becomes durable;
+    ``added`` counts the stored bytes of chunks this writer really added."""
+
+    def __init__(self, reg):
+        super().__init__(reg.blobs, reg.settings.pack_size, self._record)
+        self._engine = reg.engine
+        self.added = 0
+
+    def _record(self, pack_id: str, size: int, stored: list[StoredChunk]) -> None:
+        with write_tx(self._engine) as conn:
+            self.added += chunk_db.record_pack(conn, pack_id, size, stored)
+
+
 def upload_missing(reg, source: Source, job: HashJob, missing: set[str], pool: ThreadPoolExecutor, progress: Progress,
                    bases: dict[str, str] | None = None, reader: BasisReader | None = None) -> int:
     """Encode and store the chunks in ``missing``; returns the stored bytes this push added."""
-    added = 0
-
-    def on_flush(pack_id: str, size: int, stored: list[StoredChunk]) -> None:
-        nonlocal added
-        with write_tx(reg.engine) as conn:
-            added += chunk_db.record_pack(conn, pack_id, size, stored)
-
-    writer = PackWriter(reg.blobs, reg.settings.pack_size, on_flush)
+    writer = RecordedPacks(reg)
     progress.start("send", missing_bytes(job, missing))
     basis_raw = reader.raw if reader is not None else None
     for c, sha, encoding, payload, basis_id in encoded_chunks(source, job.file_chunks, missing, pool, bases, basis_raw):
@@ -79,7 +86,7 @@ def upload_missing(reg, source: Source, job: HashJob, missing: set[str], pool: T
         writer.add(c.id, c.size, sha, encoding, payload, basis_id, depth)
         progress.advance("send", c.size)
     writer.flush()
-    return added
+    return writer.added
 
 
 def check_push_names(family: str, version: str, parent: str | None) -> None:

@@ -14,16 +14,16 @@ from collections.abc import Iterator
 
 
 from registry import codec
-from registry.blobs.packs import PackWriter, StoredChunk
+from registry.blobs.packs import StoredChunk
 from registry.chunking import chunk_sha256
 from registry.config import MAX_CHUNK_SIZE
 from registry.db import chunks as chunk_db
 from registry.db import tiers as tier_db
 from registry.db import versions as version_db
-from registry.db.engine import read_tx, write_tx
+from registry.db.engine import read_tx
 from registry.errors import IntegrityError, InvalidModel, InvalidRequest, NotFound
 from registry.deltas import BasisReader, cap_depth
-from registry.ingest import check_push_names, commit_version, existing_result, plan_deltas
+from registry.ingest import RecordedPacks, check_push_names, commit_version, existing_result, plan_deltas
 from registry.parallel import windowed_map
 from registry.results import PushResult
 from registry.manifest import SAFETENSORS, Manifest, parse_doc
@@ -102,18 +102,11 @@ def receive_batch(reg, family: str, body: bytes) -> dict:
         return e, sha, e.encoding, bytes(payload), None, 0
 
     ready = list(windowed_map(reg.pool, encode, todo))  # all verified before anything is written
-    added = 0
-
-    def on_flush(pack_id: str, size: int, stored: list[StoredChunk]) -> None:
-        nonlocal added
-        with write_tx(reg.engine) as conn:
-            added += chunk_db.record_pack(conn, pack_id, size, stored)
-
-    writer = PackWriter(reg.blobs, reg.settings.pack_size, on_flush)
+    writer = RecordedPacks(reg)
     for e, sha, encoding, payload, basis_id, depth in ready:
         writer.add(e.id, e.size, sha, encoding, payload, basis_id, depth)
     writer.flush()
-    return {"received": len(entries), "new_bytes": added}
+    return {"received": len(entries), "new_bytes": writer.added}
 
 
 def _check_headers(reg, manifest: Manifest) -> None:
