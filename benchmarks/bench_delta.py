@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 
 from benchmarks import anchors
-from benchmarks.common import FAMILY, MB, fresh_registry, machine_info, median, spread, table, write_json
+from benchmarks.common import FAMILY, MB, finish, fresh_registry, machine_info, median, spread, table
 from benchmarks.family import DEFAULT_DIR, MEMBERS, Shape, generate
 
 STORAGE_GATE = 0.6  # stored bytes with delta / without
@@ -345,11 +345,7 @@ def main(argv: list[str] | None = None) -> None:
     }
     doc["storage"]["delta_over_exact"] = doc["storage"]["delta"]["stored_bytes"] / doc["storage"]["exact"]["stored_bytes"]
     doc["gates"] = gates(doc)
-    doc["seconds_total"] = time.perf_counter() - t_start
-    path = write_json(args.out, doc)
-    print()
-    print(report(doc))
-    print(f"results: {path} (whole benchmark: {doc['seconds_total']:.0f} s)")
+    finish(args.out, doc, report, t_start)
 
 
 if __name__ == "__main__":

@@ -47,7 +47,7 @@ from safetensors.torch import load_file
 
 from benchmarks import anchors
 from benchmarks.bench_api import Stack
-from benchmarks.common import FAMILY, MB, machine_info, median, table, write_json
+from benchmarks.common import FAMILY, MB, finish, machine_info, median, table
 from benchmarks.family import DEFAULT_DIR, MEMBERS, Shape, generate
 
 NODE_MEMBERS = ("base", "lora-chat", "vocab-ext", "full-medical")
@@ -429,11 +429,7 @@ def main(argv: list[str] | None = None) -> None:
         "runs": {k: v for k, v in raw.items() if k != "shared"},
         "shared": raw["shared"],
     }
-    doc["seconds_total"] = time.perf_counter() - t_start
-    path = write_json(args.out, doc)
-    print()
-    print(report(doc))
-    print(f"results: {path} (whole benchmark: {doc['seconds_total']:.0f} s)")
+    finish(args.out, doc, report, t_start)
 
 
 if __name__ == "__main__":

@@ -117,3 +117,12 @@ def write_json(name: str, doc: dict) -> Path:
     out = RESULTS / name
     out.write_text(json.dumps(doc, indent=2) + "\n")
     return out
+
+
+def finish(name: str, doc: dict, report, t_start: float) -> None:
+    """Write a benchmark's JSON, print its report and where the results went."""
+    doc["seconds_total"] = time.perf_counter() - t_start
+    path = write_json(name, doc)
+    print()
+    print(report(doc))
+    print(f"results: {path} (whole benchmark: {doc['seconds_total']:.0f} s)")

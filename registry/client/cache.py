@@ -115,10 +115,17 @@ class NodeCache:
 
     def put(self, chunk_id: str, raw: bytes, tier: str | None = None, family: str | None = None) -> None:
         """Store verified raw bytes (the caller checked them against the id)."""
-        path = self.chunk_path(chunk_id)
-        if not path.exists():
-            atomic_write(path, raw)
-        self.record([(chunk_id, len(raw), tier, family)])
+        self.put_many([(chunk_id, raw, tier, family)])
+
+    def put_many(self, items: Iterable[tuple[str, bytes, str | None, str | None]]) -> None:
+        """Store many verified chunks: each file written atomically, then one index transaction."""
+        rows = []
+        for chunk_id, raw, tier, family in items:
+            path = self.chunk_path(chunk_id)
+            if not path.exists():
+                atomic_write(path, raw)
+            rows.append((chunk_id, len(raw), tier, family))
+        self.record(rows)
 
     def record(self, items: Iterable[tuple[str, int, str | None, str | None]]) -> None:
         now = time.time()
@@ -187,18 +194,22 @@ class NodeCache:
             return 0, 0
         q = ("SELECT key, size FROM entries WHERE NOT (rank = ? AND family IN (SELECT family FROM pins)) "
              "ORDER BY rank, last_used")
+        victims = []
         for key, size in self._conn().execute(q, (RANK["base"],)).fetchall():
             if total <= limit:
                 break
             if key in keep:
                 continue
-            path = self.file_path(key[5:]) if key.startswith("file:") else self.chunk_path(key)
-            with self._db() as db:
-                db.execute("DELETE FROM entries WHERE key = ?", (key,))
-            path.unlink(missing_ok=True)
+            victims.append(key)
             total -= size
             removed += 1
             freed += size
+        # index rows go first (one transaction), then the files: a reader that finds no file
+        # fetches the chunk again, and no row ever points at a deleted file for long
+        with self._db() as db:
+            db.executemany("DELETE FROM entries WHERE key = ?", [(k,) for k in victims])
+        for key in victims:
+            (self.file_path(key[5:]) if key.startswith("file:") else self.chunk_path(key)).unlink(missing_ok=True)
         return removed, freed
 
     def stats(self) -> dict:

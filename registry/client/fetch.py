@@ -93,8 +93,7 @@ class Fetcher:
                 yield c, p
 
         raw = decode_batch(batch, located, payloads, self.remote.pool, known=self.cache.get)
-        for i, data in raw.items():
-            self.cache.put(i, data, tiers.get(i), family)
+        self.cache.put_many((i, data, tiers.get(i), family) for i, data in raw.items())
         return received, len(raw)
 
 
