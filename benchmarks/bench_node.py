@@ -18,10 +18,12 @@ Then each figure is the median of --runs, measured in one process:
   lora-chat's logical bytes (from the two version documents' manifests). Gates: fetched bytes <=
   (1 - shared fraction) x logical bytes, and seconds <= 0.3 x the boto3 download of the same file.
 - tensors: registry.client.load_tensors(lora-chat, node=Node(url, token, warm cache dir)) beside
-  safetensors.torch.load_file of the local file, each run once untimed first (page cache and node
-  cache warm). load_file is timed with its default backend ("mmap": on CPU it maps the page cache
-  and copies nothing, so it is nearly free) and with backend="pread" (bytes copied into process
-  memory, as load_tensors does); both ratios are gated (speed >= 0.9x load_file) and shown.
+  safetensors.torch.load_file of the local file with its default backend ("mmap": on CPU it maps
+  the page cache and reads nothing until the tensors are used) and with backend="pread" (bytes
+  copied into fresh process memory). Each runs once untimed first (page cache, node cache and
+  allocator warm), then in LOAD_REPS interleaved rounds; each round times the call and the first
+  touch of every page after it ("ready"). Gated: load_tensors' ready speed >= 0.9x each
+  load_file's ready speed; the bare call times are shown beside.
 - switch: ResidentModel(family, "base", node) built from the warm cache, then .switch("lora-chat")
   and .switch("base") back: seconds and bytes copied, beside a full reload of the target
   (load_tensors of lora-chat from the warm cache). On the first run the switched tensors are
@@ -55,11 +57,19 @@ COLD = ("lora-chat", "full-medical")
 DUP = "lora-chat"  # the mostly-duplicate member pulled with the base cached, loaded and switched to
 PULL_GATE = 0.3  # warm-base pull seconds / boto3 download seconds
 LOAD_GATE = 0.9  # load_tensors speed / load_file speed
+LOAD_REPS = 5  # timed rounds of each loader per run (median)
 
 
 def _sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
+
+
+def _touch(tensors: dict[str, torch.Tensor]) -> None:
+    """Read one byte of every page of every tensor: what first use costs a loader that maps lazily."""
+    for t in tensors.values():
+        if t.numel():
+            t.reshape(-1).view(torch.uint8)[::4096].sum()
 
 
 def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
@@ -185,27 +195,45 @@ class Bench:
                 "base_chunks_cached": covered, "base_chunks": len(base_ids)}
 
     def loads(self, node) -> dict:
-        """load_tensors from the warm cache beside load_file (default backend and pread) of the local file."""
+        """load_tensors from the warm cache beside load_file (default backend and pread) of the local file.
+
+        Each loader runs once untimed (page cache and node cache warm, allocator in the same state),
+        then LOAD_REPS timed rounds, interleaved; each round times the load and then the first touch
+        of every page of the tensors (``ready_s`` = load + touch): a lazy loader pays its reads there."""
         from registry.client import load_tensors
 
-        out = {}
         path = str(self.paths[DUP])
         variants = {
             "load_tensors": lambda: load_tensors(FAMILY, DUP, device=self.device, node=node),
             "load_file": lambda: load_file(path, device=self.device),
             "load_file_pread": lambda: load_file(path, device=self.device, backend="pread"),
         }
+        out: dict = {}
+        usable = {}
         for name, fn in variants.items():
             try:
-                t0 = time.perf_counter()
                 tensors = fn()
-                _sync(self.device)
-                out[name] = time.perf_counter() - t0
                 out.setdefault("tensor_bytes", _nbytes(tensors))
                 del tensors
+                usable[name] = fn
             except TypeError as exc:  # an older safetensors without the backend argument
                 out[name] = None
                 out[name + "_error"] = str(exc)
+        times: dict = {name: ([], []) for name in usable}
+        for _ in range(LOAD_REPS):
+            for name, fn in usable.items():
+                t0 = time.perf_counter()
+                tensors = fn()
+                _sync(self.device)
+                t1 = time.perf_counter()
+                _touch(tensors)
+                _sync(self.device)
+                t2 = time.perf_counter()
+                times[name][0].append(t1 - t0)
+                times[name][1].append(t2 - t0)
+                del tensors
+        for name, (load, ready) in times.items():
+            out[name], out[name + "_ready"] = median(load), median(ready)
         return out
 
     def switch(self, node, verify: bool) -> dict:
@@ -301,7 +329,8 @@ def summarise(raw: dict) -> dict:
     s["warm_base"]["shared_fraction_observed"] = w[0]["cached_bytes"] / w[0]["logical_bytes"]
     s["warm_base"]["moved_limit_bytes"] = (1 - sh["shared_fraction"]) * sh["logical_bytes"]
     s["warm_base"]["vs_download"] = s["warm_base"]["seconds"] / s["anchor"][DUP]["download_s"]
-    s["loads"] = {k: _med(raw["loads"], k) for k in ("load_tensors", "load_file", "load_file_pread")}
+    s["loads"] = {k: _med(raw["loads"], k) for k in ("load_tensors", "load_file", "load_file_pread", "load_tensors_ready",
+                                                     "load_file_ready", "load_file_pread_ready")}
     s["loads"]["tensor_bytes"] = raw["loads"][0]["tensor_bytes"]
     sw = raw["switch"]
     s["switch"] = {k: _med(sw, k) for k in ("init_base_s", "switch_s", "switch_back_s", "reload_s")}
@@ -316,14 +345,16 @@ def gates(s: dict) -> dict:
                                   "pass": w["fetched_bytes"] <= w["moved_limit_bytes"]},
         "warm_base_time_vs_download": {"value": w["vs_download"], "limit": PULL_GATE, "pass": w["vs_download"] <= PULL_GATE},
     }
+    # Gated: time until the tensors' bytes are in memory (load, then first touch of every page) against
+    # both load_file backends. load_file's default backend maps the file and reads nothing until used,
+    # so its bare call time is shown beside, not gated: no loader that reads and verifies can match it.
     for ref in ("load_file", "load_file_pread"):
         if ld.get(ref) is None:
             out[f"load_tensors_vs_{ref}"] = {"value": None, "limit": LOAD_GATE, "pass": False, "note": "anchor unavailable"}
             continue
-        speed = ld[ref] / ld["load_tensors"]  # speed ratio = inverse time ratio
-        out[f"load_tensors_vs_{ref}"] = {"value": speed, "limit": LOAD_GATE, "pass": speed >= LOAD_GATE}
-    out["load_tensors_vs_load_file"]["note"] = ("load_file's default mmap backend maps the page cache and copies nothing "
-                                                "on CPU; load_tensors copies every byte into private tensors")
+        speed = ld[ref + "_ready"] / ld["load_tensors_ready"]  # speed ratio = inverse time ratio
+        out[f"load_tensors_vs_{ref}"] = {"value": speed, "limit": LOAD_GATE, "pass": speed >= LOAD_GATE,
+                                         "bare_call_speed": ld[ref] / ld["load_tensors"]}
     return out
 
 
@@ -356,19 +387,23 @@ def report(doc: dict) -> str:
 
     ld = s["loads"]
     n = ld["tensor_bytes"]
-    rows = [["load_tensors (node cache, warm)", f"{ld['load_tensors']:.3f}", f"{n / ld['load_tensors'] / MB:,.0f}", "", ""]]
+    rows = [["load_tensors (node cache, warm)", f"{ld['load_tensors']:.3f}", f"{ld['load_tensors_ready']:.3f}",
+             f"{n / ld['load_tensors_ready'] / MB:,.0f}", "", ""]]
     for ref, label in (("load_file", "load_file, default backend (mmap)"), ("load_file_pread", "load_file, backend=pread")):
         gg = g[f"load_tensors_vs_{ref}"]
         if ld.get(ref) is None:
-            rows.append([label, "-", "-", "-", "unavailable"])
+            rows.append([label, "-", "-", "-", "-", "unavailable"])
             continue
-        rows.append([label, f"{ld[ref]:.3f}", f"{n / ld[ref] / MB:,.0f}", f"{gg['value']:.2f}x",
-                     f"{_pf(gg['pass'])} (>= {LOAD_GATE}x)"])
-    out += [f"### Tensors of {DUP} on {p['device']} ({n / MB:,.1f} MB; page cache and node cache warm)", "",
-            table(["loader", "s", "MB/s", "load_tensors speed / this", "gate"], rows), ""]
+        rows.append([label, f"{ld[ref]:.3f}", f"{ld[ref + '_ready']:.3f}", f"{n / ld[ref + '_ready'] / MB:,.0f}",
+                     f"{gg['value']:.2f}x", f"{_pf(gg['pass'])} (>= {LOAD_GATE}x)"])
+    out += [f"### Tensors of {DUP} on {p['device']} ({n / MB:,.1f} MB; page cache and node cache warm; median of "
+            f"{LOAD_REPS} interleaved rounds per run)", "",
+            table(["loader", "call s", "ready s", "MB/s (ready)", "load_tensors speed / this (ready)", "gate"], rows), ""]
     if p["device"] == "cpu":
-        out += ["On CPU, load_file's default mmap backend returns tensors that map the page cache: no byte is copied "
-                "until used, so it is the floor of any loader; backend=pread copies the bytes, as load_tensors does.", ""]
+        out += ["\"ready\" = the call plus the first touch of every page of every tensor. On CPU, load_file's default "
+                "mmap backend returns tensors over the page cache and reads nothing until they are used, so its bare call "
+                "is nearly free and its cost moves to first use; backend=pread copies the bytes into fresh memory. "
+                "load_tensors maps the node cache's chunk files into each tensor and reads them once to check their ids.", ""]
 
     sw = s["switch"]
     rows = [

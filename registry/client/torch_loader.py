@@ -1,7 +1,8 @@
 """Tensors straight from the node cache, without writing a file.
 
-Each tensor is allocated once and its chunks are read from the cache directly into its bytes (one
-copy from the page cache, as safetensors' own loader does), each chunk re-checked against its id.
+On the CPU each chunk file is mapped into its tensor's address range (registry/client/mapping.py):
+no copy, like safetensors' own mmap loader, and each chunk is re-checked against its id. Chunks
+that do not line up with pages are read into the tensor instead.
 Fetching runs ahead on a background thread, batch by batch, so network, decode and copy overlap.
 On a GPU, chunks go through two pinned staging buffers and are copied with non_blocking copies on
 a CUDA stream; a buffer is refilled only after the event of its last copy has completed.
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from registry.chunking import ChunkRef, chunk_id
+from registry.client import mapping
 from registry.client.cache import NodeCache
 from registry.client.fetch import Fetcher, VersionInfo
 from registry.client.remote import RemoteRegistry
@@ -84,7 +86,7 @@ class Node:
 
 
 class Copier:
-    """Copies cached chunks into tensor bytes on one device."""
+    """Puts cached chunks into tensor bytes on one device: mapped where they line up with pages (CPU), else copied."""
 
     def __init__(self, cache: NodeCache, device: torch.device, pool=None):
         self.cache = cache
@@ -107,6 +109,8 @@ class Copier:
         return dtype
 
     def empty(self, span: TensorSpan) -> torch.Tensor:
+        if not self.cuda:
+            return mapping.empty(span.shape, self.empty_dtype(span))
         return torch.empty(span.shape, dtype=self.empty_dtype(span), device=self.device)
 
     def copy(self, tensor: torch.Tensor, pieces: list[Piece]) -> int:
@@ -116,8 +120,14 @@ class Copier:
         flat = tensor.view(-1).view(torch.uint8) if tensor.dim() else tensor.reshape(1).view(torch.uint8)
         if not self.cuda:
             arr = flat.numpy()
+            region = mapping.region_of(tensor)
 
             def read(p: Piece) -> None:
+                if region is not None and region.can_map(p.start, p.chunk.size):
+                    view = region.map_file(p.start, p.chunk.size, str(self.cache.chunk_path(p.chunk.id)))
+                    if view is not None:
+                        self._check(p.chunk, view)
+                        return
                 self._read(p.chunk, memoryview(arr[p.start : p.start + p.chunk.size]))
 
             if self.pool is not None and len(pieces) > 1:
@@ -144,6 +154,10 @@ class Copier:
         if not self.cache.read_into(chunk.id, view) and self.refetch is not None:
             self.refetch(chunk.id)
             self.cache.read_into(chunk.id, view)
+        self._check(chunk, view)
+
+    @staticmethod
+    def _check(chunk: ChunkRef, view: memoryview) -> None:
         if chunk_id(view) != chunk.id:
             raise IntegrityError(f"chunk {chunk.id} in the node cache is missing or damaged: run `mfsreg cache prune` and retry")
 

@@ -1,0 +1,102 @@
+"""CPU tensors whose bytes are the node cache's chunk files, mapped in place: no copy, no fresh pages.
+
+safetensors maps one file and builds tensors over it; a version's tensors here are spread over many
+chunk files. Each tensor gets one anonymous, page-aligned region, and every chunk that starts on a
+page boundary (and fills whole pages, or ends the tensor) is mapped over its slot with
+MAP_FIXED | MAP_PRIVATE: the tensor reads straight from the page cache, and writes to it (a switch,
+or serving code that edits weights) stay private to the process and never reach the cache. Chunks
+that do not line up with pages are copied into the region instead.
+
+Why by hand: Python's mmap module cannot map a file at a chosen address, and no library maps many
+files into one contiguous tensor, so this calls libc's mmap through ctypes (Linux and macOS).
+Copying instead costs a page fault and a zeroed page per 4 KiB of fresh tensor memory, which is
+most of the time of a copying loader (see benchmarks/bench_node.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import weakref
+
+import torch
+
+PAGE = mmap.PAGESIZE
+_PROT = mmap.PROT_READ | mmap.PROT_WRITE
+_MAP_FIXED = 0x10  # the same value on Linux and macOS; absent from Python's mmap module
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.munmap.restype = ctypes.c_int
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_FAILED = ctypes.c_void_p(-1).value
+
+# data_ptr -> Region, for tensors built here; an entry goes when its tensor (and every view) is freed.
+_regions: weakref.WeakValueDictionary[int, Region] = weakref.WeakValueDictionary()
+
+
+class Region:
+    """An anonymous, page-aligned span of address space that backs one tensor. Unmapped (with every
+    file mapped into it) when the last tensor over it is freed."""
+
+    def __init__(self, nbytes: int):
+        self.nbytes = nbytes
+        self.length = max(PAGE, -(-nbytes // PAGE) * PAGE)
+        addr = _libc.mmap(None, self.length, _PROT, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+        if addr in (None, _FAILED):
+            raise MemoryError(f"cannot reserve {self.length} bytes of address space: {os.strerror(ctypes.get_errno())}")
+        self.addr = addr
+
+    def __del__(self) -> None:
+        if getattr(self, "addr", None) is not None:
+            _libc.munmap(self.addr, self.length)
+
+    def tensor(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        buf = (ctypes.c_ubyte * self.nbytes).from_address(self.addr)
+        buf._region = self  # the buffer keeps the region alive; torch.frombuffer keeps the buffer alive
+        t = torch.frombuffer(buf, dtype=dtype).view(shape)
+        _regions[self.addr] = self
+        return t
+
+    def can_map(self, start: int, size: int) -> bool:
+        """Whether a chunk at ``start`` of ``size`` bytes covers whole pages of its own (or ends the tensor)."""
+        return start % PAGE == 0 and (size % PAGE == 0 or start + size == self.nbytes)
+
+    def map_file(self, start: int, size: int, path: str) -> memoryview | None:
+        """Map ``path`` (exactly ``size`` bytes) over bytes [start, start + size); the bytes as a view,
+        or None when the file is missing, has another size, or cannot be mapped (say, the process
+        hit its limit of mappings): the caller copies instead."""
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        try:
+            # A short file would raise SIGBUS on first touch, not an error: check its size first.
+            # Cache files are written once and renamed into place, never changed in place.
+            if os.fstat(fd).st_size != size:
+                return None
+            addr = _libc.mmap(self.addr + start, size, _PROT, mmap.MAP_PRIVATE | _MAP_FIXED, fd, 0)
+        finally:
+            os.close(fd)
+        if addr != self.addr + start:
+            return None  # the anonymous reservation is still there: the slot stays writable
+        return self.view(start, size)
+
+    def view(self, start: int, size: int) -> memoryview:
+        return memoryview((ctypes.c_ubyte * size).from_address(self.addr + start)).cast("B")
+
+
+def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised CPU tensor over its own region, so chunk files can be mapped into it."""
+    nbytes = torch.Size(shape).numel() * dtype.itemsize
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    return Region(nbytes).tensor(dtype, shape)
+
+
+def region_of(tensor: torch.Tensor) -> Region | None:
+    """The region under ``tensor`` if it was made by ``empty`` (and is not a view at an offset)."""
+    r = _regions.get(tensor.data_ptr()) if tensor.device.type == "cpu" else None
+    return r if r is not None and r.nbytes == tensor.nbytes else None

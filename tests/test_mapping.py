@@ -1,0 +1,100 @@
+"""CPU tensors mapped from the node cache's chunk files (registry/client/mapping.py), through the Copier."""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from registry.chunking import ChunkRef, chunk_id
+from registry.client import mapping
+from registry.client.cache import NodeCache
+from registry.client.torch_loader import Copier, Piece
+from registry.errors import IntegrityError
+
+PAGE = mapping.PAGE
+
+
+def _pieces(cache: NodeCache, data: bytes, cuts: list[int]) -> list[Piece]:
+    """Cache ``data`` cut at ``cuts``; the pieces of a tensor holding it."""
+    out = []
+    for start, end in zip([0, *cuts], [*cuts, len(data)]):
+        raw = data[start:end]
+        cid = chunk_id(raw)
+        cache.put(cid, raw)
+        out.append(Piece(ChunkRef(cid, start, len(raw), 2), start))
+    return out
+
+
+def _mapped(cache: NodeCache, pieces: list[Piece]) -> list[bool]:
+    """Whether each piece's cache file is mapped into this process."""
+    with open("/proc/self/maps") as f:
+        maps = f.read()
+    return [str(cache.chunk_path(p.chunk.id)) in maps for p in pieces]
+
+
+@pytest.fixture
+def cache(tmp_path):
+    c = NodeCache(tmp_path / "cache")
+    yield c
+    c.close()
+
+
+def test_aligned_chunks_are_mapped_and_writes_stay_private(cache):
+    data = np.random.default_rng(1).integers(0, 2**16, size=(3 * PAGE + 1000) // 2, dtype=np.uint16).tobytes()
+    pieces = _pieces(cache, data, [PAGE, 3 * PAGE])  # two whole-page chunks and a short last one
+    t = mapping.empty((len(data) // 2,), torch.bfloat16)
+    region = mapping.region_of(t)
+    assert region is not None and region.can_map(0, PAGE) and region.can_map(3 * PAGE, 1000)
+    assert Copier(cache, torch.device("cpu")).copy(t, pieces) == len(data)
+    assert _mapped(cache, pieces) == [True, True, True]  # each chunk file is mapped in place: nothing was copied
+    assert t.view(torch.uint8).numpy().tobytes() == data
+    t.view(torch.uint8)[0:PAGE] = 0  # private: the cached chunk keeps its bytes
+    assert cache.get(pieces[0].chunk.id) == data[:PAGE]
+    del t, region
+    gc.collect()
+    assert _mapped(cache, pieces) == [False, False, False]  # the region and its mappings went with the tensor
+
+
+def test_chunks_off_page_boundaries_are_copied(cache):
+    data = os.urandom(3 * PAGE)
+    pieces = _pieces(cache, data, [PAGE, PAGE + 6])  # only the first chunk starts on a page and fills whole pages
+    t = mapping.empty((len(data),), torch.uint8)
+    assert not mapping.region_of(t).can_map(PAGE + 6, PAGE)
+    assert Copier(cache, torch.device("cpu")).copy(t, pieces) == len(data)
+    assert _mapped(cache, pieces) == [True, False, False]
+    assert t.numpy().tobytes() == data
+
+
+def test_a_short_cache_file_is_not_mapped(cache):
+    """Mapping a short file would end in SIGBUS on first touch; it is refused and read instead."""
+    data = os.urandom(2 * PAGE)
+    (piece,) = _pieces(cache, data, [])
+    with open(cache.chunk_path(piece.chunk.id), "r+b") as f:
+        f.truncate(PAGE)
+    t = mapping.empty((len(data),), torch.uint8)
+    assert mapping.region_of(t).map_file(0, len(data), str(cache.chunk_path(piece.chunk.id))) is None
+    with pytest.raises(IntegrityError, match="missing or damaged"):
+        Copier(cache, torch.device("cpu")).copy(t, [piece])
+
+
+def test_a_damaged_mapped_chunk_is_refused(cache):
+    data = os.urandom(PAGE)
+    (piece,) = _pieces(cache, data, [])
+    path = cache.chunk_path(piece.chunk.id)
+    os.chmod(path, 0o644)
+    with open(path, "r+b") as f:
+        f.write(b"\x00" * 8)
+    t = mapping.empty((len(data),), torch.uint8)
+    with pytest.raises(IntegrityError, match="missing or damaged"):
+        Copier(cache, torch.device("cpu")).copy(t, [piece])
+
+
+def test_empty_and_scalar_tensors(cache):
+    assert mapping.empty((0, 4), torch.float32).shape == (0, 4)
+    s = mapping.empty((), torch.float32)
+    s.fill_(2.5)
+    assert s.item() == 2.5 and mapping.region_of(s) is not None
