@@ -1,8 +1,9 @@
 """The mfsreg HTTP API. Stateless: every request goes to the shared database and blob store, so
 several processes can serve one registry behind a load balancer.
 
-Push protocol: negotiate (which chunks are missing) -> upload batches of missing chunks (each one
-re-hashed by the server) -> commit (the version becomes visible). Pull: read the version's manifest
+Push protocol: negotiate (which chunks are missing; the manifest may still lack its file sha256s)
+-> upload batches of missing chunks (each one re-hashed by the server) -> commit with the complete
+manifest (the version becomes visible). Pull: read the version's manifest
 and chunk table, then download batches of chunks as a stream.
 """
 

@@ -9,11 +9,12 @@ from pydantic import BaseModel, Field
 
 class NegotiateRequest(BaseModel):
     parent: str | None = None
-    manifest: dict[str, Any] = Field(description="The manifest the client computed (files, chunks, tensors).")
+    manifest: dict[str, Any] = Field(description="The manifest the client computed (files, chunks, tensors). "
+                                           "File sha256s may be null here (a draft): they are required at commit.")
 
 
 class NegotiateResponse(BaseModel):
-    digest: str
+    digest: str | None = Field(description="The version's digest; null when the manifest was a draft (file sha256s null).")
     exists: bool
     existing_digest: str | None
     missing: list[str] = Field(description="Chunk ids the registry lacks, in first-use order.")

@@ -110,14 +110,16 @@ def encode_delta(data, basis, itemsize: int) -> bytes:
     return _plane_cctx().compress(xor_planes(data, basis, itemsize))
 
 
-def best_encoding(data, itemsize: int, basis=None) -> tuple[str, bytes, bool]:
-    """The smallest of plain and (with a basis) delta; returns (encoding, payload, is_delta)."""
+def best_encoding(data, itemsize: int, basis=None, plain: tuple[str, bytes] | None = None) -> tuple[str, bytes, bool]:
+    """The smallest of plain and (with a basis) delta; returns (encoding, payload, is_delta).
+    ``plain``: a plain (encoding, payload) of ``data`` already at hand, such as the compressed
+    payload a client uploaded; it is used as the plain candidate instead of encoding again."""
     n = len(data)
     if basis is not None and n % itemsize == 0:
         delta = encode_delta(data, basis, itemsize)
         if len(delta) <= DELTA_CLEAR_WIN * n:
             return f"{XOR}-p{itemsize}", delta, True
-        encoding, payload = encode(data, itemsize)
+        encoding, payload = plain or encode(data, itemsize)
         if len(delta) < len(payload):
             return f"{XOR}-p{itemsize}", delta, True
         return encoding, payload, False

@@ -61,11 +61,20 @@ class HashJob:
         return sum(f.size for f in self.source.files)
 
     def manifest(self) -> Manifest:
+        """The manifest; waits for the file digests."""
+        return self._manifest([fut.result() for fut in self._futures])
+
+    def draft(self) -> Manifest:
+        """The manifest without waiting: file digests not yet computed are None (enough to ask which
+        chunks are missing and to send them; a commit needs ``manifest()``)."""
+        return self._manifest([fut.result() if fut.done() else None for fut in self._futures])
+
+    def _manifest(self, digests: list[str | None]) -> Manifest:
         entries = []
-        for f, refs, fut in zip(self.source.files, self.file_chunks, self._futures):
+        for f, refs, sha in zip(self.source.files, self.file_chunks, digests):
             entries.append(
                 FileEntry(
-                    path=f.rel, kind=SAFETENSORS if f.header else BLOB, size=f.size, sha256=fut.result(),
+                    path=f.rel, kind=SAFETENSORS if f.header else BLOB, size=f.size, sha256=sha,
                     chunks=refs, tensors=f.header.tensors if f.header else (),
                 )
             )

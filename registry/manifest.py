@@ -27,7 +27,7 @@ class FileEntry:
     path: str  # relative, '/'-separated
     kind: str  # SAFETENSORS or BLOB
     size: int
-    sha256: str
+    sha256: str | None  # None only in a draft: the digest is still being computed (see HashJob.draft)
     chunks: tuple[ChunkRef, ...]
     tensors: tuple[TensorSpan, ...] = ()
 
@@ -42,8 +42,15 @@ class Manifest:
         return sum(f.size for f in self.files)
 
     @property
-    def digest(self) -> str:
-        """sha256 over the sorted (path, size, sha256) of every file: the version's identity."""
+    def is_draft(self) -> bool:
+        """A draft lacks some file digests: enough to negotiate which chunks to send, not to commit."""
+        return any(f.sha256 is None for f in self.files)
+
+    @property
+    def digest(self) -> str | None:
+        """sha256 over the sorted (path, size, sha256) of every file: the version's identity (None for a draft)."""
+        if self.is_draft:
+            return None
         h = hashlib.sha256()
         for f in sorted(self.files, key=lambda f: f.path):
             h.update(f"{f.path}\0{f.size}\0{f.sha256}\n".encode())
@@ -92,8 +99,9 @@ class Manifest:
         return cls(files=files, single_file=bool(doc["single_file"]))
 
 
-def parse_doc(doc: object) -> Manifest:
+def parse_doc(doc: object, draft: bool = False) -> Manifest:
     """A manifest sent by a client, checked for shape and self-consistency (InvalidRequest if not).
+    With ``draft``, file digests may be null (a push negotiates while its client still hashes).
 
     Checked here: safe unique paths, chunks that tile each file from 0 to its size, tensors that lie
     on chunk boundaries. The header chunk's bytes are checked against the tensors on commit, once
@@ -126,7 +134,8 @@ def parse_doc(doc: object) -> Manifest:
         if f.path in seen or not f.path or f.path.startswith("/") or any(x in ("", ".", "..") or x.startswith(".") for x in p):
             raise InvalidRequest(f"malformed manifest: unsafe or repeated path {f.path!r}")
         seen.add(f.path)
-        if f.kind not in (SAFETENSORS, BLOB) or not isinstance(f.sha256, str) or len(f.sha256) != 64:
+        digest_ok = (isinstance(f.sha256, str) and len(f.sha256) == 64) or (draft and f.sha256 is None)
+        if f.kind not in (SAFETENSORS, BLOB) or not digest_ok:
             raise InvalidRequest(f"malformed manifest: {f.path}: bad kind or sha256")
         pos = 0
         for c in f.chunks:

@@ -39,9 +39,11 @@ def _check_encoding(name: str) -> None:
 
 def negotiate(reg, family: str, version: str, doc: object, parent: str | None = None) -> dict:
     """Which chunks to upload, and for each a suggested basis: the server stores an uploaded chunk
-    as a delta against it when that is smaller (the client never needs the basis bytes)."""
+    as a delta against it when that is smaller (the client never needs the basis bytes).
+    The manifest may be a draft (file sha256s null): a client negotiates and uploads while its
+    file digests are still being computed, and sends them with the commit."""
     check_push_names(family, version, parent)
-    manifest = parse_doc(doc)
+    manifest = parse_doc(doc, draft=True)
     ids = manifest.chunk_ids()
     sizes = manifest.chunk_sizes()
     with read_tx(reg.engine) as conn:
@@ -96,7 +98,9 @@ def receive_batch(reg, family: str, body: bytes) -> dict:
         sha = chunk_sha256(raw)
         basis_id = cap_depth(e.basis_id, located) if e.basis_id in allowed else None
         if basis_id is not None:
-            encoding, out, is_delta = codec.best_encoding(raw, e.itemsize, reader.raw(basis_id))
+            # The client's compressed upload is the plain candidate; a raw upload may still compress.
+            plain = (e.encoding, payload) if e.encoding != codec.RAW else None
+            encoding, out, is_delta = codec.best_encoding(raw, e.itemsize, reader.raw(basis_id), plain)
             if is_delta and len(out) < e.length:
                 return e, sha, encoding, out, basis_id, located[basis_id].depth + 1
         return e, sha, e.encoding, bytes(payload), None, 0

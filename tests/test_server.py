@@ -132,6 +132,23 @@ def test_bad_requests_get_problem_details(servers, server_env, tmp_path):
     assert "/v1/families/{family}/versions/{version}/commit" in schema["paths"]
 
 
+def test_negotiate_takes_a_draft_and_commit_does_not(servers, server_env, tmp_path):
+    """A client negotiates while its file digests still run (sha256 null); the commit must carry them."""
+    (srv,) = servers(1)
+    h = {"Authorization": f"Bearer {token(server_env, 'push')}"}
+    path = synth.write(tmp_path / "m.safetensors", synth.base_tensors())
+    doc = hash_source(open_source(path), 64 << 10, NullProgress()).to_doc()
+    draft = {**doc, "files": [{**f, "sha256": None} for f in doc["files"]]}
+    r = httpx.post(f"{srv.url}/v1/families/fam/versions/v1/negotiate", json={"manifest": draft}, headers=h)
+    assert r.status_code == 200
+    neg = r.json()
+    assert neg["digest"] is None and not neg["exists"] and neg["missing"] and neg["chunks"] == len(neg["missing"])
+    r = httpx.post(f"{srv.url}/v1/families/fam/versions/v1/commit", json={"manifest": draft}, headers=h)
+    assert r.status_code == 400 and "sha256" in r.json()["detail"]
+    assert httpx.get(f"{srv.url}/v1/families/fam/versions/v1", headers=h).status_code == 404
+    assert bucket_keys(server_env) == []
+
+
 def test_body_limit(server_env, servers, tmp_path):
     server_env["MFSREG_MAX_BODY"] = str(1 << 20)
     (srv,) = servers(1)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -32,6 +33,7 @@ from registry.source import open_source
 from registry.wire import Entry, build_batch, read_stream
 
 UPLOAD_BATCH = 32 << 20  # bytes of payload per upload request: well under the server's body limit (MFSREG_UPLOAD_BATCH)
+UPLOAD_INFLIGHT = 2  # upload requests at once
 DOWNLOAD_BATCH = 64 << 20  # stored bytes per download request
 
 # One table from HTTP status to the registry's error tree (the server sends problem details).
@@ -89,33 +91,36 @@ class RemoteRegistry:
         if parent is not None:
             check_name("version", parent)
         source = open_source(Path(path))
-        with HashJob(source, self.chunk_size, progress) as job:
-            manifest = job.manifest()
-            file_chunks = job.file_chunks
-        doc = manifest.to_doc()
         base = f"/v1/families/{family}/versions/{version}"
-        neg = self._json("POST", f"{base}/negotiate", json={"manifest": doc, "parent": parent})
-        if neg["exists"]:
-            return existing_result(neg["existing_digest"], manifest.logical_bytes, len(manifest.files), manifest.digest,
-                                   neg["chunks"], family, version, t0)
-        missing = set(neg["missing"])
-        skipped = manifest.logical_bytes - missing_bytes(manifest, missing)
-        progress.start("skip", skipped)
-        progress.advance("skip", skipped)
-        sent, added = self._upload(family, source, file_chunks, manifest, missing, progress, neg.get("bases", {}))
-        res = self._json("POST", f"{base}/commit", json={"parent": parent, "manifest": doc})
+        with HashJob(source, self.chunk_size, progress) as job:
+            # Negotiate and upload while the whole-file sha256s (the slowest hash) still run on
+            # their own thread; they are needed only by the commit.
+            draft = job.draft()
+            neg = self._json("POST", f"{base}/negotiate", json={"manifest": draft.to_doc(), "parent": parent})
+            if neg["exists"]:
+                manifest = job.manifest()
+                return existing_result(neg["existing_digest"], manifest.logical_bytes, len(manifest.files),
+                                       manifest.digest, neg["chunks"], family, version, t0)
+            missing = set(neg["missing"])
+            skipped = draft.logical_bytes - missing_bytes(draft, missing)
+            progress.start("skip", skipped)
+            progress.advance("skip", skipped)
+            sent, added = self._upload(family, source, job.file_chunks, draft, missing, progress, neg.get("bases", {}))
+            manifest = job.manifest()
+        res = self._json("POST", f"{base}/commit", json={"parent": parent, "manifest": manifest.to_doc()})
         return PushResult(**{**res, "new_bytes": added, "new_chunks": len(missing),
                              "reused_chunks": res["chunks"] - len(missing), "sent_bytes": sent,
                              "seconds": time.perf_counter() - t0})
 
     def _upload(self, family: str, source, file_chunks, manifest: Manifest, missing: set[str], progress: Progress,
                 bases: dict[str, str]) -> tuple[int, int]:
-        """Send the missing chunks in batches; one batch is in flight while the next is encoded.
+        """Send the missing chunks in batches; UPLOAD_INFLIGHT batches are in flight while the next is
+        encoded (the server stores one while it verifies and delta-encodes another).
         Returns (payload bytes sent, stored bytes the server added)."""
         progress.start("send", missing_bytes(manifest, missing))
         sent = added = 0
-        uploader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mfsreg-upload")
-        inflight = None
+        uploader = ThreadPoolExecutor(max_workers=UPLOAD_INFLIGHT, thread_name_prefix="mfsreg-upload")
+        inflight: deque = deque()
 
         def post(batch: list[tuple[Entry, bytes]], raw: int) -> tuple[int, int]:
             r = self._json("POST", f"/v1/families/{family}/chunks", content=build_batch(batch),
@@ -123,10 +128,10 @@ class RemoteRegistry:
             progress.advance("send", raw)
             return sum(len(p) for _, p in batch), r["new_bytes"]
 
-        def collect():
+        def collect(keep: int):
             nonlocal sent, added
-            if inflight is not None:
-                s, a = inflight.result()
+            while len(inflight) > keep:
+                s, a = inflight.popleft().result()
                 sent, added = sent + s, added + a
 
         try:
@@ -136,13 +141,16 @@ class RemoteRegistry:
                 batch.append((Entry(c.id, c.size, encoding, len(payload), bases.get(c.id), c.itemsize), payload))
                 size, raw = size + len(payload), raw + c.size
                 if size >= self.upload_batch:
-                    collect()
-                    inflight = uploader.submit(post, batch, raw)
+                    collect(UPLOAD_INFLIGHT - 1)
+                    inflight.append(uploader.submit(post, batch, raw))
                     batch, size, raw = [], 0, 0
-            collect()
-            inflight = uploader.submit(post, batch, raw) if batch else None
-            collect()
+            if batch:
+                collect(UPLOAD_INFLIGHT - 1)
+                inflight.append(uploader.submit(post, batch, raw))
+            collect(0)
         finally:
+            for fut in inflight:
+                fut.cancel()
             uploader.shutdown(wait=True)
         return sent, added
 
