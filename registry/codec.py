@@ -71,8 +71,10 @@ def split_planes(data, itemsize: int) -> np.ndarray:
     w = a.view(_WIDE[itemsize])
     n = w.size
     out = np.empty(a.size, dtype=np.uint8)
-    for k in range(itemsize):
-        np.copyto(out[k * n : (k + 1) * n], (w >> _WIDE[itemsize](8 * k)) if k else w, casting="unsafe")
+    np.copyto(out[:n], w, casting="unsafe")
+    for k in range(1, itemsize):
+        # shifted and narrowed in one pass, straight into the plane: no wide temporary
+        np.right_shift(w, 8 * k, out=out[k * n : (k + 1) * n], casting="unsafe")
     return out
 
 
@@ -84,9 +86,10 @@ def join_planes(planes, itemsize: int) -> np.ndarray:
         return p.copy()
     n = p.size // itemsize
     wide = _WIDE[itemsize]
-    out = p[:n].astype(wide)
-    for k in range(1, itemsize):
-        out |= p[k * n : (k + 1) * n].astype(wide) << wide(8 * k)
+    out = np.left_shift(p[(itemsize - 1) * n :], 8 * (itemsize - 1), dtype=wide)  # widened and shifted in one pass
+    for k in range(itemsize - 2, 0, -1):
+        out |= np.left_shift(p[k * n : (k + 1) * n], 8 * k, dtype=wide)
+    np.bitwise_or(out, p[:n], out=out)
     return out.view(np.uint8)
 
 

@@ -107,10 +107,11 @@ def missing_bytes(manifest: Manifest | HashJob, missing: set[str]) -> int:
 
 def encoded_chunks(source: Source, file_chunks: list[tuple[ChunkRef, ...]], wanted: set[str], pool: ThreadPoolExecutor,
                    bases: dict[str, str] | None = None, basis_raw: Callable[[str], bytes] | None = None,
-                   ) -> Iterator[tuple[ChunkRef, str, str, bytes, str | None]]:
+                   sha256: bool = True) -> Iterator[tuple[ChunkRef, str | None, str, bytes, str | None]]:
     """(chunk, sha256, encoding, payload, basis id or None) for each chunk in ``wanted``, once
     each, in file order. With ``bases`` (chunk id -> basis chunk id) and ``basis_raw`` (basis id ->
-    its raw bytes), a chunk is stored as a delta when that is smaller than plain.
+    its raw bytes), a chunk is stored as a delta when that is smaller than plain. Without
+    ``sha256`` the per-chunk digest is None (an uploading client: the server computes its own).
 
     Encoding runs on the pool (zstd, numpy and hashlib release the GIL). A file's mmap stays open
     until all of its chunks have been yielded, so callers must consume each item in turn.
@@ -131,6 +132,6 @@ def encoded_chunks(source: Source, file_chunks: list[tuple[ChunkRef, ...]], want
                 basis_id = bases.get(c.id)
                 basis = basis_raw(basis_id) if basis_id is not None else None
                 encoding, payload, is_delta = codec.best_encoding(data, c.itemsize, basis)
-                return c, chunk_sha256(data), encoding, payload, basis_id if is_delta else None
+                return c, chunk_sha256(data) if sha256 else None, encoding, payload, basis_id if is_delta else None
 
             yield from windowed_map(pool, job, chosen, ENCODE_WINDOW)

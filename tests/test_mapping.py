@@ -29,7 +29,7 @@ def _pieces(cache: NodeCache, data: bytes, cuts: list[int]) -> list[Piece]:
     return out
 
 
-def _mapped(cache: NodeCache, pieces: list[Piece]) -> list[bool]:
+def _files_mapped(cache: NodeCache, pieces: list[Piece]) -> list[bool]:
     """Whether each piece's cache file is mapped into this process."""
     with open("/proc/self/maps") as f:
         maps = f.read()
@@ -50,13 +50,13 @@ def test_aligned_chunks_are_mapped_and_writes_stay_private(cache):
     region = mapping.region_of(t)
     assert region is not None and region.can_map(0, PAGE) and region.can_map(3 * PAGE, 1000)
     assert Copier(cache, torch.device("cpu")).copy(t, pieces) == len(data)
-    assert _mapped(cache, pieces) == [True, True, True]  # each chunk file is mapped in place: nothing was copied
+    assert _files_mapped(cache, pieces) == [True, True, True]  # each chunk file is mapped in place: nothing was copied
     assert t.view(torch.uint8).numpy().tobytes() == data
     t.view(torch.uint8)[0:PAGE] = 0  # private: the cached chunk keeps its bytes
     assert cache.get(pieces[0].chunk.id) == data[:PAGE]
     del t, region
     gc.collect()
-    assert _mapped(cache, pieces) == [False, False, False]  # the region and its mappings went with the tensor
+    assert _files_mapped(cache, pieces) == [False, False, False]  # the region and its mappings went with the tensor
 
 
 def test_chunks_off_page_boundaries_are_copied(cache):
@@ -65,7 +65,7 @@ def test_chunks_off_page_boundaries_are_copied(cache):
     t = mapping.empty((len(data),), torch.uint8)
     assert not mapping.region_of(t).can_map(PAGE + 6, PAGE)
     assert Copier(cache, torch.device("cpu")).copy(t, pieces) == len(data)
-    assert _mapped(cache, pieces) == [True, False, False]
+    assert _files_mapped(cache, pieces) == [True, False, False]
     assert t.numpy().tobytes() == data
 
 
@@ -98,3 +98,18 @@ def test_empty_and_scalar_tensors(cache):
     s = mapping.empty((), torch.float32)
     s.fill_(2.5)
     assert s.item() == 2.5 and mapping.region_of(s) is not None
+
+
+def test_past_the_mapping_budget_chunks_are_copied(cache, monkeypatch):
+    """A process never holds more file mappings than MAP_BUDGET (half of vm.max_map_count): past it, chunks are copied."""
+    data = os.urandom(2 * PAGE)
+    pieces = _pieces(cache, data, [PAGE])
+    monkeypatch.setattr(mapping, "MAP_BUDGET", mapping._mapped + 1)
+    t = mapping.empty((len(data),), torch.uint8)
+    assert Copier(cache, torch.device("cpu")).copy(t, pieces) == len(data)
+    assert _files_mapped(cache, pieces) == [True, False]
+    assert t.numpy().tobytes() == data
+    held = mapping._mapped
+    del t
+    gc.collect()
+    assert mapping._mapped == held - 1  # freed with its tensor

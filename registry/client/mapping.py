@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import threading
 import weakref
 
 import torch
@@ -37,6 +38,23 @@ _FAILED = ctypes.c_void_p(-1).value
 _regions: weakref.WeakValueDictionary[int, Region] = weakref.WeakValueDictionary()
 
 
+def _map_budget() -> int:
+    """File mappings this module may hold at once: half the kernel's per-process limit on mappings
+    (vm.max_map_count), so that a process holding several large models never reaches the limit
+    (past it, mmap fails and Linux may leave a hole where the anonymous slot was). Past the budget,
+    chunks are copied instead."""
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            return int(f.read()) // 2
+    except (OSError, ValueError):
+        return 32768  # half of Linux's default
+
+
+MAP_BUDGET = _map_budget()
+_lock = threading.Lock()
+_mapped = 0  # file mappings held by live regions
+
+
 class Region:
     """An anonymous, page-aligned span of address space that backs one tensor. Unmapped (with every
     file mapped into it) when the last tensor over it is freed."""
@@ -48,10 +66,14 @@ class Region:
         if addr in (None, _FAILED):
             raise MemoryError(f"cannot reserve {self.length} bytes of address space: {os.strerror(ctypes.get_errno())}")
         self.addr = addr
+        self.slots: set[int] = set()  # starts of the file mappings in this region (each counts against MAP_BUDGET)
 
     def __del__(self) -> None:
+        global _mapped
         if getattr(self, "addr", None) is not None:
             _libc.munmap(self.addr, self.length)
+            with _lock:
+                _mapped -= len(self.slots)
 
     def tensor(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         buf = (ctypes.c_ubyte * self.nbytes).from_address(self.addr)
@@ -66,8 +88,15 @@ class Region:
 
     def map_file(self, start: int, size: int, path: str) -> memoryview | None:
         """Map ``path`` (exactly ``size`` bytes) over bytes [start, start + size); the bytes as a view,
-        or None when the file is missing, has another size, or cannot be mapped (say, the process
-        hit its limit of mappings): the caller copies instead."""
+        or None when the file is missing, has another size, or cannot be mapped (the process holds
+        MAP_BUDGET mappings already): the caller copies instead."""
+        global _mapped
+        with _lock:
+            if start not in self.slots:
+                if _mapped >= MAP_BUDGET:
+                    return None
+                _mapped += 1
+                self.slots.add(start)
         try:
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
@@ -81,7 +110,12 @@ class Region:
         finally:
             os.close(fd)
         if addr != self.addr + start:
-            return None  # the anonymous reservation is still there: the slot stays writable
+            # A failed MAP_FIXED may have unmapped the slot: put fresh anonymous pages back so the
+            # caller can copy into it.
+            back = _libc.mmap(self.addr + start, size, _PROT, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_FIXED, -1, 0)
+            if back != self.addr + start:
+                raise MemoryError(f"cannot map a chunk into a tensor: {os.strerror(ctypes.get_errno())}")
+            return None
         return self.view(start, size)
 
     def view(self, start: int, size: int) -> memoryview:

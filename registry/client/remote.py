@@ -137,7 +137,7 @@ class RemoteRegistry:
         try:
             batch: list[tuple[Entry, bytes]] = []
             size = raw = 0
-            for c, _sha, encoding, payload, _ in encoded_chunks(source, file_chunks, missing, self.pool):
+            for c, _sha, encoding, payload, _ in encoded_chunks(source, file_chunks, missing, self.pool, sha256=False):
                 batch.append((Entry(c.id, c.size, encoding, len(payload), bases.get(c.id), c.itemsize), payload))
                 size, raw = size + len(payload), raw + c.size
                 if size >= self.upload_batch:
