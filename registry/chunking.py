@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import mmap
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -81,9 +82,12 @@ class MappedFile:
         self.close()
 
 
-def file_sha256(view: memoryview) -> str:
+def file_sha256(view: memoryview, cancel: threading.Event | None = None) -> str | None:
+    """sha256 of ``view``; None if ``cancel`` is set first (checked between 16 MiB blocks)."""
     h = hashlib.sha256()
     step = 16 << 20
     for o in range(0, len(view), step):
+        if cancel is not None and cancel.is_set():
+            return None
         h.update(view[o : o + step])  # hashlib releases the GIL on large buffers
     return h.hexdigest()

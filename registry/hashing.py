@@ -6,6 +6,7 @@ touches no database: it reads files, cuts them, hashes and encodes.
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Iterator
 
@@ -31,6 +32,7 @@ class HashJob:
     def __init__(self, source: Source, chunk_size: int, progress: Progress):
         self.source = source
         self._digests = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mfsreg-digest")
+        self._cancel = threading.Event()  # set by close(): a push that fails or is interrupted does not wait for the digest
         self._maps: list[MappedFile] = []
         self._futures = []
         self.file_chunks: list[tuple[ChunkRef, ...]] = []
@@ -39,7 +41,7 @@ class HashJob:
             for f in source.files:
                 mf = MappedFile(f.path)
                 self._maps.append(mf)
-                self._futures.append(self._digests.submit(file_sha256, mf.view))
+                self._futures.append(self._digests.submit(file_sha256, mf.view, self._cancel))
                 cuts = plan_cuts(mf.size, f.header, chunk_size)
                 refs = []
                 for c in cuts:
@@ -81,6 +83,7 @@ class HashJob:
         return Manifest(files=tuple(entries), single_file=self.source.single_file)
 
     def close(self) -> None:
+        self._cancel.set()
         for fut in self._futures:
             fut.cancel()
         self._digests.shutdown(wait=True)  # a running digest still reads its mmap

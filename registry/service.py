@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 
 from registry import codec
@@ -65,7 +66,8 @@ def receive_batch(reg, family: str, body: bytes) -> dict:
     """Verify and store one uploaded batch. Every chunk is decoded and re-hashed (xxh3-128 must
     equal its id); any mismatch rejects the whole batch before a byte is written. A chunk that
     names a suggested basis of this family is stored as a delta against it when that is smaller.
-    Raw bytes are dropped as soon as each chunk is encoded: memory stays near the body's size."""
+    The bases are read from the blob store while the uploaded chunks are verified; memory holds
+    the body and the batch's raw bytes (a batch is at most MFSREG_MAX_BODY)."""
     entries = list(parse_batch(body))
     for e, _ in entries:
         _check_encoding(e.encoding)
@@ -86,15 +88,19 @@ def receive_batch(reg, family: str, body: bytes) -> dict:
         if e.id in missing:
             todo.append((e, payload))
             missing.discard(e.id)
-    reader.prefetch(cap_depth(e.basis_id, located) for e, _ in todo if e.basis_id in allowed)
+    bases = [cap_depth(e.basis_id, located) for e, _ in todo if e.basis_id in allowed]
 
-    def encode(item):
+    def verify(item):
         e, payload = item
         stored = StoredChunk(e.id, e.size, "", e.encoding, e.length, "", 0)
         try:
             raw = decode_verified(stored, payload)
         except IntegrityError:
             raise IntegrityError(f"chunk {e.id}: bytes do not match the id; the batch was refused") from None
+        return e, payload, raw
+
+    def encode(item):
+        e, payload, raw = item
         sha = chunk_sha256(raw)
         basis_id = cap_depth(e.basis_id, located) if e.basis_id in allowed else None
         if basis_id is not None:
@@ -105,7 +111,12 @@ def receive_batch(reg, family: str, body: bytes) -> dict:
                 return e, sha, encoding, out, basis_id, located[basis_id].depth + 1
         return e, sha, e.encoding, bytes(payload), None, 0
 
-    ready = list(windowed_map(reg.pool, encode, todo))  # all verified before anything is written
+    # All verified before anything is written; the bases' reads (network) overlap the verification.
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="mfsreg-bases") as io:
+        fetching = io.submit(reader.prefetch, bases)
+        verified = list(windowed_map(reg.pool, verify, todo))
+        fetching.result()
+    ready = list(windowed_map(reg.pool, encode, verified))
     writer = RecordedPacks(reg)
     for e, sha, encoding, payload, basis_id, depth in ready:
         writer.add(e.id, e.size, sha, encoding, payload, basis_id, depth)

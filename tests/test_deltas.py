@@ -41,6 +41,18 @@ def test_unrelated_basis_falls_back_to_plain():
     assert is_delta and enc == "xor-p2" and len(payload) < len(codec.encode(near, 2)[1]) / 2
 
 
+def test_plain_candidate_at_hand_is_not_encoded_again():
+    """The server passes the client's compressed upload as the plain candidate: it is kept when the
+    delta is larger, and loses to a smaller delta."""
+    t = (torch.randn(1 << 16) * 0.02).to(torch.bfloat16).view(torch.uint8).numpy().tobytes()
+    other = (torch.randn(1 << 16) * 0.02).to(torch.bfloat16).view(torch.uint8).numpy().tobytes()
+    uploaded = codec.encode(t, 2)
+    assert codec.best_encoding(t, 2, other, plain=uploaded) == (uploaded[0], uploaded[1], False)
+    near = (torch.frombuffer(bytearray(t), dtype=torch.bfloat16).float() * 1.001).to(torch.bfloat16).view(torch.uint8).numpy().tobytes()
+    enc, payload, is_delta = codec.best_encoding(near, 2, t, plain=codec.encode(near, 2))
+    assert is_delta and codec.decode(enc, payload, len(near), basis=t) == near
+
+
 def test_corrupt_delta_is_detected():
     base = bytes(range(256)) * 64
     near = bytearray(base)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -16,6 +17,8 @@ from registry.client.torch_loader import Copier, Piece
 from registry.errors import IntegrityError
 
 PAGE = mapping.PAGE
+# /proc/self/maps shows what is mapped; the loader itself also runs on macOS (copies elsewhere)
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="reads /proc/self/maps")
 
 
 def _pieces(cache: NodeCache, data: bytes, cuts: list[int]) -> list[Piece]:
@@ -54,7 +57,12 @@ def test_aligned_chunks_are_mapped_and_writes_stay_private(cache):
     assert t.view(torch.uint8).numpy().tobytes() == data
     t.view(torch.uint8)[0:PAGE] = 0  # private: the cached chunk keeps its bytes
     assert cache.get(pieces[0].chunk.id) == data[:PAGE]
+    tail = t[-500:]  # a view keeps the region (and its mappings) alive after its base is dropped
     del t, region
+    gc.collect()
+    assert _files_mapped(cache, pieces) == [True, True, True]
+    assert tail.view(torch.uint8).numpy().tobytes() == data[-1000:]
+    del tail
     gc.collect()
     assert _files_mapped(cache, pieces) == [False, False, False]  # the region and its mappings went with the tensor
 
@@ -76,7 +84,9 @@ def test_a_short_cache_file_is_not_mapped(cache):
     with open(cache.chunk_path(piece.chunk.id), "r+b") as f:
         f.truncate(PAGE)
     t = mapping.empty((len(data),), torch.uint8)
+    held = mapping._mapped
     assert mapping.region_of(t).map_file(0, len(data), str(cache.chunk_path(piece.chunk.id))) is None
+    assert mapping._mapped == held  # a refused mapping is not charged to the budget
     with pytest.raises(IntegrityError, match="missing or damaged"):
         Copier(cache, torch.device("cpu")).copy(t, [piece])
 
@@ -104,12 +114,12 @@ def test_past_the_mapping_budget_chunks_are_copied(cache, monkeypatch):
     """A process never holds more file mappings than MAP_BUDGET (half of vm.max_map_count): past it, chunks are copied."""
     data = os.urandom(2 * PAGE)
     pieces = _pieces(cache, data, [PAGE])
-    monkeypatch.setattr(mapping, "MAP_BUDGET", mapping._mapped + 1)
     t = mapping.empty((len(data),), torch.uint8)
+    monkeypatch.setattr(mapping, "MAP_BUDGET", mapping._mapped + 2)  # room for one chunk file
     assert Copier(cache, torch.device("cpu")).copy(t, pieces) == len(data)
     assert _files_mapped(cache, pieces) == [True, False]
     assert t.numpy().tobytes() == data
     held = mapping._mapped
     del t
     gc.collect()
-    assert mapping._mapped == held - 1  # freed with its tensor
+    assert mapping._mapped == held - 3  # the region and its one file mapping, freed with the tensor

@@ -8,7 +8,9 @@ or serving code that edits weights) stay private to the process and never reach 
 that do not line up with pages are copied into the region instead.
 
 Why by hand: Python's mmap module cannot map a file at a chosen address, and no library maps many
-files into one contiguous tensor, so this calls libc's mmap through ctypes (Linux and macOS).
+files into one contiguous tensor, so this calls libc's mmap through ctypes (POSIX only: elsewhere
+torch_loader copies). Once checked, a mapped chunk is not checked again: like safetensors' mmap
+loader, the kernel may drop its clean pages and read them again from the cache file.
 Copying instead costs a page fault and a zeroed page per 4 KiB of fresh tensor memory, which is
 most of the time of a copying loader (see benchmarks/bench_node.py).
 """
@@ -39,10 +41,11 @@ _regions: weakref.WeakValueDictionary[int, Region] = weakref.WeakValueDictionary
 
 
 def _map_budget() -> int:
-    """File mappings this module may hold at once: half the kernel's per-process limit on mappings
-    (vm.max_map_count), so that a process holding several large models never reaches the limit
-    (past it, mmap fails and Linux may leave a hole where the anonymous slot was). Past the budget,
-    chunks are copied instead."""
+    """Kernel mappings this module may cause at once: half the per-process limit (vm.max_map_count),
+    so that a process holding several large models never reaches it (past it, mmap and malloc fail,
+    and Linux may leave a hole where an anonymous slot was). Each region counts one, each chunk file
+    mapped into it two (it may split the region's anonymous mapping in two). Past the budget, chunks
+    are copied instead."""
     try:
         with open("/proc/sys/vm/max_map_count") as f:
             return int(f.read()) // 2
@@ -51,8 +54,9 @@ def _map_budget() -> int:
 
 
 MAP_BUDGET = _map_budget()
-_lock = threading.Lock()
-_mapped = 0  # file mappings held by live regions
+_lock = threading.RLock()  # reentrant: a Region's __del__ may run (garbage collection) while map_file holds it
+_mapped = 0  # mappings charged by live regions (see _map_budget)
+_PER_FILE = 2
 
 
 class Region:
@@ -66,14 +70,13 @@ class Region:
         if addr in (None, _FAILED):
             raise MemoryError(f"cannot reserve {self.length} bytes of address space: {os.strerror(ctypes.get_errno())}")
         self.addr = addr
-        self.slots: set[int] = set()  # starts of the file mappings in this region (each counts against MAP_BUDGET)
+        self.slots: set[int] = set()  # starts of the chunk files mapped into this region
+        _charge(1)
 
     def __del__(self) -> None:
-        global _mapped
         if getattr(self, "addr", None) is not None:
             _libc.munmap(self.addr, self.length)
-            with _lock:
-                _mapped -= len(self.slots)
+            _charge(-1 - _PER_FILE * len(self.slots))
 
     def tensor(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         buf = (ctypes.c_ubyte * self.nbytes).from_address(self.addr)
@@ -90,17 +93,13 @@ class Region:
         """Map ``path`` (exactly ``size`` bytes) over bytes [start, start + size); the bytes as a view,
         or None when the file is missing, has another size, or cannot be mapped (the process holds
         MAP_BUDGET mappings already): the caller copies instead."""
-        global _mapped
-        with _lock:
-            if start not in self.slots:
-                if _mapped >= MAP_BUDGET:
-                    return None
-                _mapped += 1
-                self.slots.add(start)
+        fresh = start not in self.slots
+        if fresh and _mapped + _PER_FILE > MAP_BUDGET:
+            return None
         try:
             fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            return None
+        except OSError:
+            return None  # missing (evicted by another process) or unreadable: the caller reads or refetches
         try:
             # A short file would raise SIGBUS on first touch, not an error: check its size first.
             # Cache files are written once and renamed into place, never changed in place.
@@ -109,17 +108,28 @@ class Region:
             addr = _libc.mmap(self.addr + start, size, _PROT, mmap.MAP_PRIVATE | _MAP_FIXED, fd, 0)
         finally:
             os.close(fd)
-        if addr != self.addr + start:
-            # A failed MAP_FIXED may have unmapped the slot: put fresh anonymous pages back so the
-            # caller can copy into it.
-            back = _libc.mmap(self.addr + start, size, _PROT, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_FIXED, -1, 0)
-            if back != self.addr + start:
-                raise MemoryError(f"cannot map a chunk into a tensor: {os.strerror(ctypes.get_errno())}")
-            return None
-        return self.view(start, size)
+        if addr == self.addr + start:
+            if fresh:
+                self.slots.add(start)
+                _charge(_PER_FILE)
+            return self.view(start, size)
+        # A failed MAP_FIXED may have unmapped the slot: put fresh anonymous pages back so the caller
+        # can copy into it. (If even that fails the slot is a hole: the error says so, and the tensor
+        # must not be used.)
+        back = _libc.mmap(self.addr + start, size, _PROT, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_FIXED, -1, 0)
+        if back != self.addr + start:
+            raise MemoryError(f"cannot map a chunk into a tensor, and its memory could not be restored: "
+                              f"{os.strerror(ctypes.get_errno())}; free memory or raise vm.max_map_count and load again")
+        return None
 
     def view(self, start: int, size: int) -> memoryview:
         return memoryview((ctypes.c_ubyte * size).from_address(self.addr + start)).cast("B")
+
+
+def _charge(n: int) -> None:
+    global _mapped
+    with _lock:
+        _mapped += n
 
 
 def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

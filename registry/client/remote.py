@@ -96,7 +96,14 @@ class RemoteRegistry:
             # Negotiate and upload while the whole-file sha256s (the slowest hash) still run on
             # their own thread; they are needed only by the commit.
             draft = job.draft()
-            neg = self._json("POST", f"{base}/negotiate", json={"manifest": draft.to_doc(), "parent": parent})
+            try:
+                neg = self._json("POST", f"{base}/negotiate", json={"manifest": draft.to_doc(), "parent": parent})
+            except InvalidRequest as exc:
+                if not draft.is_draft or "sha256" not in str(exc):
+                    raise
+                # a server older than draft manifests: negotiate once the digests are in
+                draft = job.manifest()
+                neg = self._json("POST", f"{base}/negotiate", json={"manifest": draft.to_doc(), "parent": parent})
             if neg["exists"]:
                 manifest = job.manifest()
                 return existing_result(neg["existing_digest"], manifest.logical_bytes, len(manifest.files),

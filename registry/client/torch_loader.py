@@ -19,7 +19,6 @@ from dataclasses import dataclass
 import torch
 
 from registry.chunking import ChunkRef, chunk_id
-from registry.client import mapping
 from registry.client.cache import NodeCache
 from registry.client.fetch import Fetcher, VersionInfo
 from registry.client.remote import RemoteRegistry
@@ -27,6 +26,11 @@ from registry.errors import IntegrityError, InvalidRequest
 from registry.manifest import SAFETENSORS
 from registry.parallel import windowed_map
 from registry.safetensors import TensorSpan
+
+try:
+    from registry.client import mapping
+except (ImportError, AttributeError, OSError):  # no POSIX mmap through libc (Windows): tensors are copied into
+    mapping = None
 
 DTYPES = {
     "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32,
@@ -109,18 +113,18 @@ class Copier:
         return dtype
 
     def empty(self, span: TensorSpan) -> torch.Tensor:
-        if not self.cuda:
+        if not self.cuda and mapping is not None:
             return mapping.empty(span.shape, self.empty_dtype(span))
         return torch.empty(span.shape, dtype=self.empty_dtype(span), device=self.device)
 
     def copy(self, tensor: torch.Tensor, pieces: list[Piece]) -> int:
-        """Copy ``pieces`` into ``tensor``; returns the bytes copied."""
+        """Put ``pieces`` into ``tensor`` (mapped or copied); returns their bytes."""
         if not pieces:
             return 0
         flat = tensor.view(-1).view(torch.uint8) if tensor.dim() else tensor.reshape(1).view(torch.uint8)
         if not self.cuda:
             arr = flat.numpy()
-            region = mapping.region_of(tensor)
+            region = mapping.region_of(tensor) if mapping is not None else None
 
             def read(p: Piece) -> None:
                 if region is not None and region.can_map(p.start, p.chunk.size):
