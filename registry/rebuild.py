@@ -159,9 +159,10 @@ def write_file(entry: FileEntry, dest: Path, located: dict[str, StoredChunk], pa
                pool: ThreadPoolExecutor, progress: Progress) -> None:
     """Write one file atomically from its chunks and verify it against its sha256.
 
-    The file is written front to back in batches; while one batch is hashed and written, the next
-    is fetched and decoded on another thread. The sha256 is computed over the bytes as they are
-    written, so the file is not read back.
+    The file is written front to back in batches; while one batch is written, it is hashed on a
+    second thread and the next batch is fetched and decoded on a third (hashlib, file writes and
+    the decoders release the GIL). The sha256 is computed over the bytes as they are written, so
+    the file is not read back.
     """
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex}.tmp")
@@ -172,16 +173,21 @@ def write_file(entry: FileEntry, dest: Path, located: dict[str, StoredChunk], pa
         return decode_batch(list(dict.fromkeys(c.id for c in batch)), located, payloads, pool)
 
     try:
-        with open(tmp, "wb") as f, ThreadPoolExecutor(max_workers=1, thread_name_prefix="mfsreg-prefetch") as ahead:
-            nxt = ahead.submit(decode, batches[0]) if batches else None
+        with open(tmp, "wb") as f, ThreadPoolExecutor(max_workers=2, thread_name_prefix="mfsreg-rebuild") as side:
+            nxt = side.submit(decode, batches[0]) if batches else None
+            hashing = None
             for k, batch in enumerate(batches):
                 raw = nxt.result()
-                nxt = ahead.submit(decode, batches[k + 1]) if k + 1 < len(batches) else None
-                for c in batch:
-                    data = raw[c.id]
-                    h.update(data)
-                    f.write(data)
+                nxt = side.submit(decode, batches[k + 1]) if k + 1 < len(batches) else None
+                data = [raw[c.id] for c in batch]
+                if hashing is not None:
+                    hashing.result()  # in order: batch k is hashed only after batch k - 1
+                hashing = side.submit(lambda ds: [h.update(d) for d in ds], data)
+                for d in data:
+                    f.write(d)
                 progress.advance("write", sum(c.size for c in batch))
+            if hashing is not None:
+                hashing.result()
             f.flush()
             os.fsync(f.fileno())
         if os.path.getsize(tmp) != entry.size or h.hexdigest() != entry.sha256:
