@@ -43,6 +43,7 @@ import shutil
 import tempfile
 import time
 import uuid
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -153,12 +154,9 @@ class Bench:
             dest.unlink(missing_ok=True)
         return {"download_s": t1 - t0, "load_file_s": t2 - t1, "total_s": t2 - t0, "get_object_s": get_s}
 
-    def cold_pull(self, member: str, verify: bool) -> dict:
-        from registry.client.cache import NodeCache
-
-        cache_dir = self.fresh_dir("cold-cache")
+    def _pull(self, member: str, cache, verify: bool, what: str) -> dict:
+        """Timed pull of ``member`` into a file through ``cache``, checked against its source on request."""
         out = self.work / f"pulled-{member}.safetensors"
-        cache = NodeCache(cache_dir)
         try:
             with self.remote() as r:
                 t0 = time.perf_counter()
@@ -166,41 +164,39 @@ class Bench:
                 wall = time.perf_counter() - t0
             ok = anchors.file_sha256(out) == anchors.file_sha256(self.paths[member]) if verify else None
             if ok is False:
-                raise SystemExit(f"cold pull of {member} differs from its source file")
+                raise SystemExit(f"{what} of {member} differs from its source file")
         finally:
-            cache.close()
             out.unlink(missing_ok=True)
-            shutil.rmtree(cache_dir, ignore_errors=True)
         return {"seconds": wall, "fetched_bytes": res.fetched_bytes, "cached_bytes": res.cached_bytes,
                 "logical_bytes": res.logical_bytes, "verified": ok}
 
-    def warm_base_pull(self, shared: dict, verify: bool) -> dict:
+    @contextmanager
+    def fresh_cache(self, what: str):
         from registry.client.cache import NodeCache
-        from registry.client.warm import warm_cache
 
-        cache_dir = self.fresh_dir("warm-cache")
-        out = self.work / f"pulled-{DUP}.safetensors"
+        cache_dir = self.fresh_dir(what)
         cache = NodeCache(cache_dir)
         try:
+            yield cache
+        finally:
+            cache.close()
+            shutil.rmtree(cache_dir, ignore_errors=True)
+
+    def cold_pull(self, member: str, verify: bool) -> dict:
+        with self.fresh_cache("cold-cache") as cache:
+            return self._pull(member, cache, verify, "cold pull")
+
+    def warm_base_pull(self, shared: dict, verify: bool) -> dict:
+        from registry.client.warm import warm_cache
+
+        with self.fresh_cache("warm-cache") as cache:
             t0 = time.perf_counter()
             warm = warm_cache(self.remote(), FAMILY, "base", cache=cache)  # closes the remote it is given
             warm_s = time.perf_counter() - t0
             base_ids = shared["base_chunk_ids"]
             covered = sum(1 for i in base_ids if cache.has(i))
-            with self.remote() as r:
-                t0 = time.perf_counter()
-                res = r.pull(FAMILY, DUP, out, cache=cache)
-                wall = time.perf_counter() - t0
-            ok = anchors.file_sha256(out) == anchors.file_sha256(self.paths[DUP]) if verify else None
-            if ok is False:
-                raise SystemExit(f"pull of {DUP} with the base cached differs from its source file")
-        finally:
-            cache.close()
-            out.unlink(missing_ok=True)
-            shutil.rmtree(cache_dir, ignore_errors=True)
-        return {"seconds": wall, "fetched_bytes": res.fetched_bytes, "cached_bytes": res.cached_bytes,
-                "logical_bytes": res.logical_bytes, "verified": ok, "warm_seconds": warm_s,
-                "warm_fetched_bytes": warm["fetched_bytes"], "warm_chunks": warm["chunks"],
+            out = self._pull(DUP, cache, verify, "pull with the base cached")
+        return {**out, "warm_seconds": warm_s, "warm_fetched_bytes": warm["fetched_bytes"], "warm_chunks": warm["chunks"],
                 "base_chunks_cached": covered, "base_chunks": len(base_ids)}
 
     def loads(self, node) -> dict:

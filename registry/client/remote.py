@@ -95,15 +95,17 @@ class RemoteRegistry:
         with HashJob(source, self.chunk_size, progress) as job:
             # Negotiate and upload while the whole-file sha256s (the slowest hash) still run on
             # their own thread; they are needed only by the commit.
+            def negotiate(m: Manifest) -> dict:
+                return self._json("POST", f"{base}/negotiate", json={"manifest": m.to_doc(), "parent": parent})
+
             draft = job.draft()
             try:
-                neg = self._json("POST", f"{base}/negotiate", json={"manifest": draft.to_doc(), "parent": parent})
+                neg = negotiate(draft)
             except InvalidRequest as exc:
                 if not draft.is_draft or "sha256" not in str(exc):
                     raise
-                # a server older than draft manifests: negotiate once the digests are in
-                draft = job.manifest()
-                neg = self._json("POST", f"{base}/negotiate", json={"manifest": draft.to_doc(), "parent": parent})
+                draft = job.manifest()  # a server older than draft manifests: negotiate once the digests are in
+                neg = negotiate(draft)
             if neg["exists"]:
                 manifest = job.manifest()
                 return existing_result(neg["existing_digest"], manifest.logical_bytes, len(manifest.files),

@@ -21,6 +21,7 @@ import torch
 from registry.chunking import ChunkRef, chunk_id
 from registry.client.cache import NodeCache
 from registry.client.fetch import Fetcher, VersionInfo
+from registry.client.node import refetcher
 from registry.client.remote import RemoteRegistry
 from registry.errors import IntegrityError, InvalidRequest
 from registry.manifest import SAFETENSORS
@@ -228,7 +229,7 @@ def fill(node: Node, info: VersionInfo, copier: Copier, targets: dict[str, torch
     groups = _groups(names, lay)
     chunk_groups = [list(dict.fromkeys(p.chunk.id for n in g for p in todo[n])) for g in groups]
     copied = 0
-    copier.refetch = lambda i: node.fetcher.ensure(info.family, [i], info.located, info.tiers)
+    copier.refetch = refetcher(node.fetcher, info)
     copier.begin()
     for k in _fetch_ahead(node.fetcher, info, chunk_groups):
         for name in groups[k]:
