@@ -52,6 +52,11 @@ class HashJob:
             self.close()
             raise
 
+    @property
+    def views(self) -> list[memoryview]:
+        """Each file's bytes (mmapped), valid until ``close()``."""
+        return [mf.view for mf in self._maps]
+
     def chunk_ids(self) -> list[str]:
         return list(dict.fromkeys(c.id for refs in self.file_chunks for c in refs))
 
@@ -108,7 +113,7 @@ def missing_bytes(manifest: Manifest | HashJob, missing: set[str]) -> int:
     return sum(sizes[i] for i in missing if i in sizes)
 
 
-def encoded_chunks(source: Source, file_chunks: list[tuple[ChunkRef, ...]], wanted: set[str], pool: ThreadPoolExecutor,
+def encoded_chunks(job: HashJob, wanted: set[str], pool: ThreadPoolExecutor,
                    bases: dict[str, str] | None = None, basis_raw: Callable[[str], bytes] | None = None,
                    sha256: bool = True) -> Iterator[tuple[ChunkRef, str | None, str, bytes, str | None]]:
     """(chunk, sha256, encoding, payload, basis id or None) for each chunk in ``wanted``, once
@@ -116,12 +121,12 @@ def encoded_chunks(source: Source, file_chunks: list[tuple[ChunkRef, ...]], want
     its raw bytes), a chunk is stored as a delta when that is smaller than plain. Without
     ``sha256`` the per-chunk digest is None (an uploading client: the server computes its own).
 
-    Encoding runs on the pool (zstd, numpy and hashlib release the GIL). A file's mmap stays open
-    until all of its chunks have been yielded, so callers must consume each item in turn.
+    Chunks are read through the job's own mmaps (a second mapping would fault every page in
+    again). Encoding runs on the pool (zstd, numpy and hashlib release the GIL).
     """
     bases = bases or {}
     todo = set(wanted)
-    for src, refs in zip(source.files, file_chunks):
+    for view, refs in zip(job.views, job.file_chunks):
         chosen: list[ChunkRef] = []
         for c in refs:
             if c.id in todo:
@@ -129,12 +134,12 @@ def encoded_chunks(source: Source, file_chunks: list[tuple[ChunkRef, ...]], want
                 todo.discard(c.id)
         if not chosen:
             continue
-        with MappedFile(src.path) as mf:
-            def job(c: ChunkRef, view=mf.view):
-                data = view[c.offset : c.offset + c.size]
-                basis_id = bases.get(c.id)
-                basis = basis_raw(basis_id) if basis_id is not None else None
-                encoding, payload, is_delta = codec.best_encoding(data, c.itemsize, basis)
-                return c, chunk_sha256(data) if sha256 else None, encoding, payload, basis_id if is_delta else None
 
-            yield from windowed_map(pool, job, chosen, ENCODE_WINDOW)
+        def encode_one(c: ChunkRef, view=view):
+            data = view[c.offset : c.offset + c.size]
+            basis_id = bases.get(c.id)
+            basis = basis_raw(basis_id) if basis_id is not None else None
+            encoding, payload, is_delta = codec.best_encoding(data, c.itemsize, basis)
+            return c, chunk_sha256(data) if sha256 else None, encoding, payload, basis_id if is_delta else None
+
+        yield from windowed_map(pool, encode_one, chosen, ENCODE_WINDOW)

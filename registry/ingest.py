@@ -28,7 +28,7 @@ from registry.names import check_name
 from registry.progress import NullProgress, Progress
 from registry.rebuild import decode_verified
 from registry.results import PushResult
-from registry.source import Source, open_source
+from registry.source import open_source
 
 def plan_deltas(reg, family: str, parent: str | None, new_files: list, ids: list[str],
                 missing: set[str]) -> tuple[dict[str, str], BasisReader | None]:
@@ -75,13 +75,13 @@ class RecordedPacks(PackWriter):
             self.added += chunk_db.record_pack(conn, pack_id, size, stored)
 
 
-def upload_missing(reg, source: Source, job: HashJob, missing: set[str], pool: ThreadPoolExecutor, progress: Progress,
+def upload_missing(reg, job: HashJob, missing: set[str], pool: ThreadPoolExecutor, progress: Progress,
                    bases: dict[str, str] | None = None, reader: BasisReader | None = None) -> int:
     """Encode and store the chunks in ``missing``; returns the stored bytes this push added."""
     writer = RecordedPacks(reg)
     progress.start("send", missing_bytes(job, missing))
     basis_raw = reader.raw if reader is not None else None
-    for c, sha, encoding, payload, basis_id in encoded_chunks(source, job.file_chunks, missing, pool, bases, basis_raw):
+    for c, sha, encoding, payload, basis_id in encoded_chunks(job, missing, pool, bases, basis_raw):
         depth = reader.located[basis_id].depth + 1 if basis_id else 0
         writer.add(c.id, c.size, sha, encoding, payload, basis_id, depth)
         progress.advance("send", c.size)
@@ -160,7 +160,7 @@ def push(reg, path: Path, family: str, version: str, parent: str | None = None, 
         progress.advance("skip", skipped)
         new_files = [(refs, f.header.tensors if f.header else ()) for refs, f in zip(job.file_chunks, source.files)]
         bases, reader = plan_deltas(reg, family, parent, new_files, ids, missing)
-        added = upload_missing(reg, source, job, missing, reg.pool, progress, bases, reader)
+        added = upload_missing(reg, job, missing, reg.pool, progress, bases, reader)
         manifest = job.manifest()  # waits for the file digests, which ran beside the encoding
     changed, existing = commit_version(reg, family, version, parent, manifest)
     if existing is not None:  # a concurrent push of the same name committed first

@@ -114,14 +114,14 @@ class RemoteRegistry:
             skipped = draft.logical_bytes - missing_bytes(draft, missing)
             progress.start("skip", skipped)
             progress.advance("skip", skipped)
-            sent, added = self._upload(family, source, job.file_chunks, draft, missing, progress, neg.get("bases", {}))
+            sent, added = self._upload(family, job, draft, missing, progress, neg.get("bases", {}))
             manifest = job.manifest()
         res = self._json("POST", f"{base}/commit", json={"parent": parent, "manifest": manifest.to_doc()})
         return PushResult(**{**res, "new_bytes": added, "new_chunks": len(missing),
                              "reused_chunks": res["chunks"] - len(missing), "sent_bytes": sent,
                              "seconds": time.perf_counter() - t0})
 
-    def _upload(self, family: str, source, file_chunks, manifest: Manifest, missing: set[str], progress: Progress,
+    def _upload(self, family: str, job: HashJob, manifest: Manifest, missing: set[str], progress: Progress,
                 bases: dict[str, str]) -> tuple[int, int]:
         """Send the missing chunks in batches; UPLOAD_INFLIGHT batches are in flight while the next is
         encoded (the server stores one while it verifies and delta-encodes another).
@@ -146,7 +146,7 @@ class RemoteRegistry:
         try:
             batch: list[tuple[Entry, bytes]] = []
             size = raw = 0
-            for c, _sha, encoding, payload, _ in encoded_chunks(source, file_chunks, missing, self.pool, sha256=False):
+            for c, _sha, encoding, payload, _ in encoded_chunks(job, missing, self.pool, sha256=False):
                 batch.append((Entry(c.id, c.size, encoding, len(payload), bases.get(c.id), c.itemsize), payload))
                 size, raw = size + len(payload), raw + c.size
                 if size >= self.upload_batch:
