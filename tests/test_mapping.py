@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
+import stat
 import sys
 
 import numpy as np
@@ -81,6 +82,7 @@ def test_a_short_cache_file_is_not_mapped(cache):
     """Mapping a short file would end in SIGBUS on first touch; it is refused and read instead."""
     data = os.urandom(2 * PAGE)
     (piece,) = _pieces(cache, data, [])
+    os.chmod(cache.chunk_path(piece.chunk.id), 0o644)
     with open(cache.chunk_path(piece.chunk.id), "r+b") as f:
         f.truncate(PAGE)
     t = mapping.empty((len(data),), torch.uint8)
@@ -89,6 +91,12 @@ def test_a_short_cache_file_is_not_mapped(cache):
     assert mapping._mapped == held  # a refused mapping is not charged to the budget
     with pytest.raises(IntegrityError, match="missing or damaged"):
         Copier(cache, torch.device("cpu")).copy(t, [piece])
+
+
+def test_cache_chunk_files_are_read_only(cache):
+    """Mapped tensors read straight from these files: nobody should edit them in place."""
+    (piece,) = _pieces(cache, os.urandom(PAGE), [])
+    assert stat.S_IMODE(cache.chunk_path(piece.chunk.id).stat().st_mode) & 0o222 == 0
 
 
 def test_a_damaged_mapped_chunk_is_refused(cache):

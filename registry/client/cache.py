@@ -1,7 +1,8 @@
 """The node cache: verified raw chunks on local disk, content-addressed and size-bounded.
 
 Layout under MFSREG_CACHE_DIR (default ~/.cache/mfsreg):
-  chunks/ab/<id>     raw chunk bytes (decoded and checked against the id before they are written)
+  chunks/ab/<id>     raw chunk bytes (decoded and checked against the id before they are written),
+                     read-only
   files/<sha256>     whole files materialised for engines (`pull --to-dir` hardlinks them)
   index.db           SQLite (stdlib, WAL): size, tier, pin and last use per entry
 
@@ -123,7 +124,9 @@ class NodeCache:
         for chunk_id, raw, tier, family in items:
             path = self.chunk_path(chunk_id)
             if not path.exists():
-                atomic_write(path, raw)
+                # read-only: CPU tensors map these files (registry/client/mapping.py), so an edit in
+                # place would change live weights under a model that was checked once
+                atomic_write(path, raw, mode=0o444)
             rows.append((chunk_id, len(raw), tier, family))
         self.record(rows)
 
@@ -236,12 +239,14 @@ class _Tx:
         self.conn.execute("ROLLBACK" if exc_type else "COMMIT")
 
 
-def atomic_write(path: Path, data) -> None:
+def atomic_write(path: Path, data, mode: int | None = None) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
     try:
         with open(tmp, "wb") as f:
             f.write(data)
+        if mode is not None:
+            os.chmod(tmp, mode)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
