@@ -5,7 +5,7 @@ Encodings (the name is stored with each chunk):
 - ``zstd``: zstd over the bytes (headers, side files, one-byte dtypes).
 - ``zstd-pN``: the chunk's N-byte elements split into N byte planes, then zstd. Weights of one
   tensor share a narrow range of exponents, so the plane holding sign and exponent bits compresses
-  well while the low mantissa planes do not; interleaved, zstd finds much less (bf16: about 0.68 of
+  well while the low mantissa planes do not; interleaved, zstd finds much less (bf16: about 0.67 of
   the raw size instead of 0.78, measured in benchmarks/).
 - ``xor-pN``: a delta against a basis chunk (the same tensor position in a related version):
   xor of the two, split into N byte planes, then zstd. A fine-tune keeps most sign, exponent and

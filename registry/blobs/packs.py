@@ -48,9 +48,10 @@ class PackWriter:
         self.store = store
         self.pack_size = pack_size
         self.on_flush = on_flush
-        # One buffer, allocated once and reused for every pack: joining a fresh pack of tens of MiB
-        # per flush cost a page fault per 4 KiB (most of the writer's time in an embedded push), and
-        # growing a bytearray per payload re-allocates and copies it over and over.
+        # One buffer, grown to the largest pack and reused for every pack: joining a fresh pack of
+        # tens of MiB per flush cost a page fault per 4 KiB (most of the writer's time in an
+        # embedded push). It grows only as far as payloads reach: the server makes one writer per
+        # uploaded batch, far smaller than pack_size.
         self._buf = bytearray(0)
         self._size = 0
         self._pending: list[tuple] = []
@@ -60,8 +61,7 @@ class PackWriter:
             depth: int = 0) -> None:
         self._pending.append((chunk_id, size, sha256, encoding, self._size, len(payload), basis_id, depth))
         end = self._size + len(payload)
-        if end > len(self._buf):  # the first pack, or a payload that overshoots pack_size
-            self._buf.extend(bytes(max(end, self.pack_size) - len(self._buf)))
+        # in place where the buffer is long enough; past its end the slice grows it (amortised)
         self._buf[self._size : end] = payload
         self._size = end
         if self._size >= self.pack_size:
