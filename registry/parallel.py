@@ -5,16 +5,24 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Executor
+from concurrent.futures import Executor, wait
 
 DEFAULT_WINDOW = 64
 
 
 def windowed_map(pool: Executor, fn: Callable, items: Iterable, window: int = DEFAULT_WINDOW) -> Iterator:
     pending: deque = deque()
-    for item in items:
-        pending.append(pool.submit(fn, item))
-        if len(pending) >= window:
+    try:
+        for item in items:
+            pending.append(pool.submit(fn, item))
+            if len(pending) >= window:
+                yield pending.popleft().result()
+        while pending:
             yield pending.popleft().result()
-    while pending:
-        yield pending.popleft().result()
+    finally:
+        # Stopped early (an error, or the consumer gave up): jobs not started are dropped and
+        # running ones are awaited, so that no job still reads a buffer (an mmap) that the
+        # caller closes next.
+        for f in pending:
+            f.cancel()
+        wait(pending)
