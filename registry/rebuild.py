@@ -172,6 +172,10 @@ def write_file(entry: FileEntry, dest: Path, located: dict[str, StoredChunk], pa
     def decode(batch):
         return decode_batch(list(dict.fromkeys(c.id for c in batch)), located, payloads, pool)
 
+    def digest(data: list[bytes]) -> None:
+        for d in data:
+            h.update(d)
+
     try:
         with open(tmp, "wb") as f, ThreadPoolExecutor(max_workers=2, thread_name_prefix="mfsreg-rebuild") as side:
             nxt = side.submit(decode, batches[0]) if batches else None
@@ -182,7 +186,7 @@ def write_file(entry: FileEntry, dest: Path, located: dict[str, StoredChunk], pa
                 data = [raw[c.id] for c in batch]
                 if hashing is not None:
                     hashing.result()  # in order: batch k is hashed only after batch k - 1
-                hashing = side.submit(lambda ds: [h.update(d) for d in ds], data)
+                hashing = side.submit(digest, data)
                 for d in data:
                     f.write(d)
                 progress.advance("write", sum(c.size for c in batch))

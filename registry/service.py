@@ -88,7 +88,7 @@ def receive_batch(reg, family: str, body: bytes) -> dict:
         if e.id in missing:
             todo.append((e, payload))
             missing.discard(e.id)
-    bases = [cap_depth(e.basis_id, located) for e, _ in todo if e.basis_id in allowed]
+    basis_of = {e.id: cap_depth(e.basis_id, located) for e, _ in todo if e.basis_id in allowed}
 
     def verify(item):
         e, payload = item
@@ -102,7 +102,7 @@ def receive_batch(reg, family: str, body: bytes) -> dict:
     def encode(item):
         e, payload, raw = item
         sha = chunk_sha256(raw)
-        basis_id = cap_depth(e.basis_id, located) if e.basis_id in allowed else None
+        basis_id = basis_of.get(e.id)
         if basis_id is not None:
             # The client's compressed upload is the plain candidate; a raw upload may still compress.
             plain = (e.encoding, payload) if e.encoding != codec.RAW else None
@@ -113,7 +113,7 @@ def receive_batch(reg, family: str, body: bytes) -> dict:
 
     # All verified before anything is written; the bases' reads (network) overlap the verification.
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="mfsreg-bases") as io:
-        fetching = io.submit(reader.prefetch, bases)
+        fetching = io.submit(reader.prefetch, list(basis_of.values()))
         verified = list(windowed_map(reg.pool, verify, todo))
         fetching.result()
     ready = list(windowed_map(reg.pool, encode, verified))
