@@ -80,11 +80,15 @@ class Manifest:
 
     @classmethod
     def from_bytes(cls, data: bytes) -> "Manifest":
-        doc = json.loads(zstandard.ZstdDecompressor().decompress(data))
-        return cls.from_doc(doc)
+        return cls.from_doc(cls.doc_of(data))
+
+    @staticmethod
+    def doc_of(data: bytes) -> dict:
+        """The document of stored manifest bytes, without building a Manifest (a server passes it on)."""
+        return json.loads(zstandard.ZstdDecompressor().decompress(data))
 
     def to_doc(self) -> dict:
-        return json.loads(zstandard.ZstdDecompressor().decompress(self.to_bytes()))
+        return self.doc_of(self.to_bytes())
 
     @classmethod
     def from_doc(cls, doc: dict) -> "Manifest":

@@ -185,15 +185,16 @@ def stream_chunks(reg, chunks: list[StoredChunk]) -> Iterator[bytes]:
 
 def version_doc(reg, family: str, version: str) -> dict:
     """A version for a node: its manifest, and per chunk it needs (its own and the bases of its
-    deltas) [encoding, stored bytes, basis id, raw bytes, tier]."""
-    row, manifest = reg.manifest(family, version)
-    located = reg.locate(manifest.chunk_ids())
-    tiers = reg.chunk_tiers(family)
+    deltas) [encoding, stored bytes, basis id, raw bytes, tier]. One read transaction, three queries."""
+    with read_tx(reg.engine) as conn:
+        row = version_db.get_version(conn, family, version)
+        manifest = Manifest.doc_of(version_db.read_manifest(conn, row.id))
+        table = chunk_db.version_chunk_table(conn, row.id)
     return {
         "family": row.family, "version": row.name, "parent": row.parent, "digest": row.digest,
         "logical_bytes": row.logical_bytes, "files": row.file_count, "single_file": row.single_file,
-        "created_at": str(row.created_at), "manifest": manifest.to_doc(),
-        "chunks": {i: [c.encoding, c.stored_size, c.basis_id, c.size, tiers.get(i, (None,))[0]] for i, c in located.items()},
+        "created_at": str(row.created_at), "manifest": manifest,
+        "chunks": table,
     }
 
 

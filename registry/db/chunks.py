@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from sqlalchemy import Connection, select
+from sqlalchemy import Connection, and_, select
 
 from registry.blobs.packs import StoredChunk
 from registry.db.dialect import batches, insert
-from registry.db.models import chunks, packs
+from registry.db.models import chunks, family_chunks, packs, version_chunks, versions
+
+_COLS = (chunks.c.id, chunks.c.size, chunks.c.sha256, chunks.c.encoding, chunks.c.stored_size,
+         chunks.c.pack_id, chunks.c.offset, chunks.c.basis_id, chunks.c.depth)
 
 
 def missing_ids(conn: Connection, ids: Sequence[str]) -> set[str]:
@@ -43,10 +46,8 @@ def record_pack(conn: Connection, pack_id: str, size: int, stored: Sequence[Stor
 def locate(conn: Connection, ids: Iterable[str]) -> dict[str, StoredChunk]:
     """Where each of ``ids`` is stored. Ids that are not stored are simply absent from the result."""
     out: dict[str, StoredChunk] = {}
-    cols = (chunks.c.id, chunks.c.size, chunks.c.sha256, chunks.c.encoding, chunks.c.stored_size,
-            chunks.c.pack_id, chunks.c.offset, chunks.c.basis_id, chunks.c.depth)
     for batch in batches(list(dict.fromkeys(ids))):
-        for row in conn.execute(select(*cols).where(chunks.c.id.in_(batch))):
+        for row in conn.execute(select(*_COLS).where(chunks.c.id.in_(batch))):
             out[row.id] = StoredChunk(*row)
     return out
 
@@ -60,3 +61,21 @@ def locate_closure(conn: Connection, ids: Iterable[str]) -> dict[str, StoredChun
         out.update(found)
         todo = {c.basis_id for c in found.values() if c.basis_id and c.basis_id not in out}
     return out
+
+
+def version_chunk_table(conn: Connection, version_id: int) -> dict[str, list]:
+    """chunk id -> [encoding, stored bytes, basis id, raw bytes, tier] for every chunk a version
+    needs, in one join: what a node reads before a pull or a load. A commit records the version's
+    chunks and the bases of their deltas (ingest.commit_version), so this is the same closure as
+    ``locate_closure`` of its manifest; locating a thousand ids through IN lists, and building full
+    rows for them, took most of that request."""
+    q = (
+        select(chunks.c.id, chunks.c.encoding, chunks.c.stored_size, chunks.c.basis_id, chunks.c.size, family_chunks.c.tier)
+        .select_from(version_chunks)
+        .join(chunks, chunks.c.id == version_chunks.c.chunk_id)
+        .join(versions, versions.c.id == version_chunks.c.version_id)
+        .outerjoin(family_chunks, and_(family_chunks.c.family_id == versions.c.family_id,
+                                       family_chunks.c.chunk_id == version_chunks.c.chunk_id))
+        .where(version_chunks.c.version_id == version_id)
+    )
+    return {row[0]: list(row[1:]) for row in conn.execute(q)}
