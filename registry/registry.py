@@ -115,9 +115,10 @@ class Registry:
     # -- changes -------------------------------------------------------------------------------
 
     def delete(self, family: str, version: str) -> DeleteResult:
-        """Remove a version and re-tier its family. Chunks that no version needs any more become
-        unreferenced (see stats' ``unreferenced_bytes``); their bytes stay in their packs until pack
-        compaction exists, and a later push of the same bytes reuses them."""
+        """Remove a version and re-tier its family; its children now descend from its parent. Chunks
+        that no version needs any more become unreferenced (see stats' ``unreferenced_bytes``); their
+        bytes stay in their packs until pack compaction exists, and a later push of the same bytes
+        reuses them."""
         check_name("family", family)
         check_name("version", version)
         with write_tx(self.engine) as conn:

@@ -127,6 +127,16 @@ def test_pull_into_existing_directory_for_single_file(reg, fam, tmp_path):
     assert filecmp.cmp(d / fam["base"].name, fam["base"], shallow=False)
 
 
+def test_delete_hands_children_to_the_grandparent(reg, fam):
+    reg.push(fam["base"], "fam", "base")
+    reg.push(fam["lora-chat"], "fam", "lora", parent="base")
+    reg.push(fam["full-med"], "fam", "lora-v2", parent="lora")
+    reg.delete("fam", "lora")
+    assert {v.name: v.parent for v in reg.versions("fam")} == {"base": None, "lora-v2": "base"}
+    reg.delete("fam", "base")
+    assert {v.name: v.parent for v in reg.versions("fam")} == {"lora-v2": None}
+
+
 def test_delete_keeps_chunks_others_need(reg, fam, tmp_path):
     reg.push(fam["base"], "fam", "base")
     reg.push(fam["lora-chat"], "fam", "lora")

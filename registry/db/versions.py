@@ -112,8 +112,10 @@ def version_chunk_ids(conn: Connection, version_id: int) -> list[str]:
 
 
 def delete_version(conn: Connection, version_id: int) -> None:
+    # Children keep their lineage: they now descend from the deleted version's own parent (none for a root).
+    grandparent = conn.execute(select(versions.c.parent_id).where(versions.c.id == version_id)).scalar_one()
     conn.execute(delete(version_chunks).where(version_chunks.c.version_id == version_id))
-    conn.execute(update(versions).where(versions.c.parent_id == version_id).values(parent_id=None))
+    conn.execute(update(versions).where(versions.c.parent_id == version_id).values(parent_id=grandparent))
     conn.execute(delete(versions).where(versions.c.id == version_id))
 
 
