@@ -7,11 +7,15 @@ Encodings (the name is stored with each chunk):
   tensor share a narrow range of exponents, so the plane holding sign and exponent bits compresses
   well while the low mantissa planes do not; interleaved, zstd finds much less (bf16: about 0.67 of
   the raw size instead of 0.78, measured in benchmarks/).
-- ``xor-pN``: a delta against a basis chunk (the same tensor position in a related version):
-  xor of the two, split into N byte planes, then zstd. A fine-tune keeps most sign, exponent and
-  high mantissa bits of its base, so the xor is mostly zero bytes and compresses far below plain.
-  When the chunk is longer than its basis (appended vocabulary rows), the tail past the basis is
-  kept as it is inside the same planes.
+- ``sub-pN``: a delta against a basis chunk (the same tensor position in a related version): each
+  N-byte element minus the basis's as a wrapping integer, zigzagged, split into byte planes, then
+  zstd. A fine-tune moves most weights by a few ulps or not at all, so the planes are mostly zero
+  and small numbers and compress far below plain. When the chunk is longer than its basis
+  (appended vocabulary rows), the tail past the basis is kept as it is inside the same planes.
+- ``subn-pN``: ``sub-pN`` with the lowest byte plane split into nibbles (bf16 and fp16 deltas whose
+  differences are mostly small: see sub_planes).
+- ``xor-pN``: the earlier delta, xor instead of the difference and no nibbles. Still decoded (chunks
+  stored before ``sub-pN`` keep it), no longer written.
 
 Decoders are numpy-vectorised and do not touch the database, so the node-side client uses them too.
 """
@@ -107,29 +111,135 @@ def join_planes(planes, itemsize: int) -> np.ndarray:
     return out.view(np.uint8)
 
 
-XOR = "xor"
+XOR = "xor"  # earlier deltas: still decoded, no longer written
+SUB = "sub"
+SUBN = "subn"  # sub with the lowest byte plane split into nibbles
+DELTA_PREFIXES = (XOR, SUB, SUBN)
+# Nibbles pay when the differences are small: at most this share of elements may differ by 128
+# ulps or more (a nonzero second plane), as in full and LoRA fine-tunes. Heavily retrained tensors
+# differ by far more; split into nibbles they come out no smaller (0.651 of raw either way) and
+# encode and decode a third slower.
+NIBBLE_MAX_WIDE = 1 / 8
 # A delta this much smaller than the raw chunk cannot lose to plain zstd (bf16 weights: about 0.68
 # of raw), so plain is not even tried: this keeps ingest of a delta-friendly fine-tune fast.
 DELTA_CLEAR_WIN = 0.5
+_SIGNED = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
+_UNSIGNED = {1: np.uint8, **_WIDE}
 
 
-def xor_planes(data, basis, itemsize: int, scratch: bool = False) -> np.ndarray:
-    """Byte planes of xor(data, basis); bytes past the basis are kept as they are. With
-    ``scratch`` the result lives in this thread's reusable buffers: use it before the next call."""
+def is_delta(encoding: str) -> bool:
+    return encoding.startswith(tuple(p + "-p" for p in DELTA_PREFIXES))
+
+
+def _nibble_split(plane: np.ndarray, out: np.ndarray) -> None:
+    """``plane`` (n bytes) as the low nibbles of its byte pairs, then their high nibbles (and an odd
+    last byte as it is), into ``out``. A fine-tune's differences are a few ulps: the low byte plane
+    is mostly 0 to 15, so the low nibbles carry its entropy and the high ones are nearly all zero.
+    Packed this way, zstd's Huffman stage meets one symbol per two elements instead of a skewed
+    symbol per element, and the zero half goes by as long matches: full-medical's deltas come out
+    21% smaller than xor planes and encode faster (measured on bf16 chunks, see README)."""
+    k = plane.size // 2
+    w = plane[: 2 * k].view(np.uint16)  # element pairs, little-endian: e0 | e1 << 8
+    t = _scratch("nib_a", 2 * k).view(np.uint16)
+    u = _scratch("nib_b", 2 * k).view(np.uint16)
+    np.bitwise_and(w, 0x0F0F, out=t)  # e0 & 15 | (e1 & 15) << 8
+    np.right_shift(t, 4, out=u)
+    np.bitwise_or(t, u, out=t)  # low byte: e0 & 15 | (e1 & 15) << 4
+    np.copyto(out[:k], t, casting="unsafe")
+    np.right_shift(w, 4, out=t)
+    np.bitwise_and(t, 0x0F0F, out=t)  # e0 >> 4 | (e1 >> 4) << 8
+    np.right_shift(t, 4, out=u)
+    np.bitwise_or(t, u, out=t)  # low byte: e0 >> 4 | (e1 >> 4) << 4
+    np.copyto(out[k : 2 * k], t, casting="unsafe")
+    out[2 * k :] = plane[2 * k :]
+
+
+def _nibble_join(packed: np.ndarray, out: np.ndarray) -> None:
+    """Inverse of _nibble_split, into ``out``."""
+    k = packed.size // 2
+    lo = _scratch("nib_a", 2 * k).view(np.uint16)
+    hi = _scratch("nib_b", 2 * k).view(np.uint16)
+    w = out[: 2 * k].view(np.uint16)
+    # with L, H the low- and high-nibble bytes: e0 = L & 15 | (H & 15) << 4, e1 = L >> 4 | H & 0xF0,
+    # so w = L & 0x0F | (H & 0x0F) << 4 | (L & 0xF0) << 4 | (H & 0xF0) << 8
+    np.copyto(lo, packed[:k])
+    np.copyto(hi, packed[k : 2 * k])
+    np.bitwise_and(lo, 0x0F, out=w)
+    np.left_shift(hi, 8, out=hi)
+    np.bitwise_and(hi, 0xF000, out=lo)  # (H & 0xF0) << 8
+    np.bitwise_or(w, lo, out=w)
+    np.right_shift(hi, 4, out=hi)
+    np.bitwise_and(hi, 0x00F0, out=hi)  # (H & 0x0F) << 4
+    np.bitwise_or(w, hi, out=w)
+    np.copyto(lo, packed[:k])
+    np.left_shift(lo, 4, out=lo)
+    np.bitwise_and(lo, 0x0F00, out=lo)  # (L & 0xF0) << 4
+    np.bitwise_or(w, lo, out=w)
+    out[2 * k :] = packed[2 * k :]
+
+
+def sub_planes(data, basis, itemsize: int) -> tuple[str, np.ndarray]:
+    """(encoding, planes) of a delta; the planes live in this thread's reusable buffers (use them
+    before the next call).
+
+    Each N-byte element of ``data`` minus the basis's, as wrapping N-byte integers, zigzagged (0, -1,
+    1, -2, ... -> 0, 1, 2, 3, ...), then split into byte planes; for bf16 and fp16 the lowest plane
+    is also split into nibbles (``subn``) when most differences are small (NIBBLE_MAX_WIDE). Weights
+    of one tensor share their sign, and IEEE floats of one sign are ordered like their bit
+    patterns, so a change of a few ulps is a small integer here, where xor turns a carry into a run
+    of set bits (full-medical: 0.113 of raw against xor's 0.144). Bytes past the end of the basis
+    (appended vocabulary rows) are kept as they are. Written with numpy ufuncs into scratch
+    buffers: no library offers this transform, and fresh arrays cost a page fault per 4 KiB."""
     a = np.frombuffer(data, dtype=np.uint8)
     b = np.frombuffer(basis, dtype=np.uint8)
     m = min(a.size, b.size)
     m -= m % itemsize
-    x = _scratch("xor", a.size) if scratch else np.empty(a.size, dtype=np.uint8)
-    np.bitwise_xor(a[:m], b[:m], out=x[:m])
-    x[m:] = a[m:]
+    z = _scratch("sub", a.size)
+    zw = z[:m].view(_UNSIGNED[itemsize])
+    np.subtract(a[:m].view(_UNSIGNED[itemsize]), b[:m].view(_UNSIGNED[itemsize]), out=zw)
+    sign = _scratch("sub_sign", m).view(_SIGNED[itemsize])
+    np.right_shift(zw.view(_SIGNED[itemsize]), 8 * itemsize - 1, out=sign)  # 0 or all ones
+    np.left_shift(zw, 1, out=zw)
+    np.bitwise_xor(zw, sign.view(_UNSIGNED[itemsize]), out=zw)
+    z[m:] = a[m:]
     if itemsize == 1:
-        return x
-    return split_planes(x, itemsize, _scratch("planes", a.size) if scratch else None)
+        return f"{SUB}-p1", z
+    planes = split_planes(z, itemsize, _scratch("planes", a.size))
+    n = a.size // itemsize
+    if itemsize > 2 or np.count_nonzero(planes[n : 2 * n]) > NIBBLE_MAX_WIDE * n:
+        return f"{SUB}-p{itemsize}", planes
+    out = _scratch("sub_out", a.size)
+    _nibble_split(planes[:n], out[:n])
+    out[n:] = planes[n:]
+    return f"{SUBN}-p{itemsize}", out
 
 
-def encode_delta(data, basis, itemsize: int) -> bytes:
-    return _plane_cctx().compress(xor_planes(data, basis, itemsize, scratch=True))
+def _unsub(planes: np.ndarray, basis, itemsize: int, nibbles: bool) -> np.ndarray:
+    """Inverse of sub_planes: the raw bytes (a new array)."""
+    size = planes.size
+    if nibbles:
+        n = size // itemsize
+        unpacked = _scratch("unsub", size)
+        _nibble_join(planes[:n], unpacked[:n])
+        unpacked[n:] = planes[n:]
+        planes = unpacked
+    z = join_planes(planes, itemsize) if itemsize > 1 else planes.copy()
+    b = np.frombuffer(basis, dtype=np.uint8)
+    m = min(size, b.size)
+    m -= m % itemsize
+    zw = z[:m].view(_UNSIGNED[itemsize])
+    neg = _scratch("unsub_sign", m).view(_UNSIGNED[itemsize])
+    np.bitwise_and(zw, 1, out=neg)
+    np.negative(neg, out=neg)  # 0 or all ones (unsigned wrap)
+    np.right_shift(zw, 1, out=zw)
+    np.bitwise_xor(zw, neg, out=zw)
+    np.add(zw, b[:m].view(_UNSIGNED[itemsize]), out=zw)
+    return z
+
+
+def encode_delta(data, basis, itemsize: int) -> tuple[str, bytes]:
+    encoding, planes = sub_planes(data, basis, itemsize)
+    return encoding, _plane_cctx().compress(planes)
 
 
 def best_encoding(data, itemsize: int, basis=None, plain: tuple[str, bytes] | None = None) -> tuple[str, bytes, bool]:
@@ -138,12 +248,12 @@ def best_encoding(data, itemsize: int, basis=None, plain: tuple[str, bytes] | No
     payload a client uploaded; it is used as the plain candidate instead of encoding again."""
     n = len(data)
     if basis is not None and n % itemsize == 0:
-        delta = encode_delta(data, basis, itemsize)
+        delta_encoding, delta = encode_delta(data, basis, itemsize)
         if len(delta) <= DELTA_CLEAR_WIN * n:
-            return f"{XOR}-p{itemsize}", delta, True
+            return delta_encoding, delta, True
         encoding, payload = plain or encode(data, itemsize)
         if len(delta) < len(payload):
-            return f"{XOR}-p{itemsize}", delta, True
+            return delta_encoding, delta, True
         return encoding, payload, False
     encoding, payload = encode(data, itemsize)
     return encoding, payload, False
@@ -194,13 +304,19 @@ def decode(encoding: str, payload, size: int, basis=None) -> bytes:
         m -= m % itemsize
         np.bitwise_xor(x[:m], b[:m], out=x[:m])
         return x.tobytes()
+    if encoding.startswith((SUB + "-p", SUBN + "-p")):
+        if basis is None:
+            raise ValueError(f"a {encoding} chunk needs its basis to decode")
+        prefix, itemsize = encoding.rsplit("-p", 1)
+        planes = np.frombuffer(_decompress(payload, size), dtype=np.uint8)
+        return _unsub(planes, basis, int(itemsize), nibbles=prefix == SUBN).tobytes()
     raise ValueError(f"unknown chunk encoding {encoding!r}")
 
 
 def is_known(encoding: str) -> bool:
     if encoding in (RAW, ZSTD):
         return True
-    for prefix in (ZSTD, XOR):
+    for prefix in (ZSTD, *DELTA_PREFIXES):
         if encoding.startswith(prefix + "-p") and encoding[len(prefix) + 2 :] in ("1", "2", "4", "8"):
             return True
     return False

@@ -71,7 +71,7 @@ def receive_batch(reg, family: str, body: bytes) -> dict:
     entries = list(parse_batch(body))
     for e, _ in entries:
         _check_encoding(e.encoding)
-        if e.encoding.startswith(codec.XOR):
+        if codec.is_delta(e.encoding):
             raise InvalidRequest("delta-encoded uploads are not accepted: send raw or zstd chunks")
         if not 0 < e.size <= max(MAX_CHUNK_SIZE, MAX_HEADER_BYTES + 8):
             raise InvalidRequest(f"chunk {e.id}: size {e.size} is out of range")

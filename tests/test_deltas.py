@@ -1,4 +1,4 @@
-"""Lossless deltas: near-duplicate chunks stored as xor byte planes against a basis chunk."""
+"""Lossless deltas: near-duplicate chunks stored as zigzagged differences against a basis chunk, in byte planes."""
 
 from __future__ import annotations
 
@@ -31,6 +31,46 @@ def test_codec_round_trip(itemsize, basis_len):
     assert codec.decode(plain_enc, plain, data.size) == data.tobytes()
 
 
+@pytest.mark.parametrize("itemsize", [1, 2, 4, 8])
+@pytest.mark.parametrize("elements", [1, 3, 4097])
+@pytest.mark.parametrize("change", ["small", "large"])
+@pytest.mark.parametrize("basis_len", [0.0, 0.5, 1.0, 1.5])
+def test_delta_round_trip(itemsize, elements, change, basis_len):
+    """Every width, odd element counts (a nibble pair short), differences that wrap around and flip
+    signs, and bases shorter or longer than the chunk."""
+    rng = np.random.default_rng(itemsize * 100 + elements)
+    data = rng.integers(0, 256, elements * itemsize, dtype=np.uint8)
+    basis = data.copy()
+    if change == "small":
+        basis[:: itemsize * 3] ^= 1  # one lowest byte in three: a difference of +-1
+    else:
+        basis[::3] = rng.integers(0, 256, basis[::3].size, dtype=np.uint8)
+    basis = basis[: int(elements * basis_len) * itemsize] if basis_len <= 1 else np.concatenate([basis, basis[: 5 * itemsize]])
+    enc, payload = codec.encode_delta(data.tobytes(), basis.tobytes(), itemsize)
+    assert codec.is_delta(enc) and codec.is_known(enc)
+    assert codec.decode(enc, payload, data.size, basis.tobytes()) == data.tobytes()
+
+
+def test_small_bf16_differences_use_nibbles_and_large_ones_do_not():
+    w = torch.randn(1 << 16) * 0.02
+    base = w.to(torch.bfloat16).view(torch.uint8).numpy().tobytes()
+    for rel, expected in ((1e-3, "subn-p2"), (0.5, "sub-p2")):
+        moved = (w + torch.randn_like(w) * 0.02 * rel).to(torch.bfloat16).view(torch.uint8).numpy().tobytes()
+        enc, payload = codec.encode_delta(moved, base, 2)
+        assert enc == expected and codec.decode(enc, payload, len(moved), base) == moved
+
+
+def test_xor_deltas_stored_before_sub_still_decode():
+    """Chunks written as xor-p2 (the earlier delta: xor, byte planes, zstd) stay readable."""
+    import zstandard
+
+    t = (torch.randn(1 << 14) * 0.02).to(torch.bfloat16)
+    near = (t.float() * 1.001).to(torch.bfloat16)
+    a, b = near.view(torch.uint8).numpy(), t.view(torch.uint8).numpy()
+    payload = zstandard.ZstdCompressor().compress(codec.split_planes(np.bitwise_xor(a, b), 2))
+    assert codec.decode("xor-p2", payload, a.size, b.tobytes()) == a.tobytes()
+
+
 def test_unrelated_basis_falls_back_to_plain():
     t = (torch.randn(1 << 16) * 0.02).to(torch.bfloat16).view(torch.uint8).numpy().tobytes()
     other = (torch.randn(1 << 16) * 0.02).to(torch.bfloat16).view(torch.uint8).numpy().tobytes()
@@ -38,7 +78,7 @@ def test_unrelated_basis_falls_back_to_plain():
     assert not is_delta and enc.startswith("zstd")
     near = (torch.frombuffer(bytearray(t), dtype=torch.bfloat16).float() * 1.001).to(torch.bfloat16).view(torch.uint8).numpy().tobytes()
     enc, payload, is_delta = codec.best_encoding(near, 2, t)
-    assert is_delta and enc == "xor-p2" and len(payload) < len(codec.encode(near, 2)[1]) / 2
+    assert is_delta and enc == "subn-p2" and len(payload) < len(codec.encode(near, 2)[1]) / 2
 
 
 def test_plain_candidate_at_hand_is_not_encoded_again():
@@ -72,7 +112,7 @@ def test_full_fine_tune_is_stored_as_small_deltas(reg, fam, tmp_path):
     assert full.new_chunks >= full.chunks - 2  # every weight moved: no exact chunk is shared
     assert full.new_bytes < 0.5 * base.new_bytes  # ...yet it costs less than half of the base
     s = reg.stats("fam")
-    assert s["encodings"]["xor-p2"]["chunks"] > 0
+    assert s["encodings"]["subn-p2"]["chunks"] > 0
     v = {x["version"]: x for x in s["versions"]}
     assert v["full-med"]["delta_bytes"] > 0 and v["base"]["delta_bytes"] == 0
     assert v["full-med"]["delta_bytes"] + v["full-med"]["plain_bytes"] == v["full-med"]["stored_bytes"]
@@ -113,7 +153,7 @@ def test_vocab_extended_tail_changes_size(reg, tmp_path):
     tail_a = [c for c in fa.chunks if emb_a.start <= c.offset < emb_a.end][-1]
     assert tail.size > tail_a.size
     stored = reg.locate([tail.id])[tail.id]
-    assert stored.basis_id == tail_a.id and stored.encoding == "xor-p2"
+    assert stored.basis_id == tail_a.id and codec.is_delta(stored.encoding)
     reg.pull("fam", "b", tmp_path / "b.out")
     assert filecmp.cmp(tmp_path / "b.out", b, shallow=False)
 
