@@ -117,8 +117,8 @@ SUBN = "subn"  # sub with the lowest byte plane split into nibbles
 DELTA_PREFIXES = (XOR, SUB, SUBN)
 # Nibbles pay when the differences are small: at most this share of elements may differ by 128
 # ulps or more (a nonzero second plane), as in full and LoRA fine-tunes. Heavily retrained tensors
-# differ by far more; split into nibbles they come out no smaller (0.651 of raw either way) and
-# encode and decode a third slower.
+# differ by far more; split into nibbles they come out no smaller (lastlayers-code: 0.651 of raw
+# either way) and decode about half as fast.
 NIBBLE_MAX_WIDE = 1 / 8
 # A delta this much smaller than the raw chunk cannot lose to plain zstd (bf16 weights: about 0.68
 # of raw), so plain is not even tried: this keeps ingest of a delta-friendly fine-tune fast.
