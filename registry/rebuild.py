@@ -47,6 +47,9 @@ class PullResult:
 
 def decode_verified(chunk: StoredChunk, payload, basis: bytes | None = None) -> bytes:
     """Decode one stored chunk and check that its bytes hash to its id."""
+    if not codec.is_known(chunk.encoding):  # a newer registry wrote it: the bytes are fine, this code is old
+        raise IntegrityError(f"chunk {chunk.id} uses encoding {chunk.encoding!r}, which this mfsreg does not know: "
+                             "upgrade mfsreg on this machine")
     try:
         raw = codec.decode(chunk.encoding, payload, chunk.size, basis)
     except Exception as exc:  # zstd raises its own error types on corrupt frames

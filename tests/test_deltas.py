@@ -93,6 +93,13 @@ def test_plain_candidate_at_hand_is_not_encoded_again():
     assert is_delta and codec.decode(enc, payload, len(near), basis=t) == near
 
 
+def test_unknown_encoding_asks_for_an_upgrade():
+    """A chunk written by a newer registry in an encoding this code lacks is not reported as damage."""
+    chunk = StoredChunk(chunk_id(b"x" * 64), 64, "", "future-p2", 10, "", 0)
+    with pytest.raises(IntegrityError, match="does not know: upgrade mfsreg"):
+        decode_verified(chunk, b"0123456789")
+
+
 def test_corrupt_delta_is_detected():
     base = bytes(range(256)) * 64
     near = bytearray(base)
