@@ -184,10 +184,11 @@ def sub_planes(data, basis, itemsize: int) -> tuple[str, np.ndarray]:
 
     Each N-byte element of ``data`` minus the basis's, as wrapping N-byte integers, zigzagged (0, -1,
     1, -2, ... -> 0, 1, 2, 3, ...), then split into byte planes; for bf16 and fp16 the lowest plane
-    is also split into nibbles (``subn``) when most differences are small (NIBBLE_MAX_WIDE). Weights
-    of one tensor share their sign, and IEEE floats of one sign are ordered like their bit
-    patterns, so a change of a few ulps is a small integer here, where xor turns a carry into a run
-    of set bits (full-medical: 0.113 of raw against xor's 0.144). Bytes past the end of the basis
+    is also split into nibbles (``subn``) when most differences are small (NIBBLE_MAX_WIDE). A
+    fine-tuned weight rarely crosses zero, so it keeps its basis's sign, and IEEE floats of one sign
+    are ordered like their bit patterns: a change of a few ulps is a small integer here, where xor
+    turns a carry into a run of set bits (full-medical: 0.113 of raw against xor's 0.144). A weight
+    that does change sign costs a large difference, still lossless. Bytes past the end of the basis
     (appended vocabulary rows) are kept as they are. Written with numpy ufuncs into scratch
     buffers: no library offers this transform, and fresh arrays cost a page fault per 4 KiB."""
     a = np.frombuffer(data, dtype=np.uint8)

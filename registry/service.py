@@ -28,6 +28,7 @@ from registry.ingest import RecordedPacks, check_push_names, commit_version, exi
 from registry.parallel import windowed_map
 from registry.results import PushResult
 from registry.manifest import SAFETENSORS, Manifest, parse_doc
+from registry.names import check_name
 from registry.rebuild import decode_verified
 from registry.safetensors import MAX_HEADER_BYTES, parse_header
 from registry.tiers import TIERS
@@ -186,6 +187,8 @@ def stream_chunks(reg, chunks: list[StoredChunk]) -> Iterator[bytes]:
 def version_doc(reg, family: str, version: str) -> dict:
     """A version for a node: its manifest, and per chunk it needs (its own and the bases of its
     deltas) [encoding, stored bytes, basis id, raw bytes, tier]. One read transaction, three queries."""
+    check_name("family", family)
+    check_name("version", version)
     with read_tx(reg.engine) as conn:
         row = version_db.get_version(conn, family, version)
         manifest = Manifest.doc_of(version_db.read_manifest(conn, row.id))

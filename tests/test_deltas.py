@@ -51,6 +51,30 @@ def test_delta_round_trip(itemsize, elements, change, basis_len):
     assert codec.decode(enc, payload, data.size, basis.tobytes()) == data.tobytes()
 
 
+def test_delta_of_unaligned_read_only_views(tmp_path):
+    """Chunks reach the encoder as slices of a file's mmap at any offset (read-only, unaligned)."""
+    import mmap
+
+    w = (torch.randn(4097) * 0.02).to(torch.bfloat16).view(torch.uint8).numpy().tobytes()
+    moved = bytearray(w)
+    moved[::6] = bytes(b ^ 1 for b in moved[::6])
+    path = tmp_path / "blob"
+    path.write_bytes(b"x" + bytes(moved) + b"y" + w)
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        view = memoryview(mm)
+        data, basis = view[1 : 1 + len(w)], view[2 + len(w) :]
+        enc, payload, is_delta = codec.best_encoding(data, 2, basis)
+        assert is_delta and codec.decode(enc, payload, len(w), basis) == bytes(moved)
+        del data, basis, view
+
+
+def test_delta_without_its_basis_is_refused():
+    base = (torch.randn(1 << 12) * 0.02).to(torch.bfloat16).view(torch.uint8).numpy().tobytes()
+    enc, payload = codec.encode_delta(base[::-1], base, 2)
+    with pytest.raises(ValueError, match="needs its basis"):
+        codec.decode(enc, payload, len(base))
+
+
 def test_small_bf16_differences_use_nibbles_and_large_ones_do_not():
     w = torch.randn(1 << 16) * 0.02
     base = w.to(torch.bfloat16).view(torch.uint8).numpy().tobytes()

@@ -134,6 +134,8 @@ def test_bad_requests_get_problem_details(servers, server_env, tmp_path):
     assert r.status_code == 400 and "malformed chunk batch" in r.json()["detail"]
     r = httpx.get(f"{srv.url}/v1/families/nofam/versions/v1", headers=h)
     assert r.status_code == 404 and r.json()["status"] == 404
+    r = httpx.get(f"{srv.url}/v1/families/fam/versions/.hidden", headers=h)
+    assert r.status_code == 400 and "invalid version name" in r.json()["detail"]
     r = httpx.get(f"{srv.url}/v1/families/.hidden/versions", headers=h)
     assert r.status_code == 400 and "invalid family name" in r.json()["detail"]
     schema = httpx.get(f"{srv.url}/openapi.json").json()
