@@ -68,10 +68,16 @@ def _dctx() -> zstandard.ZstdDecompressor:
 _WIDE = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
+SCRATCH_MAX = 16 << 20  # per buffer; with about eight names, at most 128 MiB per coding thread
+
+
 def _scratch(name: str, n: int) -> np.ndarray:
     """A per-thread uint8 buffer of ``n`` bytes, reused from chunk to chunk. Encoding writes each
     chunk once or twice into temporary arrays; fresh ones cost a page fault and a zeroed page per
-    4 KiB, which took more CPU than the numpy work itself (measured in an embedded push)."""
+    4 KiB, which took more CPU than the numpy work itself (measured in an embedded push).
+    Buffers past SCRATCH_MAX are not kept: a thread holds several, for its whole life."""
+    if n > SCRATCH_MAX:
+        return np.empty(n, dtype=np.uint8)
     buf = getattr(_local, name, None)
     if buf is None or buf.size < n:
         buf = np.empty(n, dtype=np.uint8)

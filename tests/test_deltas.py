@@ -68,6 +68,18 @@ def test_delta_of_unaligned_read_only_views(tmp_path):
         del data, basis, view
 
 
+def test_chunks_past_the_scratch_limit_round_trip(monkeypatch):
+    """Buffers for chunks larger than SCRATCH_MAX are fresh arrays, not kept per thread."""
+    monkeypatch.setattr(codec, "SCRATCH_MAX", 1024)
+    w = (torch.randn(4097) * 0.02).to(torch.bfloat16)
+    base = w.view(torch.uint8).numpy().tobytes()
+    moved = (w.float() * 1.001).to(torch.bfloat16).view(torch.uint8).numpy().tobytes()
+    enc, payload, is_delta = codec.best_encoding(moved, 2, base)
+    assert is_delta and codec.decode(enc, payload, len(moved), base) == moved
+    enc, payload = codec.encode(moved, 2)
+    assert codec.decode(enc, payload, len(moved)) == moved
+
+
 def test_delta_without_its_basis_is_refused():
     base = (torch.randn(1 << 12) * 0.02).to(torch.bfloat16).view(torch.uint8).numpy().tobytes()
     enc, payload = codec.encode_delta(base[::-1], base, 2)
