@@ -290,40 +290,33 @@ def _decompress(payload, size: int) -> bytes:
 
 
 def decode(encoding: str, payload, size: int, basis=None) -> bytes:
-    """Rebuild a chunk's raw bytes from its stored payload. Raises ValueError on unknown encodings
-    and on frames that do not declare exactly ``size`` bytes."""
+    """Rebuild a chunk's raw bytes from its stored payload. Raises ValueError on unknown encodings,
+    on a delta without its basis, and on frames that do not declare exactly ``size`` bytes."""
     if encoding == RAW:
         return bytes(payload)
     if encoding == ZSTD:
         return _decompress(payload, size)
-    if encoding.startswith(ZSTD + "-p"):
-        itemsize = int(encoding[len(ZSTD) + 2 :])
-        planes = _decompress(payload, size)
+    if not is_known(encoding):
+        raise ValueError(f"unknown chunk encoding {encoding!r}")
+    prefix, _, width = encoding.rpartition("-p")
+    itemsize = int(width)
+    if prefix != ZSTD and basis is None:
+        raise ValueError(f"a {encoding} chunk needs its basis to decode")
+    planes = _decompress(payload, size)
+    if prefix == ZSTD:
         return join_planes(planes, itemsize).tobytes()
-    if encoding.startswith(XOR + "-p"):
-        if basis is None:
-            raise ValueError(f"a {encoding} chunk needs its basis to decode")
-        itemsize = int(encoding[len(XOR) + 2 :])
-        planes = _decompress(payload, size)
+    if prefix == XOR:
         x = join_planes(planes, itemsize)
         b = np.frombuffer(basis, dtype=np.uint8)
         m = min(x.size, b.size)
         m -= m % itemsize
         np.bitwise_xor(x[:m], b[:m], out=x[:m])
         return x.tobytes()
-    if encoding.startswith((SUB + "-p", SUBN + "-p")):
-        if basis is None:
-            raise ValueError(f"a {encoding} chunk needs its basis to decode")
-        prefix, itemsize = encoding.rsplit("-p", 1)
-        planes = np.frombuffer(_decompress(payload, size), dtype=np.uint8)
-        return _unsub(planes, basis, int(itemsize), nibbles=prefix == SUBN).tobytes()
-    raise ValueError(f"unknown chunk encoding {encoding!r}")
+    return _unsub(np.frombuffer(planes, dtype=np.uint8), basis, itemsize, nibbles=prefix == SUBN).tobytes()
 
 
 def is_known(encoding: str) -> bool:
     if encoding in (RAW, ZSTD):
         return True
-    for prefix in (ZSTD, *DELTA_PREFIXES):
-        if encoding.startswith(prefix + "-p") and encoding[len(prefix) + 2 :] in ("1", "2", "4", "8"):
-            return True
-    return False
+    prefix, _, width = encoding.rpartition("-p")
+    return prefix in (ZSTD, *DELTA_PREFIXES) and width in ("1", "2", "4", "8")

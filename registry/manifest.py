@@ -63,8 +63,9 @@ class Manifest:
     def chunk_sizes(self) -> dict[str, int]:
         return {c.id: c.size for f in self.files for c in f.chunks}
 
-    def to_bytes(self) -> bytes:
-        doc = {
+    def to_doc(self) -> dict:
+        """The manifest as plain JSON values (what is stored, compressed, and what the API carries)."""
+        return {
             "format": FORMAT,
             "single_file": self.single_file,
             "files": [
@@ -76,7 +77,9 @@ class Manifest:
                 for f in self.files
             ],
         }
-        return zstandard.ZstdCompressor(level=3).compress(json.dumps(doc, separators=(",", ":")).encode())
+
+    def to_bytes(self) -> bytes:
+        return zstandard.ZstdCompressor(level=3).compress(json.dumps(self.to_doc(), separators=(",", ":")).encode())
 
     @classmethod
     def from_bytes(cls, data: bytes) -> "Manifest":
@@ -86,9 +89,6 @@ class Manifest:
     def doc_of(data: bytes) -> dict:
         """The document of stored manifest bytes, without building a Manifest (a server passes it on)."""
         return json.loads(zstandard.ZstdDecompressor().decompress(data))
-
-    def to_doc(self) -> dict:
-        return self.doc_of(self.to_bytes())
 
     @classmethod
     def from_doc(cls, doc: dict) -> "Manifest":

@@ -10,9 +10,6 @@ from registry.blobs.packs import StoredChunk
 from registry.db.dialect import batches, insert
 from registry.db.models import chunks, family_chunks, packs, version_chunks, versions
 
-_COLS = (chunks.c.id, chunks.c.size, chunks.c.sha256, chunks.c.encoding, chunks.c.stored_size,
-         chunks.c.pack_id, chunks.c.offset, chunks.c.basis_id, chunks.c.depth)
-
 
 def missing_ids(conn: Connection, ids: Sequence[str]) -> set[str]:
     """The subset of ``ids`` that the registry does not store yet."""
@@ -46,8 +43,10 @@ def record_pack(conn: Connection, pack_id: str, size: int, stored: Sequence[Stor
 def locate(conn: Connection, ids: Iterable[str]) -> dict[str, StoredChunk]:
     """Where each of ``ids`` is stored. Ids that are not stored are simply absent from the result."""
     out: dict[str, StoredChunk] = {}
+    cols = (chunks.c.id, chunks.c.size, chunks.c.sha256, chunks.c.encoding, chunks.c.stored_size,
+            chunks.c.pack_id, chunks.c.offset, chunks.c.basis_id, chunks.c.depth)
     for batch in batches(list(dict.fromkeys(ids))):
-        for row in conn.execute(select(*_COLS).where(chunks.c.id.in_(batch))):
+        for row in conn.execute(select(*cols).where(chunks.c.id.in_(batch))):
             out[row.id] = StoredChunk(*row)
     return out
 
