@@ -1,12 +1,15 @@
 # The API server image: no torch (nodes need it, the server does not).
 FROM python:3.11-slim
 WORKDIR /app
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY registry ./registry
 COPY api ./api
 COPY cli ./cli
 COPY migrations ./migrations
-RUN pip install --no-cache-dir ".[server]"
+# gcc builds registry/_grouping.c (grouped deltas); it is removed again in the same layer
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && pip install --no-cache-dir ".[server]" \
+    && apt-get purge -y gcc libc6-dev && apt-get autoremove -y && rm -rf /var/lib/apt/lists/*
 ENV MFSREG_HOME=/var/lib/mfsreg
 EXPOSE 8700
 CMD ["mfsreg", "serve", "--host", "0.0.0.0", "--port", "8700"]
