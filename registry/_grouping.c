@@ -17,6 +17,12 @@
 #include <string.h>
 
 #define NKEYS 256
+/* Each element's group position comes from a counter that the previous element of its group just
+ * incremented, a chain through memory. The loops below keep everything else off that chain: keys
+ * are counted into four interleaved histograms, and elements are transformed a block at a time in
+ * a vectorisable loop apart from the scatter or gather (on full-medical's chunks: counting 0.59 ->
+ * 0.36 ns an element, grouping 1.20 -> 1.07, ungrouping 1.8 -> 1.4). */
+#define BLOCK 2048
 
 /* The differences are read from and written to byte planes directly (plane k at k * stride), so
  * neither direction needs a separate split or join pass. Loads and stores of elements go through
@@ -28,38 +34,51 @@
         return v;                                                                                   \
     }                                                                                               \
     static inline unsigned key_##BITS(T w) { return (unsigned)(w >> (BITS - 9)) & 0xffu; }         \
-    static void count_##BITS(const char *b, Py_ssize_t n, int64_t *counts) {                       \
-        memset(counts, 0, NKEYS * sizeof(int64_t));                                                 \
-        for (Py_ssize_t i = 0; i < n; i++) counts[key_##BITS(load_##BITS(b, i))]++;                 \
-    }                                                                                               \
-    static inline void put_##BITS(const char *restrict a, const char *restrict b,                  \
-                                  unsigned char *restrict z, Py_ssize_t stride, Py_ssize_t i,       \
-                                  int64_t *restrict pos) {                                     \
-        T bw = load_##BITS(b, i);                                                                   \
-        T d = (T)(load_##BITS(a, i) - bw);                                                          \
-        T neg = (T)((T)0 - (T)(d >> (BITS - 1))); /* all ones when d is negative */                \
-        T zz = (T)((T)(d << 1) ^ neg);                                                              \
-        Py_ssize_t p = pos[key_##BITS(bw)]++;                                                       \
-        for (int k = 0; k < BITS / 8; k++) z[k * stride + p] = (unsigned char)(zz >> (8 * k));       \
-    }                                                                                               \
-    static inline void get_##BITS(const unsigned char *restrict z, const char *restrict b,         \
-                                  char *restrict out, Py_ssize_t stride, Py_ssize_t i,              \
-                                  int64_t *restrict pos) {                  \
-        T bw = load_##BITS(b, i);                                                                   \
-        Py_ssize_t p = pos[key_##BITS(bw)]++;                                                       \
-        T zz = 0;                                                                                   \
-        for (int k = 0; k < BITS / 8; k++) zz |= (T)((T)z[k * stride + p] << (8 * k));             \
-        T v = (T)(bw + (T)((zz >> 1) ^ (T)((T)0 - (T)(zz & 1))));                                   \
-        memcpy(out + i * (Py_ssize_t)sizeof(T), &v, sizeof(T));                                     \
+    static void count_##BITS(const char *restrict b, Py_ssize_t n, int64_t *restrict counts) {     \
+        int64_t h[4][NKEYS];                                                                        \
+        memset(h, 0, sizeof h);                                                                     \
+        Py_ssize_t i = 0;                                                                           \
+        for (; i + 4 <= n; i += 4)                                                                  \
+            for (int l = 0; l < 4; l++) h[l][key_##BITS(load_##BITS(b, i + l))]++;                  \
+        for (; i < n; i++) h[0][key_##BITS(load_##BITS(b, i))]++;                                   \
+        for (int k = 0; k < NKEYS; k++) counts[k] = h[0][k] + h[1][k] + h[2][k] + h[3][k];          \
     }                                                                                               \
     static void sub_##BITS(const char *restrict a, const char *restrict b, unsigned char *restrict z,\
                            Py_ssize_t stride, Py_ssize_t n, int64_t *restrict pos) {               \
-        for (Py_ssize_t i = 0; i < n; i++) put_##BITS(a, b, z, stride, i, pos);                     \
+        T zz[BLOCK];                                                                                \
+        unsigned char keys[BLOCK];                                                                  \
+        for (Py_ssize_t s = 0; s < n; s += BLOCK) {                                                 \
+            Py_ssize_t m = n - s < BLOCK ? n - s : BLOCK;                                           \
+            for (Py_ssize_t j = 0; j < m; j++) {                                                    \
+                T bw = load_##BITS(b, s + j);                                                       \
+                T d = (T)(load_##BITS(a, s + j) - bw);                                              \
+                T neg = (T)((T)0 - (T)(d >> (BITS - 1))); /* all ones when d is negative */        \
+                zz[j] = (T)((T)(d << 1) ^ neg);                                                     \
+                keys[j] = (unsigned char)key_##BITS(bw);                                            \
+            }                                                                                       \
+            for (Py_ssize_t j = 0; j < m; j++) {                                                    \
+                Py_ssize_t p = pos[keys[j]]++;                                                      \
+                for (int k = 0; k < BITS / 8; k++) z[k * stride + p] = (unsigned char)(zz[j] >> (8 * k));\
+            }                                                                                       \
+        }                                                                                           \
     }                                                                                               \
     static void unsub_##BITS(const unsigned char *restrict z, const char *restrict b,               \
                              char *restrict out, Py_ssize_t stride, Py_ssize_t n,                   \
                              int64_t *restrict pos) {                                               \
-        for (Py_ssize_t i = 0; i < n; i++) get_##BITS(z, b, out, stride, i, pos);                   \
+        T zz[BLOCK];                                                                                \
+        for (Py_ssize_t s = 0; s < n; s += BLOCK) {                                                 \
+            Py_ssize_t m = n - s < BLOCK ? n - s : BLOCK;                                           \
+            for (Py_ssize_t j = 0; j < m; j++) {                                                    \
+                Py_ssize_t p = pos[key_##BITS(load_##BITS(b, s + j))]++;                            \
+                T v = 0;                                                                            \
+                for (int k = 0; k < BITS / 8; k++) v |= (T)((T)z[k * stride + p] << (8 * k));       \
+                zz[j] = v;                                                                          \
+            }                                                                                       \
+            for (Py_ssize_t j = 0; j < m; j++) {                                                    \
+                T v = (T)(load_##BITS(b, s + j) + (T)((zz[j] >> 1) ^ (T)((T)0 - (T)(zz[j] & 1))));  \
+                memcpy(out + (s + j) * (Py_ssize_t)sizeof(T), &v, sizeof(T));                       \
+            }                                                                                       \
+        }                                                                                           \
     }
 
 DEFINE_KERNELS(uint16_t, 16)
@@ -141,34 +160,38 @@ done:
 }
 
 PyDoc_STRVAR(unsub_grouped_doc,
-    "unsub_grouped(planes, stride, basis, itemsize, out)\n\n"
-    "Inverse of sub_grouped: write basis + the ungrouped, un-zigzagged differences into out.");
+    "unsub_grouped(planes, stride, basis, itemsize, tail) -> bytes\n\n"
+    "Inverse of sub_grouped: basis + the ungrouped, un-zigzagged differences, followed by tail.\n"
+    "Written straight into the new bytes object: a numpy array and its tobytes() copy would fault\n"
+    "in two fresh buffers per chunk (a third of a delta's decoding time).");
 
 static PyObject *unsub_grouped(PyObject *self, PyObject *args) {
-    Py_buffer z = {0}, b = {0}, out = {0};
+    Py_buffer z = {0}, b = {0}, tail = {0};
     int itemsize;
     Py_ssize_t stride;
     count_fn count;
     PyObject *result = NULL;
-    if (!PyArg_ParseTuple(args, "y*ny*iw*", &z, &stride, &b, &itemsize, &out)) goto done;
-    if (parse_width(itemsize, &count) || check_sizes(out.len, b.len, z.len, itemsize, stride)) goto done;
+    if (!PyArg_ParseTuple(args, "y*ny*iy*", &z, &stride, &b, &itemsize, &tail)) goto done;
+    if (parse_width(itemsize, &count) || check_sizes(b.len, b.len, z.len, itemsize, stride)) goto done;
+    result = PyBytes_FromStringAndSize(NULL, b.len + tail.len);
+    if (result == NULL) goto done;
+    char *out = PyBytes_AS_STRING(result);
     Py_ssize_t n = b.len / itemsize;
     int64_t counts[NKEYS], pos[NKEYS];
     Py_BEGIN_ALLOW_THREADS
     count(b.buf, n, counts);
     starts_of(counts, pos);
     switch (itemsize) {
-    case 2: unsub_16(z.buf, b.buf, out.buf, stride, n, pos); break;
-    case 4: unsub_32(z.buf, b.buf, out.buf, stride, n, pos); break;
-    default: unsub_64(z.buf, b.buf, out.buf, stride, n, pos); break;
+    case 2: unsub_16(z.buf, b.buf, out, stride, n, pos); break;
+    case 4: unsub_32(z.buf, b.buf, out, stride, n, pos); break;
+    default: unsub_64(z.buf, b.buf, out, stride, n, pos); break;
     }
+    memcpy(out + b.len, tail.buf, tail.len);
     Py_END_ALLOW_THREADS
-    result = Py_None;
-    Py_INCREF(result);
 done:
     PyBuffer_Release(&z);
     PyBuffer_Release(&b);
-    PyBuffer_Release(&out);
+    PyBuffer_Release(&tail);
     return result;
 }
 

@@ -297,11 +297,10 @@ def _sub_grouped(a: np.ndarray, b: np.ndarray, itemsize: int, planes: np.ndarray
     return sizes
 
 
-def _unsub_grouped(planes: np.ndarray, stride: int, b: np.ndarray, itemsize: int, out: np.ndarray) -> None:
-    """Inverse of _sub_grouped: b plus the ungrouped differences, into ``out``."""
+def _unsub_grouped(planes: np.ndarray, stride: int, b: np.ndarray, itemsize: int, tail=b"") -> bytes:
+    """Inverse of _sub_grouped: b plus the ungrouped differences, then ``tail`` (new bytes)."""
     if _grouping is not None:
-        _grouping.unsub_grouped(planes, stride, b, itemsize, out)
-        return
+        return _grouping.unsub_grouped(planes, stride, b, itemsize, tail)
     u = _UNSIGNED[itemsize]
     n = b.size // itemsize
     zz = np.zeros(n, dtype=u)
@@ -309,7 +308,7 @@ def _unsub_grouped(planes: np.ndarray, stride: int, b: np.ndarray, itemsize: int
         zz |= planes[k * stride : k * stride + n].astype(u) << u(8 * k)
     z = np.empty_like(zz)
     z[np.argsort(_group_keys(b, itemsize), kind="stable")] = zz
-    np.add(b.view(u), (z >> u(1)) ^ (u(0) - (z & u(1))), out=out.view(u))
+    return (b.view(u) + ((z >> u(1)) ^ (u(0) - (z & u(1))))).tobytes() + bytes(tail)
 
 
 def _block_ends(counts: np.ndarray, n: int) -> list[int]:
@@ -353,8 +352,8 @@ def _encode_grouped(data, basis, itemsize: int) -> tuple[str, bytes]:
     return encoding, _compress_blocks(planes, cuts)
 
 
-def _decode_grouped(planes: np.ndarray, basis, itemsize: int, nibbles: bool) -> np.ndarray:
-    """Inverse of _encode_grouped, from the decompressed planes: the raw bytes (a new array)."""
+def _decode_grouped(planes: np.ndarray, basis, itemsize: int, nibbles: bool) -> bytes:
+    """Inverse of _encode_grouped, from the decompressed planes: the raw bytes."""
     size = planes.size
     total = size // itemsize
     if nibbles:
@@ -366,12 +365,10 @@ def _decode_grouped(planes: np.ndarray, basis, itemsize: int, nibbles: bool) -> 
     m = min(size, b.size)
     m -= m % itemsize
     n = m // itemsize
-    out = np.empty(size, dtype=np.uint8)
-    _unsub_grouped(planes, total, b[:m], itemsize, out[:m])
-    if total > n:
-        tail = np.concatenate([planes[k * total + n : (k + 1) * total] for k in range(itemsize)])
-        out[m:] = join_planes(tail, itemsize)
-    return out
+    tail = b""
+    if total > n:  # appended rows
+        tail = join_planes(np.concatenate([planes[k * total + n : (k + 1) * total] for k in range(itemsize)]), itemsize)
+    return _unsub_grouped(planes, total, b[:m], itemsize, tail)
 
 
 def encode_delta(data, basis, itemsize: int) -> tuple[str, bytes]:
@@ -449,7 +446,7 @@ def decode(encoding: str, payload, size: int, basis=None) -> bytes:
     if prefix == ZSTD:
         return join_planes(planes, itemsize).tobytes()
     if prefix in (ESUB, ESUBN):
-        return _decode_grouped(np.frombuffer(planes, dtype=np.uint8), basis, itemsize, nibbles=prefix == ESUBN).tobytes()
+        return _decode_grouped(np.frombuffer(planes, dtype=np.uint8), basis, itemsize, nibbles=prefix == ESUBN)
     if prefix == XOR:
         x = join_planes(planes, itemsize)
         b = np.frombuffer(basis, dtype=np.uint8)
