@@ -1,4 +1,5 @@
-/* Exponent-grouped deltas: the one transform of registry/codec.py that numpy cannot do at speed.
+/* Exponent-grouped deltas and their sparse planes: the transforms of registry/codec.py that numpy
+ * cannot do at speed.
  *
  * A delta element (new minus basis, zigzagged) is moved into the group of its basis element's key,
  * the 8 bits after the sign (bf16 and fp32: the exponent). A fine-tune moves weights by amounts
@@ -195,9 +196,124 @@ done:
     return result;
 }
 
+/* Sparse streams: a byte stream as one flag bit per byte (set where the byte is not zero, least
+ * significant bit first) followed by its nonzero bytes. Grouped delta planes are often mostly zero
+ * (p(0) about 0.6 in a retrained layer's high plane): Huffman spends at least a bit on every zero,
+ * while flags packed eight to a byte let it code the zeros' pattern near its entropy (that plane:
+ * 2.05 -> 1.81 bits an element). numpy's equivalent is packbits plus a boolean gather, and the
+ * inverse a boolean scatter: several passes where these take one. */
+
+PyDoc_STRVAR(sparse_split_doc,
+    "sparse_split(stream, flags, values) -> int\n\n"
+    "Write stream's flag bits (ceil(len / 8) bytes, least significant bit first) into flags and its\n"
+    "nonzero bytes into values (len(stream) bytes or more); return how many are nonzero.");
+
+static PyObject *sparse_split(PyObject *self, PyObject *args) {
+    Py_buffer in = {0}, flags = {0}, values = {0};
+    PyObject *result = NULL;
+    if (!PyArg_ParseTuple(args, "y*w*w*", &in, &flags, &values)) goto done;
+    Py_ssize_t n = in.len;
+    if (flags.len < (n + 7) / 8 || values.len < n) {
+        PyErr_SetString(PyExc_ValueError, "flags or values too small for the stream");
+        goto done;
+    }
+    const unsigned char *restrict src = in.buf;
+    unsigned char *restrict f = flags.buf, *restrict v = values.buf;
+    Py_ssize_t nnz = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i += 8) {
+        unsigned bits = 0;
+        Py_ssize_t m = n - i < 8 ? n - i : 8;
+        if (m == 8) {  /* eight zero bytes, the common case in sparse planes: one test */
+            uint64_t w;
+            memcpy(&w, src + i, 8);
+            if (w == 0) {
+                f[i / 8] = 0;
+                continue;
+            }
+        }
+        for (Py_ssize_t j = 0; j < m; j++) {
+            unsigned char c = src[i + j];
+            v[nnz] = c;  /* written always, kept only when nonzero: no branch */
+            nnz += c != 0;
+            bits |= (unsigned)(c != 0) << j;
+        }
+        f[i / 8] = (unsigned char)bits;
+    }
+    Py_END_ALLOW_THREADS
+    result = PyLong_FromSsize_t(nnz);
+done:
+    PyBuffer_Release(&in);
+    PyBuffer_Release(&flags);
+    PyBuffer_Release(&values);
+    return result;
+}
+
+PyDoc_STRVAR(sparse_join_doc,
+    "sparse_join(flags, values, out) -> int\n\n"
+    "Inverse of sparse_split: fill out (len(out) bytes) from flags and values; return how many\n"
+    "values it used. Raises ValueError if the flags ask for more values than there are.");
+
+static PyObject *sparse_join(PyObject *self, PyObject *args) {
+    Py_buffer flags = {0}, values = {0}, out = {0};
+    PyObject *result = NULL;
+    if (!PyArg_ParseTuple(args, "y*y*w*", &flags, &values, &out)) goto done;
+    Py_ssize_t n = out.len;
+    if (flags.len < (n + 7) / 8) {
+        PyErr_SetString(PyExc_ValueError, "flags too short for the stream");
+        goto done;
+    }
+    const unsigned char *restrict f = flags.buf, *restrict v = values.buf;
+    unsigned char *restrict dst = out.buf;
+    Py_ssize_t used = 0, avail = values.len;
+    int short_values = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i += 8) {
+        unsigned bits = f[i >> 3];
+        Py_ssize_t m = n - i < 8 ? n - i : 8;
+        if (m < 8) bits &= (1u << m) - 1;  /* flags past the end mean nothing */
+        if (bits == 0) {
+            memset(dst + i, 0, (size_t)m);
+            continue;
+        }
+        if (used + __builtin_popcount(bits) > avail) {
+            short_values = 1;
+            break;
+        }
+        if (used + 8 <= avail) {
+            /* branchless: read a value for every byte, keep it where the flag is set (random
+             * flags made a branch mispredict on every other byte: 3.1 -> under 1 ns a byte) */
+            for (Py_ssize_t j = 0; j < m; j++) {
+                unsigned bit = (bits >> j) & 1u;
+                dst[i + j] = (unsigned char)(v[used] & (0u - bit));
+                used += bit;
+            }
+        } else {
+            for (Py_ssize_t j = 0; j < m; j++) {
+                unsigned bit = (bits >> j) & 1u;
+                dst[i + j] = bit ? v[used] : 0;
+                used += bit;
+            }
+        }
+    }
+    Py_END_ALLOW_THREADS
+    if (short_values) {
+        PyErr_SetString(PyExc_ValueError, "sparse stream: the flags ask for more values than it holds");
+        goto done;
+    }
+    result = PyLong_FromSsize_t(used);
+done:
+    PyBuffer_Release(&flags);
+    PyBuffer_Release(&values);
+    PyBuffer_Release(&out);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"sub_grouped", sub_grouped, METH_VARARGS, sub_grouped_doc},
     {"unsub_grouped", unsub_grouped, METH_VARARGS, unsub_grouped_doc},
+    {"sparse_split", sparse_split, METH_VARARGS, sparse_split_doc},
+    {"sparse_join", sparse_join, METH_VARARGS, sparse_join_doc},
     {NULL, NULL, 0, NULL},
 };
 

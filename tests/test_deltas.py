@@ -148,6 +148,65 @@ def test_without_the_grouping_module_deltas_are_ungrouped_and_grouped_ones_still
     assert enc == "subn-p2" and codec.decode(enc, payload, len(moved), base) == moved
 
 
+@pytest.mark.parametrize("length", [0, 1, 7, 8, 9, 4099])
+@pytest.mark.parametrize("density", [0.0, 0.3, 1.0])
+def test_sparse_streams_match_numpy_and_round_trip(length, density, monkeypatch):
+    rng = np.random.default_rng(length)
+    stream = np.where(rng.random(length) < density, rng.integers(1, 256, length), 0).astype(np.uint8)
+    results = []
+    for module in (codec._grouping, None):
+        monkeypatch.setattr(codec, "_grouping", module)
+        flags, values = codec._sparse_split(stream, 0)
+        flags, values = flags.copy(), values.copy()
+        assert values.size == np.count_nonzero(stream)
+        buf = np.concatenate([[7], flags, values, [1, 2]]).astype(np.uint8)  # between other bytes
+        out = np.full(length, 99, dtype=np.uint8)
+        assert codec._sparse_join(buf, 1, out) == 1 + flags.size + values.size
+        assert (out == stream).all()
+        results.append((flags, values))
+    assert (results[0][0] == results[1][0]).all() and (results[0][1] == results[1][1]).all()
+
+
+def test_sparse_stream_with_too_few_values_is_refused(monkeypatch):
+    buf = np.array([0xFF, 0x01, 5, 6], dtype=np.uint8)  # nine flags set, two values
+    for module in (codec._grouping, None):
+        monkeypatch.setattr(codec, "_grouping", module)
+        with pytest.raises(ValueError, match="more values"):
+            codec._sparse_join(buf, 0, np.empty(9, dtype=np.uint8))
+
+
+def test_mostly_zero_planes_are_sent_sparse_and_smaller(monkeypatch):
+    """A retrained layer's high plane is about 60% zeros: as flag bits plus its nonzero bytes it
+    costs less than zstd's Huffman stage spends on it directly."""
+    w = torch.randn(1 << 18) * 0.02
+    base = w.to(torch.bfloat16).view(torch.uint8).numpy().tobytes()
+    moved = (w + torch.randn_like(w) * 0.01).to(torch.bfloat16).view(torch.uint8).numpy().tobytes()
+    enc, sparse = codec.encode_delta(moved, base, 2)
+    assert enc == "esub-p2" and codec._dctx().decompress(sparse)[0] == 0b10  # the high plane only
+    monkeypatch.setattr(codec, "SPARSE_MAX_DENSITY", -1.0)
+    enc, dense = codec.encode_delta(moved, base, 2)
+    assert enc == "esub-p2" and codec._dctx().decompress(dense)[0] == 0
+    assert len(sparse) < 0.98 * len(dense)
+    for payload in (sparse, dense):
+        assert codec.decode(enc, payload, len(moved), base) == moved
+
+
+def test_malformed_grouped_deltas_are_refused():
+    """Frames that decompress to a wrong header, too few or too many bytes: a clear ValueError
+    (decode_verified turns it into a damaged-pack error), never a crash or wrong bytes."""
+    import zstandard
+
+    w = torch.randn(1 << 14) * 0.02
+    base = w.to(torch.bfloat16).view(torch.uint8).numpy().tobytes()
+    moved = (w * 1.001).to(torch.bfloat16).view(torch.uint8).numpy().tobytes()
+    enc, payload = codec.encode_delta(moved, base, 2)
+    body = codec._dctx().decompress(payload)
+    for bad, says in ((bytes([0x80]) + body[1:], "names streams"), (body + b"x", "past its streams"),
+                      (body[:-1], "cut short|more values"), (body + bytes(len(moved)), "declares")):
+        with pytest.raises(ValueError, match=says):
+            codec.decode(enc, zstandard.ZstdCompressor().compress(bad), len(moved), base)
+
+
 def test_plain_planes_of_a_small_chunk_get_blocks_of_their_own():
     """A bf16 chunk of 64K elements fits one zstd block; its two planes each get one (so their
     own Huffman tables): 0.67 of raw instead of 0.78 with one block for both."""
