@@ -6,9 +6,11 @@ COPY registry ./registry
 COPY api ./api
 COPY cli ./cli
 COPY migrations ./migrations
-# gcc builds registry/_grouping.c (grouped deltas); it is removed again in the same layer
+# gcc builds registry/_grouping.c (grouped deltas; setup.py builds it optionally, so the import
+# check fails the image instead of letting it write slower, larger deltas); gcc goes in the same layer
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
     && pip install --no-cache-dir ".[server]" \
+    && python -c "import registry._grouping" \
     && apt-get purge -y gcc libc6-dev && apt-get autoremove -y && rm -rf /var/lib/apt/lists/*
 ENV MFSREG_HOME=/var/lib/mfsreg
 EXPOSE 8700

@@ -34,4 +34,4 @@ bench: install
 	$(BIN)/python -m benchmarks.bench_node
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) .pytest_cache build *.egg-info registry/*.so

@@ -2,7 +2,8 @@
  * cannot do at speed.
  *
  * A delta element (new minus basis, zigzagged) is moved into the group of its basis element's key,
- * the 8 bits after the sign (bf16 and fp32: the exponent). A fine-tune moves weights by amounts
+ * the 8 bits after the sign (bf16 and fp32: the exponent; fp16: the exponent and the top three
+ * mantissa bits; fp64: the top of the exponent; all of them ordered by magnitude). A fine-tune moves weights by amounts
  * near a fixed absolute size, so a weight with a small exponent moves by many ulps and one with a
  * large exponent by none: grouped, each stretch of the delta holds one kind of value and zstd codes
  * it with its own Huffman table (full fine-tunes: 0.60 of the ungrouped size, see codec.py).
@@ -44,8 +45,10 @@
         for (; i < n; i++) h[0][key_##BITS(load_##BITS(b, i))]++;                                   \
         for (int k = 0; k < NKEYS; k++) counts[k] = h[0][k] + h[1][k] + h[2][k] + h[3][k];          \
     }                                                                                               \
-    static void sub_##BITS(const char *restrict a, const char *restrict b, unsigned char *restrict z,\
-                           Py_ssize_t stride, Py_ssize_t n, int64_t *restrict pos) {               \
+    /* Both return 0, or -1 if a position ran past n: only possible when the basis changed between \
+     * counting and grouping (a writable buffer shared with another thread). */                    \
+    static int sub_##BITS(const char *restrict a, const char *restrict b, unsigned char *restrict z,\
+                          Py_ssize_t stride, Py_ssize_t n, int64_t *restrict pos) {                \
         T zz[BLOCK];                                                                                \
         unsigned char keys[BLOCK];                                                                  \
         for (Py_ssize_t s = 0; s < n; s += BLOCK) {                                                 \
@@ -59,18 +62,21 @@
             }                                                                                       \
             for (Py_ssize_t j = 0; j < m; j++) {                                                    \
                 Py_ssize_t p = pos[keys[j]]++;                                                      \
+                if (p >= n) return -1;                                                              \
                 for (int k = 0; k < BITS / 8; k++) z[k * stride + p] = (unsigned char)(zz[j] >> (8 * k));\
             }                                                                                       \
         }                                                                                           \
+        return 0;                                                                                   \
     }                                                                                               \
-    static void unsub_##BITS(const unsigned char *restrict z, const char *restrict b,               \
-                             char *restrict out, Py_ssize_t stride, Py_ssize_t n,                   \
-                             int64_t *restrict pos) {                                               \
+    static int unsub_##BITS(const unsigned char *restrict z, const char *restrict b,                \
+                            char *restrict out, Py_ssize_t stride, Py_ssize_t n,                    \
+                            int64_t *restrict pos) {                                                \
         T zz[BLOCK];                                                                                \
         for (Py_ssize_t s = 0; s < n; s += BLOCK) {                                                 \
             Py_ssize_t m = n - s < BLOCK ? n - s : BLOCK;                                           \
             for (Py_ssize_t j = 0; j < m; j++) {                                                    \
                 Py_ssize_t p = pos[key_##BITS(load_##BITS(b, s + j))]++;                            \
+                if (p >= n) return -1;                                                              \
                 T v = 0;                                                                            \
                 for (int k = 0; k < BITS / 8; k++) v |= (T)((T)z[k * stride + p] << (8 * k));       \
                 zz[j] = v;                                                                          \
@@ -80,6 +86,7 @@
                 memcpy(out + (s + j) * (Py_ssize_t)sizeof(T), &v, sizeof(T));                       \
             }                                                                                       \
         }                                                                                           \
+        return 0;                                                                                   \
     }
 
 DEFINE_KERNELS(uint16_t, 16)
@@ -114,7 +121,9 @@ static int check_sizes(Py_ssize_t elem_len, Py_ssize_t basis_len, Py_ssize_t pla
         PyErr_SetString(PyExc_ValueError, "data and basis must have one length, a multiple of itemsize");
         return -1;
     }
-    if (stride < elem_len / itemsize || planes_len < (Py_ssize_t)(itemsize - 1) * stride + elem_len / itemsize) {
+    Py_ssize_t n = elem_len / itemsize;
+    /* planes_len >= (itemsize - 1) * stride + n, written so that nothing overflows */
+    if (stride < n || planes_len < n || (planes_len - n) / (itemsize - 1) < stride) {
         PyErr_SetString(PyExc_ValueError, "the planes do not hold every element at this stride");
         return -1;
     }
@@ -141,15 +150,20 @@ static PyObject *sub_grouped(PyObject *self, PyObject *args) {
     }
     Py_ssize_t n = a.len / itemsize;
     int64_t *counts = sizes.buf, pos[NKEYS];
+    int bad;
     Py_BEGIN_ALLOW_THREADS
     count(b.buf, n, counts);
     starts_of(counts, pos);
     switch (itemsize) {
-    case 2: sub_16(a.buf, b.buf, z.buf, stride, n, pos); break;
-    case 4: sub_32(a.buf, b.buf, z.buf, stride, n, pos); break;
-    default: sub_64(a.buf, b.buf, z.buf, stride, n, pos); break;
+    case 2: bad = sub_16(a.buf, b.buf, z.buf, stride, n, pos); break;
+    case 4: bad = sub_32(a.buf, b.buf, z.buf, stride, n, pos); break;
+    default: bad = sub_64(a.buf, b.buf, z.buf, stride, n, pos); break;
     }
     Py_END_ALLOW_THREADS
+    if (bad) {
+        PyErr_SetString(PyExc_ValueError, "the basis changed while it was being read");
+        goto done;
+    }
     result = Py_None;
     Py_INCREF(result);
 done:
@@ -173,22 +187,27 @@ static PyObject *unsub_grouped(PyObject *self, PyObject *args) {
     count_fn count;
     PyObject *result = NULL;
     if (!PyArg_ParseTuple(args, "y*ny*iy*", &z, &stride, &b, &itemsize, &tail)) goto done;
-    if (parse_width(itemsize, &count) || check_sizes(b.len, b.len, z.len, itemsize, stride)) goto done;
+    if (parse_width(itemsize, &count) || check_sizes(b.len, b.len, z.len, itemsize, stride) /* basis and output: one length */) goto done;
     result = PyBytes_FromStringAndSize(NULL, b.len + tail.len);
     if (result == NULL) goto done;
     char *out = PyBytes_AS_STRING(result);
     Py_ssize_t n = b.len / itemsize;
     int64_t counts[NKEYS], pos[NKEYS];
+    int bad;
     Py_BEGIN_ALLOW_THREADS
     count(b.buf, n, counts);
     starts_of(counts, pos);
     switch (itemsize) {
-    case 2: unsub_16(z.buf, b.buf, out, stride, n, pos); break;
-    case 4: unsub_32(z.buf, b.buf, out, stride, n, pos); break;
-    default: unsub_64(z.buf, b.buf, out, stride, n, pos); break;
+    case 2: bad = unsub_16(z.buf, b.buf, out, stride, n, pos); break;
+    case 4: bad = unsub_32(z.buf, b.buf, out, stride, n, pos); break;
+    default: bad = unsub_64(z.buf, b.buf, out, stride, n, pos); break;
     }
-    memcpy(out + b.len, tail.buf, tail.len);
+    if (!bad) memcpy(out + b.len, tail.buf, tail.len);
     Py_END_ALLOW_THREADS
+    if (bad) {
+        Py_CLEAR(result);
+        PyErr_SetString(PyExc_ValueError, "the basis changed while it was being read");
+    }
 done:
     PyBuffer_Release(&z);
     PyBuffer_Release(&b);
@@ -202,6 +221,12 @@ done:
  * while flags packed eight to a byte let it code the zeros' pattern near its entropy (that plane:
  * 2.05 -> 1.81 bits an element). numpy's equivalent is packbits plus a boolean gather, and the
  * inverse a boolean scatter: several passes where these take one. */
+
+static inline Py_ssize_t popcount8(unsigned x) {  /* portable: no compiler builtin needed */
+    x = x - ((x >> 1) & 0x55u);
+    x = (x & 0x33u) + ((x >> 2) & 0x33u);
+    return (Py_ssize_t)((x + (x >> 4)) & 0x0Fu);
+}
 
 PyDoc_STRVAR(sparse_split_doc,
     "sparse_split(stream, flags, values) -> int\n\n"
@@ -276,7 +301,7 @@ static PyObject *sparse_join(PyObject *self, PyObject *args) {
             memset(dst + i, 0, (size_t)m);
             continue;
         }
-        if (used + __builtin_popcount(bits) > avail) {
+        if (used + popcount8(bits) > avail) {
             short_values = 1;
             break;
         }

@@ -21,7 +21,8 @@ Encodings (the name is stored with each chunk):
 - ``xor-pN``: the earlier delta, xor instead of the difference and no nibbles. Still decoded (chunks
   stored before ``sub-pN`` keep it), no longer written.
 
-Decoders are numpy-vectorised and do not touch the database, so the node-side client uses them too.
+Decoders are vectorised (numpy, and C for grouped deltas) and do not touch the database, so the
+node-side client uses them too.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import zstandard
 
 try:
     from registry import _grouping  # C, built by setup.py where a compiler is at hand
-except ImportError:  # pragma: no cover - exercised by tests that set it to None
+except ImportError:  # no compiler at install: the numpy versions below (tests run both)
     _grouping = None
 
 RAW = "raw"
@@ -77,7 +78,9 @@ def _dctx() -> zstandard.ZstdDecompressor:
 _WIDE = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
-SCRATCH_MAX = 16 << 20  # per buffer; with about eight names, at most 128 MiB per coding thread
+# Per buffer. A coding thread keeps about 25 named buffers, most of them one stream of a chunk, so
+# a few times the largest chunk it has seen (about 4 MiB at the default 1 MiB chunk size).
+SCRATCH_MAX = 16 << 20
 
 
 def _scratch(name: str, n: int) -> np.ndarray:
@@ -367,8 +370,8 @@ def _grouped_streams(itemsize: int, total: int, nibbles: bool) -> list[tuple[int
 def _encode_grouped(data, basis, itemsize: int) -> tuple[str, bytes]:
     """esub-pN / esubn-pN: sub_planes with the differences grouped by their basis element's key
     (_grouping.c says why). The payload decompresses to one header byte (bit i set: stream i is
-    sparse, see _sparse_split) and the streams of _grouped_streams in turn; a zstd block ends at
-    each group's end in every stream."""
+    sparse, see _sparse_split) and the streams of _grouped_streams in turn; in every stream a zstd
+    block ends at the end of a group once it holds GROUP_MIN elements (_block_ends)."""
     a = np.frombuffer(data, dtype=np.uint8)
     b = np.frombuffer(basis, dtype=np.uint8)
     m = min(a.size, b.size)
@@ -380,7 +383,7 @@ def _encode_grouped(data, basis, itemsize: int) -> tuple[str, bytes]:
         tail = split_planes(a[m:], itemsize)
         for k in range(itemsize):
             planes[k * total + n : (k + 1) * total] = tail[k * (total - n) : (k + 1) * (total - n)]
-    ends = _block_ends(sizes, n)[:-1] + [n]  # group ends inside the part the basis covers
+    ends = _block_ends(sizes, n)  # group ends inside the part the basis covers
     nibbles = itemsize == 2 and np.count_nonzero(planes[total:]) <= NIBBLE_MAX_WIDE * total
     if nibbles:
         out = _scratch("sub_out", a.size)
@@ -408,9 +411,13 @@ def _encode_grouped(data, basis, itemsize: int) -> tuple[str, bytes]:
 
 def _decode_grouped(payload, size: int, basis, itemsize: int, nibbles: bool) -> bytes:
     """Inverse of _encode_grouped: the raw bytes."""
+    if size % itemsize:
+        raise ValueError(f"a {size}-byte chunk cannot hold {itemsize}-byte elements")
     total = size // itemsize
     # flags add at most one byte in eight, plus the header byte and a partial flag byte per stream
     buf = np.frombuffer(_decompress(payload, size, most=size + size // 8 + 16), dtype=np.uint8)
+    if buf.size == 0:
+        raise ValueError("grouped delta holds no header")
     streams = _grouped_streams(itemsize, total, nibbles)
     header, pos = int(buf[0]), 1
     if header >> len(streams):
@@ -498,7 +505,8 @@ def _decompress(payload, size: int, most: int | None = None) -> bytes:
     hostile frame could claim gigabytes."""
     declared = zstandard.frame_content_size(payload)
     if most is None and declared != size or most is not None and not 0 <= declared <= most:
-        raise ValueError(f"zstd frame declares {declared} bytes, the chunk has {size}")
+        expected = size if most is None else f"at most {most}"
+        raise ValueError(f"zstd frame declares {declared} bytes, expected {expected}")
     return _dctx().decompress(payload, max_output_size=declared)
 
 
