@@ -202,6 +202,27 @@ def _nibble_join(packed: np.ndarray, out: np.ndarray) -> None:
     out[2 * k :] = packed[2 * k :]
 
 
+def _nibbles_if_small(planes: np.ndarray, itemsize: int) -> tuple[bool, np.ndarray]:
+    """(nibbles, planes): for bf16/fp16 whose differences are mostly small (NIBBLE_MAX_WIDE), the
+    lowest plane split into nibbles (in this thread's buffer); otherwise the planes as they are."""
+    n = planes.size // itemsize
+    if itemsize != 2 or np.count_nonzero(planes[n : 2 * n]) > NIBBLE_MAX_WIDE * n:
+        return False, planes
+    out = _scratch("sub_out", planes.size)
+    _nibble_split(planes[:n], out[:n])
+    out[n:] = planes[n:]
+    return True, out
+
+
+def _unnibble(planes: np.ndarray, itemsize: int) -> np.ndarray:
+    """Inverse of _nibbles_if_small's split (in this thread's buffer)."""
+    n = planes.size // itemsize
+    unpacked = _scratch("unsub", planes.size)
+    _nibble_join(planes[:n], unpacked[:n])
+    unpacked[n:] = planes[n:]
+    return unpacked
+
+
 def sub_planes(data, basis, itemsize: int) -> tuple[str, np.ndarray]:
     """(encoding, planes) of a delta; the planes live in this thread's reusable buffers (use them
     before the next call).
@@ -229,25 +250,15 @@ def sub_planes(data, basis, itemsize: int) -> tuple[str, np.ndarray]:
     z[m:] = a[m:]
     if itemsize == 1:
         return f"{SUB}-p1", z
-    planes = split_planes(z, itemsize, _scratch("planes", a.size))
-    n = a.size // itemsize
-    if itemsize > 2 or np.count_nonzero(planes[n : 2 * n]) > NIBBLE_MAX_WIDE * n:
-        return f"{SUB}-p{itemsize}", planes
-    out = _scratch("sub_out", a.size)
-    _nibble_split(planes[:n], out[:n])
-    out[n:] = planes[n:]
-    return f"{SUBN}-p{itemsize}", out
+    nibbles, planes = _nibbles_if_small(split_planes(z, itemsize, _scratch("planes", a.size)), itemsize)
+    return f"{SUBN if nibbles else SUB}-p{itemsize}", planes
 
 
 def _unsub(planes: np.ndarray, basis, itemsize: int, nibbles: bool) -> np.ndarray:
     """Inverse of sub_planes: the raw bytes (a new array)."""
     size = planes.size
     if nibbles:
-        n = size // itemsize
-        unpacked = _scratch("unsub", size)
-        _nibble_join(planes[:n], unpacked[:n])
-        unpacked[n:] = planes[n:]
-        planes = unpacked
+        planes = _unnibble(planes, itemsize)
     z = join_planes(planes, itemsize) if itemsize > 1 else planes.copy()
     b = np.frombuffer(basis, dtype=np.uint8)
     m = min(size, b.size)
@@ -384,26 +395,23 @@ def _encode_grouped(data, basis, itemsize: int) -> tuple[str, bytes]:
         for k in range(itemsize):
             planes[k * total + n : (k + 1) * total] = tail[k * (total - n) : (k + 1) * (total - n)]
     ends = _block_ends(sizes, n)  # group ends inside the part the basis covers
-    nibbles = itemsize == 2 and np.count_nonzero(planes[total:]) <= NIBBLE_MAX_WIDE * total
-    if nibbles:
-        out = _scratch("sub_out", a.size)
-        _nibble_split(planes[:total], out[:total])
-        out[total:] = planes[total:]
-        planes = out
+    nibbles, planes = _nibbles_if_small(planes, itemsize)
     header, parts = 0, []
     for i, (start, end) in enumerate(_grouped_streams(itemsize, total, nibbles)):
         stream = planes[start:end]
-        # where the groups end in this stream: nibble streams hold two elements a byte
+        # where the groups end in this stream (nibble streams hold two elements a byte)
         local = sorted({min(e // 2 if nibbles and i < 2 else e, stream.size) for e in ends} | {stream.size})
-        if (nibbles or i > 0) and np.count_nonzero(stream) <= SPARSE_MAX_DENSITY * stream.size:
+        segments = list(zip([0] + local, local))
+        eligible = nibbles or i > 0  # the low plane of wide differences is near-random: never sparse
+        nonzero = [np.count_nonzero(stream[x:y]) for x, y in segments] if eligible else []
+        if eligible and sum(nonzero) <= SPARSE_MAX_DENSITY * stream.size:
             header |= 1 << i
             flags, values = _sparse_split(stream, i)
-            cuts = [0] + local
-            counts = np.cumsum([0] + [np.count_nonzero(stream[x:y]) for x, y in zip(cuts, cuts[1:])])
-            parts += [flags[(x + 7) // 8 : (y + 7) // 8] for x, y in zip(cuts, cuts[1:])]
+            counts = np.cumsum([0] + nonzero)
+            parts += [flags[(x + 7) // 8 : (y + 7) // 8] for x, y in segments]
             parts += [values[x:y] for x, y in zip(counts, counts[1:])]
         else:
-            parts += [stream[x:y] for x, y in zip([0] + local, local)]
+            parts += [stream[x:y] for x, y in segments]
     parts.insert(0, bytes([header]))
     encoding = f"{ESUBN}-p2" if nibbles else f"{ESUB}-p{itemsize}"
     return encoding, _compress_blocks(parts, sum(len(p) for p in parts))
@@ -434,10 +442,7 @@ def _decode_grouped(payload, size: int, basis, itemsize: int, nibbles: bool) -> 
     if pos != buf.size:
         raise ValueError(f"grouped delta has {buf.size - pos} bytes past its streams")
     if nibbles:
-        unpacked = _scratch("unsub", size)
-        _nibble_join(planes[:total], unpacked[:total])
-        unpacked[total:] = planes[total:]
-        planes = unpacked
+        planes = _unnibble(planes, itemsize)
     b = np.frombuffer(basis, dtype=np.uint8)
     m = min(size, b.size)
     m -= m % itemsize
