@@ -53,10 +53,6 @@ def chunk_id(data) -> str:
     return xxhash.xxh3_128_hexdigest(data)
 
 
-def chunk_sha256(data) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
 class MappedFile:
     """A read-only mmap of a file (an empty file maps to an empty buffer)."""
 

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Iterator
 
 from registry import codec
-from registry.chunking import ChunkRef, MappedFile, chunk_id, chunk_sha256, file_sha256, plan_cuts
+from registry.chunking import ChunkRef, MappedFile, chunk_id, file_sha256, plan_cuts
 from registry.manifest import BLOB, SAFETENSORS, FileEntry, Manifest
 from registry.parallel import windowed_map
 from registry.progress import Progress
@@ -114,12 +114,11 @@ def missing_bytes(manifest: Manifest | HashJob, missing: set[str]) -> int:
 
 
 def encoded_chunks(job: HashJob, wanted: set[str], pool: ThreadPoolExecutor,
-                   bases: dict[str, str] | None = None, basis_raw: Callable[[str], bytes] | None = None,
-                   sha256: bool = True) -> Iterator[tuple[ChunkRef, str | None, str, bytes, str | None]]:
-    """(chunk, sha256, encoding, payload, basis id or None) for each chunk in ``wanted``, once
-    each, in file order. With ``bases`` (chunk id -> basis chunk id) and ``basis_raw`` (basis id ->
-    its raw bytes), a chunk is stored as a delta when that is smaller than plain. Without
-    ``sha256`` the per-chunk digest is None (an uploading client: the server computes its own).
+                   bases: dict[str, str] | None = None,
+                   basis_raw: Callable[[str], bytes] | None = None) -> Iterator[tuple[ChunkRef, str, bytes, str | None]]:
+    """(chunk, encoding, payload, basis id or None) for each chunk in ``wanted``, once each, in
+    file order. With ``bases`` (chunk id -> basis chunk id) and ``basis_raw`` (basis id -> its raw
+    bytes), a chunk is stored as a delta when that is smaller than plain.
 
     Chunks are read through the job's own mmaps (a second mapping would fault every page in
     again). Encoding runs on the pool (zstd, numpy and hashlib release the GIL).
@@ -140,6 +139,6 @@ def encoded_chunks(job: HashJob, wanted: set[str], pool: ThreadPoolExecutor,
             basis_id = bases.get(c.id)
             basis = basis_raw(basis_id) if basis_id is not None else None
             encoding, payload, is_delta = codec.best_encoding(data, c.itemsize, basis)
-            return c, chunk_sha256(data) if sha256 else None, encoding, payload, basis_id if is_delta else None
+            return c, encoding, payload, basis_id if is_delta else None
 
         yield from windowed_map(pool, encode_one, chosen, ENCODE_WINDOW)

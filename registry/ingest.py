@@ -81,9 +81,9 @@ def upload_missing(reg, job: HashJob, missing: set[str], pool: ThreadPoolExecuto
     writer = RecordedPacks(reg)
     progress.start("send", missing_bytes(job, missing))
     basis_raw = reader.raw if reader is not None else None
-    for c, sha, encoding, payload, basis_id in encoded_chunks(job, missing, pool, bases, basis_raw):
+    for c, encoding, payload, basis_id in encoded_chunks(job, missing, pool, bases, basis_raw):
         depth = reader.located[basis_id].depth + 1 if basis_id else 0
-        writer.add(c.id, c.size, sha, encoding, payload, basis_id, depth)
+        writer.add(c.id, c.size, encoding, payload, basis_id, depth)
         progress.advance("send", c.size)
     writer.flush()
     return writer.added

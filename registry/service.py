@@ -16,7 +16,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 from registry import codec
 from registry.blobs.packs import StoredChunk
-from registry.chunking import chunk_sha256
 from registry.config import MAX_CHUNK_SIZE
 from registry.db import chunks as chunk_db
 from registry.db import tiers as tier_db
@@ -93,7 +92,7 @@ def receive_batch(reg, family: str, body: bytes) -> dict:
 
     def verify(item):
         e, payload = item
-        stored = StoredChunk(e.id, e.size, "", e.encoding, e.length, "", 0)
+        stored = StoredChunk(e.id, e.size, e.encoding, e.length, "", 0)
         try:
             raw = decode_verified(stored, payload)
         except IntegrityError:
@@ -102,15 +101,14 @@ def receive_batch(reg, family: str, body: bytes) -> dict:
 
     def encode(item):
         e, payload, raw = item
-        sha = chunk_sha256(raw)
         basis_id = basis_of.get(e.id)
         if basis_id is not None:
             # The client's compressed upload is the plain candidate; a raw upload may still compress.
             plain = (e.encoding, payload) if e.encoding != codec.RAW else None
             encoding, out, is_delta = codec.best_encoding(raw, e.itemsize, reader.raw(basis_id), plain)
             if is_delta and len(out) < e.length:
-                return e, sha, encoding, out, basis_id, located[basis_id].depth + 1
-        return e, sha, e.encoding, bytes(payload), None, 0
+                return e, encoding, out, basis_id, located[basis_id].depth + 1
+        return e, e.encoding, bytes(payload), None, 0
 
     # All verified before anything is written; the bases' reads (network) overlap the verification.
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="mfsreg-bases") as io:
@@ -119,8 +117,8 @@ def receive_batch(reg, family: str, body: bytes) -> dict:
         fetching.result()
     ready = list(windowed_map(reg.pool, encode, verified))
     writer = RecordedPacks(reg)
-    for e, sha, encoding, payload, basis_id, depth in ready:
-        writer.add(e.id, e.size, sha, encoding, payload, basis_id, depth)
+    for e, encoding, payload, basis_id, depth in ready:
+        writer.add(e.id, e.size, encoding, payload, basis_id, depth)
     writer.flush()
     return {"received": len(entries), "new_bytes": writer.added}
 

@@ -205,7 +205,7 @@ def test_packs_interop(store):
     writer = PackWriter(store, pack_size=4096, on_flush=lambda pid, n, chunks: flushed.extend(chunks))
     payloads = {f"c{i:03d}": os.urandom(100 + 37 * i) for i in range(60)}
     for cid, p in payloads.items():
-        writer.add(cid, len(p), hashlib.sha256(p).hexdigest(), "raw", p)
+        writer.add(cid, len(p), "raw", p)
     writer.flush()
     assert {c.id for c in flushed} == set(payloads)
     assert len({c.pack_id for c in flushed}) > 1

@@ -263,7 +263,7 @@ def test_plain_candidate_at_hand_is_not_encoded_again():
 
 def test_unknown_encoding_asks_for_an_upgrade():
     """A chunk written by a newer registry in an encoding this code lacks is not reported as damage."""
-    chunk = StoredChunk(chunk_id(b"x" * 64), 64, "", "future-p2", 10, "", 0)
+    chunk = StoredChunk(chunk_id(b"x" * 64), 64, "future-p2", 10, "", 0)
     with pytest.raises(IntegrityError, match="does not know: upgrade mfsreg"):
         decode_verified(chunk, b"0123456789")
 
@@ -273,7 +273,7 @@ def test_corrupt_delta_is_detected():
     near = bytearray(base)
     near[100] ^= 0xFF
     enc, payload, _ = codec.best_encoding(bytes(near), 2, base)
-    chunk = StoredChunk(chunk_id(bytes(near)), len(near), "", enc, len(payload), "", 0, "b" * 32, 1)
+    chunk = StoredChunk(chunk_id(bytes(near)), len(near), enc, len(payload), "", 0, "b" * 32, 1)
     assert decode_verified(chunk, payload, base) == bytes(near)
     with pytest.raises(IntegrityError):
         decode_verified(chunk, payload, base[::-1])  # wrong basis: bytes do not match the id

@@ -24,7 +24,6 @@ class StoredChunk:
 
     id: str
     size: int  # raw bytes
-    sha256: str
     encoding: str
     stored_size: int  # encoded bytes in the pack
     pack_id: str
@@ -57,9 +56,9 @@ class PackWriter:
         self._pending: list[tuple] = []
         self.bytes_written = 0
 
-    def add(self, chunk_id: str, size: int, sha256: str, encoding: str, payload: bytes, basis_id: str | None = None,
+    def add(self, chunk_id: str, size: int, encoding: str, payload: bytes, basis_id: str | None = None,
             depth: int = 0) -> None:
-        self._pending.append((chunk_id, size, sha256, encoding, self._size, len(payload), basis_id, depth))
+        self._pending.append((chunk_id, size, encoding, self._size, len(payload), basis_id, depth))
         end = self._size + len(payload)
         # in place where the buffer is long enough; past its end the slice grows it (amortised)
         self._buf[self._size : end] = payload
@@ -74,8 +73,8 @@ class PackWriter:
             pack_id = xxhash.xxh3_128_hexdigest(data)
             self.store.put(pack_key(pack_id), data)
         chunks = [
-            StoredChunk(cid, size, sha, enc, n, pack_id, off, basis, depth)
-            for cid, size, sha, enc, off, n, basis, depth in self._pending
+            StoredChunk(cid, size, enc, n, pack_id, off, basis, depth)
+            for cid, size, enc, off, n, basis, depth in self._pending
         ]
         total = self._size
         self.bytes_written += total

@@ -29,7 +29,7 @@ def cached_source(cache: NodeCache, refetch=None):
                 data = cache.get(c.id)
             if data is None:
                 raise IntegrityError(f"chunk {c.id} keeps leaving the node cache: raise MFSREG_CACHE_MAX")
-            yield StoredChunk(c.id, len(data), "", "raw", len(data), "", 0), data
+            yield StoredChunk(c.id, len(data), "raw", len(data), "", 0), data
 
     return payloads
 
@@ -39,7 +39,7 @@ def refetcher(fetcher: Fetcher, info: VersionInfo):
 
 
 def _raw_located(info: VersionInfo) -> dict[str, StoredChunk]:
-    return {i: StoredChunk(i, c.size, "", "raw", c.size, "", 0) for i, c in info.located.items()}
+    return {i: StoredChunk(i, c.size, "raw", c.size, "", 0) for i, c in info.located.items()}
 
 
 def pull(fetcher: Fetcher, family: str, version: str, out: Path, progress: Progress | None = None,

@@ -146,7 +146,7 @@ class RemoteRegistry:
         try:
             batch: list[tuple[Entry, bytes]] = []
             size = raw = 0
-            for c, _sha, encoding, payload, _ in encoded_chunks(job, missing, self.pool, sha256=False):
+            for c, encoding, payload, _ in encoded_chunks(job, missing, self.pool):
                 batch.append((Entry(c.id, c.size, encoding, len(payload), bases.get(c.id), c.itemsize), payload))
                 size, raw = size + len(payload), raw + c.size
                 if size >= self.upload_batch:
@@ -175,7 +175,7 @@ class RemoteRegistry:
         return _version_row(doc), Manifest.from_doc(doc["manifest"])
 
     def located(self, doc: dict) -> dict[str, StoredChunk]:
-        return {i: StoredChunk(i, row[3], "", row[0], row[1], "", 0, row[2]) for i, row in doc["chunks"].items()}
+        return {i: StoredChunk(i, row[3], row[0], row[1], "", 0, row[2]) for i, row in doc["chunks"].items()}
 
     def tier_doc(self, family: str, tier: str | None = None) -> dict:
         check_name("family", family)
@@ -206,7 +206,7 @@ class RemoteRegistry:
                     if known is None:
                         raise IntegrityError(f"server sent chunk {entry.id}, which was not asked for")
                     self.bytes_received += len(payload)
-                    yield StoredChunk(entry.id, entry.size, "", entry.encoding, entry.length, "", 0, entry.basis_id), payload
+                    yield StoredChunk(entry.id, entry.size, entry.encoding, entry.length, "", 0, entry.basis_id), payload
         except httpx.TransportError as exc:
             raise StorageError(f"connection to {self.url} broke during a download ({exc.__class__.__name__}): run the pull again") from None
 

@@ -28,22 +28,24 @@ def record_pack(conn: Connection, pack_id: str, size: int, stored: Sequence[Stor
     conn.execute(insert(conn, packs).values(id=pack_id, size=size).on_conflict_do_nothing())
     # Sorted rows: two transactions inserting overlapping ids lock them in the same order (no deadlock).
     rows = sorted(
-        (dict(id=c.id, size=c.size, sha256=c.sha256, encoding=c.encoding, stored_size=c.stored_size,
+        (dict(id=c.id, size=c.size, encoding=c.encoding, stored_size=c.stored_size,
               pack_id=c.pack_id, offset=c.offset, basis_id=c.basis_id, depth=c.depth) for c in stored),
         key=lambda r: r["id"],
     )
-    added = 0
-    for batch in batches(rows, 500):
-        # RETURNING names the rows this transaction really inserted, not those a concurrent push won
-        result = conn.execute(insert(conn, chunks).values(list(batch)).on_conflict_do_nothing().returning(chunks.c.stored_size))
-        added += sum(result.scalars())
-    return added
+    if not rows:
+        return 0
+    # RETURNING names the rows this transaction really inserted, not those a concurrent push won.
+    # Passed as a list of parameter sets, SQLAlchemy compiles the statement once and sends the rows
+    # in multi-row batches ("insertmanyvalues"); an insert().values(rows) was compiled afresh for
+    # every batch, at about 0.1 ms a row.
+    result = conn.execute(insert(conn, chunks).on_conflict_do_nothing().returning(chunks.c.stored_size), rows)
+    return sum(result.scalars())
 
 
 def locate(conn: Connection, ids: Iterable[str]) -> dict[str, StoredChunk]:
     """Where each of ``ids`` is stored. Ids that are not stored are simply absent from the result."""
     out: dict[str, StoredChunk] = {}
-    cols = (chunks.c.id, chunks.c.size, chunks.c.sha256, chunks.c.encoding, chunks.c.stored_size,
+    cols = (chunks.c.id, chunks.c.size, chunks.c.encoding, chunks.c.stored_size,
             chunks.c.pack_id, chunks.c.offset, chunks.c.basis_id, chunks.c.depth)
     for batch in batches(list(dict.fromkeys(ids))):
         for row in conn.execute(select(*cols).where(chunks.c.id.in_(batch))):

@@ -66,7 +66,6 @@ chunks = Table(
     "chunks", metadata,
     Column("id", CHUNK_ID, primary_key=True),
     Column("size", BigInteger, nullable=False),
-    Column("sha256", String(64), nullable=False),
     Column("encoding", String(16), nullable=False),
     Column("stored_size", BigInteger, nullable=False),
     Column("pack_id", String(32), ForeignKey("packs.id"), nullable=False),
