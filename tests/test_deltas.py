@@ -108,10 +108,12 @@ def test_grouping_module_is_built():
 
 
 @pytest.mark.parametrize("itemsize", [2, 4, 8])
-@pytest.mark.parametrize("elements", [1, 7, 50_001])
+@pytest.mark.parametrize("elements", [1, 4, 7, 4099, 50_001])
 def test_grouping_module_writes_what_numpy_writes(itemsize, elements, monkeypatch):
     """The C kernels and the numpy fallback give the same planes, group sizes and inverse, on
-    unaligned read-only input and a plane stride wider than the elements."""
+    unaligned read-only input and a plane stride wider than the elements. The C loops walk four
+    quarters side by side: the counts cover quarters of none, one and over one block of
+    elements, with and without a remainder."""
     rng = np.random.default_rng(itemsize + elements)
     raw = rng.integers(0, 256, 2 * elements * itemsize + 1, dtype=np.uint8)
     raw.flags.writeable = False
