@@ -376,11 +376,117 @@ done:
     return result;
 }
 
+/* Byte planes and nibbles: numpy builds each of these from three to eight whole-array ufunc passes
+ * (shifts, masks, casts, then a tobytes() copy into fresh pages); one loop each here, at about a
+ * fifth of the time, and the joined chunk is written straight into the bytes object returned. */
+
+PyDoc_STRVAR(nibble_split_doc,
+    "nibble_split(plane, out)\n\n"
+    "Write plane (n bytes) into out as the low nibbles of its byte pairs (n // 2 bytes: e0 & 15 |\n"
+    "(e1 & 15) << 4), then their high nibbles (e0 >> 4 | (e1 >> 4) << 4), then an odd last byte.");
+
+static PyObject *nibble_split(PyObject *self, PyObject *args) {
+    Py_buffer in = {0}, out = {0};
+    PyObject *result = NULL;
+    if (!PyArg_ParseTuple(args, "y*w*", &in, &out)) goto done;
+    if (out.len < in.len) {
+        PyErr_SetString(PyExc_ValueError, "out is shorter than the plane");
+        goto done;
+    }
+    const unsigned char *restrict src = in.buf;
+    unsigned char *restrict lo = out.buf;
+    Py_ssize_t k = in.len / 2;
+    unsigned char *restrict hi = lo + k;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < k; i++) {
+        unsigned e0 = src[2 * i], e1 = src[2 * i + 1];
+        lo[i] = (unsigned char)((e0 & 15u) | (e1 & 15u) << 4);
+        hi[i] = (unsigned char)((e0 >> 4) | (e1 & 0xF0u));
+    }
+    if (in.len & 1) hi[k] = src[2 * k];
+    Py_END_ALLOW_THREADS
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    PyBuffer_Release(&in);
+    PyBuffer_Release(&out);
+    return result;
+}
+
+PyDoc_STRVAR(nibble_join_doc,
+    "nibble_join(packed, out)\n\n"
+    "Inverse of nibble_split: fill out (len(packed) bytes or more) from packed.");
+
+static PyObject *nibble_join(PyObject *self, PyObject *args) {
+    Py_buffer in = {0}, out = {0};
+    PyObject *result = NULL;
+    if (!PyArg_ParseTuple(args, "y*w*", &in, &out)) goto done;
+    if (out.len < in.len) {
+        PyErr_SetString(PyExc_ValueError, "out is shorter than the packed plane");
+        goto done;
+    }
+    Py_ssize_t k = in.len / 2;
+    const unsigned char *restrict lo = in.buf, *restrict hi = lo + k;
+    unsigned char *restrict dst = out.buf;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < k; i++) {
+        unsigned l = lo[i], h = hi[i];
+        dst[2 * i] = (unsigned char)((l & 15u) | (h & 15u) << 4);
+        dst[2 * i + 1] = (unsigned char)((l >> 4) | (h & 0xF0u));
+    }
+    if (in.len & 1) dst[2 * k] = hi[k];
+    Py_END_ALLOW_THREADS
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    PyBuffer_Release(&in);
+    PyBuffer_Release(&out);
+    return result;
+}
+
+PyDoc_STRVAR(join_planes_doc,
+    "join_planes(planes, itemsize) -> bytes\n\n"
+    "Inverse of splitting itemsize-byte elements into byte planes: byte k of element i is\n"
+    "planes[k * n + i], with n = len(planes) // itemsize (len(planes) a multiple of itemsize).");
+
+static PyObject *join_planes(PyObject *self, PyObject *args) {
+    Py_buffer in = {0};
+    int itemsize;
+    PyObject *result = NULL;
+    if (!PyArg_ParseTuple(args, "y*i", &in, &itemsize)) goto done;
+    if (itemsize < 1 || itemsize > 8 || in.len % itemsize) {
+        PyErr_SetString(PyExc_ValueError, "planes must hold whole elements of 1 to 8 bytes");
+        goto done;
+    }
+    result = PyBytes_FromStringAndSize(NULL, in.len);
+    if (result == NULL) goto done;
+    const unsigned char *restrict p = in.buf;
+    unsigned char *restrict dst = (unsigned char *)PyBytes_AS_STRING(result);
+    Py_ssize_t n = in.len / itemsize;
+    Py_BEGIN_ALLOW_THREADS
+    if (itemsize == 2) {  /* bf16 and fp16, nearly every chunk: a loop the compiler vectorises */
+        for (Py_ssize_t i = 0; i < n; i++) {
+            uint16_t v = (uint16_t)(p[i] | (unsigned)p[n + i] << 8);
+            memcpy(dst + 2 * i, &v, 2);
+        }
+    } else {
+        for (Py_ssize_t i = 0; i < n; i++)
+            for (int k = 0; k < itemsize; k++) dst[i * itemsize + k] = p[k * n + i];
+    }
+    Py_END_ALLOW_THREADS
+done:
+    PyBuffer_Release(&in);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"sub_grouped", sub_grouped, METH_VARARGS, sub_grouped_doc},
     {"unsub_grouped", unsub_grouped, METH_VARARGS, unsub_grouped_doc},
     {"sparse_split", sparse_split, METH_VARARGS, sparse_split_doc},
     {"sparse_join", sparse_join, METH_VARARGS, sparse_join_doc},
+    {"nibble_split", nibble_split, METH_VARARGS, nibble_split_doc},
+    {"nibble_join", nibble_join, METH_VARARGS, nibble_join_doc},
+    {"join_planes", join_planes, METH_VARARGS, join_planes_doc},
     {NULL, NULL, 0, NULL},
 };
 
