@@ -10,7 +10,8 @@
   (bf16 byte grouping + entropy coding) over each whole file where the package is installed.
 
 Speed anchors: plain file copy (shutil.copyfile to the same disk, with and without fsync) and CDC
-chunking (cut only, and cut + xxh3-128 per chunk, which is what a CDC store must at least do).
+chunking (cut only, and cut + xxh3-128 per chunk, which is what a CDC store must at least do), and
+the CPU time of a CDC store's whole ingest of one file (cut, xxh3, zstd-1, sha256: cdc_ingest_cpu).
 pyfastcdc runs on one thread; the figures are per process, not per core.
 """
 
@@ -103,6 +104,25 @@ def cdc_cut_gbps(path: Path, avg_size: int = CDC_AVG, runs: int = 3) -> float:
             pass
         times.append(time.perf_counter() - t0)
     return size / statistics.median(times) / 1e9
+
+
+def cdc_ingest_cpu(path: Path, avg_size: int = CDC_AVG) -> dict:
+    """CPU-seconds one thread spends to ingest ``path`` as new bytes into the 64 KiB CDC + zstd-1
+    store of the storage anchors: FastCDC cut, xxh3-128 and zstd level 1 per chunk, and the
+    whole-file sha256 that any registry keeps to verify a rebuilt file. A same-run measure of this
+    machine's speed, so that an ingest's CPU time can be read as a ratio (time.process_time)."""
+    cdc = FastCDC(avg_size)
+    cctx = zstandard.ZstdCompressor(level=1)
+    size = Path(path).stat().st_size
+    digest = hashlib.sha256()
+    stored = 0
+    c0 = time.process_time()
+    for c in cdc.cut_file(str(path)):
+        digest.update(c.data)
+        xxhash.xxh3_128_digest(c.data)
+        stored += len(cctx.compress(c.data))
+    cpu = time.process_time() - c0
+    return {"cpu_seconds": cpu, "bytes": size, "stored_bytes": stored, "mbps_per_cpu_second": size / cpu / (1 << 20)}
 
 
 def copy_gbps(path: Path, dest_dir: Path, runs: int = 3) -> dict:
