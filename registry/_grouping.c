@@ -10,13 +10,21 @@
  * The decoder knows the basis, so it recomputes the groups and nothing about them is stored.
  *
  * numpy's equivalent is a stable argsort of the keys plus a gather, about 8 ns an element; these
- * counting-sort loops take about 1, and decoding runs once per chunk on every pull. codec.py keeps
- * the numpy version for machines where this module was not built, and tests compare the two.
+ * counting-sort loops take about 1.9 (counting the keys, then grouping) and 1.4 (ungrouping) on
+ * full-medical's chunks, and decoding runs once per chunk on every pull. codec.py keeps the numpy
+ * version for machines where this module was not built, and tests compare the two.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+
+/* Elements are read and written as native integers and their bytes taken least significant first:
+ * the stored formats are little-endian, and so must the machine be (elsewhere codec.py's numpy
+ * versions run instead, as where no compiler is at hand). */
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "registry/_grouping.c assumes a little-endian machine"
+#endif
 
 #define NKEYS 256
 /* Each element's group position comes from a counter that the previous element of its group just
@@ -380,6 +388,12 @@ done:
  * (shifts, masks, casts, then a tobytes() copy into fresh pages); one loop each here, at about a
  * fifth of the time, and the joined chunk is written straight into the bytes object returned. */
 
+/* Whether two buffers share any byte: the nibble loops read and write through restrict pointers. */
+static int overlap(const Py_buffer *a, const Py_buffer *b) {
+    const char *pa = a->buf, *pb = b->buf;
+    return a->len > 0 && b->len > 0 && pa < pb + b->len && pb < pa + a->len;
+}
+
 PyDoc_STRVAR(nibble_split_doc,
     "nibble_split(plane, out)\n\n"
     "Write plane (n bytes) into out as the low nibbles of its byte pairs (n // 2 bytes: e0 & 15 |\n"
@@ -389,8 +403,8 @@ static PyObject *nibble_split(PyObject *self, PyObject *args) {
     Py_buffer in = {0}, out = {0};
     PyObject *result = NULL;
     if (!PyArg_ParseTuple(args, "y*w*", &in, &out)) goto done;
-    if (out.len < in.len) {
-        PyErr_SetString(PyExc_ValueError, "out is shorter than the plane");
+    if (out.len < in.len || overlap(&in, &out)) {
+        PyErr_SetString(PyExc_ValueError, "out must be as long as the plane and apart from it");
         goto done;
     }
     const unsigned char *restrict src = in.buf;
@@ -421,8 +435,8 @@ static PyObject *nibble_join(PyObject *self, PyObject *args) {
     Py_buffer in = {0}, out = {0};
     PyObject *result = NULL;
     if (!PyArg_ParseTuple(args, "y*w*", &in, &out)) goto done;
-    if (out.len < in.len) {
-        PyErr_SetString(PyExc_ValueError, "out is shorter than the packed plane");
+    if (out.len < in.len || overlap(&in, &out)) {
+        PyErr_SetString(PyExc_ValueError, "out must be as long as the packed plane and apart from it");
         goto done;
     }
     Py_ssize_t k = in.len / 2;

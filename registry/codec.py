@@ -28,6 +28,7 @@ the database, so the node-side client uses them too.
 from __future__ import annotations
 
 import threading
+import warnings
 
 import numpy as np
 import zstandard
@@ -38,7 +39,11 @@ try:
 except ImportError:  # no compiler at install: the numpy versions below (tests run both)
     _grouping = None
 if _grouping is not None and not all(hasattr(_grouping, name) for name in _KERNELS):
-    _grouping = None  # a build left from an older checkout (reinstall to rebuild it): numpy writes the same bytes
+    # A build left from an older checkout. Without the module, deltas are written ungrouped (larger;
+    # every version decodes them) and decoding runs in numpy: say so instead of going on quietly.
+    warnings.warn("registry/_grouping was built from an older mfsreg: run `make install` (or reinstall mfsreg) "
+                  "to rebuild it; until then deltas are stored ungrouped and decoding is slower", RuntimeWarning)
+    _grouping = None
 
 RAW = "raw"
 ZSTD = "zstd"

@@ -176,6 +176,18 @@ def test_nibbles_and_plane_joins_match_numpy(length, monkeypatch):
     assert (results[0][0] == results[1][0]).all() and results[0][1] == results[1][1]
 
 
+@pytest.mark.skipif(codec._grouping is None, reason="no C module: numpy's versions take no output buffer to check")
+def test_nibble_kernels_refuse_short_or_overlapping_output():
+    plane = np.arange(64, dtype=np.uint8)
+    for kernel in (codec._grouping.nibble_split, codec._grouping.nibble_join):
+        with pytest.raises(ValueError, match="apart from it"):
+            kernel(plane, plane)  # in place: the loops would read bytes they already wrote
+        with pytest.raises(ValueError, match="apart from it"):
+            kernel(plane[:32], plane[16:48])
+        with pytest.raises(ValueError, match="as long as"):
+            kernel(plane[:32], np.empty(31, dtype=np.uint8))
+
+
 @pytest.mark.parametrize("length", [0, 1, 7, 8, 9, 4099])
 @pytest.mark.parametrize("density", [0.0, 0.3, 1.0])
 def test_sparse_streams_match_numpy_and_round_trip(length, density, monkeypatch):

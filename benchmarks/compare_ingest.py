@@ -1,0 +1,175 @@
+"""The CPU cost of one push under two revisions of the code, measured as interleaved pairs.
+
+    python -m benchmarks.compare_ingest REV [--against REV2] [--member full-medical] [--pairs 3]
+
+This VM's speed swings by up to 1.5x between hours, so two benchmark runs made at different times
+cannot show a 10% change. Here the two versions of the code push the same member one after the
+other, pair after pair, and each pair gives a ratio.
+
+Method. REV (and REV2, default: the working tree) is checked out with ``git worktree`` under
+DATA/compare/ and its C module built in place with this interpreter (the working tree's too); each
+child reports which checkout and which C module it imported, and the run stops if either is not
+the side's own. For each side, an embedded
+registry holding the member's parent (the base) is made once as a template. Each push then runs
+in a fresh process on a copy of that template: the process first pushes a small two-version
+family (imports, thread pools and scratch buffers warm up, as in a long-lived server), then
+pushes the member, timing user + system CPU of the whole process around that push alone. The
+sides take turns going first. The files are read into the page cache first. Prints the CPU-seconds of each side, pair by pair, and
+their ratio; writes benchmarks/results/compare_ingest.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks import anchors
+from benchmarks.common import MB, REPO, finish, machine_info, median, table
+from benchmarks.family import DEFAULT_DIR, MEMBERS, generate
+
+# Run in a child process with the side's checkout first on sys.path. Prints one JSON line.
+CHILD = r"""
+import json, resource, sys, time
+sys.path.insert(0, sys.argv[1])
+from pathlib import Path
+import numpy as np
+from safetensors.numpy import save_file
+import registry
+from registry import codec
+from registry.config import Settings
+from registry.registry import Registry
+
+home, path, version, parent = Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4], sys.argv[5] or None
+reg = Registry(Settings.from_env({"MFSREG_HOME": str(home)}))
+if sys.argv[6] == "warm":  # a small family of two versions: warms what a long-lived process has warm
+    rng = np.random.default_rng(0)
+    w = ((rng.standard_normal(3 << 20) * 0.02).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    save_file({"w": w.reshape(-1, 1024)}, str(home / "w1.safetensors"))
+    save_file({"w": (w + (rng.integers(0, 3, w.size) == 0)).astype(np.uint16).reshape(-1, 1024)}, str(home / "w2.safetensors"))
+    reg.push(home / "w1.safetensors", "warm-up", "v1")
+    reg.push(home / "w2.safetensors", "warm-up", "v2", parent="v1")
+r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+result = reg.push(path, "family", version, parent=parent)
+r1, wall = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter() - t0
+reg.close()
+print(json.dumps({"user": r1.ru_utime - r0.ru_utime, "system": r1.ru_stime - r0.ru_stime, "wall": wall,
+                  "logical_bytes": result.logical_bytes, "new_bytes": result.new_bytes,
+                  "package": registry.__file__,
+                  "c_module": getattr(codec._grouping, "__file__", None) if codec._grouping is not None else None}))
+"""
+
+
+def run(cmd: list[str], cwd: Path) -> str:
+    out = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
+    if out.returncode:
+        raise SystemExit(f"{' '.join(cmd[:3])} ... failed in {cwd}:\n{out.stderr.strip()[-2000:]}")
+    return out.stdout
+
+
+def build(root: Path) -> Path:
+    """Build ``root``'s C module in place with this interpreter."""
+    run([sys.executable, "setup.py", "-q", "build_ext", "--inplace"], root)
+    return root
+
+
+def drop_worktree(where: Path) -> None:
+    subprocess.run(["git", "worktree", "remove", "--force", str(where)], cwd=REPO, capture_output=True)
+    shutil.rmtree(where, ignore_errors=True)
+    subprocess.run(["git", "worktree", "prune"], cwd=REPO, capture_output=True)
+
+
+def checkout(rev: str, where: Path) -> Path:
+    """A worktree of ``rev`` at ``where`` (a fresh one each run)."""
+    drop_worktree(where)
+    run(["git", "worktree", "add", "--detach", str(where), rev], REPO)
+    return where
+
+
+def push(root: Path, home: Path, path: Path, version: str, parent: str | None, warm: bool) -> dict:
+    out = run([sys.executable, "-c", CHILD, str(root), str(home), str(path), version, parent or "",
+               "warm" if warm else "cold"], REPO)
+    doc = json.loads(out.strip().splitlines()[-1])
+    # setup.py builds the module optionally: a failed build would quietly measure the numpy path
+    if not Path(doc["package"]).resolve().is_relative_to(root.resolve()) or not doc["c_module"] \
+            or not Path(doc["c_module"]).resolve().is_relative_to(root.resolve()):
+        raise SystemExit(f"the push for {root} ran {doc['package']} with C module {doc['c_module']}: not that checkout's own")
+    return doc
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description="CPU of one push under two revisions, interleaved")
+    ap.add_argument("rev", help="the revision to compare (e.g. the commit a session started from)")
+    ap.add_argument("--against", default=None, help="the other revision (default: the working tree)")
+    ap.add_argument("--member", default="full-medical", choices=[m for m, p in MEMBERS.items() if p is not None])
+    ap.add_argument("--pairs", type=int, default=3)
+    ap.add_argument("--scale", type=float, default=1.0)
+    ap.add_argument("--data", type=Path, default=DEFAULT_DIR)
+    ap.add_argument("--out", default="compare_ingest.json", help="file name under benchmarks/results/")
+    args = ap.parse_args(argv)
+    t_start = time.perf_counter()
+    paths = generate(args.data, args.scale, verbose=True)
+    parent = MEMBERS[args.member]
+    if args.against == args.rev:
+        raise SystemExit("--against names the same revision: nothing to compare")
+    work = args.data / "compare"
+    work.mkdir(parents=True, exist_ok=True)
+    templates = {}
+    try:
+        sides = {args.rev: build(checkout(args.rev, work / "a"))}
+        sides[args.against or "working tree"] = build(checkout(args.against, work / "b") if args.against else REPO)
+        anchors.prewarm([paths[args.member], paths[parent]])
+        for label, root in sides.items():
+            templates[label] = Path(tempfile.mkdtemp(prefix="template-", dir=work))
+            push(root, templates[label], paths[parent], parent, None, warm=False)
+        pairs = []
+        for i in range(args.pairs):
+            pair = {}
+            order = list(sides) if i % 2 == 0 else list(sides)[::-1]  # take turns going first
+            for label in order:
+                root = sides[label]
+                home = Path(tempfile.mkdtemp(prefix="push-", dir=work))
+                shutil.rmtree(home)
+                shutil.copytree(templates[label], home)
+                try:
+                    pair[label] = push(root, home, paths[args.member], args.member, parent, warm=True)
+                finally:
+                    shutil.rmtree(home, ignore_errors=True)
+            pairs.append(pair)
+            cpu = {k: v["user"] + v["system"] for k, v in pair.items()}
+            print(f"pair {i + 1}/{args.pairs}: " + ", ".join(f"{k} {c:.2f} CPU-s" for k, c in cpu.items()), flush=True)
+    finally:
+        for t in templates.values():
+            shutil.rmtree(t, ignore_errors=True)
+        drop_worktree(work / "a")
+        if args.against:
+            drop_worktree(work / "b")
+
+    a, b = list(sides)
+    ratios = [(p[b]["user"] + p[b]["system"]) / (p[a]["user"] + p[a]["system"]) for p in pairs]
+    doc = {"machine": machine_info(), "params": {"member": args.member, "parent": parent, "pairs": args.pairs,
+                                                "scale": args.scale, "sides": {a: args.rev, b: args.against}},
+           "pairs": pairs, "ratios": ratios, "ratio_median": median(ratios)}
+    finish(args.out, doc, report, t_start)
+
+
+def report(doc: dict) -> str:
+    a, b = list(doc["params"]["sides"])
+    logical = doc["pairs"][0][a]["logical_bytes"]
+    rows = []
+    for i, (p, r) in enumerate(zip(doc["pairs"], doc["ratios"]), 1):
+        ca, cb = (p[a]["user"] + p[a]["system"]), (p[b]["user"] + p[b]["system"])
+        rows.append([i, f"{ca:.2f}", f"{logical / ca / MB:.0f}", f"{cb:.2f}", f"{logical / cb / MB:.0f}", f"{r:.2f}"])
+    return "\n".join([
+        f"## {doc['params']['member']} pushed by two revisions, interleaved ({logical / MB:,.1f} MB logical)", "",
+        table(["pair", f"{a} CPU s", "MB per CPU-s", f"{b} CPU s", "MB per CPU-s", f"{b} / {a}"], rows), "",
+        f"Median ratio: {doc['ratio_median']:.2f}", ""])
+
+
+if __name__ == "__main__":
+    main()
