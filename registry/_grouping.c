@@ -394,6 +394,25 @@ static int overlap(const Py_buffer *a, const Py_buffer *b) {
     return a->len > 0 && b->len > 0 && pa < pb + b->len && pb < pa + a->len;
 }
 
+/* The (input, output) buffers of a nibble loop: the output as long as the input and apart from it.
+ * Returns 0, or -1 with an exception set (the caller releases both buffers either way). */
+static int nibble_buffers(PyObject *args, Py_buffer *in, Py_buffer *out) {
+    if (!PyArg_ParseTuple(args, "y*w*", in, out)) return -1;
+    if (out->len < in->len || overlap(in, out)) {
+        PyErr_SetString(PyExc_ValueError, "out must be as long as the input and apart from it");
+        return -1;
+    }
+    return 0;
+}
+
+/* None after a nibble loop, or NULL if nibble_buffers failed; releases both buffers. */
+static PyObject *nibble_done(int ok, Py_buffer *in, Py_buffer *out) {
+    PyBuffer_Release(in);
+    PyBuffer_Release(out);
+    if (!ok) return NULL;
+    Py_RETURN_NONE;
+}
+
 PyDoc_STRVAR(nibble_split_doc,
     "nibble_split(plane, out)\n\n"
     "Write plane (n bytes) into out as the low nibbles of its byte pairs (n // 2 bytes: e0 & 15 |\n"
@@ -401,12 +420,7 @@ PyDoc_STRVAR(nibble_split_doc,
 
 static PyObject *nibble_split(PyObject *self, PyObject *args) {
     Py_buffer in = {0}, out = {0};
-    PyObject *result = NULL;
-    if (!PyArg_ParseTuple(args, "y*w*", &in, &out)) goto done;
-    if (out.len < in.len || overlap(&in, &out)) {
-        PyErr_SetString(PyExc_ValueError, "out must be as long as the plane and apart from it");
-        goto done;
-    }
+    if (nibble_buffers(args, &in, &out)) return nibble_done(0, &in, &out);
     const unsigned char *restrict src = in.buf;
     unsigned char *restrict lo = out.buf;
     Py_ssize_t k = in.len / 2;
@@ -419,12 +433,7 @@ static PyObject *nibble_split(PyObject *self, PyObject *args) {
     }
     if (in.len & 1) hi[k] = src[2 * k];
     Py_END_ALLOW_THREADS
-    result = Py_None;
-    Py_INCREF(result);
-done:
-    PyBuffer_Release(&in);
-    PyBuffer_Release(&out);
-    return result;
+    return nibble_done(1, &in, &out);
 }
 
 PyDoc_STRVAR(nibble_join_doc,
@@ -433,12 +442,7 @@ PyDoc_STRVAR(nibble_join_doc,
 
 static PyObject *nibble_join(PyObject *self, PyObject *args) {
     Py_buffer in = {0}, out = {0};
-    PyObject *result = NULL;
-    if (!PyArg_ParseTuple(args, "y*w*", &in, &out)) goto done;
-    if (out.len < in.len || overlap(&in, &out)) {
-        PyErr_SetString(PyExc_ValueError, "out must be as long as the packed plane and apart from it");
-        goto done;
-    }
+    if (nibble_buffers(args, &in, &out)) return nibble_done(0, &in, &out);
     Py_ssize_t k = in.len / 2;
     const unsigned char *restrict lo = in.buf, *restrict hi = lo + k;
     unsigned char *restrict dst = out.buf;
@@ -450,12 +454,7 @@ static PyObject *nibble_join(PyObject *self, PyObject *args) {
     }
     if (in.len & 1) dst[2 * k] = hi[k];
     Py_END_ALLOW_THREADS
-    result = Py_None;
-    Py_INCREF(result);
-done:
-    PyBuffer_Release(&in);
-    PyBuffer_Release(&out);
-    return result;
+    return nibble_done(1, &in, &out);
 }
 
 PyDoc_STRVAR(join_planes_doc,

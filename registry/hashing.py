@@ -121,7 +121,7 @@ def encoded_chunks(job: HashJob, wanted: set[str], pool: ThreadPoolExecutor,
     bytes), a chunk is stored as a delta when that is smaller than plain.
 
     Chunks are read through the job's own mmaps (a second mapping would fault every page in
-    again). Encoding runs on the pool (zstd, numpy and hashlib release the GIL).
+    again). Encoding runs on the pool (zstd, numpy and the C kernels release the GIL).
     """
     bases = bases or {}
     todo = set(wanted)
