@@ -44,3 +44,40 @@ def test_embedded_default_upgrades_itself(tmp_path):
     with Registry(settings) as reg:
         assert reg.families() == []
     assert (tmp_path / "home" / "registry.db").exists()
+
+
+def test_chunk_rows_of_the_previous_release_and_this_one_live_side_by_side(db_url):
+    """Migration 0004 stops writing chunks.sha256 but keeps the column (nullable) for one release:
+    during a rolling upgrade, processes of the previous release still insert rows with a digest and
+    select the column, beside this release's rows without one. Both kinds must be readable by both,
+    and a downgrade must leave a schema the previous release accepts (no NULL digests)."""
+    from alembic import command
+    from sqlalchemy import text
+
+    from registry.blobs.packs import StoredChunk
+    from registry.db import chunks as chunk_db
+    from registry.db.schema import _config
+
+    engine = create_db_engine(db_url)
+    old_insert = text("INSERT INTO chunks (id, size, sha256, encoding, stored_size, pack_id, \"offset\", depth) "
+                      "VALUES (:id, 4, :sha, 'raw', 4, 'p1', 0, 0)")
+    try:
+        command.upgrade(_config(engine), "0003")
+        with engine.begin() as conn:
+            conn.execute(text("INSERT INTO packs (id, size) VALUES ('p1', 8)"))
+            conn.execute(old_insert, {"id": "a" * 32, "sha": "1" * 64})  # written before the upgrade
+        command.upgrade(_config(engine), "head")
+        with engine.begin() as conn:
+            conn.execute(old_insert, {"id": "b" * 32, "sha": "2" * 64})  # a previous-release process, after it
+            added = chunk_db.record_pack(conn, "p1", 8, [StoredChunk("c" * 32, 4, "raw", 4, "p1", 4)])
+        assert added == 4
+        with engine.connect() as conn:
+            found = chunk_db.locate(conn, ["a" * 32, "b" * 32, "c" * 32])
+            digests = dict(conn.execute(text("SELECT id, sha256 FROM chunks ORDER BY id")).all())
+        assert set(found) == {"a" * 32, "b" * 32, "c" * 32} and found["c" * 32].offset == 4
+        assert digests == {"a" * 32: "1" * 64, "b" * 32: "2" * 64, "c" * 32: None}
+        command.downgrade(_config(engine), "0003")
+        with engine.connect() as conn:
+            assert conn.execute(text("SELECT sha256 FROM chunks WHERE id = :id"), {"id": "c" * 32}).scalar() == ""
+    finally:
+        engine.dispose()
