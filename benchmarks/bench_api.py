@@ -179,6 +179,7 @@ def main(argv: list[str] | None = None) -> None:
             ours.append(mfsreg_transfers(stack, paths, work))
     finally:
         stack.close()
+        shutil.rmtree(work, ignore_errors=True)  # the stack's own files are gone; this removes the folder
     rows, doc_rows = [], []
     for name, p in paths.items():
         size = p.stat().st_size
