@@ -472,7 +472,7 @@ def _decode_grouped(payload, size: int, basis, itemsize: int, nibbles: bool) -> 
     n = m // itemsize
     tail = b""
     if total > n:  # appended rows
-        tail = join_planes(np.concatenate([planes[k * total + n : (k + 1) * total] for k in range(itemsize)]), itemsize)
+        tail = joined_bytes(np.concatenate([planes[k * total + n : (k + 1) * total] for k in range(itemsize)]), itemsize)
     return _unsub_grouped(planes, total, b[:m], itemsize, tail)
 
 
