@@ -3,6 +3,7 @@ All against a real `mfsreg serve` on Postgres and moto's S3 server."""
 
 from __future__ import annotations
 
+import errno
 import filecmp
 import json
 import os
@@ -13,8 +14,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from registry.chunking import chunk_id
 from registry.client import ResidentModel, load_tensors
 from registry.client.cache import NodeCache
+from registry.client.remote import RemoteRegistry
+from registry.manifest import Manifest
 from registry.client.torch_loader import Node
 from tests.cli_run import MFSREG, mfsreg, mfsreg_json
 from tests.server import client_env, servers, server_env, token  # noqa: F401
@@ -189,3 +193,48 @@ def test_cache_commands_need_a_registry_and_sane_sizes(tmp_path):
     assert proc.returncode == 2 and "not a size" in proc.stderr
     assert mfsreg_json("cache", "stats", env=env)["chunks"] == 0
     NodeCache(tmp_path / "c").close()
+
+
+def _cache_file(env: dict, chunk_id: str) -> Path:
+    return Path(env["MFSREG_CACHE_DIR"]) / "chunks" / chunk_id[:2] / chunk_id
+
+
+def test_a_damaged_cached_chunk_is_fetched_again(published, fam, tmp_path):
+    """Files are copied from the cache and checked where they lie: a cache file with a flipped byte,
+    or cut short, is dropped, fetched again, and the pull still writes the exact file."""
+    _, env = published
+    mfsreg_json("pull", "fam", "lora-chat", "-o", tmp_path / "first.out", env=env)
+    doc = Node(env["MFSREG_URL"], env["MFSREG_TOKEN"], env["MFSREG_CACHE_DIR"]).remote.version_doc("fam", "lora-chat")
+    rows, in_file = doc["chunks"], set(Manifest.from_doc(doc["manifest"]).chunk_ids())
+    flipped, cut = sorted(i for i in in_file if rows[i][3] > 100)[:2]
+    for victim in (flipped, cut):
+        _cache_file(env, victim).chmod(0o644)
+    data = bytearray(_cache_file(env, flipped).read_bytes())
+    data[len(data) // 2] ^= 0x40
+    _cache_file(env, flipped).write_bytes(data)
+    _cache_file(env, cut).write_bytes(_cache_file(env, cut).read_bytes()[:-7])
+    res = mfsreg_json("pull", "fam", "lora-chat", "-o", tmp_path / "again.out", env=env)
+    assert filecmp.cmp(tmp_path / "again.out", fam["lora-chat"], shallow=False)
+    assert res["fetched_bytes"] == rows[flipped][1] + rows[cut][1]  # the two chunks' stored bytes, and no more
+    for victim in (flipped, cut):
+        assert chunk_id(_cache_file(env, victim).read_bytes()) == victim
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_pull_copies_by_hand_where_the_kernel_cannot(published, fam, tmp_path, monkeypatch):
+    """copy_file_range refuses some pairs of files (another filesystem on older kernels): the pull
+    falls back to reading and writing, with the same checks."""
+    srv, env = published
+
+    def refuse(*args, **kwargs):
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    monkeypatch.setattr(os, "copy_file_range", refuse, raising=False)
+    with RemoteRegistry(env["MFSREG_URL"], token=env["MFSREG_TOKEN"]) as remote:
+        cache = NodeCache(env["MFSREG_CACHE_DIR"])
+        try:
+            res = remote.pull("fam", "vocab-ext", tmp_path / "v.out", cache=cache)
+        finally:
+            cache.close()
+    assert filecmp.cmp(tmp_path / "v.out", fam["vocab-ext"], shallow=False)
+    assert res.fetched_bytes > 0

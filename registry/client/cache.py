@@ -140,6 +140,12 @@ class NodeCache:
             rows.append((chunk_id, len(raw), tier, family))
         self.record(rows)
 
+    def discard(self, chunk_id: str) -> None:
+        """Drop one chunk (found damaged or cut short on disk): its row, then its file."""
+        with self._db() as db:
+            db.execute("DELETE FROM entries WHERE key = ?", (chunk_id,))
+        self.chunk_path(chunk_id).unlink(missing_ok=True)
+
     def record(self, items: Iterable[tuple[str, int, str | None, str | None]]) -> None:
         now = time.time()
         rows = [(k, n, RANK.get(t, UNKNOWN_RANK) if t else UNKNOWN_RANK, fam, now) for k, n, t, fam in items]
