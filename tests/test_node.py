@@ -10,6 +10,7 @@ import os
 import subprocess
 from pathlib import Path
 
+import boto3
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -238,3 +239,22 @@ def test_pull_copies_by_hand_where_the_kernel_cannot(published, fam, tmp_path, m
             cache.close()
     assert filecmp.cmp(tmp_path / "v.out", fam["vocab-ext"], shallow=False)
     assert res.fetched_bytes > 0
+
+
+def test_a_fetch_that_fails_mid_pull_is_one_line_and_writes_nothing(published, s3_bucket, tmp_path):
+    """The fetch runs beside the assembly: when the registry cannot serve the chunks (its packs
+    are gone), the pull stops with the registry's error, leaves no file and no temp file, and what
+    the cache held stays."""
+    _, env = published
+    mfsreg_json("cache", "warm", "fam", "--tier", "base", env=env)
+    before = sorted(cached_ids(env))
+    endpoint, bucket = s3_bucket
+    s3 = boto3.session.Session().client("s3", endpoint_url=endpoint, region_name="us-east-1")
+    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket):
+        for obj in page.get("Contents", []):
+            s3.delete_object(Bucket=bucket, Key=obj["Key"])
+    proc = mfsreg("pull", "fam", "last-code", "-o", tmp_path / "out", env=env, check=False)
+    assert proc.returncode == 5 and "run the pull again" in proc.stderr  # the server broke off its stream
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert not (tmp_path / "out").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+    assert sorted(cached_ids(env)) == before

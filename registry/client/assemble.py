@@ -151,11 +151,12 @@ def _batches(chunks: list[ChunkRef]) -> list[list[ChunkRef]]:
 
 
 def write_file(entry: FileEntry, dest: Path, cache: NodeCache, refetch: Callable[[str], None],
-               pool: Executor, progress: Progress) -> None:
+               pool: Executor, progress: Progress, arriving: Callable[[str], None] | None = None) -> None:
     """Write ``entry`` to ``dest`` atomically from cached chunks, each checked in place against its id.
 
-    ``refetch(id)`` fetches a chunk into the cache again (another process evicted it meanwhile, or
-    its cache file failed the check and was dropped)."""
+    ``arriving(id)``, when given, waits for a chunk that a fetch running alongside has not landed
+    yet. ``refetch(id)`` fetches a chunk into the cache again (another process evicted it
+    meanwhile, or its cache file failed the check and was dropped)."""
     chunks = check_tiling(entry)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex}.tmp")
@@ -168,6 +169,10 @@ def write_file(entry: FileEntry, dest: Path, cache: NodeCache, refetch: Callable
         def place(c: ChunkRef) -> None:
             if copier.copy(c):
                 return
+            if arriving is not None:
+                arriving(c.id)
+                if copier.copy(c):
+                    return
             cache.discard(c.id)  # missing, or a file of the wrong size: either way fetched anew
             refetch(c.id)
             if not copier.copy(c):

@@ -8,7 +8,7 @@ chunk that the next member needs as well).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -59,8 +59,9 @@ class Fetcher:
         )
 
     def ensure(self, family: str, ids: list[str], located: dict[str, StoredChunk], tiers: dict[str, str | None],
-               progress: Progress | None = None) -> FetchStats:
-        """Make ``ids`` present in the cache; returns what came from the network and from the cache."""
+               progress: Progress | None = None, landed: Callable[[Iterable[str]], None] | None = None) -> FetchStats:
+        """Make ``ids`` present in the cache; returns what came from the network and from the cache.
+        ``landed(ids)`` is called (on a fetch thread) as each batch of chunks is written to the cache."""
         progress = progress or NullProgress()
         stats = FetchStats(chunk_ids=list(ids))
         missing = []
@@ -76,14 +77,14 @@ class Fetcher:
             return stats
         batches = list(_batches(missing, located))
         with ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix="mfsreg-fetch") as requests:
-            results = requests.map(lambda b: (self._fetch_batch(family, b, located, tiers), b), batches)
+            results = requests.map(lambda b: (self._fetch_batch(family, b, located, tiers, landed), b), batches)
             for (received, got), batch in results:
                 stats.fetched_bytes += received
                 stats.fetched_chunks += got
                 progress.advance("fetch", sum(located[i].size for i in batch))
         return stats
 
-    def _fetch_batch(self, family: str, batch: list[str], located, tiers) -> tuple[int, int]:
+    def _fetch_batch(self, family: str, batch: list[str], located, tiers, landed=None) -> tuple[int, int]:
         received = 0
 
         def payloads(chunks: list[StoredChunk]) -> Iterator[tuple[StoredChunk, bytes]]:
@@ -94,6 +95,8 @@ class Fetcher:
 
         raw = decode_batch(batch, located, payloads, self.remote.pool, known=self.cache.get)
         self.cache.put_many((i, data, tiers.get(i), family) for i, data in raw.items())
+        if landed is not None:
+            landed(raw.keys())
         return received, len(raw)
 
 

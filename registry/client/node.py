@@ -5,6 +5,7 @@ Files are assembled from the cached chunk files and checked in place (registry/c
 from __future__ import annotations
 
 import os
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -30,31 +31,81 @@ def refetcher(fetcher: Fetcher, info: VersionInfo, stats: FetchStats | None = No
     return refetch
 
 
+class _Arrivals:
+    """Chunks landing in the cache from the fetch that runs beside a file's assembly: the assembly
+    copies what is cached and waits only at a chunk still on its way."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._landed: set[str] = set()
+        self._over = False
+        self.error: BaseException | None = None
+
+    def land(self, ids) -> None:
+        with self._cond:
+            self._landed.update(ids)
+            self._cond.notify_all()
+
+    def finish(self, error: BaseException | None = None) -> None:
+        with self._cond:
+            self._over, self.error = True, error
+            self._cond.notify_all()
+
+    def wait(self, chunk_id: str) -> None:
+        """Until ``chunk_id`` has landed or the fetch is over; a failed fetch raises its error here."""
+        with self._cond:
+            self._cond.wait_for(lambda: chunk_id in self._landed or self._over)
+            if self.error is not None:
+                raise self.error
+
+
 def pull(fetcher: Fetcher, family: str, version: str, out: Path, progress: Progress | None = None,
          to_dir: bool = False) -> PullResult:
+    """Fetch what the cache lacks and, at the same time, assemble the files from what it holds."""
     progress = progress or NullProgress()
     t0 = time.perf_counter()
     cache = fetcher.cache
     info = fetcher.version(family, version)
     ids = info.manifest.chunk_ids()
-    stats = fetcher.ensure(family, ids, info.located, info.tiers, progress)
-    cache.record_pull(family, version)
     out = Path(out)
-    if to_dir:
-        _materialise_dir(fetcher, info, out, progress, stats)
-    else:
-        progress.start("write", info.logical_bytes)
-        for entry, dest in rebuild.targets(info.manifest, out):
-            assemble.write_file(entry, dest, cache, refetcher(fetcher, info, stats), fetcher.remote.pool, progress)
+    plan = None if to_dir else rebuild.targets(info.manifest, out)  # a bad output path fails before any fetch
+    arrivals = _Arrivals()
+    fetched: dict = {}
+
+    def fetch() -> None:
+        try:
+            fetched["stats"] = fetcher.ensure(family, ids, info.located, info.tiers, progress, landed=arrivals.land)
+        except BaseException as exc:  # handed to the assembly, which raises it
+            arrivals.finish(exc)
+        else:
+            arrivals.finish()
+
+    refetched = FetchStats()
+    refetch = refetcher(fetcher, info, refetched)
+    worker = threading.Thread(target=fetch, name="mfsreg-pull-fetch", daemon=True)
+    worker.start()
+    try:
+        if to_dir:
+            _materialise_dir(fetcher, info, out, progress, refetch, arrivals.wait)
+        else:
+            progress.start("write", info.logical_bytes)
+            for entry, dest in plan:
+                assemble.write_file(entry, dest, cache, refetch, fetcher.remote.pool, progress, arrivals.wait)
+    finally:
+        worker.join()  # the fetch writes into the cache: let it finish (or fail) before returning
+    if arrivals.error is not None:
+        raise arrivals.error
+    stats = fetched["stats"]
+    cache.record_pull(family, version)
     cache.evict(protect=ids)
     return PullResult(
         family=family, version=version, digest=info.digest, path=str(out), logical_bytes=info.logical_bytes,
         files=len(info.manifest.files), seconds=time.perf_counter() - t0,
-        fetched_bytes=stats.fetched_bytes, cached_bytes=stats.cached_bytes,
+        fetched_bytes=stats.fetched_bytes + refetched.fetched_bytes, cached_bytes=stats.cached_bytes,
     )
 
 
-def _materialise_dir(fetcher: Fetcher, info: VersionInfo, out: Path, progress: Progress, stats: FetchStats) -> None:
+def _materialise_dir(fetcher: Fetcher, info: VersionInfo, out: Path, progress: Progress, refetch, arriving) -> None:
     """Every file of the version under ``out`` (a single-file version keeps its file name), each
     built once in the cache's files/ store and hardlinked into place; copied where links fail."""
     cache = fetcher.cache
@@ -67,7 +118,7 @@ def _materialise_dir(fetcher: Fetcher, info: VersionInfo, out: Path, progress: P
         # write time moved) is rebuilt rather than handed on.
         if not stored.exists() or stored.stat().st_size != entry.size or stored.stat().st_mode & 0o222:
             stored.unlink(missing_ok=True)
-            assemble.write_file(entry, stored, cache, refetcher(fetcher, info, stats), fetcher.remote.pool, progress)
+            assemble.write_file(entry, stored, cache, refetch, fetcher.remote.pool, progress, arriving)
             stored.chmod(0o444)  # read-only: engines only read, and an edit through one link would hit all
             cache.add_file(entry.sha256, entry.size)
         dest.parent.mkdir(parents=True, exist_ok=True)
@@ -75,7 +126,7 @@ def _materialise_dir(fetcher: Fetcher, info: VersionInfo, out: Path, progress: P
         try:
             os.link(stored, tmp)
         except OSError:  # another filesystem, or links not allowed: fall back to one verified copy
-            assemble.write_file(entry, dest, cache, refetcher(fetcher, info, stats), fetcher.remote.pool, progress)
+            assemble.write_file(entry, dest, cache, refetch, fetcher.remote.pool, progress, arriving)
             continue
         os.replace(tmp, dest)
 
