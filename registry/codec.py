@@ -363,16 +363,21 @@ def _block_ends(counts: np.ndarray, n: int) -> list[int]:
 SPARSE_MAX_DENSITY = 0.5
 
 
-def _sparse_split(stream: np.ndarray, slot: int) -> tuple[np.ndarray, np.ndarray]:
-    """(flag bits, least significant first; the nonzero bytes) of a byte stream, in this thread's
-    buffers for ``slot``. The C module and numpy write the same bytes (tests compare them)."""
+def _sparse_split(stream: np.ndarray, slot: int, ends: list[int] | None = None) -> tuple[np.ndarray, np.ndarray, list[int]]:
+    """(flag bits, least significant first; the nonzero bytes; how many bytes before each of
+    ``ends`` are nonzero) of a byte stream, in this thread's buffers for ``slot``. The C module
+    and numpy write the same bytes (tests compare them)."""
+    ends = list(ends or [])
     flags = _scratch(f"sparse_flags{slot}", (stream.size + 7) // 8)
     if _grouping is not None:
         values = _scratch(f"sparse_values{slot}", stream.size)
-        return flags, values[: _grouping.sparse_split(stream, flags, values)]
+        counts = np.empty(len(ends), dtype=np.int64)
+        nnz = _grouping.sparse_split(stream, flags, values, np.asarray(ends, dtype=np.int64), counts)
+        return flags, values[:nnz], counts.tolist()
     nonzero = stream != 0
     flags[:] = np.packbits(nonzero, bitorder="little")
-    return flags, stream[nonzero]
+    before = np.concatenate([[0], np.cumsum(nonzero, dtype=np.int64)])
+    return flags, stream[nonzero], before[ends].tolist()
 
 
 def _sparse_join(buf: np.ndarray, pos: int, out: np.ndarray) -> int:
@@ -426,13 +431,12 @@ def _encode_grouped(data, basis, itemsize: int) -> tuple[str, bytes]:
         local = sorted({min(e // 2 if nibbles and i < 2 else e, stream.size) for e in ends} | {stream.size})
         segments = list(zip([0] + local, local))
         eligible = nibbles or i > 0  # the low plane of wide differences is near-random: never sparse
-        nonzero = [np.count_nonzero(stream[x:y]) for x, y in segments] if eligible else []
-        if eligible and sum(nonzero) <= SPARSE_MAX_DENSITY * stream.size:
+        # split first (one pass, counting each block's nonzero bytes), then keep it if sparse enough
+        flags, values, counts = _sparse_split(stream, i, local) if eligible else (None, (), [])
+        if eligible and len(values) <= SPARSE_MAX_DENSITY * stream.size:
             header |= 1 << i
-            flags, values = _sparse_split(stream, i)
-            counts = np.cumsum([0] + nonzero)
             parts += [flags[(x + 7) // 8 : (y + 7) // 8] for x, y in segments]
-            parts += [values[x:y] for x, y in zip(counts, counts[1:])]
+            parts += [values[x:y] for x, y in zip([0] + counts, counts)]
         else:
             parts += [stream[x:y] for x, y in segments]
     parts.insert(0, bytes([header]))

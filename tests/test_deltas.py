@@ -188,23 +188,43 @@ def test_nibble_kernels_refuse_short_or_overlapping_output():
             kernel(plane[:32], np.empty(31, dtype=np.uint8))
 
 
-@pytest.mark.parametrize("length", [0, 1, 7, 8, 9, 4099])
+@pytest.mark.parametrize("length", [0, 1, 7, 8, 9, 15, 16, 17, 31, 33, 4099])
 @pytest.mark.parametrize("density", [0.0, 0.3, 1.0])
 def test_sparse_streams_match_numpy_and_round_trip(length, density, monkeypatch):
     rng = np.random.default_rng(length)
     stream = np.where(rng.random(length) < density, rng.integers(1, 256, length), 0).astype(np.uint8)
+    ends = sorted({0, length, *rng.integers(0, length + 1, 5).tolist()})
+    expected = [int(np.count_nonzero(stream[:e])) for e in ends]
     results = []
-    for module in (codec._grouping, None):
+    # the C module's vector path, its byte loop, and numpy
+    for module, vector in ((codec._grouping, True), (codec._grouping, False), (None, None)):
         monkeypatch.setattr(codec, "_grouping", module)
-        flags, values = codec._sparse_split(stream, 0)
+        if module is not None:
+            module.simd(vector)
+        try:
+            flags, values, counts = codec._sparse_split(stream, 0, ends)
+        finally:
+            if module is not None:
+                module.simd(True)
         flags, values = flags.copy(), values.copy()
         assert values.size == np.count_nonzero(stream)
+        assert counts == expected
         buf = np.concatenate([[7], flags, values, [1, 2]]).astype(np.uint8)  # between other bytes
         out = np.full(length, 99, dtype=np.uint8)
         assert codec._sparse_join(buf, 1, out) == 1 + flags.size + values.size
         assert (out == stream).all()
         results.append((flags, values))
-    assert (results[0][0] == results[1][0]).all() and (results[0][1] == results[1][1]).all()
+    for flags, values in results[1:]:
+        assert (results[0][0] == flags).all() and (results[0][1] == values).all()
+
+
+@pytest.mark.skipif(codec._grouping is None, reason="no C module")
+def test_sparse_split_refuses_ends_out_of_order():
+    stream = np.zeros(32, dtype=np.uint8)
+    flags, values = np.empty(4, dtype=np.uint8), np.empty(32, dtype=np.uint8)
+    for ends in ([5, 3], [40], [-1]):
+        with pytest.raises(ValueError, match="ascend"):
+            codec._grouping.sparse_split(stream, flags, values, np.array(ends, dtype=np.int64), np.empty(len(ends), dtype=np.int64))
 
 
 def test_sparse_stream_with_too_few_values_is_refused(monkeypatch):
