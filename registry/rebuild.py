@@ -66,8 +66,18 @@ def safe_relpath(path: str) -> PurePosixPath:
     return p
 
 
+def _check_parent(out: Path) -> None:
+    """The nearest existing folder above ``out`` must be a folder (say, not a file given by mistake)."""
+    for parent in out.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise InvalidRequest(f"cannot write {out}: {parent} is a file, not a directory")
+            return
+
+
 def targets(manifest: Manifest, out: Path) -> list[tuple[FileEntry, Path]]:
     """Where each file of the version is written: ``out`` itself for a single-file version."""
+    _check_parent(out)
     if manifest.single_file:
         f = manifest.files[0]
         dest = out / safe_relpath(f.path).name if out.is_dir() else out

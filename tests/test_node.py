@@ -258,3 +258,12 @@ def test_a_fetch_that_fails_mid_pull_is_one_line_and_writes_nothing(published, s
     assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert not (tmp_path / "out").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
     assert sorted(cached_ids(env)) == before
+
+
+def test_pull_to_an_impossible_path_is_one_line(published, tmp_path):
+    _, env = published
+    (tmp_path / "a-file").write_text("not a directory")
+    proc = mfsreg("pull", "fam", "lora-chat", "-o", tmp_path / "a-file" / "out", env=env, check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "a-file is a file, not a directory" in proc.stderr, proc.stderr
+    assert (tmp_path / "a-file").read_text() == "not a directory"

@@ -8,6 +8,7 @@ chunk that the next member needs as well).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -20,6 +21,10 @@ from registry.progress import NullProgress, Progress
 from registry.rebuild import decode_batch
 
 BATCH_BYTES = 32 << 20  # raw bytes per request: several requests run at once
+
+
+class FetchCancelled(Exception):
+    """A fetch stopped because its caller gave up (the pull it served failed or was interrupted)."""
 
 
 @dataclass
@@ -59,9 +64,11 @@ class Fetcher:
         )
 
     def ensure(self, family: str, ids: list[str], located: dict[str, StoredChunk], tiers: dict[str, str | None],
-               progress: Progress | None = None, landed: Callable[[Iterable[str]], None] | None = None) -> FetchStats:
+               progress: Progress | None = None, landed: Callable[[Iterable[str]], None] | None = None,
+               cancel: threading.Event | None = None) -> FetchStats:
         """Make ``ids`` present in the cache; returns what came from the network and from the cache.
-        ``landed(ids)`` is called (on a fetch thread) as each batch of chunks is written to the cache."""
+        ``landed(ids)`` is called (on a fetch thread) as each batch of chunks is written to the cache.
+        Once ``cancel`` is set, batches not yet started are dropped and FetchCancelled is raised."""
         progress = progress or NullProgress()
         stats = FetchStats(chunk_ids=list(ids))
         missing = []
@@ -77,14 +84,16 @@ class Fetcher:
             return stats
         batches = list(_batches(missing, located))
         with ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix="mfsreg-fetch") as requests:
-            results = requests.map(lambda b: (self._fetch_batch(family, b, located, tiers, landed), b), batches)
+            results = requests.map(lambda b: (self._fetch_batch(family, b, located, tiers, landed, cancel), b), batches)
             for (received, got), batch in results:
                 stats.fetched_bytes += received
                 stats.fetched_chunks += got
                 progress.advance("fetch", sum(located[i].size for i in batch))
         return stats
 
-    def _fetch_batch(self, family: str, batch: list[str], located, tiers, landed=None) -> tuple[int, int]:
+    def _fetch_batch(self, family: str, batch: list[str], located, tiers, landed=None, cancel=None) -> tuple[int, int]:
+        if cancel is not None and cancel.is_set():
+            raise FetchCancelled("the fetch was called off")
         received = 0
 
         def payloads(chunks: list[StoredChunk]) -> Iterator[tuple[StoredChunk, bytes]]:

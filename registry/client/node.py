@@ -72,9 +72,11 @@ def pull(fetcher: Fetcher, family: str, version: str, out: Path, progress: Progr
     arrivals = _Arrivals()
     fetched: dict = {}
 
+    stop = threading.Event()  # set when the assembly fails: the fetch stops after the batches in flight
+
     def fetch() -> None:
         try:
-            fetched["stats"] = fetcher.ensure(family, ids, info.located, info.tiers, progress, landed=arrivals.land)
+            fetched["stats"] = fetcher.ensure(family, ids, info.located, info.tiers, progress, landed=arrivals.land, cancel=stop)
         except BaseException as exc:  # handed to the assembly, which raises it
             arrivals.finish(exc)
         else:
@@ -84,6 +86,7 @@ def pull(fetcher: Fetcher, family: str, version: str, out: Path, progress: Progr
     refetch = refetcher(fetcher, info, refetched)
     worker = threading.Thread(target=fetch, name="mfsreg-pull-fetch", daemon=True)
     worker.start()
+    assembled = False
     try:
         if to_dir:
             _materialise_dir(fetcher, info, out, progress, refetch, arrivals.wait)
@@ -91,8 +94,11 @@ def pull(fetcher: Fetcher, family: str, version: str, out: Path, progress: Progr
             progress.start("write", info.logical_bytes)
             for entry, dest in plan:
                 assemble.write_file(entry, dest, cache, refetch, fetcher.remote.pool, progress, arrivals.wait)
+        assembled = True
     finally:
-        worker.join()  # the fetch writes into the cache: let it finish (or fail) before returning
+        if not assembled:  # an error or an interrupt: what is still to fetch is not needed now
+            stop.set()
+        worker.join()  # the fetch writes into the cache: let its batches in flight land first
     if arrivals.error is not None:
         raise arrivals.error
     stats = fetched["stats"]
