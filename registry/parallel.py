@@ -1,5 +1,7 @@
-"""Bounded parallel map: pool.map submits its whole input at once, which would hold every chunk of a
-multi-GB file in memory; this keeps at most ``window`` jobs in flight and yields results in order."""
+"""Bounded work on big inputs: a parallel map with a window of jobs in flight, and batches cut by size.
+
+pool.map submits its whole input at once, which would hold every chunk of a multi-GB file in
+memory; windowed_map keeps at most ``window`` jobs in flight and yields results in order."""
 
 from __future__ import annotations
 
@@ -26,3 +28,16 @@ def windowed_map(pool: Executor, fn: Callable, items: Iterable, window: int = DE
         for f in pending:
             f.cancel()
         wait(pending)
+
+
+def sized_batches(items: Iterable, size: Callable[[object], int], limit: int) -> Iterator[list]:
+    """``items`` in order, cut into lists that each reach ``limit`` by ``size`` (the last may hold less)."""
+    batch, n = [], 0
+    for item in items:
+        batch.append(item)
+        n += size(item)
+        if n >= limit:
+            yield batch
+            batch, n = [], 0
+    if batch:
+        yield batch

@@ -22,7 +22,7 @@ from registry.blobs.packs import StoredChunk
 from registry.chunking import chunk_id
 from registry.errors import IntegrityError, InvalidRequest
 from registry.manifest import FileEntry, Manifest
-from registry.parallel import windowed_map
+from registry.parallel import sized_batches, windowed_map
 from registry.progress import NullProgress, Progress
 
 # A source of encoded payloads: given stored chunks, yield (chunk, payload) in any order.
@@ -156,18 +156,6 @@ def decode_batch(ids: list[str], located: dict[str, StoredChunk], payloads: Payl
     return raw
 
 
-def _position_batches(chunks, limit: int = BATCH_BYTES) -> Iterator[list]:
-    batch, n = [], 0
-    for c in chunks:
-        batch.append(c)
-        n += c.size
-        if n >= limit:
-            yield batch
-            batch, n = [], 0
-    if batch:
-        yield batch
-
-
 def write_file(entry: FileEntry, dest: Path, located: dict[str, StoredChunk], payloads: PayloadSource,
                pool: ThreadPoolExecutor, progress: Progress) -> None:
     """Write one file atomically from its chunks and verify it against its sha256.
@@ -180,7 +168,7 @@ def write_file(entry: FileEntry, dest: Path, located: dict[str, StoredChunk], pa
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex}.tmp")
     h = hashlib.sha256()
-    batches = list(_position_batches(entry.chunks))
+    batches = list(sized_batches(entry.chunks, lambda c: c.size, BATCH_BYTES))
 
     def decode(batch):
         return decode_batch(list(dict.fromkeys(c.id for c in batch)), located, payloads, pool)

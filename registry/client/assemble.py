@@ -32,6 +32,7 @@ from registry.chunking import ChunkRef, chunk_id
 from registry.client.cache import NodeCache
 from registry.errors import IntegrityError
 from registry.manifest import FileEntry
+from registry.parallel import sized_batches
 from registry.progress import Progress
 
 BATCH_BYTES = 64 << 20  # bytes copied before the batch is handed to writeback and to the checker
@@ -137,19 +138,6 @@ def _bad_chunks(fd: int, size: int, batch: list[ChunkRef]) -> list[ChunkRef]:
             view.release()
 
 
-def _batches(chunks: list[ChunkRef]) -> list[list[ChunkRef]]:
-    out, cur, n = [], [], 0
-    for c in chunks:
-        cur.append(c)
-        n += c.size
-        if n >= BATCH_BYTES:
-            out.append(cur)
-            cur, n = [], 0
-    if cur:
-        out.append(cur)
-    return out
-
-
 def write_file(entry: FileEntry, dest: Path, cache: NodeCache, refetch: Callable[[str], None],
                pool: Executor, progress: Progress, arriving: Callable[[str], None] | None = None) -> None:
     """Write ``entry`` to ``dest`` atomically from cached chunks, each checked in place against its id.
@@ -178,7 +166,7 @@ def write_file(entry: FileEntry, dest: Path, cache: NodeCache, refetch: Callable
             if not copier.copy(c):
                 raise IntegrityError(f"chunk {c.id} keeps leaving the node cache: raise MFSREG_CACHE_MAX")
 
-        for batch in _batches(chunks):
+        for batch in sized_batches(chunks, lambda c: c.size, BATCH_BYTES):
             for c in batch:
                 place(c)
             start_writeback(fd, batch[0].offset, batch[-1].offset + batch[-1].size - batch[0].offset)

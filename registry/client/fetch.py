@@ -17,6 +17,7 @@ from registry.blobs.packs import StoredChunk
 from registry.client.cache import NodeCache
 from registry.client.remote import RemoteRegistry
 from registry.manifest import Manifest
+from registry.parallel import sized_batches
 from registry.progress import NullProgress, Progress
 from registry.rebuild import decode_batch
 
@@ -82,7 +83,7 @@ class Fetcher:
         progress.start("fetch", sum(located[i].size for i in missing))
         if not missing:
             return stats
-        batches = list(_batches(missing, located))
+        batches = list(sized_batches(missing, lambda i: located[i].size, BATCH_BYTES))
         with ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix="mfsreg-fetch") as requests:
             results = requests.map(lambda b: (self._fetch_batch(family, b, located, tiers, landed, cancel), b), batches)
             for (received, got), batch in results:
@@ -107,15 +108,3 @@ class Fetcher:
         if landed is not None:
             landed(raw.keys())
         return received, len(raw)
-
-
-def _batches(ids: list[str], located: dict[str, StoredChunk]) -> Iterator[list[str]]:
-    batch, n = [], 0
-    for i in ids:
-        batch.append(i)
-        n += located[i].size
-        if n >= BATCH_BYTES:
-            yield batch
-            batch, n = [], 0
-    if batch:
-        yield batch

@@ -12,7 +12,6 @@ from pathlib import Path
 
 from registry import rebuild
 from registry.client import assemble
-from registry.client.cache import NodeCache
 from registry.client.fetch import Fetcher, FetchStats, VersionInfo
 from registry.progress import NullProgress, Progress
 from registry.rebuild import PullResult, safe_relpath

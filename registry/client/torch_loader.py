@@ -25,7 +25,7 @@ from registry.client.node import refetcher
 from registry.client.remote import RemoteRegistry
 from registry.errors import IntegrityError, InvalidRequest
 from registry.manifest import SAFETENSORS
-from registry.parallel import windowed_map
+from registry.parallel import sized_batches, windowed_map
 from registry.safetensors import TensorSpan
 
 try:
@@ -215,25 +215,12 @@ def _fetch_ahead(fetcher: Fetcher, info: VersionInfo, groups: list[list[str]]) -
     t.join()
 
 
-def _groups(names: list[str], lay: dict) -> list[list[str]]:
-    groups, cur, n = [], [], 0
-    for name in names:
-        cur.append(name)
-        n += lay[name][0].nbytes
-        if n >= FETCH_AHEAD_BYTES:
-            groups.append(cur)
-            cur, n = [], 0
-    if cur:
-        groups.append(cur)
-    return groups
-
-
 def fill(node: Node, info: VersionInfo, copier: Copier, targets: dict[str, torch.Tensor],
          todo: dict[str, list[Piece]]) -> int:
     """Fetch what ``todo`` needs (ahead of the copies) and copy it into ``targets``; returns bytes copied."""
     lay = layout(info)
     names = [n for n in todo if todo[n]]
-    groups = _groups(names, lay)
+    groups = list(sized_batches(names, lambda name: lay[name][0].nbytes, FETCH_AHEAD_BYTES))
     chunk_groups = [list(dict.fromkeys(p.chunk.id for n in g for p in todo[n])) for g in groups]
     copied = 0
     copier.refetch = refetcher(node.fetcher, info)
