@@ -61,6 +61,7 @@ def test_sharded_directory_over_http(servers, server_env, tmp_path):
     src = tmp_path / "ckpt"
     src.mkdir()
     synth.sharded_dir(src, synth.base_tensors())
+    (src / "empty.txt").write_bytes(b"")  # a file of no chunks at all
     mfsreg_json("push", src, "--family", "llama-3", "--version", "v1", env=env)
     mfsreg("pull", "llama-3", "v1", "-o", tmp_path / "out", env=env)
     for p in src.iterdir():

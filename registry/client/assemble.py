@@ -70,7 +70,7 @@ def check_tiling(entry: FileEntry) -> list[ChunkRef]:
     chunks = sorted(entry.chunks, key=lambda c: c.offset)
     pos = 0
     for c in chunks:
-        if c.offset != pos or c.size <= 0:
+        if c.offset != pos or c.size < 0:
             raise IntegrityError(f"{entry.path}: the manifest's chunks do not cover the file exactly "
                                  f"(a chunk at byte {c.offset}, expected {pos}): the registry's record is damaged")
         pos += c.size
@@ -124,12 +124,12 @@ class _Copier:
             os.close(src)
 
 
-def _bad_chunks(fd: int, size: int, batch: list[ChunkRef]) -> list[ChunkRef]:
+def _bad_chunks(fd: int, batch: list[ChunkRef]) -> list[ChunkRef]:
     """Chunks of ``batch`` whose bytes, read back from the output file, do not hash to their id."""
-    if not batch:
-        return []
+    end = batch[-1].offset + batch[-1].size if batch else 0
+    if end == 0:
+        return []  # nothing but empty chunks, or none: nothing to map
     start = batch[0].offset // mmap.ALLOCATIONGRANULARITY * mmap.ALLOCATIONGRANULARITY
-    end = batch[-1].offset + batch[-1].size
     with mmap.mmap(fd, end - start, prot=mmap.PROT_READ, offset=start) as m:
         view = memoryview(m)
         try:
@@ -170,13 +170,16 @@ def write_file(entry: FileEntry, dest: Path, cache: NodeCache, refetch: Callable
             for c in batch:
                 place(c)
             start_writeback(fd, batch[0].offset, batch[-1].offset + batch[-1].size - batch[0].offset)
-            checks.append(pool.submit(_bad_chunks, fd, entry.size, batch))
+            checks.append(pool.submit(_bad_chunks, fd, batch))
             progress.advance("write", sum(c.size for c in batch))
         bad = [c for f in checks for c in f.result()]
+        refreshed: set[str] = set()
         for c in bad:  # damaged on the node's disk: drop it, fetch it again, copy it again, once
-            cache.discard(c.id)
+            if c.id not in refreshed:  # a chunk used twice in the file is fetched once
+                cache.discard(c.id)
+                refreshed.add(c.id)
             place(c)
-            if _bad_chunks(fd, entry.size, [c]):
+            if _bad_chunks(fd, [c]):
                 raise IntegrityError(f"chunk {c.id} does not match its id even after fetching it again: "
                                      "check this node's disk and memory, then retry")
         os.fsync(fd)

@@ -119,8 +119,8 @@ def _materialise_dir(fetcher: Fetcher, info: VersionInfo, out: Path, progress: P
     for entry in info.manifest.files:
         dest = out.joinpath(*safe_relpath(entry.path).parts)
         stored = cache.file_path(entry.sha256)
-        # A materialised file is shared by hardlinks; one that was changed in place (its size or
-        # write time moved) is rebuilt rather than handed on.
+        # A materialised file is shared by hardlinks and kept read-only; one that is writable again
+        # or has another size was changed in place, and is rebuilt rather than handed on.
         if not stored.exists() or stored.stat().st_size != entry.size or stored.stat().st_mode & 0o222:
             stored.unlink(missing_ok=True)
             assemble.write_file(entry, stored, cache, refetch, fetcher.remote.pool, progress, arriving)
