@@ -21,7 +21,7 @@ from registry.db import chunks as chunk_db
 from registry.db import tiers as tier_db
 from registry.db import versions as version_db
 from registry.db.engine import read_tx
-from registry.errors import IntegrityError, InvalidModel, InvalidRequest, NotFound
+from registry.errors import IntegrityError, InvalidModel, InvalidRequest, NotFound, StorageError
 from registry.deltas import BasisReader, cap_depth
 from registry.ingest import RecordedPacks, check_push_names, commit_version, existing_result, plan_deltas
 from registry.parallel import windowed_map
@@ -177,9 +177,23 @@ def plan_download(reg, family: str, ids: list[str]) -> list[StoredChunk]:
 
 
 def stream_chunks(reg, chunks: list[StoredChunk]) -> Iterator[bytes]:
-    yield encode_index(Entry(c.id, c.size, c.encoding, c.stored_size, c.basis_id) for c in chunks)
-    for _c, payload in reg.read_payloads(chunks):
-        yield bytes(payload)
+    """The batch as the wire sends it (registry/wire.py). The first pack is read before the stream
+    starts: a store that lost a pack is then answered with an error the client can show, instead
+    of a response that breaks off after its headers (later packs can still only break it off)."""
+    payloads = reg.read_payloads(chunks)
+    try:
+        first = next(payloads, None)
+    except NotFound as exc:
+        raise StorageError(f"the registry's storage lost data ({exc}): tell the registry's operator") from None
+
+    def stream() -> Iterator[bytes]:
+        yield encode_index(Entry(c.id, c.size, c.encoding, c.stored_size, c.basis_id) for c in chunks)
+        if first is not None:
+            yield bytes(first[1])
+        for _c, payload in payloads:
+            yield bytes(payload)
+
+    return stream()
 
 
 def version_doc(reg, family: str, version: str) -> dict:
