@@ -1,23 +1,22 @@
-"""Rebuild: manifest -> exact file bytes, every chunk and every file verified.
+"""Rebuild: manifest -> exact file bytes, every chunk verified, in memory and in the file.
 
 Each file is written to a temp name beside its target, chunk by chunk at its offsets (a chunk used
-twice in a file is fetched once), then its sha256 is checked against the digest recorded at push and
-only then renamed into place. Chunk payloads are decoded on a thread pool; each decoded chunk's
-xxh3-128 must equal its id.
+twice in a file is fetched once). Chunk payloads are decoded on a thread pool, and each decoded
+chunk's xxh3-128 must equal its id; once written, each is checked again where it lies in the file
+(registry/filecheck.py), and only then is the file synced and renamed into place.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 
 import uuid
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from registry import codec
+from registry import codec, filecheck
 from registry.blobs.packs import StoredChunk
 from registry.chunking import chunk_id
 from registry.errors import IntegrityError, InvalidRequest
@@ -85,9 +84,6 @@ def targets(manifest: Manifest, out: Path) -> list[tuple[FileEntry, Path]]:
     if out.exists() and not out.is_dir():
         raise InvalidRequest(f"{out} is a file, but this version is a directory of {len(manifest.files)} files: give a directory")
     return [(f, out.joinpath(*safe_relpath(f.path).parts)) for f in manifest.files]
-
-
-BATCH_BYTES = 64 << 20  # raw bytes decoded per step: bounds memory whatever the file size
 
 
 def closure(ids: list[str], located: dict[str, StoredChunk], have: Callable[[str], bool] = lambda i: False) -> list[str]:
@@ -158,48 +154,56 @@ def decode_batch(ids: list[str], located: dict[str, StoredChunk], payloads: Payl
 
 def write_file(entry: FileEntry, dest: Path, located: dict[str, StoredChunk], payloads: PayloadSource,
                pool: ThreadPoolExecutor, progress: Progress) -> None:
-    """Write one file atomically from its chunks and verify it against its sha256.
+    """Write one file atomically from its chunks, each decoded and checked against its id, then
+    checked again where it lies in the written file (registry/filecheck.py).
 
-    The file is written front to back in batches; while one batch is written, it is hashed on a
-    second thread and the next batch is fetched and decoded on a third (hashlib, file writes and
-    the decoders release the GIL). The sha256 is computed over the bytes as they are written, so
-    the file is not read back.
-    """
+    The file is written in batches at the chunks' offsets; while one batch is written, the next is
+    fetched and decoded on a second thread, and the one before is checked on the pool (file
+    writes, xxh3 and the decoders release the GIL)."""
+    chunks = filecheck.check_tiling(entry)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex}.tmp")
-    h = hashlib.sha256()
-    batches = list(sized_batches(entry.chunks, lambda c: c.size, BATCH_BYTES))
+    batches = list(sized_batches(chunks, lambda c: c.size, filecheck.BATCH_BYTES))
 
     def decode(batch):
         return decode_batch(list(dict.fromkeys(c.id for c in batch)), located, payloads, pool)
 
-    def digest(data: list[bytes]) -> None:
-        for d in data:
-            h.update(d)
-
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
+    checks: list[Future] = []
     try:
-        with open(tmp, "wb") as f, ThreadPoolExecutor(max_workers=2, thread_name_prefix="mfsreg-rebuild") as side:
+        os.ftruncate(fd, entry.size)  # sized up front: batches are checked while later ones are written
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="mfsreg-rebuild") as side:
             nxt = side.submit(decode, batches[0]) if batches else None
-            hashing = None
             for k, batch in enumerate(batches):
                 raw = nxt.result()
                 nxt = side.submit(decode, batches[k + 1]) if k + 1 < len(batches) else None
-                data = [raw[c.id] for c in batch]
-                if hashing is not None:
-                    hashing.result()  # in order: batch k is hashed only after batch k - 1
-                hashing = side.submit(digest, data)
-                for d in data:
-                    f.write(d)
+                for c in batch:
+                    _write_at(fd, raw[c.id], c.offset)
+                filecheck.start_writeback(fd, batch)
+                checks.append(pool.submit(filecheck.bad_chunks, fd, batch))
                 progress.advance("write", sum(c.size for c in batch))
-            if hashing is not None:
-                hashing.result()
-            f.flush()
-            os.fsync(f.fileno())
-        if os.path.getsize(tmp) != entry.size or h.hexdigest() != entry.sha256:
-            raise IntegrityError(f"{entry.path}: rebuilt bytes do not match the sha256 recorded at push")
+        bad = [c for f in checks for c in f.result()]
+        if bad:  # each was checked when decoded: what reads back differs from what was written
+            raise IntegrityError(f"{entry.path}: chunk {bad[0].id} does not read back from {tmp} as it was written: "
+                                 "check this machine's disk and memory, then pull again")
+        os.fsync(fd)
+        os.close(fd)
+        fd = -1
         os.replace(tmp, dest)
     finally:
+        for f in checks:  # on an error, no check may still map the file when its descriptor closes
+            f.cancel()
+        wait(checks)
+        if fd >= 0:
+            os.close(fd)
         tmp.unlink(missing_ok=True)
+
+
+def _write_at(fd: int, data, offset: int) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
 
 
 def rebuild(manifest: Manifest, out: Path, located: dict[str, StoredChunk], payloads: PayloadSource,
