@@ -1,5 +1,8 @@
 """A written file checked against its chunks where they lie, and its writeback started early.
 
+CheckedFile is the file both pulls write: a temp name beside the target, sized up front, each
+finished stretch handed to writeback and checked on a pool, then synced and renamed into place.
+
 Both pulls (the embedded one from packs, registry/rebuild.py, and a node's from its cache,
 registry/client/assemble.py) write a file chunk by chunk at the chunks' offsets and then hash each
 finished stretch, read back from the file, with xxh3-128 against its chunks' ids. The chunks are
@@ -13,6 +16,10 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import os
+import uuid
+from concurrent.futures import Executor, Future, wait
+from pathlib import Path
 
 from registry.chunking import ChunkRef, chunk_id
 from registry.errors import IntegrityError
@@ -73,3 +80,52 @@ def start_writeback(fd: int, batch: list[ChunkRef]) -> None:
         length = batch[-1].offset + batch[-1].size - batch[0].offset
         if length > 0:
             _sync_file_range(fd, batch[0].offset, length, _SYNC_FILE_RANGE_WRITE)  # a hint: errors change nothing
+
+
+class CheckedFile:
+    """A file written at its chunks' offsets under a temp name beside ``dest``, sized up front.
+    Each finished stretch goes to writeback and to a check on ``pool`` (``finished``); ``commit``
+    syncs the file and renames it into place; leaving the ``with`` block otherwise removes it, once
+    no check still reads it."""
+
+    def __init__(self, dest: Path, size: int, pool: Executor):
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        self.dest = dest
+        self.tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex}.tmp")
+        self.pool = pool
+        self.checks: list[Future] = []
+        self.fd = os.open(self.tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
+        try:
+            os.ftruncate(self.fd, size)  # checks map finished stretches while later ones are written
+        except BaseException:
+            self.close()
+            raise
+
+    def finished(self, batch: list[ChunkRef]) -> None:
+        start_writeback(self.fd, batch)
+        self.checks.append(self.pool.submit(bad_chunks, self.fd, batch))
+
+    def bad(self) -> list[ChunkRef]:
+        """The chunks that failed their check, once every check is done."""
+        return [c for f in self.checks for c in f.result()]
+
+    def commit(self) -> None:
+        os.fsync(self.fd)
+        os.close(self.fd)
+        self.fd = -1
+        os.replace(self.tmp, self.dest)
+
+    def close(self) -> None:
+        for f in self.checks:  # on an error, no check may still map the file when its descriptor closes
+            f.cancel()
+        wait(self.checks)
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        self.tmp.unlink(missing_ok=True)
+
+    def __enter__(self) -> "CheckedFile":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

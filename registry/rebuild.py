@@ -9,10 +9,8 @@ chunk's xxh3-128 must equal its id; once written, each is checked again where it
 from __future__ import annotations
 
 import os
-
-import uuid
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
@@ -161,42 +159,26 @@ def write_file(entry: FileEntry, dest: Path, located: dict[str, StoredChunk], pa
     fetched and decoded on a second thread, and the one before is checked on the pool (file
     writes, xxh3 and the decoders release the GIL)."""
     chunks = filecheck.check_tiling(entry)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex}.tmp")
     batches = list(sized_batches(chunks, lambda c: c.size, filecheck.BATCH_BYTES))
 
     def decode(batch):
         return decode_batch(list(dict.fromkeys(c.id for c in batch)), located, payloads, pool)
 
-    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
-    checks: list[Future] = []
-    try:
-        os.ftruncate(fd, entry.size)  # sized up front: batches are checked while later ones are written
+    with filecheck.CheckedFile(dest, entry.size, pool) as out:
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="mfsreg-rebuild") as side:
             nxt = side.submit(decode, batches[0]) if batches else None
             for k, batch in enumerate(batches):
                 raw = nxt.result()
                 nxt = side.submit(decode, batches[k + 1]) if k + 1 < len(batches) else None
                 for c in batch:
-                    _write_at(fd, raw[c.id], c.offset)
-                filecheck.start_writeback(fd, batch)
-                checks.append(pool.submit(filecheck.bad_chunks, fd, batch))
+                    _write_at(out.fd, raw[c.id], c.offset)
+                out.finished(batch)
                 progress.advance("write", sum(c.size for c in batch))
-        bad = [c for f in checks for c in f.result()]
+        bad = out.bad()
         if bad:  # each was checked when decoded: what reads back differs from what was written
-            raise IntegrityError(f"{entry.path}: chunk {bad[0].id} does not read back from {tmp} as it was written: "
+            raise IntegrityError(f"{entry.path}: chunk {bad[0].id} does not read back from {out.tmp} as it was written: "
                                  "check this machine's disk and memory, then pull again")
-        os.fsync(fd)
-        os.close(fd)
-        fd = -1
-        os.replace(tmp, dest)
-    finally:
-        for f in checks:  # on an error, no check may still map the file when its descriptor closes
-            f.cancel()
-        wait(checks)
-        if fd >= 0:
-            os.close(fd)
-        tmp.unlink(missing_ok=True)
+        out.commit()
 
 
 def _write_at(fd: int, data, offset: int) -> None:

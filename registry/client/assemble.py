@@ -13,15 +13,14 @@ from __future__ import annotations
 
 import errno
 import os
-import uuid
 from collections.abc import Callable
-from concurrent.futures import Executor, Future, wait
+from concurrent.futures import Executor
 from pathlib import Path
 
 from registry.chunking import ChunkRef
 from registry.client.cache import NodeCache
 from registry.errors import IntegrityError
-from registry.filecheck import BATCH_BYTES, bad_chunks, check_tiling, start_writeback
+from registry.filecheck import BATCH_BYTES, CheckedFile, bad_chunks, check_tiling
 from registry.manifest import FileEntry
 from registry.parallel import sized_batches
 from registry.progress import Progress
@@ -85,13 +84,8 @@ def write_file(entry: FileEntry, dest: Path, cache: NodeCache, refetch: Callable
     yet. ``refetch(id)`` fetches a chunk into the cache again (another process evicted it
     meanwhile, or its cache file failed the check and was dropped)."""
     chunks = check_tiling(entry)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex}.tmp")
-    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
-    checks: list[Future] = []
-    try:
-        os.ftruncate(fd, entry.size)  # sized up front: the checker maps batches while later ones are copied
-        copier = _Copier(cache, fd)
+    with CheckedFile(dest, entry.size, pool) as out:
+        copier = _Copier(cache, out.fd)
 
         def place(c: ChunkRef) -> None:
             if copier.copy(c):
@@ -108,27 +102,15 @@ def write_file(entry: FileEntry, dest: Path, cache: NodeCache, refetch: Callable
         for batch in sized_batches(chunks, lambda c: c.size, BATCH_BYTES):
             for c in batch:
                 place(c)
-            start_writeback(fd, batch)
-            checks.append(pool.submit(bad_chunks, fd, batch))
+            out.finished(batch)
             progress.advance("write", sum(c.size for c in batch))
-        bad = [c for f in checks for c in f.result()]
         refreshed: set[str] = set()
-        for c in bad:  # damaged on the node's disk: drop it, fetch it again, copy it again, once
+        for c in out.bad():  # damaged on the node's disk: drop it, fetch it again, copy it again, once
             if c.id not in refreshed:  # a chunk used twice in the file is fetched once
                 cache.discard(c.id)
                 refreshed.add(c.id)
             place(c)
-            if bad_chunks(fd, [c]):
+            if bad_chunks(out.fd, [c]):
                 raise IntegrityError(f"chunk {c.id} does not match its id even after fetching it again: "
                                      "check this node's disk and memory, then retry")
-        os.fsync(fd)
-        os.close(fd)
-        fd = -1
-        os.replace(tmp, dest)
-    finally:
-        for f in checks:  # on an error, no check may still map the file when its descriptor closes
-            f.cancel()
-        wait(checks)
-        if fd >= 0:
-            os.close(fd)
-        tmp.unlink(missing_ok=True)
+        out.commit()
