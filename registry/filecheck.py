@@ -58,6 +58,14 @@ def bad_chunks(fd: int, batch: list[ChunkRef]) -> list[ChunkRef]:
             view.release()
 
 
+def write_at(fd: int, data, offset: int) -> None:
+    """All of ``data`` at ``offset`` (pwrite may write less than it is given)."""
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
 def _libc_sync_file_range():
     """Linux's sync_file_range, which Python's os module lacks; None elsewhere."""
     try:

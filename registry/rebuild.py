@@ -8,7 +8,6 @@ chunk's xxh3-128 must equal its id; once written, each is checked again where it
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -171,7 +170,7 @@ def write_file(entry: FileEntry, dest: Path, located: dict[str, StoredChunk], pa
                 raw = nxt.result()
                 nxt = side.submit(decode, batches[k + 1]) if k + 1 < len(batches) else None
                 for c in batch:
-                    _write_at(out.fd, raw[c.id], c.offset)
+                    filecheck.write_at(out.fd, raw[c.id], c.offset)
                 out.finished(batch)
                 progress.advance("write", sum(c.size for c in batch))
         bad = out.bad()
@@ -179,13 +178,6 @@ def write_file(entry: FileEntry, dest: Path, located: dict[str, StoredChunk], pa
             raise IntegrityError(f"{entry.path}: chunk {bad[0].id} does not read back from {out.tmp} as it was written: "
                                  "check this machine's disk and memory, then pull again")
         out.commit()
-
-
-def _write_at(fd: int, data, offset: int) -> None:
-    view = memoryview(data)
-    while view:
-        n = os.pwrite(fd, view, offset)
-        view, offset = view[n:], offset + n
 
 
 def rebuild(manifest: Manifest, out: Path, located: dict[str, StoredChunk], payloads: PayloadSource,

@@ -1,7 +1,7 @@
 """Chunks stop recording a sha256 of their own: the column becomes nullable and is no longer written
 
 A chunk is checked against its id (xxh3-128 of its raw bytes) wherever it is decoded, and every
-rebuilt file against its whole-file sha256. The per-chunk sha256 added no check of its own (a
+rebuilt file is checked too. The per-chunk sha256 added no check of its own (a
 chunk found by id is never hashed again, and nothing read the column), yet hashing every new
 chunk cost about a fifth of the CPU of a push whose bytes are all new.
 

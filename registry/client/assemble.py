@@ -20,7 +20,7 @@ from pathlib import Path
 from registry.chunking import ChunkRef
 from registry.client.cache import NodeCache
 from registry.errors import IntegrityError
-from registry.filecheck import BATCH_BYTES, CheckedFile, bad_chunks, check_tiling
+from registry.filecheck import BATCH_BYTES, CheckedFile, bad_chunks, check_tiling, write_at
 from registry.manifest import FileEntry
 from registry.parallel import sized_batches
 from registry.progress import Progress
@@ -69,7 +69,7 @@ class _Copier:
                 n = os.preadv(src, [view], done)
                 if n == 0:
                     return False
-                os.pwrite(self.fd, view[:n], c.offset + done)
+                write_at(self.fd, view[:n], c.offset + done)
                 done += n
             return True
         finally:
