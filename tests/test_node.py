@@ -222,6 +222,30 @@ def test_a_damaged_cached_chunk_is_fetched_again(published, fam, tmp_path):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
 
 
+
+def test_a_pack_lost_behind_the_first_of_a_batch_is_reported_before_the_stream(published, server_env, tmp_path):
+    """The server checks every pack of a download batch before it streams: with the first pack it
+    would read still there and a later one gone, the pull gets the storage error in one line, not
+    a stream that breaks off halfway."""
+    from registry.blobs.packs import pack_key
+    from registry.config import Settings
+    from registry.registry import Registry
+
+    _, env = published
+    reg = Registry(Settings.from_env(server_env))
+    try:
+        ids = list(needed(env, "last-code"))
+        packs = sorted({c.pack_id for c in reg.locate(ids).values()})
+        assert len(packs) >= 2  # 1 MiB packs: the batch spans several
+        for pack_id in packs[1:]:  # the server reads packs in pack id order
+            reg.blobs.delete(pack_key(pack_id))
+    finally:
+        reg.close()
+    proc = mfsreg("pull", "fam", "last-code", "-o", tmp_path / "out", env=env, check=False)
+    assert proc.returncode == 5 and "storage lost data" in proc.stderr and packs[1] in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert not (tmp_path / "out").exists()
+
 def test_pull_copies_by_hand_where_the_kernel_cannot(published, fam, tmp_path, monkeypatch):
     """copy_file_range refuses some pairs of files (another filesystem on older kernels): the pull
     falls back to reading and writing, with the same checks."""
