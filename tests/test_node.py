@@ -8,6 +8,7 @@ import filecmp
 import json
 import os
 import subprocess
+import threading
 from pathlib import Path
 
 import boto3
@@ -20,7 +21,8 @@ from registry.client import ResidentModel, load_tensors
 from registry.client.cache import NodeCache
 from registry.client.remote import RemoteRegistry
 from registry.manifest import Manifest
-from registry.client.torch_loader import Node
+from registry.client.node import refetcher
+from registry.client.torch_loader import Copier, Node, layout
 from tests.cli_run import MFSREG, mfsreg, mfsreg_json
 from tests.server import client_env, servers, server_env, token  # noqa: F401
 
@@ -82,6 +84,72 @@ def test_load_tensors_equals_safetensors_for_every_member(published, fam):
         node.close()
     assert not list(Path(env["MFSREG_CACHE_DIR"]).rglob("*.safetensors"))  # no file was written
 
+
+
+def _equal_to_file(got: dict, path: Path) -> None:
+    want = load_file(str(path))
+    assert got.keys() == want.keys()
+    for name, t in want.items():
+        assert torch.equal(got[name].view(torch.uint8), t.view(torch.uint8)), name
+
+
+def test_copies_fetch_again_what_another_process_evicted(published, fam):
+    """Chunk files that vanish between the fetch and the copy (another process evicted them) are
+    fetched again, all at once, and the tensors still come out whole. Re-fetching from inside the
+    copy threads once waited on the very pool those threads occupy, so this runs with a deadline."""
+    _, env = published
+    # 4 KiB chunks: every tensor spans several, so its chunks are copied on the pool's threads
+    mfsreg_json("push", fam["full-med"], "--family", "fam", "--version", "small-chunks", "--parent", "base",
+                env={**env, "MFSREG_CHUNK_SIZE": str(4 << 10)})
+    node = Node(env["MFSREG_URL"], env["MFSREG_TOKEN"], env["MFSREG_CACHE_DIR"])
+    worker = None
+    try:
+        info = node.fetcher.version("fam", "small-chunks")
+        lay = layout(info)
+        copier = Copier(node.cache, torch.device("cpu"), node.remote.pool)
+        copier.refetch = refetcher(node.fetcher, info)
+        got = {name: copier.empty(span) for name, (span, _) in lay.items()}
+        assert max(len(pieces) for _, pieces in lay.values()) > 2
+        assert not cached_ids(env)  # nothing cached: every copy finds its file gone
+
+        def copy_all():
+            for name, (_, pieces) in lay.items():
+                copier.copy(got[name], pieces)
+
+        worker = threading.Thread(target=copy_all, daemon=True)
+        worker.start()
+        worker.join(timeout=120)
+        assert not worker.is_alive(), "the copies hung fetching evicted chunks again"
+        _equal_to_file(got, fam["full-med"])
+        assert cached_ids(env)  # fetched back into the cache
+    except BaseException:
+        if worker is not None and worker.is_alive():
+            raise  # closing the node would wait for the hung threads: leave them to the process's end
+        node.close()
+        raise
+    node.close()
+
+
+def test_load_tensors_replaces_a_damaged_cached_chunk(published, fam):
+    """A cache file with a flipped byte, or cut short, is dropped and fetched again, and the tensors
+    still equal the pushed file's."""
+    _, env = published
+    node = Node(env["MFSREG_URL"], env["MFSREG_TOKEN"], env["MFSREG_CACHE_DIR"])
+    try:
+        load_tensors("fam", "lora-chat", node=node)
+        rows = node.remote.version_doc("fam", "lora-chat")["chunks"]
+        flipped, cut = sorted(i for i in cached_ids(env) if rows[i][3] >= 8192)[:2]
+        for victim in (flipped, cut):
+            _cache_file(env, victim).chmod(0o644)
+        data = bytearray(_cache_file(env, flipped).read_bytes())
+        data[len(data) // 2] ^= 0x40
+        _cache_file(env, flipped).write_bytes(data)
+        _cache_file(env, cut).write_bytes(_cache_file(env, cut).read_bytes()[:-7])
+        _equal_to_file(load_tensors("fam", "lora-chat", node=node), fam["lora-chat"])
+        for victim in (flipped, cut):
+            assert chunk_id(_cache_file(env, victim).read_bytes()) == victim
+    finally:
+        node.close()
 
 def test_resident_model_switch_copies_only_differing_chunks(published, fam):
     _, env = published

@@ -76,12 +76,12 @@ class _Copier:
             os.close(src)
 
 
-def write_file(entry: FileEntry, dest: Path, cache: NodeCache, refetch: Callable[[str], None],
+def write_file(entry: FileEntry, dest: Path, cache: NodeCache, refetch: Callable[[list[str]], None],
                pool: Executor, progress: Progress, arriving: Callable[[str], None] | None = None) -> None:
     """Write ``entry`` to ``dest`` atomically from cached chunks, each checked in place against its id.
 
     ``arriving(id)``, when given, waits for a chunk that a fetch running alongside has not landed
-    yet. ``refetch(id)`` fetches a chunk into the cache again (another process evicted it
+    yet. ``refetch([id])`` fetches a chunk into the cache again (another process evicted it
     meanwhile, or its cache file failed the check and was dropped)."""
     chunks = check_tiling(entry)
     with CheckedFile(dest, entry.size, pool) as out:
@@ -95,7 +95,7 @@ def write_file(entry: FileEntry, dest: Path, cache: NodeCache, refetch: Callable
                 if copier.copy(c):
                     return
             cache.discard(c.id)  # missing, or a file of the wrong size: either way fetched anew
-            refetch(c.id)
+            refetch([c.id])
             if not copier.copy(c):
                 raise IntegrityError(f"chunk {c.id} keeps leaving the node cache: raise MFSREG_CACHE_MAX")
 

@@ -18,11 +18,12 @@ from registry.rebuild import PullResult, safe_relpath
 
 
 def refetcher(fetcher: Fetcher, info: VersionInfo, stats: FetchStats | None = None):
-    """Fetches one chunk into the cache again (evicted by another process, or found damaged);
-    what crosses the network is added to ``stats``."""
+    """Fetches chunks into the cache again (evicted by another process, or found damaged);
+    what crosses the network is added to ``stats``. Call it from a thread outside the remote's pool:
+    the fetch decodes on that pool."""
 
-    def refetch(chunk_id: str) -> None:
-        got = fetcher.ensure(info.family, [chunk_id], info.located, info.tiers)
+    def refetch(chunk_ids: list[str]) -> None:
+        got = fetcher.ensure(info.family, chunk_ids, info.located, info.tiers)
         if stats is not None:
             stats.fetched_bytes += got.fetched_bytes
             stats.fetched_chunks += got.fetched_chunks

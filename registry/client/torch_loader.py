@@ -98,7 +98,7 @@ class Copier:
 
     def __init__(self, cache: NodeCache, device: torch.device, pool=None):
         self.cache = cache
-        self.refetch = None  # chunk id -> None: fetch again a chunk another process evicted
+        self.refetch = None  # [chunk id] -> None: fetch chunks into the cache again (node.refetcher)
         self.device = device
         self.pool = pool  # CPU: pieces are read on several threads (file reads and xxh3 release the GIL)
         self.cuda = device.type == "cuda"
@@ -122,56 +122,78 @@ class Copier:
         return torch.empty(span.shape, dtype=self.empty_dtype(span), device=self.device)
 
     def copy(self, tensor: torch.Tensor, pieces: list[Piece]) -> int:
-        """Put ``pieces`` into ``tensor`` (mapped or copied); returns their bytes."""
+        """Put ``pieces`` into ``tensor`` (mapped or copied), each checked against its id; returns their bytes.
+        A chunk whose cache file is missing (another process evicted it), cut short or damaged is
+        dropped, fetched again and put in place again, once."""
         if not pieces:
             return 0
         flat = tensor.view(-1).view(torch.uint8) if tensor.dim() else tensor.reshape(1).view(torch.uint8)
-        if not self.cuda:
-            arr = flat.numpy()
-            region = mapping.region_of(tensor) if mapping is not None else None
-
-            def read(p: Piece) -> None:
-                if region is not None and region.can_map(p.start, p.chunk.size):
-                    view = region.map_file(p.start, p.chunk.size, self.cache.chunk_file(p.chunk.id))
-                    if view is not None:
-                        self._check(p.chunk, view)
-                        return
-                self._read(p.chunk, memoryview(arr[p.start : p.start + p.chunk.size]))
-
-            def read_run(run: list[Piece]) -> None:
-                for p in run:
-                    read(p)
-
-            if self.pool is not None and len(pieces) > 1:
-                runs = [pieces[i : i + PIECES_PER_TASK] for i in range(0, len(pieces), PIECES_PER_TASK)]
-                for _ in windowed_map(self.pool, read_run, runs):
-                    pass
-            else:
-                read_run(pieces)
+        if self.cuda:
+            for p in pieces:
+                self._stage(flat, p)
             return sum(p.chunk.size for p in pieces)
-        for p in pieces:
-            n = p.chunk.size
-            if n > STAGE_BYTES:
-                raise InvalidRequest(f"chunk of {n} bytes is larger than the staging buffer")
-            if self.used + n > STAGE_BYTES:
-                self._next_stage()
-            stage = self.stages[self.cur]
-            self._read(p.chunk, memoryview(stage[self.used : self.used + n].numpy()))
-            with torch.cuda.stream(self.stream):
-                flat[p.start : p.start + n].copy_(stage[self.used : self.used + n], non_blocking=True)
-            self.used += n
+        arr = flat.numpy()
+        region = mapping.region_of(tensor) if mapping is not None else None
+
+        def place(p: Piece) -> bool:
+            if region is not None and region.can_map(p.start, p.chunk.size):
+                view = region.map_file(p.start, p.chunk.size, self.cache.chunk_file(p.chunk.id))
+                if view is not None:
+                    return chunk_id(view) == p.chunk.id
+            return self._read(p.chunk, memoryview(arr[p.start : p.start + p.chunk.size]))
+
+        def place_run(run: list[Piece]) -> list[Piece]:
+            return [p for p in run if not place(p)]
+
+        if self.pool is not None and len(pieces) > 1:
+            runs = [pieces[i : i + PIECES_PER_TASK] for i in range(0, len(pieces), PIECES_PER_TASK)]
+            failed = [p for bad in windowed_map(self.pool, place_run, runs) for p in bad]
+        else:
+            failed = place_run(pieces)
+        if failed:
+            # Fetched again here, on the calling thread, never on a pool thread: a fetch decodes on
+            # that same pool, and with every pool thread waiting for it, it would never run.
+            self._renew([p.chunk for p in failed])
+            for p in failed:
+                if not place(p):
+                    raise self._still_bad(p.chunk)
         return sum(p.chunk.size for p in pieces)
 
-    def _read(self, chunk: ChunkRef, view: memoryview) -> None:
-        if not self.cache.read_into(chunk.id, view) and self.refetch is not None:
-            self.refetch(chunk.id)
-            self.cache.read_into(chunk.id, view)
-        self._check(chunk, view)
+    def _stage(self, flat: torch.Tensor, p: Piece) -> None:
+        """GPU: read one chunk into a pinned staging buffer, check it, and queue its copy."""
+        n = p.chunk.size
+        if n > STAGE_BYTES:
+            raise InvalidRequest(f"chunk of {n} bytes is larger than the staging buffer")
+        if self.used + n > STAGE_BYTES:
+            self._next_stage()
+        stage = self.stages[self.cur]
+        view = memoryview(stage[self.used : self.used + n].numpy())
+        if not self._read(p.chunk, view):
+            self._renew([p.chunk])
+            if not self._read(p.chunk, view):
+                raise self._still_bad(p.chunk)
+        with torch.cuda.stream(self.stream):
+            flat[p.start : p.start + n].copy_(stage[self.used : self.used + n], non_blocking=True)
+        self.used += n
+
+    def _read(self, chunk: ChunkRef, view: memoryview) -> bool:
+        """Read a cached chunk into ``view``; False if its file is missing, short or does not match its id."""
+        return self.cache.read_into(chunk.id, view) and chunk_id(view) == chunk.id
+
+    def _renew(self, chunks: list[ChunkRef]) -> None:
+        """Drop these chunks' cache files (missing, cut short or damaged) and fetch them again, in one go."""
+        ids = list(dict.fromkeys(c.id for c in chunks))
+        if self.refetch is None:
+            raise IntegrityError(f"chunk {ids[0]} in the node cache is missing or damaged, and this copy has no "
+                                 "registry to fetch it from: load through registry.client.load_tensors")
+        for i in ids:
+            self.cache.discard(i)
+        self.refetch(ids)
 
     @staticmethod
-    def _check(chunk: ChunkRef, view: memoryview) -> None:
-        if chunk_id(view) != chunk.id:
-            raise IntegrityError(f"chunk {chunk.id} in the node cache is missing or damaged: run `mfsreg cache prune` and retry")
+    def _still_bad(chunk: ChunkRef) -> IntegrityError:
+        return IntegrityError(f"chunk {chunk.id} does not match its id even after fetching it again: "
+                              "check this node's disk and memory, then retry")
 
     def _next_stage(self) -> None:
         ev = torch.cuda.Event()
