@@ -359,3 +359,25 @@ def test_pull_to_an_impossible_path_is_one_line(published, tmp_path):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and "a-file is a file, not a directory" in proc.stderr, proc.stderr
     assert (tmp_path / "a-file").read_text() == "not a directory"
+
+
+def test_a_stale_temp_file_does_not_block_a_cache_write(tmp_path, monkeypatch):
+    """A temp file left by a crashed process that had this pid is cleared, not an error."""
+    import itertools
+
+    from registry.client import cache as cache_mod
+
+    monkeypatch.setattr(cache_mod, "_tmp_seq", itertools.count(7))
+    cache = NodeCache(tmp_path / "cache")
+    try:
+        data = os.urandom(1000)
+        cid = chunk_id(data)
+        stale = Path(cache.chunk_file(cid)).with_name(f".{cid}.{os.getpid()}.7.tmp")
+        stale.parent.mkdir(parents=True)
+        stale.write_bytes(b"junk")
+        stale.chmod(0o444)
+        cache.put(cid, data)
+        assert cache.get(cid) == data and not stale.exists()
+        assert not [p for p in stale.parent.iterdir() if p.name.startswith(".")]
+    finally:
+        cache.close()
