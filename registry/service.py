@@ -33,6 +33,8 @@ from registry.safetensors import MAX_HEADER_BYTES, parse_header
 from registry.tiers import TIERS
 from registry.wire import Entry, encode_index, parse_batch
 
+PACK_LOOKUPS = 8  # concurrent size lookups of one download batch's packs (check_packs)
+
 def _check_encoding(name: str) -> None:
     if not codec.is_known(name):
         raise InvalidRequest(f"unknown chunk encoding {name!r}")
@@ -180,7 +182,8 @@ def check_packs(reg, chunks: list[StoredChunk]) -> None:
     """Every pack the batch reads is in storage and reaches its last chunk, checked before the
     stream starts: a store that lost (or cut short) a pack is answered with an error the client
     can show, instead of a response that breaks off halfway. One size lookup per pack (a HEAD on
-    S3), run concurrently; a batch of tens of MiB touches a few packs."""
+    S3); several packs are looked up a few at a time on threads of their own, since the lookups
+    wait on the network and reg.pool is sized for the CPU work of uploads."""
     ends: dict[str, int] = {}
     for c in chunks:
         ends[c.pack_id] = max(ends.get(c.pack_id, 0), c.offset + c.stored_size)
@@ -191,11 +194,17 @@ def check_packs(reg, chunks: list[StoredChunk]) -> None:
             size = reg.blobs.size(pack_key(pack_id))
         except NotFound as exc:
             return str(exc)
-        return None if size >= end else f"pack {pack_id} holds {size} bytes, its chunks reach byte {end}"
+        return None if size >= end else f"pack {pack_id} holds {size} bytes where its chunks need {end}"
 
-    for found in windowed_map(reg.pool, problem, ends.items()):
-        if found is not None:
-            raise StorageError(f"the registry's storage lost data ({found}): tell the registry's operator")
+    items = list(ends.items())
+    if len(items) <= 1:
+        found = [problem(i) for i in items]
+    else:
+        with ThreadPoolExecutor(max_workers=min(PACK_LOOKUPS, len(items)), thread_name_prefix="mfsreg-packs") as io:
+            found = list(io.map(problem, items))
+    for f in found:
+        if f is not None:
+            raise StorageError(f"the registry's storage lost data ({f}): tell the registry's operator")
 
 
 def stream_chunks(reg, chunks: list[StoredChunk]) -> Iterator[bytes]:

@@ -6,9 +6,10 @@ from __future__ import annotations
 import errno
 import filecmp
 import json
+import mmap
 import os
 import subprocess
-import threading
+import sys
 from pathlib import Path
 
 import boto3
@@ -21,8 +22,7 @@ from registry.client import ResidentModel, load_tensors
 from registry.client.cache import NodeCache
 from registry.client.remote import RemoteRegistry
 from registry.manifest import Manifest
-from registry.client.node import refetcher
-from registry.client.torch_loader import Copier, Node, layout
+from registry.client.torch_loader import Node, layout
 from tests.cli_run import MFSREG, mfsreg, mfsreg_json
 from tests.server import client_env, servers, server_env, token  # noqa: F401
 
@@ -93,52 +93,71 @@ def _equal_to_file(got: dict, path: Path) -> None:
         assert torch.equal(got[name].view(torch.uint8), t.view(torch.uint8)), name
 
 
+_COPY_EVICTED = """
+import sys
+import torch
+from safetensors.torch import load_file
+from registry.client.fetch import Fetcher
+from registry.client.node import refetcher
+from registry.client.remote import RemoteRegistry
+from registry.client.torch_loader import PIECES_PER_TASK, Copier, Node, layout
+
+url, token, cache_dir, path = sys.argv[1:5]
+node = Node(url, token, cache_dir)
+node.remote.close()
+node.remote = RemoteRegistry(url, token=token, workers=2)  # the copies and the fetch's decoding share it
+node.fetcher = Fetcher(node.remote, node.cache)
+info = node.fetcher.version("fam", "small-chunks")
+lay = layout(info)
+longest = max(len(pieces) for _, pieces in lay.values())
+assert -(-longest // PIECES_PER_TASK) >= 2, longest  # a tensor's runs can hold both pool threads at once
+copier = Copier(node.cache, torch.device("cpu"), node.remote.pool)
+copier.refetch = refetcher(node.fetcher, info)
+got = {}
+for name, (span, pieces) in lay.items():  # no fetch ahead: every copy finds its chunk file gone
+    got[name] = copier.empty(span)
+    copier.copy(got[name], pieces)
+want = load_file(path)
+assert got.keys() == want.keys()
+for name, t in want.items():
+    assert torch.equal(got[name].view(torch.uint8), t.view(torch.uint8)), name
+node.close()
+print("whole")
+"""
+
+
 def test_copies_fetch_again_what_another_process_evicted(published, fam):
     """Chunk files that vanish between the fetch and the copy (another process evicted them) are
-    fetched again, all at once, and the tensors still come out whole. Re-fetching from inside the
-    copy threads once waited on the very pool those threads occupy, so this runs with a deadline."""
+    fetched again and the tensors still come out whole. Re-fetching from inside the copy threads
+    once waited on the very pool those threads occupy and hung, so this runs in a process with a
+    deadline."""
     _, env = published
     # 4 KiB chunks: every tensor spans several, so its chunks are copied on the pool's threads
     mfsreg_json("push", fam["full-med"], "--family", "fam", "--version", "small-chunks", "--parent", "base",
                 env={**env, "MFSREG_CHUNK_SIZE": str(4 << 10)})
-    node = Node(env["MFSREG_URL"], env["MFSREG_TOKEN"], env["MFSREG_CACHE_DIR"])
-    worker = None
+    assert not cached_ids(env)
     try:
-        info = node.fetcher.version("fam", "small-chunks")
-        lay = layout(info)
-        copier = Copier(node.cache, torch.device("cpu"), node.remote.pool)
-        copier.refetch = refetcher(node.fetcher, info)
-        got = {name: copier.empty(span) for name, (span, _) in lay.items()}
-        assert max(len(pieces) for _, pieces in lay.values()) > 2
-        assert not cached_ids(env)  # nothing cached: every copy finds its file gone
-
-        def copy_all():
-            for name, (_, pieces) in lay.items():
-                copier.copy(got[name], pieces)
-
-        worker = threading.Thread(target=copy_all, daemon=True)
-        worker.start()
-        worker.join(timeout=120)
-        assert not worker.is_alive(), "the copies hung fetching evicted chunks again"
-        _equal_to_file(got, fam["full-med"])
-        assert cached_ids(env)  # fetched back into the cache
-    except BaseException:
-        if worker is not None and worker.is_alive():
-            raise  # closing the node would wait for the hung threads: leave them to the process's end
-        node.close()
-        raise
-    node.close()
+        proc = subprocess.run([sys.executable, "-c", _COPY_EVICTED, env["MFSREG_URL"], env["MFSREG_TOKEN"],
+                               env["MFSREG_CACHE_DIR"], str(fam["full-med"])], capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the copies hung fetching evicted chunks again")
+    assert proc.returncode == 0 and proc.stdout.strip() == "whole", proc.stderr
+    assert cached_ids(env)  # fetched back into the cache
 
 
 def test_load_tensors_replaces_a_damaged_cached_chunk(published, fam):
-    """A cache file with a flipped byte, or cut short, is dropped and fetched again, and the tensors
-    still equal the pushed file's."""
+    """A cache file with a flipped byte, and one cut short, are dropped and fetched again, and the
+    tensors still equal the pushed file's."""
     _, env = published
     node = Node(env["MFSREG_URL"], env["MFSREG_TOKEN"], env["MFSREG_CACHE_DIR"])
     try:
         load_tensors("fam", "lora-chat", node=node)
-        rows = node.remote.version_doc("fam", "lora-chat")["chunks"]
-        flipped, cut = sorted(i for i in cached_ids(env) if rows[i][3] >= 8192)[:2]
+        # chunks that are mapped into their tensors (page-aligned): the flipped one is mapped and fails
+        # its check; the one cut short is refused by the mapping (its size is wrong) and read instead
+        pieces = [(span, p) for span, ps in layout(node.fetcher.version("fam", "lora-chat")).values() for p in ps]
+        mapped = [p.chunk.id for span, p in pieces if p.start % mmap.PAGESIZE == 0 and p.chunk.size >= 2 * mmap.PAGESIZE
+                  and (p.chunk.size % mmap.PAGESIZE == 0 or p.start + p.chunk.size == span.nbytes)]
+        flipped, cut = list(dict.fromkeys(mapped))[:2]
         for victim in (flipped, cut):
             _cache_file(env, victim).chmod(0o644)
         data = bytearray(_cache_file(env, flipped).read_bytes())
@@ -150,6 +169,7 @@ def test_load_tensors_replaces_a_damaged_cached_chunk(published, fam):
             assert chunk_id(_cache_file(env, victim).read_bytes()) == victim
     finally:
         node.close()
+
 
 def test_resident_model_switch_copies_only_differing_chunks(published, fam):
     _, env = published
@@ -360,24 +380,3 @@ def test_pull_to_an_impossible_path_is_one_line(published, tmp_path):
     assert len(proc.stderr.strip().splitlines()) == 1 and "a-file is a file, not a directory" in proc.stderr, proc.stderr
     assert (tmp_path / "a-file").read_text() == "not a directory"
 
-
-def test_a_stale_temp_file_does_not_block_a_cache_write(tmp_path, monkeypatch):
-    """A temp file left by a crashed process that had this pid is cleared, not an error."""
-    import itertools
-
-    from registry.client import cache as cache_mod
-
-    monkeypatch.setattr(cache_mod, "_tmp_seq", itertools.count(7))
-    cache = NodeCache(tmp_path / "cache")
-    try:
-        data = os.urandom(1000)
-        cid = chunk_id(data)
-        stale = Path(cache.chunk_file(cid)).with_name(f".{cid}.{os.getpid()}.7.tmp")
-        stale.parent.mkdir(parents=True)
-        stale.write_bytes(b"junk")
-        stale.chmod(0o444)
-        cache.put(cid, data)
-        assert cache.get(cid) == data and not stale.exists()
-        assert not [p for p in stale.parent.iterdir() if p.name.startswith(".")]
-    finally:
-        cache.close()

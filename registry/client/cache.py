@@ -19,7 +19,7 @@ import os
 import sqlite3
 import threading
 import time
-import itertools
+import uuid
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -27,7 +27,6 @@ from registry.tiers import EVICTION_ORDER
 
 # Lower ranks go first. Materialised files can be rebuilt from chunks, so they go before any chunk.
 FILE_RANK = -1
-_tmp_seq = itertools.count()  # temp names: the pid and this counter make each unique
 RANK = {tier: i for i, tier in enumerate(EVICTION_ORDER)}  # unique 0, group 1, base 2
 UNKNOWN_RANK = RANK["unique"]
 
@@ -260,23 +259,23 @@ def atomic_write(path: str, data, mode: int = 0o644) -> None:
     """Write ``data`` to ``path`` (a string with "/") under a unique hidden temp name beside it,
     then rename it into place.
 
-    A cold pull writes a thousand or more chunk files a gigabyte: this keeps to four system calls
-    a file (open with the final mode, write, close, rename), making the directory only when the
-    open finds it missing. The mode applies from creation, and the descriptor stays writable."""
+    A cold pull writes a thousand or more chunk files a gigabyte: this keeps to five system calls
+    a file (open, chmod, write, close, rename), making the directory only when the open finds it
+    missing. The temp name is random, not the pid: processes in other pid namespaces (containers)
+    may share the cache. The mode is set exactly, whatever the umask, so every user of a shared
+    cache can read its files."""
     head, _, name = path.rpartition("/")
-    tmp = f"{head}/.{name}.{os.getpid()}.{next(_tmp_seq)}.tmp"
+    tmp = f"{head}/.{name}.{uuid.uuid4().hex}.tmp"
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
     try:
-        fd = os.open(tmp, flags, mode)
+        fd = os.open(tmp, flags, 0o600)
     except FileNotFoundError:
         os.makedirs(head, exist_ok=True)
-        fd = os.open(tmp, flags, mode)
-    except FileExistsError:  # left by a crashed process that had this pid: no live one has it
-        os.unlink(tmp)
-        fd = os.open(tmp, flags, mode)
+        fd = os.open(tmp, flags, 0o600)
     try:
         try:
-            view = memoryview(data)
+            os.fchmod(fd, mode)
+            view = memoryview(data).cast("B")
             while view:
                 view = view[os.write(fd, view):]
         finally:

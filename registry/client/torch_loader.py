@@ -190,8 +190,10 @@ class Copier:
             self.cache.discard(i)
         self.refetch(ids)
 
-    @staticmethod
-    def _still_bad(chunk: ChunkRef) -> IntegrityError:
+    def _still_bad(self, chunk: ChunkRef) -> IntegrityError:
+        """The error for a chunk that failed again after its re-fetch."""
+        if not self.cache.has(chunk.id):  # evicted again meanwhile by another process
+            return IntegrityError(f"chunk {chunk.id} keeps leaving the node cache: raise MFSREG_CACHE_MAX")
         return IntegrityError(f"chunk {chunk.id} does not match its id even after fetching it again: "
                               "check this node's disk and memory, then retry")
 
