@@ -47,7 +47,8 @@ def prune(
     max_size: str = typer.Option(None, "--max-size", help="Shrink to this size (e.g. 20G); default MFSREG_CACHE_MAX."),
     json_: bool = typer.Option(False, "--json"),
 ) -> None:
-    """Evict files, then unique, group and base chunks (least recently used first) down to the limit."""
+    """Evict files, then unique, group and base chunks (least recently used first) down to the limit,
+    and remove temp files that killed writers left (older than an hour)."""
     from registry.client.cache import NodeCache
     from registry.config import parse_size
     from registry.errors import InvalidRequest
@@ -60,10 +61,12 @@ def prune(
     if limit is None:
         raise InvalidRequest("no limit to prune to: give --max-size or set MFSREG_CACHE_MAX")
     removed, freed = cache.evict(limit)
+    temps = cache.sweep_temps()
     if json_:
-        emit_json({"removed": removed, "freed_bytes": freed, "bytes": cache.total_bytes()})
+        emit_json({"removed": removed, "freed_bytes": freed, "bytes": cache.total_bytes(), "temp_files_removed": temps})
     else:
-        typer.echo(f"removed {removed} entries, freed {human_bytes(freed)}")
+        typer.echo(f"removed {removed} entries, freed {human_bytes(freed)}"
+                   + (f", and {temps} temp files left by killed writers" if temps else ""))
 
 
 def _remote(registry: str | None):

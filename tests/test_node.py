@@ -10,6 +10,7 @@ import mmap
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import boto3
@@ -380,3 +381,28 @@ def test_pull_to_an_impossible_path_is_one_line(published, tmp_path):
     assert len(proc.stderr.strip().splitlines()) == 1 and "a-file is a file, not a directory" in proc.stderr, proc.stderr
     assert (tmp_path / "a-file").read_text() == "not a directory"
 
+
+
+def test_prune_removes_temp_files_that_killed_writers_left(tmp_path):
+    """A writer killed mid-write leaves its hidden temp file; prune removes it once it is old, and
+    leaves a fresh one (a live writer's) and every chunk alone."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MFSREG_")}
+    env["MFSREG_CACHE_DIR"] = str(tmp_path / "c")
+    cache = NodeCache(tmp_path / "c")
+    try:
+        data = os.urandom(5000)
+        cid = chunk_id(data)
+        cache.put(cid, data)
+        chunk = Path(cache.chunk_file(cid))
+        old, fresh = chunk.with_name(f".{cid}.dead.tmp"), chunk.with_name(f".{cid}.live.tmp")
+        old_file = cache.root / "files" / ".abc.dead.tmp"
+        for p in (old, fresh, old_file):
+            p.write_bytes(b"partial")
+        hours_ago = time.time() - 2 * 3600
+        for p in (old, old_file):
+            os.utime(p, (hours_ago, hours_ago))
+    finally:
+        cache.close()
+    res = mfsreg_json("cache", "prune", "--max-size", "1G", env=env)
+    assert res["temp_files_removed"] == 2 and res["removed"] == 0
+    assert not old.exists() and not old_file.exists() and fresh.exists() and chunk.read_bytes() == data

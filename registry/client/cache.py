@@ -29,6 +29,7 @@ from registry.tiers import EVICTION_ORDER
 FILE_RANK = -1
 RANK = {tier: i for i, tier in enumerate(EVICTION_ORDER)}  # unique 0, group 1, base 2
 UNKNOWN_RANK = RANK["unique"]
+STALE_TEMP_SECONDS = 3600  # temp files older than this were left by a writer that died
 
 
 def default_cache_dir() -> Path:
@@ -230,6 +231,28 @@ class NodeCache:
         for key in victims:
             (self.file_path(key[5:]) if key.startswith("file:") else self.chunk_path(key)).unlink(missing_ok=True)
         return removed, freed
+
+    def sweep_temps(self, older_than: float = STALE_TEMP_SECONDS) -> int:
+        """Remove temp files that writers left behind (a process killed mid-write) once they are
+        ``older_than`` seconds old: a live writer renames its temp file within seconds. Returns
+        how many went."""
+        cutoff = time.time() - older_than
+        removed = 0
+        dirs = [self.root / "files"] + [Path(e.path) for e in os.scandir(self._chunks) if e.is_dir()]
+        for d in dirs:
+            try:
+                entries = list(os.scandir(d))
+            except FileNotFoundError:
+                continue
+            for e in entries:
+                if e.name.startswith(".") and e.name.endswith(".tmp"):
+                    try:
+                        if e.stat(follow_symlinks=False).st_mtime < cutoff:
+                            os.unlink(e.path)
+                            removed += 1
+                    except FileNotFoundError:
+                        pass  # renamed or removed meanwhile
+        return removed
 
     def stats(self) -> dict:
         rows = self._conn().execute("SELECT rank, COUNT(*), COALESCE(SUM(size), 0) FROM entries GROUP BY rank").fetchall()
