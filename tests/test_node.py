@@ -159,12 +159,7 @@ def test_load_tensors_replaces_a_damaged_cached_chunk(published, fam):
         mapped = [p.chunk.id for span, p in pieces if p.start % mmap.PAGESIZE == 0 and p.chunk.size >= 2 * mmap.PAGESIZE
                   and (p.chunk.size % mmap.PAGESIZE == 0 or p.start + p.chunk.size == span.nbytes)]
         flipped, cut = list(dict.fromkeys(mapped))[:2]
-        for victim in (flipped, cut):
-            _cache_file(env, victim).chmod(0o644)
-        data = bytearray(_cache_file(env, flipped).read_bytes())
-        data[len(data) // 2] ^= 0x40
-        _cache_file(env, flipped).write_bytes(data)
-        _cache_file(env, cut).write_bytes(_cache_file(env, cut).read_bytes()[:-7])
+        _damage(env, flipped, cut)
         _equal_to_file(load_tensors("fam", "lora-chat", node=node), fam["lora-chat"])
         for victim in (flipped, cut):
             assert chunk_id(_cache_file(env, victim).read_bytes()) == victim
@@ -289,6 +284,16 @@ def _cache_file(env: dict, chunk_id: str) -> Path:
     return Path(env["MFSREG_CACHE_DIR"]) / "chunks" / chunk_id[:2] / chunk_id
 
 
+def _damage(env: dict, flipped: str, cut: str) -> None:
+    """Flip one byte in the cache file of ``flipped`` and cut 7 bytes off the one of ``cut``."""
+    for victim in (flipped, cut):
+        _cache_file(env, victim).chmod(0o644)
+    data = bytearray(_cache_file(env, flipped).read_bytes())
+    data[len(data) // 2] ^= 0x40
+    _cache_file(env, flipped).write_bytes(data)
+    _cache_file(env, cut).write_bytes(_cache_file(env, cut).read_bytes()[:-7])
+
+
 def test_a_damaged_cached_chunk_is_fetched_again(published, fam, tmp_path):
     """Files are copied from the cache and checked where they lie: a cache file with a flipped byte,
     or cut short, is dropped, fetched again, and the pull still writes the exact file."""
@@ -297,12 +302,7 @@ def test_a_damaged_cached_chunk_is_fetched_again(published, fam, tmp_path):
     doc = Node(env["MFSREG_URL"], env["MFSREG_TOKEN"], env["MFSREG_CACHE_DIR"]).remote.version_doc("fam", "lora-chat")
     rows, in_file = doc["chunks"], set(Manifest.from_doc(doc["manifest"]).chunk_ids())
     flipped, cut = sorted(i for i in in_file if rows[i][3] > 100)[:2]
-    for victim in (flipped, cut):
-        _cache_file(env, victim).chmod(0o644)
-    data = bytearray(_cache_file(env, flipped).read_bytes())
-    data[len(data) // 2] ^= 0x40
-    _cache_file(env, flipped).write_bytes(data)
-    _cache_file(env, cut).write_bytes(_cache_file(env, cut).read_bytes()[:-7])
+    _damage(env, flipped, cut)
     res = mfsreg_json("pull", "fam", "lora-chat", "-o", tmp_path / "again.out", env=env)
     assert filecmp.cmp(tmp_path / "again.out", fam["lora-chat"], shallow=False)
     assert res["fetched_bytes"] == rows[flipped][1] + rows[cut][1]  # the two chunks' stored bytes, and no more
