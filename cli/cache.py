@@ -69,6 +69,26 @@ def prune(
                    + (f", and {temps} temp files left by killed writers" if temps else ""))
 
 
+@cache_app.command("verify")
+def verify(json_: bool = typer.Option(False, "--json")) -> None:
+    """Hash every cached chunk and materialised file against its name; drop what is damaged
+    (it is fetched again when next needed)."""
+    from cli.progress import progress_for
+    from registry.client.cache import NodeCache
+    from registry.client.scrub import verify_cache
+
+    cache = NodeCache()
+    with progress_for(json_) as progress:
+        result = verify_cache(cache, progress)
+    if json_:
+        emit_json(result)
+        return
+    damaged = len(result["damaged_chunks"]) + len(result["damaged_files"])
+    typer.echo(f"checked {result['chunks']} chunks and {result['files']} files ({human_bytes(result['bytes'])}): "
+               + (f"{damaged} damaged and dropped (fetched again when next needed); check this node's disk"
+                  if damaged else "all intact"))
+
+
 def _remote(registry: str | None):
     import os
 

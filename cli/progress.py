@@ -10,7 +10,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 
 from registry.progress import NullProgress
 
-LABELS = {"hash": "hashed", "skip": "skipped (stored)", "send": "sent", "fetch": "fetched", "write": "written"}
+LABELS = {"hash": "hashed", "skip": "skipped (stored)", "send": "sent", "fetch": "fetched", "write": "written", "verify": "checked"}
 
 
 class RichProgress:

@@ -406,3 +406,38 @@ def test_prune_removes_temp_files_that_killed_writers_left(tmp_path):
     res = mfsreg_json("cache", "prune", "--max-size", "1G", env=env)
     assert res["temp_files_removed"] == 2 and res["removed"] == 0
     assert not old.exists() and not old_file.exists() and fresh.exists() and chunk.read_bytes() == data
+
+
+def test_cache_verify_drops_what_is_damaged_and_keeps_the_rest(tmp_path):
+    """`mfsreg cache verify` hashes every chunk against its name and every materialised file
+    against its sha256: a flipped byte, a cut-short chunk and a damaged file are dropped (files and
+    index rows); intact entries stay, and a second scrub finds nothing."""
+    import hashlib
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MFSREG_")}
+    env["MFSREG_CACHE_DIR"] = str(tmp_path / "c")
+    cache = NodeCache(tmp_path / "c")
+    try:
+        blobs = [os.urandom(3000 + i) for i in range(4)]
+        ids = [chunk_id(b) for b in blobs]
+        cache.put_many((i, b, "base", "fam") for i, b in zip(ids, blobs))
+        whole = os.urandom(10_000)
+        good_sha, bad_sha = hashlib.sha256(whole).hexdigest(), hashlib.sha256(whole[:-1]).hexdigest()
+        for sha, data in ((good_sha, whole), (bad_sha, whole)):  # the second holds bytes of another digest
+            cache.file_path(sha).write_bytes(data)
+            cache.add_file(sha, len(data))
+        flipped, cut = ids[0], ids[1]
+        _damage(env, flipped, cut)
+    finally:
+        cache.close()
+    res = mfsreg_json("cache", "verify", "--json", env=env)
+    assert sorted(res["damaged_chunks"]) == sorted([flipped, cut]) and res["damaged_files"] == [bad_sha]
+    assert res["chunks"] == 4 and res["files"] == 2
+    assert sorted(cached_ids(env)) == sorted(ids[2:])
+    assert not (tmp_path / "c" / "files" / bad_sha).exists() and (tmp_path / "c" / "files" / good_sha).exists()
+    stats = mfsreg_json("cache", "stats", "--json", env=env)
+    assert stats["chunks"] == 2 and stats["by_tier"]["files"]["entries"] == 1
+    again = mfsreg_json("cache", "verify", "--json", env=env)
+    assert again["damaged_chunks"] == [] and again["damaged_files"] == [] and again["chunks"] == 2
+    proc = mfsreg("cache", "verify", env=env)
+    assert "all intact" in proc.stdout

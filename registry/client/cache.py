@@ -147,6 +147,12 @@ class NodeCache:
             db.execute("DELETE FROM entries WHERE key = ?", (chunk_id,))
         self.chunk_path(chunk_id).unlink(missing_ok=True)
 
+    def discard_file(self, sha256: str) -> None:
+        """Drop one materialised file (found damaged): its row, then the file (links elsewhere keep theirs)."""
+        with self._db() as db:
+            db.execute("DELETE FROM entries WHERE key = ?", (f"file:{sha256}",))
+        self.file_path(sha256).unlink(missing_ok=True)
+
     def record(self, items: Iterable[tuple[str, int, str | None, str | None]]) -> None:
         now = time.time()
         rows = [(k, n, RANK.get(t, UNKNOWN_RANK) if t else UNKNOWN_RANK, fam, now) for k, n, t, fam in items]
