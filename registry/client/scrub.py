@@ -30,6 +30,13 @@ def _listing(root: str) -> list[os.DirEntry]:
     return out
 
 
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
 def _sha256(path: str) -> str:
     h = hashlib.sha256()
     with open(path, "rb", buffering=0) as f:
@@ -55,6 +62,7 @@ def verify_cache(cache: NodeCache, progress: Progress | None = None) -> dict:
             continue  # evicted meanwhile
         if not ok:
             cache.discard(e.name)
+            _unlink(e.path)  # a stray file in another subdirectory than its name's: gone all the same
             bad_chunks.append(e.name)
         progress.advance("verify", sizes[e.path])
     for e in files:
