@@ -35,6 +35,7 @@ from registry.wire import Entry, encode_index, parse_batch
 
 PACK_LOOKUPS = 8  # concurrent size lookups of one download batch's packs (check_packs)
 
+
 def _check_encoding(name: str) -> None:
     if not codec.is_known(name):
         raise InvalidRequest(f"unknown chunk encoding {name!r}")
