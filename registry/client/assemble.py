@@ -19,7 +19,6 @@ from pathlib import Path
 
 from registry.chunking import ChunkRef
 from registry.client.cache import NodeCache
-from registry.errors import IntegrityError
 from registry.filecheck import BATCH_BYTES, CheckedFile, bad_chunks, check_tiling, write_at
 from registry.manifest import FileEntry
 from registry.parallel import sized_batches
@@ -81,8 +80,8 @@ def write_file(entry: FileEntry, dest: Path, cache: NodeCache, refetch: Callable
     """Write ``entry`` to ``dest`` atomically from cached chunks, each checked in place against its id.
 
     ``arriving(id)``, when given, waits for a chunk that a fetch running alongside has not landed
-    yet. ``refetch([id])`` fetches a chunk into the cache again (another process evicted it
-    meanwhile, or its cache file failed the check and was dropped)."""
+    yet. ``refetch(ids)`` drops chunks' cache files and fetches them again (another process
+    evicted them meanwhile, or they failed the check)."""
     chunks = check_tiling(entry)
     with CheckedFile(dest, entry.size, pool) as out:
         copier = _Copier(cache, out.fd)
@@ -94,23 +93,19 @@ def write_file(entry: FileEntry, dest: Path, cache: NodeCache, refetch: Callable
                 arriving(c.id)
                 if copier.copy(c):
                     return
-            cache.discard(c.id)  # missing, or a file of the wrong size: either way fetched anew
-            refetch([c.id])
+            refetch([c.id])  # missing, or a file of the wrong size: either way fetched anew
             if not copier.copy(c):
-                raise IntegrityError(f"chunk {c.id} keeps leaving the node cache: raise MFSREG_CACHE_MAX")
+                raise cache.failed_again(c.id)
 
         for batch in sized_batches(chunks, lambda c: c.size, BATCH_BYTES):
             for c in batch:
                 place(c)
             out.finished(batch)
             progress.advance("write", sum(c.size for c in batch))
-        refreshed: set[str] = set()
-        for c in out.bad():  # damaged on the node's disk: drop it, fetch it again, copy it again, once
-            if c.id not in refreshed:  # a chunk used twice in the file is fetched once
-                cache.discard(c.id)
-                refreshed.add(c.id)
-            place(c)
-            if bad_chunks(out.fd, [c]):
-                raise IntegrityError(f"chunk {c.id} does not match its id even after fetching it again: "
-                                     "check this node's disk and memory, then retry")
+        bad = out.bad()
+        if bad:  # damaged on the node's disk: dropped and fetched again in one go, copied again, once
+            refetch(list(dict.fromkeys(c.id for c in bad)))  # a chunk used twice in the file is fetched once
+            for c in bad:
+                if not copier.copy(c) or bad_chunks(out.fd, [c]):
+                    raise cache.failed_again(c.id)
         out.commit()

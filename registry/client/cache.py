@@ -20,9 +20,10 @@ import sqlite3
 import threading
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+from registry.errors import IntegrityError
 from registry.tiers import EVICTION_ORDER
 
 # Lower ranks go first. Materialised files can be rebuilt from chunks, so they go before any chunk.
@@ -147,6 +148,13 @@ class NodeCache:
             db.execute("DELETE FROM entries WHERE key = ?", (chunk_id,))
         self.chunk_path(chunk_id).unlink(missing_ok=True)
 
+    def failed_again(self, chunk_id: str) -> IntegrityError:
+        """The error for a chunk that is missing or damaged even after it was fetched again."""
+        if not self.has(chunk_id):  # evicted again meanwhile by another process
+            return IntegrityError(f"chunk {chunk_id} keeps leaving the node cache: raise MFSREG_CACHE_MAX")
+        return IntegrityError(f"chunk {chunk_id} does not match its id even after fetching it again: "
+                              "check this node's disk and memory, then retry")
+
     def discard_file(self, sha256: str) -> None:
         """Drop one materialised file (found damaged): its row, then the file (links elsewhere keep theirs)."""
         with self._db() as db:
@@ -238,26 +246,32 @@ class NodeCache:
             (self.file_path(key[5:]) if key.startswith("file:") else self.chunk_path(key)).unlink(missing_ok=True)
         return removed, freed
 
+    def disk_files(self) -> Iterator[tuple[str, os.DirEntry]]:
+        """Every plain file on disk, temp files included: ("chunk", entry) for those under chunks/
+        (one level of subdirectories), ("file", entry) for materialised files."""
+        for kind, top, nested in (("chunk", self._chunks, True), ("file", str(self.root / "files"), False)):
+            dirs = [e.path for e in os.scandir(top) if e.is_dir(follow_symlinks=False)] if nested else [top]
+            for d in dirs:
+                try:
+                    entries = list(os.scandir(d))
+                except FileNotFoundError:
+                    continue
+                yield from ((kind, e) for e in entries if e.is_file(follow_symlinks=False))
+
     def sweep_temps(self, older_than: float = STALE_TEMP_SECONDS) -> int:
         """Remove temp files that writers left behind (a process killed mid-write) once they are
         ``older_than`` seconds old: a live writer renames its temp file within seconds. Returns
         how many went."""
         cutoff = time.time() - older_than
         removed = 0
-        dirs = [self.root / "files"] + [Path(e.path) for e in os.scandir(self._chunks) if e.is_dir()]
-        for d in dirs:
-            try:
-                entries = list(os.scandir(d))
-            except FileNotFoundError:
-                continue
-            for e in entries:
-                if e.name.startswith(".") and e.name.endswith(".tmp"):
-                    try:
-                        if e.stat(follow_symlinks=False).st_mtime < cutoff:
-                            os.unlink(e.path)
-                            removed += 1
-                    except FileNotFoundError:
-                        pass  # renamed or removed meanwhile
+        for _, e in self.disk_files():
+            if is_temp(e.name):
+                try:
+                    if e.stat(follow_symlinks=False).st_mtime < cutoff:
+                        os.unlink(e.path)
+                        removed += 1
+                except FileNotFoundError:
+                    pass  # renamed or removed meanwhile
         return removed
 
     def stats(self) -> dict:
@@ -282,6 +296,11 @@ class _Tx:
 
     def __exit__(self, exc_type, *_):
         self.conn.execute("ROLLBACK" if exc_type else "COMMIT")
+
+
+def is_temp(name: str) -> bool:
+    """Whether a file name is one of atomic_write's temp names (hidden, ending in .tmp)."""
+    return name.startswith(".") and name.endswith(".tmp")
 
 
 def atomic_write(path: str, data, mode: int = 0o644) -> None:

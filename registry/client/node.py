@@ -18,11 +18,13 @@ from registry.rebuild import PullResult, safe_relpath
 
 
 def refetcher(fetcher: Fetcher, info: VersionInfo, stats: FetchStats | None = None):
-    """Fetches chunks into the cache again (evicted by another process, or found damaged);
-    what crosses the network is added to ``stats``. Call it from a thread outside the remote's pool:
-    the fetch decodes on that pool."""
+    """Drops chunks' cache files (missing, cut short or found damaged) and fetches them again, in
+    one go; what crosses the network is added to ``stats``. Call it from a thread outside the
+    remote's pool: the fetch decodes on that pool."""
 
     def refetch(chunk_ids: list[str]) -> None:
+        for i in chunk_ids:
+            fetcher.cache.discard(i)
         got = fetcher.ensure(info.family, chunk_ids, info.located, info.tiers)
         if stats is not None:
             stats.fetched_bytes += got.fetched_bytes
@@ -122,7 +124,8 @@ def _materialise_dir(fetcher: Fetcher, info: VersionInfo, out: Path, progress: P
         stored = cache.file_path(entry.sha256)
         # A materialised file is shared by hardlinks and kept read-only; one that is writable again
         # or has another size was changed in place, and is rebuilt rather than handed on.
-        if not stored.exists() or stored.stat().st_size != entry.size or stored.stat().st_mode & 0o222:
+        st = stored.stat() if stored.exists() else None
+        if st is None or st.st_size != entry.size or st.st_mode & 0o222:
             stored.unlink(missing_ok=True)
             assemble.write_file(entry, stored, cache, refetch, fetcher.remote.pool, progress, arriving)
             stored.chmod(0o444)  # read-only: engines only read, and an edit through one link would hit all

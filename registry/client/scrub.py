@@ -5,74 +5,30 @@ a load does, and tells an operator that a node's disk is losing bytes."""
 
 from __future__ import annotations
 
-import hashlib
-import os
+from pathlib import Path
 
-from registry.chunking import chunk_id
-from registry.client.cache import NodeCache
+from registry.chunking import MappedFile, chunk_id, file_sha256
+from registry.client.cache import NodeCache, is_temp
 from registry.progress import NullProgress, Progress
-
-READ_BYTES = 8 << 20  # materialised files are hashed in pieces of this size
-
-
-def _listing(root: str) -> list[os.DirEntry]:
-    """Plain files under ``root`` (one level of subdirectories for chunks), temp files left out."""
-    try:
-        top = list(os.scandir(root))
-    except FileNotFoundError:
-        return []
-    out = []
-    for e in top:
-        if e.is_dir(follow_symlinks=False):
-            out.extend(f for f in os.scandir(e.path) if f.is_file(follow_symlinks=False) and not f.name.startswith("."))
-        elif e.is_file(follow_symlinks=False) and not e.name.startswith("."):
-            out.append(e)
-    return out
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-
-
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb", buffering=0) as f:
-        while piece := f.read(READ_BYTES):
-            h.update(piece)
-    return h.hexdigest()
 
 
 def verify_cache(cache: NodeCache, progress: Progress | None = None) -> dict:
     """Hash everything the cache holds; drop what does not match its name. Returns what was checked
     and what was dropped."""
     progress = progress or NullProgress()
-    chunks = _listing(str(cache.root / "chunks"))
-    files = _listing(str(cache.root / "files"))
-    sizes = {e.path: e.stat(follow_symlinks=False).st_size for e in chunks + files}
-    progress.start("verify", sum(sizes.values()))
-    bad_chunks, bad_files = [], []
-    for e in chunks:
+    found = [(kind, e, e.stat(follow_symlinks=False).st_size) for kind, e in cache.disk_files() if not is_temp(e.name)]
+    progress.start("verify", sum(size for _, _, size in found))
+    damaged: dict[str, list[str]] = {"chunk": [], "file": []}
+    for kind, e, size in found:
         try:
-            with open(e.path, "rb", buffering=0) as f:
-                ok = chunk_id(f.read()) == e.name
+            with MappedFile(Path(e.path)) as mf:
+                ok = (chunk_id(mf.view) if kind == "chunk" else file_sha256(mf.view)) == e.name
         except FileNotFoundError:
             continue  # evicted meanwhile
         if not ok:
-            cache.discard(e.name)
-            _unlink(e.path)  # a stray file in another subdirectory than its name's: gone all the same
-            bad_chunks.append(e.name)
-        progress.advance("verify", sizes[e.path])
-    for e in files:
-        try:
-            ok = _sha256(e.path) == e.name
-        except FileNotFoundError:
-            continue
-        if not ok:
-            cache.discard_file(e.name)
-            bad_files.append(e.name)
-        progress.advance("verify", sizes[e.path])
-    return {"chunks": len(chunks), "files": len(files), "bytes": sum(sizes.values()),
-            "damaged_chunks": bad_chunks, "damaged_files": bad_files}
+            (cache.discard if kind == "chunk" else cache.discard_file)(e.name)
+            Path(e.path).unlink(missing_ok=True)  # a stray file in another subdirectory than its name's goes too
+            damaged[kind].append(e.name)
+        progress.advance("verify", size)
+    return {"chunks": sum(k == "chunk" for k, _, _ in found), "files": sum(k == "file" for k, _, _ in found),
+            "bytes": sum(size for _, _, size in found), "damaged_chunks": damaged["chunk"], "damaged_files": damaged["file"]}

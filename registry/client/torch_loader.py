@@ -156,7 +156,7 @@ class Copier:
             self._renew([p.chunk for p in failed])
             for p in failed:
                 if not place(p):
-                    raise self._still_bad(p.chunk)
+                    raise self.cache.failed_again(p.chunk.id)
         return sum(p.chunk.size for p in pieces)
 
     def _stage(self, flat: torch.Tensor, p: Piece) -> None:
@@ -171,7 +171,7 @@ class Copier:
         if not self._read(p.chunk, view):
             self._renew([p.chunk])
             if not self._read(p.chunk, view):
-                raise self._still_bad(p.chunk)
+                raise self.cache.failed_again(p.chunk.id)
         with torch.cuda.stream(self.stream):
             flat[p.start : p.start + n].copy_(stage[self.used : self.used + n], non_blocking=True)
         self.used += n
@@ -186,16 +186,7 @@ class Copier:
         if self.refetch is None:
             raise IntegrityError(f"chunk {ids[0]} in the node cache is missing or damaged, and this copy has no "
                                  "registry to fetch it from: load through registry.client.load_tensors")
-        for i in ids:
-            self.cache.discard(i)
         self.refetch(ids)
-
-    def _still_bad(self, chunk: ChunkRef) -> IntegrityError:
-        """The error for a chunk that failed again after its re-fetch."""
-        if not self.cache.has(chunk.id):  # evicted again meanwhile by another process
-            return IntegrityError(f"chunk {chunk.id} keeps leaving the node cache: raise MFSREG_CACHE_MAX")
-        return IntegrityError(f"chunk {chunk.id} does not match its id even after fetching it again: "
-                              "check this node's disk and memory, then retry")
 
     def _next_stage(self) -> None:
         ev = torch.cuda.Event()
