@@ -72,7 +72,8 @@ def prune(
 @cache_app.command("verify")
 def verify(json_: bool = typer.Option(False, "--json")) -> None:
     """Hash every cached chunk and materialised file against its name; drop what is damaged
-    (it is fetched again when next needed)."""
+    (it is fetched again when next needed). Exits 1 when it dropped something, like fsck after a
+    repair: the cache is whole again, but a script should hear that this node's disk lost bytes."""
     from cli.progress import progress_for
     from registry.client.cache import NodeCache
     from registry.client.scrub import verify_cache
@@ -80,13 +81,15 @@ def verify(json_: bool = typer.Option(False, "--json")) -> None:
     cache = NodeCache()
     with progress_for(json_) as progress:
         result = verify_cache(cache, progress)
+    damaged = len(result["damaged_chunks"]) + len(result["damaged_files"])
     if json_:
         emit_json(result)
-        return
-    damaged = len(result["damaged_chunks"]) + len(result["damaged_files"])
-    typer.echo(f"checked {result['chunks']} chunks and {result['files']} files ({human_bytes(result['bytes'])}): "
-               + (f"{damaged} damaged and dropped (fetched again when next needed); check this node's disk"
-                  if damaged else "all intact"))
+    else:
+        typer.echo(f"checked {result['chunks']} chunks and {result['files']} files ({human_bytes(result['bytes'])}): "
+                   + (f"{damaged} damaged and dropped (fetched again when next needed); check this node's disk"
+                      if damaged else "all intact"))
+    if damaged:
+        raise typer.Exit(1)
 
 
 def _remote(registry: str | None):

@@ -430,7 +430,9 @@ def test_cache_verify_drops_what_is_damaged_and_keeps_the_rest(tmp_path):
         _damage(env, flipped, cut)
     finally:
         cache.close()
-    res = mfsreg_json("cache", "verify", "--json", env=env)
+    proc = mfsreg("cache", "verify", "--json", env=env, check=False)
+    assert proc.returncode == 1, proc.stderr  # dropped something: a script hears of it
+    res = json.loads(proc.stdout)
     assert sorted(res["damaged_chunks"]) == sorted([flipped, cut]) and res["damaged_files"] == [bad_sha]
     assert res["chunks"] == 4 and res["files"] == 2
     assert sorted(cached_ids(env)) == sorted(ids[2:])
@@ -439,5 +441,5 @@ def test_cache_verify_drops_what_is_damaged_and_keeps_the_rest(tmp_path):
     assert stats["chunks"] == 2 and stats["by_tier"]["files"]["entries"] == 1
     again = mfsreg_json("cache", "verify", "--json", env=env)
     assert again["damaged_chunks"] == [] and again["damaged_files"] == [] and again["chunks"] == 2
-    proc = mfsreg("cache", "verify", env=env)
+    proc = mfsreg("cache", "verify", env=env)  # exits 0: nothing was damaged
     assert "all intact" in proc.stdout
