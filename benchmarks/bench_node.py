@@ -31,6 +31,9 @@ Then each figure is the median of --runs, measured in one process:
   (load_tensors of lora-chat from the warm cache). On the first run the switched tensors are
   compared bit for bit with load_file of lora-chat.
 
+--chunk-size cuts the pushed members at another size than the registry's default (MFSREG_CHUNK_SIZE),
+to see what the size does to loads: see benchmarks/page_mapping.py.
+
 On a machine with a GPU, --device cuda puts tensors there (load_file with device="cuda" beside it);
 the JSON records the device and whether CUDA was available. Writes benchmarks/results/node.json
 and prints a markdown table with the gates.
@@ -54,6 +57,7 @@ from benchmarks import anchors
 from benchmarks.bench_api import Stack
 from benchmarks.common import FAMILY, MB, finish, machine_info, median, table
 from benchmarks.family import DEFAULT_DIR, MEMBERS, Shape, generate
+from registry.config import DEFAULT_CHUNK_SIZE, parse_size
 
 NODE_MEMBERS = ("base", "lora-chat", "vocab-ext", "full-medical")
 COLD = ("lora-chat", "full-medical")
@@ -80,14 +84,15 @@ def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
 
 
 class Bench:
-    def __init__(self, stack: Stack, url: str, paths: dict[str, Path], work: Path, device: str):
+    def __init__(self, stack: Stack, url: str, paths: dict[str, Path], work: Path, device: str,
+                 chunk_size: int | None = None):
         self.stack, self.url, self.token = stack, url, stack.token
-        self.paths, self.work, self.device = paths, work, device
+        self.paths, self.work, self.device, self.chunk_size = paths, work, device, chunk_size
 
     def remote(self):
         from registry.client.remote import RemoteRegistry
 
-        return RemoteRegistry(self.url, token=self.token)
+        return RemoteRegistry(self.url, token=self.token, chunk_size=self.chunk_size)
 
     def fresh_dir(self, what: str) -> Path:
         return Path(tempfile.mkdtemp(prefix=f"{what}-", dir=self.work))
@@ -372,7 +377,8 @@ def _pf(ok: bool) -> str:
 def report(doc: dict) -> str:
     s, g, p = doc["summary"], doc["gates"], doc["params"]
     size = {m: doc["family"]["files"][m] for m in COLD}
-    out = [f"## mfsreg node benchmark (scale {p['scale']:g}, device {p['device']}, median of {p['runs']} runs, "
+    out = [f"## mfsreg node benchmark (scale {p['scale']:g}, chunks of {p.get('chunk_size', DEFAULT_CHUNK_SIZE) >> 10} KiB, "
+           f"device {p['device']}, median of {p['runs']} runs, "
            f"{doc['machine']['cpu_count']} CPUs, load {doc['machine']['loadavg_1_5_15']}; moto S3 + Postgres + mfsreg serve on loopback)", ""]
     rows = []
     for m in COLD:
@@ -437,11 +443,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--data", type=Path, default=DEFAULT_DIR)
     ap.add_argument("--device", default="cpu", help="cpu, or cuda where a GPU exists")
     ap.add_argument("--out", default="node.json", help="file name under benchmarks/results/")
+    ap.add_argument("--chunk-size", default=None, help="cut the pushes at this size (e.g. 2M); default: the registry's")
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available()
     if args.device.startswith("cuda") and not cuda:
         raise SystemExit("--device cuda: torch sees no GPU here (torch.cuda.is_available() is False)")
 
+    chunk_size = parse_size(args.chunk_size) if args.chunk_size else None
     t_start = time.perf_counter()
     family = generate(args.data, args.scale, verbose=True)
     paths = {m: family[m] for m in NODE_MEMBERS}
@@ -450,7 +458,7 @@ def main(argv: list[str] | None = None) -> None:
     stack = Stack(work)
     try:
         url = stack.start_api(f"reg-{uuid.uuid4().hex[:8]}")
-        bench = Bench(stack, url, paths, work, args.device)
+        bench = Bench(stack, url, paths, work, args.device, chunk_size)
         t0 = time.perf_counter()
         pushes = bench.push()
         print(f"pushed {', '.join(NODE_MEMBERS)} through the API in {time.perf_counter() - t0:.1f} s", flush=True)
@@ -463,6 +471,7 @@ def main(argv: list[str] | None = None) -> None:
     doc = {
         "machine": machine_info(),
         "params": {"scale": args.scale, "runs": args.runs, "device": args.device, "cuda_available": cuda,
+                   "chunk_size": chunk_size or DEFAULT_CHUNK_SIZE,
                    "gpu": torch.cuda.get_device_name(0) if cuda else None,
                    "note": ("no GPU on this machine: tensors on CPU" if not cuda else "GPU present"),
                    "s3": "moto server (loopback)", "metadata": "postgres 127.0.0.1", "page_cache": "pre-warmed",

@@ -131,3 +131,24 @@ def test_past_the_mapping_budget_chunks_are_copied(cache, monkeypatch):
     del t
     gc.collect()
     assert mapping._mapped == held - 3  # the region and its one file mapping, freed with the tensor
+
+
+def _vm_size() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+
+
+def test_regions_are_aligned_for_large_folios_and_return_their_slack():
+    """A tensor's region starts on a 2 MiB boundary (a smaller one on its size's power of two), so
+    chunk files mapped into it line up with their page cache folios; the room reserved to align it
+    is given back, so each region costs only its own length of address space."""
+    big = mapping.empty((3 * 2**20 + 5,), torch.uint8)
+    small = mapping.empty((5 * PAGE,), torch.uint8)
+    assert big.data_ptr() % mapping.HUGE == 0 and small.data_ptr() % (4 * PAGE) == 0
+    length = mapping.region_of(big).length
+    before = _vm_size()
+    held = [mapping.empty((3 * 2**20 + 5,), torch.uint8) for _ in range(20)]
+    grown = _vm_size() - before
+    assert all(t.data_ptr() % mapping.HUGE == 0 for t in held)
+    # without giving the slack back this would be 20 * (length + 2 MiB - PAGE); allow 4 MiB of other allocations
+    assert 20 * length <= grown <= 20 * length + (4 << 20), grown

@@ -13,6 +13,13 @@ torch_loader copies). Once checked, a mapped chunk is not checked again: like sa
 loader, the kernel may drop its clean pages and read them again from the cache file.
 Copying instead costs a page fault and a zeroed page per 4 KiB of fresh tensor memory, which is
 most of the time of a copying loader (see benchmarks/bench_node.py).
+
+Each region starts on a 2 MiB boundary (or, if smaller, on its own size rounded down to a power of
+two). A chunk sits at a multiple of the chunk size from its tensor's start, so each chunk file then
+lies at an address aligned like its page cache folio, and the kernel maps a whole large folio per
+fault, or a 2 MiB one with a single page-table entry (PMD), instead of 4 KiB at a time. Measured
+on Linux 6.18 / ext4 (benchmarks/page_mapping.py): mapping and touching 1.16 GB of 1 MiB chunk
+files took 54 ms aligned against 94 unaligned; 2 MiB chunk files, 8 ms.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import weakref
 import torch
 
 PAGE = mmap.PAGESIZE
+HUGE = 2 << 20  # a PMD-mapped page on x86-64 and arm64 with 4 KiB pages
 _PROT = mmap.PROT_READ | mmap.PROT_WRITE
 _MAP_FIXED = 0x10  # the same value on Linux and macOS; absent from Python's mmap module
 
@@ -66,10 +74,7 @@ class Region:
     def __init__(self, nbytes: int):
         self.nbytes = nbytes
         self.length = max(PAGE, -(-nbytes // PAGE) * PAGE)
-        addr = _libc.mmap(None, self.length, _PROT, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
-        if addr in (None, _FAILED):
-            raise MemoryError(f"cannot reserve {self.length} bytes of address space: {os.strerror(ctypes.get_errno())}")
-        self.addr = addr
+        self.addr = _reserve(self.length)
         self.slots: set[int] = set()  # starts of the chunk files mapped into this region
         _charge(1)
 
@@ -124,6 +129,22 @@ class Region:
 
     def view(self, start: int, size: int) -> memoryview:
         return memoryview((ctypes.c_ubyte * size).from_address(self.addr + start)).cast("B")
+
+
+def _reserve(length: int) -> int:
+    """Anonymous memory of ``length`` bytes (a multiple of PAGE), aligned for large folios (see the
+    module's doc): reserved with room to spare, then the slack before and after is unmapped."""
+    align = HUGE if length >= HUGE else max(PAGE, 1 << (length.bit_length() - 1))
+    spare = align - PAGE
+    addr = _libc.mmap(None, length + spare, _PROT, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+    if addr in (None, _FAILED):
+        raise MemoryError(f"cannot reserve {length} bytes of address space: {os.strerror(ctypes.get_errno())}")
+    start = -(-addr // align) * align
+    if start > addr:
+        _libc.munmap(addr, start - addr)
+    if addr + spare > start:
+        _libc.munmap(start + length, addr + spare - start)
+    return start
 
 
 def _charge(n: int) -> None:
