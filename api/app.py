@@ -62,10 +62,14 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
     @app.get("/v1/families", response_model=list[FamilyModel], tags=["read"])
     def families(request: Request, who: Principal = Depends(principal)):
         """Families the caller may read."""
-        return [
-            FamilyModel(family=f.name, versions=f.member_count, base_quorum=f.base_quorum)
-            for f in reg_of(request).families() if who.allows("read", f.name)
-        ]
+        return [_family_model(f) for f in reg_of(request).families() if who.allows("read", f.name)]
+
+    @app.get("/v1/families/{family}", response_model=FamilyModel, tags=["read"])
+    def family(family: str, request: Request, who: Principal = Depends(principal)):
+        """One family: its member count, tier policy and the chunk size every push to it cuts at."""
+        check_name("family", family)
+        who.require("read", family)
+        return _family_model(reg_of(request).family(family))
 
     @app.get("/v1/families/{family}/versions", response_model=list[VersionModel], tags=["read"])
     def versions(family: str, request: Request, who: Principal = Depends(principal)):
@@ -117,7 +121,7 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
         """Step 3: the version becomes visible, atomically, if every chunk is stored."""
         check_name("family", family)
         who.require("push", family)
-        return service.commit(reg_of(request), family, version, body.parent, body.manifest).to_dict()
+        return service.commit(reg_of(request), family, version, body.parent, body.manifest, body.chunk_size).to_dict()
 
     @app.post("/v1/families/{family}/chunks/download", tags=["read"],
               responses={200: {"content": {"application/octet-stream": {}}}})
@@ -137,6 +141,10 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
         return reg_of(request).stats(family)
 
     return app
+
+
+def _family_model(f) -> FamilyModel:
+    return FamilyModel(family=f.name, versions=f.member_count, base_quorum=f.base_quorum, chunk_size=f.chunk_size)
 
 
 def _version_model(v) -> VersionModel:

@@ -26,6 +26,9 @@ class NegotiateResponse(BaseModel):
 class CommitRequest(BaseModel):
     parent: str | None = None
     manifest: dict[str, Any]
+    chunk_size: int | None = Field(None, description="The size the manifest was cut at (the family's: GET "
+                                   "/v1/families/{family}); a new family is created with it. A push cut at "
+                                   "another size than an existing family's is refused (409).")
 
 
 class UploadResponse(BaseModel):
@@ -56,6 +59,7 @@ class FamilyModel(BaseModel):
     family: str
     versions: int
     base_quorum: float
+    chunk_size: int = Field(description="Bytes: every push to the family cuts its tensors at this size.")
 
 
 class VersionModel(BaseModel):

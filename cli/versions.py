@@ -75,11 +75,13 @@ def ls(
     with open_backend(registry) as reg:
         if family is None:
             fams = reg.families()
-            rows = [dict(family=f.name, versions=f.member_count, base_quorum=f.base_quorum) for f in fams]
+            rows = [dict(family=f.name, versions=f.member_count, base_quorum=f.base_quorum, chunk_size=f.chunk_size)
+                    for f in fams]
             if json_:
                 emit_json({"families": rows})
             else:
-                table(None, ["family", "versions", "base quorum"], [[r["family"], r["versions"], r["base_quorum"]] for r in rows])
+                table(None, ["family", "versions", "base quorum", "chunk size"],
+                      [[r["family"], r["versions"], r["base_quorum"], human_bytes(r["chunk_size"])] for r in rows])
             return
         vers = reg.versions(family)
     rows = [

@@ -19,6 +19,12 @@ MIN_CHUNK_SIZE = 4 << 10
 MAX_CHUNK_SIZE = 256 << 20
 
 
+def check_chunk_size(size: int, what: str = "MFSREG_CHUNK_SIZE") -> int:
+    if not MIN_CHUNK_SIZE <= size <= MAX_CHUNK_SIZE:
+        raise InvalidRequest(f"{what}={size} is out of range: use {MIN_CHUNK_SIZE} to {MAX_CHUNK_SIZE} bytes")
+    return size
+
+
 def _size(env: dict, name: str, default: int) -> int:
     raw = env.get(name)
     if raw is None or raw == "":
@@ -65,11 +71,7 @@ class Settings:
     def from_env(cls, env: dict | None = None, **overrides) -> "Settings":
         env = dict(os.environ if env is None else env)
         home = Path(env.get("MFSREG_HOME") or Path.home() / ".mfsreg").expanduser().absolute()
-        chunk_size = _size(env, "MFSREG_CHUNK_SIZE", DEFAULT_CHUNK_SIZE)
-        if not MIN_CHUNK_SIZE <= chunk_size <= MAX_CHUNK_SIZE:
-            raise InvalidRequest(
-                f"MFSREG_CHUNK_SIZE={chunk_size} is out of range: use {MIN_CHUNK_SIZE} to {MAX_CHUNK_SIZE} bytes"
-            )
+        chunk_size = check_chunk_size(_size(env, "MFSREG_CHUNK_SIZE", DEFAULT_CHUNK_SIZE))
         values = dict(
             home=home,
             database_url=env.get("MFSREG_DATABASE_URL") or f"sqlite:///{home / 'registry.db'}",

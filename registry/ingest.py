@@ -21,7 +21,7 @@ from registry.db import versions as version_db
 from registry.db.engine import read_tx, write_tx
 from registry import deltas, results
 from registry.deltas import BasisReader
-from registry.errors import InvalidRequest, NotFound
+from registry.errors import Conflict, InvalidRequest, NotFound
 from registry.hashing import HashJob, encoded_chunks, missing_bytes
 from registry.manifest import Manifest
 from registry.names import check_name
@@ -104,18 +104,32 @@ def check_parent(reg, family: str, parent: str | None) -> None:
             raise NotFound(f"parent version {family}/{parent} does not exist: push it first or drop --parent")
 
 
-def commit_version(reg, family: str, version: str, parent: str | None, manifest: Manifest) -> tuple[int, object | None]:
+def family_chunk_size(reg, family: str) -> int:
+    """The size a push to ``family`` cuts at: the family's own, or for a new family this registry's."""
+    with read_tx(reg.engine) as conn:
+        fam = version_db.find_family(conn, family)
+    return fam.chunk_size if fam is not None else reg.settings.chunk_size
+
+
+def commit_version(reg, family: str, version: str, parent: str | None, manifest: Manifest,
+                   chunk_size: int | None = None) -> tuple[int, object | None]:
     """Make a version visible: one transaction that checks every chunk is stored, writes the
-    version and its chunk uses, and rebalances the family's tiers.
+    version and its chunk uses, and rebalances the family's tiers. ``chunk_size`` is the size the
+    manifest was cut at (None: not known, from a client older than family chunk sizes); a new
+    family is created with it.
 
     Returns (rows that changed tier, None), or (0, existing row) when the same name was committed
     first by someone else (then the caller compares digests).
     """
     with write_tx(reg.engine) as conn:
-        fam = version_db.lock_family(conn, family, create=True)
+        fam = version_db.lock_family(conn, family, chunk_size or reg.settings.chunk_size)
         existing = version_db.find_version(conn, family, version)
         if existing is not None:
             return 0, existing
+        if chunk_size is not None and chunk_size != fam.chunk_size:
+            # Another push created the family cut at another size after this one looked it up.
+            raise Conflict(f"family {family!r} is cut in chunks of {fam.chunk_size:,} bytes, and this push was cut at "
+                           f"{chunk_size:,}: push it again, and it follows the family's size")
         parent_id = None
         if parent is not None:
             prow = version_db.find_version(conn, family, parent)
@@ -148,7 +162,8 @@ def push(reg, path: Path, family: str, version: str, parent: str | None = None, 
     check_push_names(family, version, parent)
     source = open_source(Path(path))  # every input check happens before the registry is touched
     check_parent(reg, family, parent)
-    with HashJob(source, reg.settings.chunk_size, progress) as job:
+    chunk_size = family_chunk_size(reg, family)
+    with HashJob(source, chunk_size, progress) as job:
         ids = job.chunk_ids()
         with read_tx(reg.engine) as conn:
             existing = version_db.find_version(conn, family, version)
@@ -162,7 +177,7 @@ def push(reg, path: Path, family: str, version: str, parent: str | None = None, 
         bases, reader = plan_deltas(reg, family, parent, new_files, ids, missing)
         added = upload_missing(reg, job, missing, reg.pool, progress, bases, reader)
         manifest = job.manifest()  # waits for the file digests, which ran beside the encoding
-    changed, existing = commit_version(reg, family, version, parent, manifest)
+    changed, existing = commit_version(reg, family, version, parent, manifest, chunk_size)
     if existing is not None:  # a concurrent push of the same name committed first
         return existing_result(existing, manifest, family, version, t0)
     return PushResult(

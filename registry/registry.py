@@ -86,6 +86,11 @@ class Registry:
 
     # -- listing -------------------------------------------------------------------------------
 
+    def family(self, family: str) -> version_db.FamilyRow:
+        check_name("family", family)
+        with read_tx(self.engine) as conn:
+            return version_db.get_family(conn, family)
+
     def families(self) -> list[version_db.FamilyRow]:
         with read_tx(self.engine) as conn:
             return version_db.list_families(conn)
@@ -122,7 +127,7 @@ class Registry:
         check_name("family", family)
         check_name("version", version)
         with write_tx(self.engine) as conn:
-            fam = version_db.lock_family(conn, family, create=False)
+            fam = version_db.lock_family(conn, family)
             row = version_db.get_version(conn, family, version)
             ids = version_db.version_chunk_ids(conn, row.id)
             version_db.delete_version(conn, row.id)
@@ -135,7 +140,7 @@ class Registry:
         check_name("family", family)
         check_quorum(quorum)
         with write_tx(self.engine) as conn:
-            fam = version_db.lock_family(conn, family, create=False)
+            fam = version_db.lock_family(conn, family)
             version_db.set_quorum(conn, fam.id, quorum)
             return tier_db.recompute(conn, fam.id, fam.member_count, quorum)
 

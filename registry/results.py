@@ -15,6 +15,7 @@ class FamilyRow:
     name: str
     base_quorum: float
     member_count: int
+    chunk_size: int  # bytes: every member is cut at this size, so that they dedup against each other
 
 
 @dataclass(frozen=True)

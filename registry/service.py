@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from registry import codec
 from registry.blobs.packs import StoredChunk, pack_key
-from registry.config import MAX_CHUNK_SIZE
+from registry.config import MAX_CHUNK_SIZE, check_chunk_size
 from registry.db import chunks as chunk_db
 from registry.db import tiers as tier_db
 from registry.db import versions as version_db
@@ -148,12 +148,14 @@ def _check_headers(reg, manifest: Manifest) -> None:
             raise InvalidRequest(f"manifest does not match its header: {f.path}: tensors differ")
 
 
-def commit(reg, family: str, version: str, parent: str | None, doc: object) -> PushResult:
+def commit(reg, family: str, version: str, parent: str | None, doc: object, chunk_size: int | None = None) -> PushResult:
     t0 = time.perf_counter()
     check_push_names(family, version, parent)
     manifest = parse_doc(doc)
     _check_headers(reg, manifest)
-    changed, existing = commit_version(reg, family, version, parent, manifest)
+    if chunk_size is not None:
+        check_chunk_size(chunk_size, "chunk_size")
+    changed, existing = commit_version(reg, family, version, parent, manifest, chunk_size)
     if existing is not None:
         return existing_result(existing, manifest, family, version, t0)
     n = len(manifest.chunk_ids())

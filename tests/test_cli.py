@@ -20,7 +20,7 @@ def test_json_contract(home_env, fam, tmp_path):
     assert filecmp.cmp(tmp_path / "chat.safetensors", fam["lora-chat"], shallow=False)
 
     ls = mfsreg_json("ls", env=home_env)
-    assert ls["families"] == [{"family": "fam", "versions": 2, "base_quorum": 1.0}]
+    assert ls["families"] == [{"family": "fam", "versions": 2, "base_quorum": 1.0, "chunk_size": 64 << 10}]
     versions = mfsreg_json("ls", "fam", env=home_env)["versions"]
     assert [(v["version"], v["parent"]) for v in versions] == [("base", None), ("chat", "base")]
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 
@@ -79,5 +80,36 @@ def test_chunk_rows_of_the_previous_release_and_this_one_live_side_by_side(db_ur
         command.downgrade(_config(engine), "0003")
         with engine.connect() as conn:
             assert conn.execute(text("SELECT sha256 FROM chunks WHERE id = :id"), {"id": "c" * 32}).scalar() == ""
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.parametrize("env_size, recorded", [(None, 1 << 20), ("256K", 256 << 10)])
+def test_existing_families_get_the_chunk_size_they_were_cut_at(db_url, monkeypatch, env_size, recorded):
+    """Migration 0005 gives each family a chunk size. Existing ones were cut at the previous default,
+    1 MiB, or at MFSREG_CHUNK_SIZE where the operator set it (the upgrade runs in the server's
+    environment); rows a previous-release process creates afterwards get 1 MiB too."""
+    from alembic import command
+    from sqlalchemy import text
+
+    from registry.db.schema import _config
+
+    if env_size is None:
+        monkeypatch.delenv("MFSREG_CHUNK_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("MFSREG_CHUNK_SIZE", env_size)
+    engine = create_db_engine(db_url)
+    try:
+        command.upgrade(_config(engine), "0004")
+        with engine.begin() as conn:
+            conn.execute(text("INSERT INTO families (name) VALUES ('old')"))
+        command.upgrade(_config(engine), "head")
+        with engine.begin() as conn:
+            conn.execute(text("INSERT INTO families (name) VALUES ('by-an-old-process')"))
+            sizes = dict(conn.execute(text("SELECT name, chunk_size FROM families")).all())
+        assert sizes == {"old": recorded, "by-an-old-process": 1 << 20}
+        command.downgrade(_config(engine), "0004")
+        with engine.connect() as conn:
+            assert conn.execute(text("SELECT count(*) FROM families")).scalar() == 2
     finally:
         engine.dispose()

@@ -108,7 +108,7 @@ node = Node(url, token, cache_dir)
 node.remote.close()
 node.remote = RemoteRegistry(url, token=token, workers=2)  # the copies and the fetch's decoding share it
 node.fetcher = Fetcher(node.remote, node.cache)
-info = node.fetcher.version("fam", "small-chunks")
+info = node.fetcher.version("small", "small-chunks")
 lay = layout(info)
 longest = max(len(pieces) for _, pieces in lay.values())
 assert -(-longest // PIECES_PER_TASK) >= 2, longest  # a tensor's runs can hold both pool threads at once
@@ -133,8 +133,9 @@ def test_copies_fetch_again_what_another_process_evicted(published, fam):
     once waited on the very pool those threads occupy and hung, so this runs in a process with a
     deadline."""
     _, env = published
-    # 4 KiB chunks: every tensor spans several, so its chunks are copied on the pool's threads
-    mfsreg_json("push", fam["full-med"], "--family", "fam", "--version", "small-chunks", "--parent", "base",
+    # 4 KiB chunks: every tensor spans several, so its chunks are copied on the pool's threads (in a
+    # family of its own: a push to "fam" would cut at that family's size)
+    mfsreg_json("push", fam["full-med"], "--family", "small", "--version", "small-chunks",
                 env={**env, "MFSREG_CHUNK_SIZE": str(4 << 10)})
     assert not cached_ids(env)
     try:

@@ -36,6 +36,32 @@ def test_members_reuse_the_base_chunks(reg, fam):
     assert vocab.new_bytes < base.new_bytes / 5
 
 
+def test_a_family_keeps_the_chunk_size_of_its_first_push(settings, fam, tmp_path):
+    """Members dedup against each other only if cut alike: a registry whose own chunk size differs
+    (a changed default, another MFSREG_CHUNK_SIZE) cuts a push at the family's size; a new family
+    takes the registry's."""
+    from dataclasses import replace
+
+    from registry.registry import Registry
+
+    with Registry(replace(settings, chunk_size=32 << 10), migrate=True) as reg:
+        reg.push(fam["base"], "fam", "base")
+        assert reg.family("fam").chunk_size == 32 << 10
+    with Registry(replace(settings, chunk_size=128 << 10)) as reg:
+        copy = reg.push(fam["base"], "fam", "base-again")
+        lora = reg.push(fam["lora-chat"], "fam", "lora-chat", parent="base")
+        other = reg.push(fam["base"], "other", "base")
+        assert reg.family("fam").chunk_size == 32 << 10 and reg.family("other").chunk_size == 128 << 10
+        _, manifest = reg.manifest("fam", "lora-chat")
+        out = tmp_path / "lora.out"
+        reg.pull("fam", "lora-chat", out)
+    assert copy.new_chunks == 0 and copy.reused_chunks == copy.chunks  # cut alike: every chunk found
+    assert lora.reused_chunks > lora.chunks // 2
+    assert max(c.size for f in manifest.files for c in f.chunks[1:]) == 32 << 10
+    assert other.chunks < copy.chunks  # the new family was cut at 128 KiB
+    assert filecmp.cmp(out, fam["lora-chat"], shallow=False)
+
+
 def test_repush_stores_no_new_bytes(reg, fam):
     first = reg.push(fam["base"], "fam", "v1")
     again = reg.push(fam["base"], "fam", "v1-again")

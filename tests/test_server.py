@@ -42,7 +42,7 @@ def test_push_pull_ls_show_stats_delete_over_http(servers, server_env, fam, tmp_
         res = mfsreg_json("pull", "fam", name, "-o", out, env=env)
         assert res["digest"] == pushed[name]["digest"]
         assert filecmp.cmp(out, fam[name], shallow=False)
-    assert mfsreg_json("ls", env=env)["families"] == [{"family": "fam", "versions": 3, "base_quorum": 1.0}]
+    assert mfsreg_json("ls", env=env)["families"] == [{"family": "fam", "versions": 3, "base_quorum": 1.0, "chunk_size": 64 << 10}]
     assert [v["version"] for v in mfsreg_json("ls", "fam", env=env)["versions"]] == ["base", "lora-chat", "vocab-ext"]
     show = mfsreg_json("show", "fam", "lora-chat", env=env)
     assert show["digest"] == pushed["lora-chat"]["digest"] and show["files"][0]["tensors"] > 0
@@ -287,3 +287,31 @@ def test_token_scoped_to_one_family_cannot_read_another(servers, server_env, fam
     prefix = tok[:10]
     mfsreg("token", "revoke", prefix, env=server_env)
     assert httpx.get(f"{srv.url}/v1/families", headers=h).status_code == 401
+
+
+def test_pushes_through_the_api_follow_the_familys_chunk_size(servers, server_env, fam, tmp_path):
+    """A client cuts at the family's chunk size (GET /v1/families/{family}), not its own, so it
+    dedups against what is stored; a commit cut at another size is refused and stores nothing."""
+    from registry.client.remote import RemoteRegistry
+
+    (srv,) = servers(1)
+    tok = token(server_env, "push")
+    with RemoteRegistry(srv.url, token=tok, chunk_size=32 << 10) as first:
+        first.push(fam["base"], "fam", "base")
+    with RemoteRegistry(srv.url, token=tok, chunk_size=128 << 10) as second:
+        assert second.family("fam").chunk_size == 32 << 10
+        copy = second.push(fam["base"], "fam", "base-again")
+        second.push(fam["base"], "new-fam", "base")
+        sizes = {f.name: f.chunk_size for f in second.families()}
+    assert copy.sent_bytes == 0 and copy.new_chunks == 0 and copy.reused_chunks == copy.chunks
+    assert sizes == {"fam": 32 << 10, "new-fam": 128 << 10}
+    h = {"Authorization": f"Bearer {tok}"}
+    doc = hash_source(open_source(fam["lora-chat"]), 128 << 10, NullProgress()).to_doc()
+    url = f"{srv.url}/v1/families/fam/versions/lora/commit"
+    r = httpx.post(url, json={"manifest": doc, "chunk_size": 128 << 10}, headers=h)
+    assert r.status_code == 409 and "chunks of 32,768 bytes" in r.json()["detail"], r.text
+    r = httpx.post(url, json={"manifest": doc, "chunk_size": 5}, headers=h)
+    assert r.status_code == 400 and "out of range" in r.json()["detail"], r.text
+    assert httpx.get(f"{srv.url}/v1/families/fam/versions/lora", headers=h).status_code == 404
+    r = httpx.get(f"{srv.url}/v1/families/nope", headers=h)
+    assert r.status_code == 404 and "does not exist" in r.json()["detail"]

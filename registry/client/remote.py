@@ -92,7 +92,8 @@ class RemoteRegistry:
             check_name("version", parent)
         source = open_source(Path(path))
         base = f"/v1/families/{family}/versions/{version}"
-        with HashJob(source, self.chunk_size, progress) as job:
+        chunk_size = self._cut_size(family)
+        with HashJob(source, chunk_size, progress) as job:
             # Negotiate and upload while the whole-file sha256s (the slowest hash) still run on
             # their own thread; they are needed only by the commit.
             def negotiate(m: Manifest) -> dict:
@@ -116,7 +117,7 @@ class RemoteRegistry:
             progress.advance("skip", skipped)
             sent, added = self._upload(family, job, draft, missing, progress, neg.get("bases", {}))
             manifest = job.manifest()
-        res = self._json("POST", f"{base}/commit", json={"parent": parent, "manifest": manifest.to_doc()})
+        res = self._json("POST", f"{base}/commit", json={"parent": parent, "manifest": manifest.to_doc(), "chunk_size": chunk_size})
         return PushResult(**{**res, "new_bytes": added, "new_chunks": len(missing),
                              "reused_chunks": res["chunks"] - len(missing), "sent_bytes": sent,
                              "seconds": time.perf_counter() - t0})
@@ -230,7 +231,19 @@ class RemoteRegistry:
     # -- listing and changes ----------------------------------------------------------------------
 
     def families(self) -> list[FamilyRow]:
-        return [FamilyRow(0, f["family"], f["base_quorum"], f["versions"]) for f in self._json("GET", "/v1/families")]
+        return [_family_row(f) for f in self._json("GET", "/v1/families")]
+
+    def family(self, family: str) -> FamilyRow:
+        check_name("family", family)
+        return _family_row(self._json("GET", f"/v1/families/{family}"))
+
+    def _cut_size(self, family: str) -> int:
+        """The size this push cuts at: the family's, so that it dedups against the members already
+        pushed; this client's own for a new family."""
+        try:
+            return self.family(family).chunk_size
+        except NotFound:
+            return self.chunk_size
 
     def versions(self, family: str | None = None) -> list[VersionRow]:
         if family is None:
@@ -266,3 +279,8 @@ def _raise_for(resp: httpx.Response) -> None:
         detail = resp.text[:200] or resp.reason_phrase
     kind = _STATUS.get(resp.status_code, RegistryError)
     raise kind(f"{detail}" if kind is not RegistryError else f"server answered {resp.status_code}: {detail}")
+
+
+def _family_row(f: dict) -> FamilyRow:
+    # chunk_size: a server older than family chunk sizes cut every family at 1 MiB, its default
+    return FamilyRow(0, f["family"], f["base_quorum"], f["versions"], f.get("chunk_size", 1 << 20))

@@ -1,6 +1,7 @@
 """The metadata tables. Changed only through Alembic migrations (migrations/versions/).
 
-- families: one row per family, with its tier policy (base_quorum) and member count.
+- families: one row per family, with its tier policy (base_quorum), member count and chunk size
+  (fixed by its first push: members dedup against each other only if cut alike).
 - versions: one immutable row per version, written in the same transaction as its chunk uses, so a
   version is visible only once all of its chunks are durable. ``manifest`` is the zstd-compressed
   JSON that rebuilds it byte for byte.
@@ -37,6 +38,8 @@ families = Table(
     Column("name", String(128), nullable=False, unique=True),
     Column("base_quorum", Float, nullable=False, server_default="1.0"),
     Column("member_count", Integer, nullable=False, server_default="0"),
+    # Rows of releases before 0005 were cut at 1 MiB, that release's default (migrations/versions/0005).
+    Column("chunk_size", Integer, nullable=False, server_default=str(1 << 20)),
     Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
 )
 

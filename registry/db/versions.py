@@ -12,12 +12,16 @@ from registry.errors import NotFound
 from registry.results import FamilyRow, VersionRow
 
 
-def lock_family(conn: Connection, name: str, create: bool) -> FamilyRow:
+_FAMILY = (families.c.id, families.c.name, families.c.base_quorum, families.c.member_count, families.c.chunk_size)
+
+
+def lock_family(conn: Connection, name: str, chunk_size: int | None = None) -> FamilyRow:
     """The family row, locked for this transaction (Postgres: FOR UPDATE; SQLite: the write lock is
-    already held). Pushes to one family commit one after another; uploads still run side by side."""
-    if create:
-        conn.execute(insert(conn, families).values(name=name).on_conflict_do_nothing())
-    q = select(families.c.id, families.c.name, families.c.base_quorum, families.c.member_count).where(families.c.name == name)
+    already held). Pushes to one family commit one after another; uploads still run side by side.
+    With ``chunk_size``, a missing family is created, cut at that size."""
+    if chunk_size is not None:
+        conn.execute(insert(conn, families).values(name=name, chunk_size=chunk_size).on_conflict_do_nothing())
+    q = select(*_FAMILY).where(families.c.name == name)
     if conn.dialect.name == "postgresql":
         q = q.with_for_update()
     row = conn.execute(q).first()
@@ -72,12 +76,12 @@ def list_versions(conn: Connection, family: str | None = None) -> list[VersionRo
 
 
 def list_families(conn: Connection) -> list[FamilyRow]:
-    q = select(families.c.id, families.c.name, families.c.base_quorum, families.c.member_count).order_by(families.c.name)
+    q = select(*_FAMILY).order_by(families.c.name)
     return [FamilyRow(*r) for r in conn.execute(q)]
 
 
 def get_family(conn: Connection, name: str) -> FamilyRow:
-    q = select(families.c.id, families.c.name, families.c.base_quorum, families.c.member_count).where(families.c.name == name)
+    q = select(*_FAMILY).where(families.c.name == name)
     row = conn.execute(q).first()
     if row is None:
         raise NotFound(f"family {name!r} does not exist: see `mfsreg ls`")
@@ -145,6 +149,6 @@ def first_version(conn: Connection, family_id: int) -> int | None:
 
 
 def find_family(conn: Connection, name: str) -> FamilyRow | None:
-    q = select(families.c.id, families.c.name, families.c.base_quorum, families.c.member_count).where(families.c.name == name)
+    q = select(*_FAMILY).where(families.c.name == name)
     row = conn.execute(q).first()
     return FamilyRow(*row) if row else None
