@@ -23,7 +23,7 @@ import uuid
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from registry.errors import IntegrityError
+from registry.errors import IntegrityError, StorageError
 from registry.tiers import EVICTION_ORDER
 
 # Lower ranks go first. Materialised files can be rebuilt from chunks, so they go before any chunk.
@@ -76,8 +76,9 @@ class NodeCache:
     def _conn(self) -> sqlite3.Connection:
         conn = getattr(self._local, "conn", None)
         if conn is None:
-            conn = sqlite3.connect(self.root / "index.db", timeout=60, isolation_level=None)
-            conn.execute("PRAGMA journal_mode=WAL")
+            path = self.root / "index.db"
+            conn = sqlite3.connect(path, timeout=60, isolation_level=None)
+            _use_wal(conn, path)
             # The index is bookkeeping (sizes, tiers, last use) beside files that are written and
             # renamed on their own: with NORMAL a crash may lose the last few updates but never
             # corrupts the database, and a load no longer waits for an fsync per touch.
@@ -296,6 +297,28 @@ class _Tx:
 
     def __exit__(self, exc_type, *_):
         self.conn.execute("ROLLBACK" if exc_type else "COMMIT")
+
+
+def _use_wal(conn: sqlite3.Connection, path: Path, wait: float = 60.0) -> None:
+    """Put the index in WAL mode (readers never wait for the writer). The mode is stored in the file,
+    so only the first opening changes it; but that change needs the database to itself, and SQLite
+    answers "database is locked" at once instead of waiting (the busy timeout does not cover it):
+    two processes opening a new cache at the same moment raced here. So retry, briefly."""
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            mode = conn.execute("PRAGMA journal_mode").fetchone()[0]
+            if mode != "wal":
+                mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]  # the old mode if it could not change
+            if mode == "wal":
+                return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc):
+                raise
+        if time.monotonic() > deadline:
+            raise StorageError(f"the node cache's index {path} stays locked: another process holds it; "
+                               "check for a stuck mfsreg process")
+        time.sleep(0.005)
 
 
 def is_temp(name: str) -> bool:
