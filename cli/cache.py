@@ -72,8 +72,8 @@ def prune(
 @cache_app.command("verify")
 def verify(json_: bool = typer.Option(False, "--json")) -> None:
     """Hash every cached chunk and materialised file against its name; drop what is damaged
-    (it is fetched again when next needed). Exits 1 when it dropped something, like fsck after a
-    repair: the cache is whole again, but a script should hear that this node's disk lost bytes."""
+    (it is fetched again when next needed). Exits 4, the code of integrity errors, when it dropped
+    something: the cache is whole again, but a script should hear that this node's disk lost bytes."""
     from cli.progress import progress_for
     from registry.client.cache import NodeCache
     from registry.client.scrub import verify_cache
@@ -89,7 +89,7 @@ def verify(json_: bool = typer.Option(False, "--json")) -> None:
                    + (f"{damaged} damaged and dropped (fetched again when next needed); check this node's disk"
                       if damaged else "all intact"))
     if damaged:
-        raise typer.Exit(1)
+        raise typer.Exit(4)
 
 
 def _remote(registry: str | None):

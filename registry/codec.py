@@ -87,7 +87,7 @@ _WIDE = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
 # Per buffer. A coding thread keeps about 25 named buffers, most of them one stream of a chunk, so
-# a few times the largest chunk it has seen (about 4 MiB at the default 1 MiB chunk size).
+# a few times the largest chunk it has seen (about 8 MiB at the default 2 MiB chunk size).
 SCRATCH_MAX = 16 << 20
 
 

@@ -111,25 +111,33 @@ def family_chunk_size(reg, family: str) -> int:
     return fam.chunk_size if fam is not None else reg.settings.chunk_size
 
 
+def check_cut(manifest: Manifest, family: str, chunk_size: int) -> None:
+    """Refuse a version cut otherwise than its family (members dedup only if cut alike): another push
+    created the family at another size after this one looked it up, or a client older than family
+    chunk sizes cut at its own."""
+    if not manifest.follows_chunk_size(chunk_size):
+        raise Conflict(f"family {family!r} is cut in chunks of {chunk_size:,} bytes and this push is not: push it "
+                       f"again with a client that reads the family's size, or with MFSREG_CHUNK_SIZE={chunk_size}")
+
+
 def commit_version(reg, family: str, version: str, parent: str | None, manifest: Manifest,
                    chunk_size: int | None = None) -> tuple[int, object | None]:
     """Make a version visible: one transaction that checks every chunk is stored, writes the
     version and its chunk uses, and rebalances the family's tiers. ``chunk_size`` is the size the
-    manifest was cut at (None: not known, from a client older than family chunk sizes); a new
-    family is created with it.
+    manifest was cut at (None from a client older than family chunk sizes: then it is read off the
+    manifest's cuts); a new family is created with it.
 
     Returns (rows that changed tier, None), or (0, existing row) when the same name was committed
     first by someone else (then the caller compares digests).
     """
+    if chunk_size is not None and not manifest.follows_chunk_size(chunk_size):
+        raise InvalidRequest(f"the manifest is not cut at the chunk size it names ({chunk_size:,} bytes)")
     with write_tx(reg.engine) as conn:
-        fam = version_db.lock_family(conn, family, chunk_size or reg.settings.chunk_size)
+        fam = version_db.lock_family(conn, family, chunk_size or manifest.cut_size() or reg.settings.chunk_size)
         existing = version_db.find_version(conn, family, version)
         if existing is not None:
             return 0, existing
-        if chunk_size is not None and chunk_size != fam.chunk_size:
-            # Another push created the family cut at another size after this one looked it up.
-            raise Conflict(f"family {family!r} is cut in chunks of {fam.chunk_size:,} bytes, and this push was cut at "
-                           f"{chunk_size:,}: push it again, and it follows the family's size")
+        check_cut(manifest, family, fam.chunk_size)
         parent_id = None
         if parent is not None:
             prow = version_db.find_version(conn, family, parent)

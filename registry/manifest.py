@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import zstandard
 
-from registry.chunking import ChunkRef
+from registry.chunking import ChunkRef, plan_cuts
 from registry.safetensors import TensorSpan
 
 SAFETENSORS = "safetensors"
@@ -62,6 +62,37 @@ class Manifest:
 
     def chunk_sizes(self) -> dict[str, int]:
         return {c.id: c.size for f in self.files for c in f.chunks}
+
+    def follows_chunk_size(self, chunk_size: int) -> bool:
+        """Whether every file is cut exactly as plan_cuts cuts it at ``chunk_size``: only then does
+        this version dedup against members of a family cut at that size."""
+        for f in self.files:
+            header = None
+            if f.kind == SAFETENSORS:
+                if not f.chunks:
+                    return False
+                header = _CutHeader(min(f.chunks, key=lambda c: c.offset).size, f.tensors)  # the header is one chunk, whatever its size
+            want = [(c.offset, c.size) for c in plan_cuts(f.size, header, chunk_size)]
+            if sorted((c.offset, c.size) for c in f.chunks) != sorted(want):
+                return False
+        return True
+
+    def cut_size(self) -> int | None:
+        """The chunk size this manifest was cut at, read off its cuts (for a client that does not say):
+        the largest whole step of a tensor (or blob) cut in several chunks; None if nothing was cut
+        in two, when any size at least as large as its chunks cuts it alike."""
+        steps = []
+        for f in self.files:
+            chunks = sorted(f.chunks, key=lambda c: c.offset)
+            spans = f.tensors if f.kind == SAFETENSORS else (_Span(0, f.size),)
+            i = 0
+            for t in sorted(spans, key=lambda t: t.start):
+                while i < len(chunks) and chunks[i].offset < t.start:
+                    i += 1
+                if i + 1 < len(chunks) and chunks[i].offset == t.start and chunks[i + 1].offset < t.end:
+                    steps.append(chunks[i].size)  # a tensor's first chunk, with another after it: a whole step
+        size = max(steps, default=None)
+        return size if size is not None and self.follows_chunk_size(size) else None
 
     def to_doc(self) -> dict:
         """The manifest as plain JSON values (what is stored, compressed, and what the API carries)."""
@@ -158,3 +189,17 @@ def parse_doc(doc: object, draft: bool = False) -> Manifest:
         if f.kind == SAFETENSORS and not f.chunks:
             raise InvalidRequest(f"malformed manifest: {f.path}: a safetensors file without a header chunk")
     return m
+
+
+@dataclass(frozen=True)
+class _CutHeader:
+    """What plan_cuts reads of a safetensors header, rebuilt from a manifest."""
+
+    header_size: int
+    tensors: tuple[TensorSpan, ...]
+
+
+@dataclass(frozen=True)
+class _Span:
+    start: int
+    end: int

@@ -23,7 +23,7 @@ from registry.db import versions as version_db
 from registry.db.engine import read_tx
 from registry.errors import IntegrityError, InvalidModel, InvalidRequest, NotFound, StorageError
 from registry.deltas import BasisReader, cap_depth
-from registry.ingest import RecordedPacks, check_push_names, commit_version, existing_result, plan_deltas
+from registry.ingest import RecordedPacks, check_cut, check_push_names, commit_version, existing_result, plan_deltas
 from registry.parallel import windowed_map
 from registry.results import PushResult
 from registry.manifest import SAFETENSORS, Manifest, parse_doc
@@ -52,7 +52,10 @@ def negotiate(reg, family: str, version: str, doc: object, parent: str | None = 
     sizes = manifest.chunk_sizes()
     with read_tx(reg.engine) as conn:
         existing = version_db.find_version(conn, family, version)
+        fam = version_db.find_family(conn, family)
         missing = chunk_db.missing_ids(conn, ids)
+    if fam is not None and existing is None:
+        check_cut(manifest, family, fam.chunk_size)  # before anything is uploaded
     bases, _ = plan_deltas(reg, family, parent, [(f.chunks, f.tensors) for f in manifest.files], ids, missing)
     return {
         "bases": bases,

@@ -315,3 +315,32 @@ def test_pushes_through_the_api_follow_the_familys_chunk_size(servers, server_en
     assert httpx.get(f"{srv.url}/v1/families/fam/versions/lora", headers=h).status_code == 404
     r = httpx.get(f"{srv.url}/v1/families/nope", headers=h)
     assert r.status_code == 404 and "does not exist" in r.json()["detail"]
+
+
+def test_a_push_cut_otherwise_than_its_family_is_refused_before_it_uploads(servers, server_env, fam, tmp_path):
+    """A client older than family chunk sizes names no size and cuts at its own: the server reads the
+    size off the manifest's cuts. A new family takes it; a push cut otherwise than an existing family
+    is refused with a 409 at negotiation, before a byte is uploaded, and at commit."""
+    (srv,) = servers(1)
+    h = {"Authorization": f"Bearer {token(server_env, 'push')}"}
+    cut = {size: hash_source(open_source(fam["base"]), size, NullProgress()).to_doc() for size in (32 << 10, 128 << 10)}
+    base = f"{srv.url}/v1/families/old-client"
+    neg = httpx.post(f"{base}/versions/v1/negotiate", json={"manifest": cut[32 << 10]}, headers=h).json()
+    entries = []
+    with open(fam["base"], "rb") as f:
+        data = f.read()
+    for fdoc in cut[32 << 10]["files"]:
+        for cid, off, size, _ in fdoc["chunks"]:
+            if cid in neg["missing"]:
+                entries.append((Entry(cid, size, "raw", size), data[off:off + size]))
+    r = httpx.post(f"{base}/chunks", content=build_batch(entries), headers=h)
+    assert r.status_code == 200, r.text
+    r = httpx.post(f"{base}/versions/v1/commit", json={"manifest": cut[32 << 10]}, headers=h)  # no chunk_size: an old client
+    assert r.status_code == 201, r.text
+    assert httpx.get(base, headers=h).json()["chunk_size"] == 32 << 10
+    keys = bucket_keys(server_env)
+    for step in ("negotiate", "commit"):
+        r = httpx.post(f"{base}/versions/v2/{step}", json={"manifest": cut[128 << 10]}, headers=h)
+        assert r.status_code == 409 and "chunks of 32,768 bytes" in r.json()["detail"], r.text
+    assert bucket_keys(server_env) == keys
+    assert httpx.get(f"{base}/versions/v2", headers=h).status_code == 404

@@ -303,19 +303,20 @@ def _use_wal(conn: sqlite3.Connection, path: Path, wait: float = 60.0) -> None:
     """Put the index in WAL mode (readers never wait for the writer). The mode is stored in the file,
     so only the first opening changes it; but that change needs the database to itself, and SQLite
     answers "database is locked" at once instead of waiting (the busy timeout does not cover it):
-    two processes opening a new cache at the same moment raced here. So retry, briefly."""
+    two processes opening a new cache at the same moment raced here. So retry that, briefly. Where
+    the filesystem cannot do WAL, SQLite keeps its old mode without an error, and so does the cache."""
     deadline = time.monotonic() + wait
     while True:
         try:
-            mode = conn.execute("PRAGMA journal_mode").fetchone()[0]
-            if mode != "wal":
-                mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]  # the old mode if it could not change
-            if mode == "wal":
-                return
+            if conn.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
+                conn.execute("PRAGMA journal_mode=WAL")
+            return
         except sqlite3.OperationalError as exc:
             if "locked" not in str(exc):
+                conn.close()
                 raise
         if time.monotonic() > deadline:
+            conn.close()
             raise StorageError(f"the node cache's index {path} stays locked: another process holds it; "
                                "check for a stuck mfsreg process")
         time.sleep(0.005)

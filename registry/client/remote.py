@@ -35,6 +35,7 @@ from registry.wire import Entry, build_batch, read_stream
 UPLOAD_BATCH = 32 << 20  # bytes of payload per upload request: well under the server's body limit (MFSREG_UPLOAD_BATCH)
 UPLOAD_INFLIGHT = 2  # upload requests at once
 DOWNLOAD_BATCH = 64 << 20  # stored bytes per download request
+LEGACY_CHUNK_SIZE = 1 << 20  # the default before families recorded theirs (migration 0005)
 
 # One table from HTTP status to the registry's error tree (the server sends problem details).
 _STATUS = {400: InvalidRequest, 401: Unauthorized, 403: Forbidden, 404: NotFound, 409: Conflict,
@@ -242,8 +243,12 @@ class RemoteRegistry:
         pushed; this client's own for a new family."""
         try:
             return self.family(family).chunk_size
-        except NotFound:
-            return self.chunk_size
+        except NotFound as exc:
+            if "does not exist" in str(exc):
+                return self.chunk_size  # a new family: this client's size starts it
+            # A server older than family chunk sizes has no such route; its families were cut at
+            # its clients' default then, 1 MiB.
+            return LEGACY_CHUNK_SIZE
 
     def versions(self, family: str | None = None) -> list[VersionRow]:
         if family is None:
@@ -282,5 +287,4 @@ def _raise_for(resp: httpx.Response) -> None:
 
 
 def _family_row(f: dict) -> FamilyRow:
-    # chunk_size: a server older than family chunk sizes cut every family at 1 MiB, its default
-    return FamilyRow(0, f["family"], f["base_quorum"], f["versions"], f.get("chunk_size", 1 << 20))
+    return FamilyRow(0, f["family"], f["base_quorum"], f["versions"], f.get("chunk_size", LEGACY_CHUNK_SIZE))

@@ -45,7 +45,8 @@ if hasattr(torch, "float8_e8m0fnu"):
 FETCH_AHEAD_BYTES = 128 << 20  # raw bytes per fetch batch running ahead of the copies
 STAGE_BYTES = 64 << 20  # each of the two pinned staging buffers on a GPU
 # Chunks one pool task maps and checks on the CPU: a future per 1 MiB chunk cost about as much as
-# mapping it; four per task still spread a tensor's chunks over the cores.
+# mapping it; four per task (8 MiB at the default 2 MiB chunks) still spread a tensor's chunks over
+# the cores.
 PIECES_PER_TASK = 4
 
 
