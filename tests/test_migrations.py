@@ -86,7 +86,7 @@ def test_chunk_rows_of_the_previous_release_and_this_one_live_side_by_side(db_ur
 
 def test_existing_families_get_the_chunk_size_they_were_cut_at(db_url, tmp_path):
     """Migration 0005 gives each family a chunk size, read off its stored manifests: a family whose
-    members were cut at 256 KiB keeps 256 KiB; one with no version, or none of whose tensors was cut
+    members were cut at 32 KiB keeps 32 KiB; one with no version, or none of whose tensors was cut
     in two, gets 1 MiB, the previous default; so do rows a previous-release process creates after
     the upgrade. A downgrade drops the column and keeps the families."""
     from alembic import command
@@ -99,23 +99,23 @@ def test_existing_families_get_the_chunk_size_they_were_cut_at(db_url, tmp_path)
     from tests import synth
 
     path = synth.write(tmp_path / "m.safetensors", synth.base_tensors())
-    cut = {size: hash_source(open_source(path), size, NullProgress()) for size in (256 << 10, 64 << 20)}
-    assert cut[256 << 10].cut_size() == 256 << 10 and cut[64 << 20].cut_size() is None
+    cut = {size: hash_source(open_source(path), size, NullProgress()) for size in (32 << 10, 64 << 20)}
+    assert cut[32 << 10].cut_size() == 32 << 10 and cut[64 << 20].cut_size() is None
     engine = create_db_engine(db_url)
     add_version = text("INSERT INTO versions (family_id, name, digest, logical_bytes, file_count, single_file, manifest) "
                        "VALUES ((SELECT id FROM families WHERE name = :f), 'v1', 'sha256:x', 1, 1, 1, :m)")
     try:
         command.upgrade(_config(engine), "0004")
         with engine.begin() as conn:
-            for name in ("cut-256k", "uncut", "empty"):
+            for name in ("cut-32k", "uncut", "empty"):
                 conn.execute(text("INSERT INTO families (name) VALUES (:f)"), {"f": name})
-            conn.execute(add_version, {"f": "cut-256k", "m": cut[256 << 10].to_bytes()})
+            conn.execute(add_version, {"f": "cut-32k", "m": cut[32 << 10].to_bytes()})
             conn.execute(add_version, {"f": "uncut", "m": cut[64 << 20].to_bytes()})
         command.upgrade(_config(engine), "head")
         with engine.begin() as conn:
             conn.execute(text("INSERT INTO families (name) VALUES ('by-an-old-process')"))
             sizes = dict(conn.execute(text("SELECT name, chunk_size FROM families")).all())
-        assert sizes == {"cut-256k": 256 << 10, "uncut": 1 << 20, "empty": 1 << 20, "by-an-old-process": 1 << 20}
+        assert sizes == {"cut-32k": 32 << 10, "uncut": 1 << 20, "empty": 1 << 20, "by-an-old-process": 1 << 20}
         command.downgrade(_config(engine), "0004")
         with engine.connect() as conn:
             assert conn.execute(text("SELECT count(*) FROM families")).scalar() == 4

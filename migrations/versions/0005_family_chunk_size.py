@@ -42,5 +42,9 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    with op.batch_alter_table("families") as batch_op:
-        batch_op.drop_column("chunk_size")
+    if op.get_bind().dialect.name == "sqlite":
+        # Batch mode would copy the table, and dropping the old one breaks versions' foreign key;
+        # SQLite drops a plain column in place since 3.35.
+        op.execute("ALTER TABLE families DROP COLUMN chunk_size")
+    else:
+        op.drop_column("families", "chunk_size")
