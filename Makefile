@@ -32,6 +32,7 @@ bench: install
 	$(BIN)/python -m benchmarks.bench_delta
 	$(BIN)/python -m benchmarks.bench_api
 	$(BIN)/python -m benchmarks.bench_node
+	$(BIN)/python -m benchmarks.page_mapping
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info registry/*.so
