@@ -132,12 +132,13 @@ def commit_version(reg, family: str, version: str, parent: str | None, manifest:
     """
     if chunk_size is not None and not manifest.follows_chunk_size(chunk_size):
         raise InvalidRequest(f"the manifest is not cut at the chunk size it names ({chunk_size:,} bytes)")
+    cut = chunk_size if chunk_size is not None else manifest.cut_size()  # a size the manifest follows, or None
     with write_tx(reg.engine) as conn:
-        fam = version_db.lock_family(conn, family, chunk_size or manifest.cut_size() or reg.settings.chunk_size)
+        fam = version_db.lock_family(conn, family, cut or reg.settings.chunk_size)
         existing = version_db.find_version(conn, family, version)
         if existing is not None:
             return 0, existing
-        if chunk_size != fam.chunk_size:  # (cuts at a size it names were checked above)
+        if cut != fam.chunk_size:
             check_cut(manifest, family, fam.chunk_size)
         parent_id = None
         if parent is not None:

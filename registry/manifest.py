@@ -81,16 +81,13 @@ class Manifest:
         """The chunk size this manifest was cut at, read off its cuts (for a client that does not say):
         the largest whole step of a tensor (or blob) cut in several chunks; None if nothing was cut
         in two, when any size at least as large as its chunks cuts it alike."""
-        steps = []
+        steps = []  # chunks that end inside their tensor (or blob), so are a whole step long
         for f in self.files:
-            chunks = sorted(f.chunks, key=lambda c: c.offset)
-            spans = f.tensors if f.kind == SAFETENSORS else (_Span(0, f.size),)
-            i = 0
-            for t in sorted(spans, key=lambda t: t.start):
-                while i < len(chunks) and chunks[i].offset < t.start:
-                    i += 1
-                if i + 1 < len(chunks) and chunks[i].offset == t.start and chunks[i + 1].offset < t.end:
-                    steps.append(chunks[i].size)  # a tensor's first chunk, with another after it: a whole step
+            if f.kind == SAFETENSORS:
+                ends = {t.end for t in f.tensors}
+                steps += [c.size for c in f.chunks if c.offset > 0 and c.offset + c.size not in ends]  # not the header
+            else:
+                steps += [c.size for c in f.chunks if c.offset + c.size < f.size]
         size = max(steps, default=None)
         return size if size is not None and self.follows_chunk_size(size) else None
 
@@ -198,8 +195,3 @@ class _CutHeader:
     header_size: int
     tensors: tuple[TensorSpan, ...]
 
-
-@dataclass(frozen=True)
-class _Span:
-    start: int
-    end: int
