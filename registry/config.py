@@ -65,7 +65,6 @@ class Settings:
     pack_size: int = DEFAULT_PACK_SIZE
     workers: int = field(default_factory=lambda: max(1, os.cpu_count() or 1))
     delta: bool = True  # store near-duplicate chunks as deltas against a basis (MFSREG_DELTA=0: exact dedup only)
-    direct_io: bool = True  # a local blob directory moves packs with O_DIRECT (MFSREG_DIRECT_IO=0: through the page cache)
     anonymous_read: bool = False  # server: let requests without a token read
     max_body: int = 256 << 20  # server: largest request body accepted (uploads are batched below it)
 
@@ -86,7 +85,6 @@ class Settings:
             chunk_size=chunk_size,
             pack_size=_size(env, "MFSREG_PACK_SIZE", DEFAULT_PACK_SIZE),
             delta=env.get("MFSREG_DELTA", "1").lower() not in ("0", "false", "no", "off"),
-            direct_io=env.get("MFSREG_DIRECT_IO", "1").lower() not in ("0", "false", "no", "off"),
             anonymous_read=env.get("MFSREG_ANONYMOUS_READ", "").lower() in ("1", "true", "yes", "on"),
             max_body=_size(env, "MFSREG_MAX_BODY", 256 << 20),
         )

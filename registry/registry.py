@@ -34,7 +34,7 @@ class Registry:
         with read_tx(self.engine):
             pass  # surfaces an unreachable database as a StorageError before anything else
         schema.ensure_current(self.engine, auto_upgrade=auto)
-        self.blobs = open_blob_store(self.settings.blob_url, self.settings.s3_endpoint_url, self.settings.direct_io)
+        self.blobs = open_blob_store(self.settings.blob_url, self.settings.s3_endpoint_url)
         self.pool = ThreadPoolExecutor(max_workers=self.settings.workers, thread_name_prefix="mfsreg")
 
     def ping(self) -> None:

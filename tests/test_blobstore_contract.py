@@ -7,7 +7,6 @@ exists on that backend alone (unreachable endpoint, missing bucket, multipart).
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import os
 import socket
@@ -19,10 +18,8 @@ import pytest
 
 from registry.blobs import open_blob_store
 from registry.blobs.base import BlobStore
-from registry.blobs.local import LocalBlobStore
 from registry.blobs.packs import PackWriter, StoredChunk, read_payloads
 from registry.blobs.s3 import MULTIPART_CHUNK, MULTIPART_THRESHOLD, S3BlobStore
-from registry.config import Settings
 from registry.errors import InvalidRequest, NotFound, StorageError
 from tests.s3server import s3_bucket, s3_server  # noqa: F401  (fixtures)
 
@@ -295,67 +292,3 @@ def test_s3_no_credentials(s3_bucket, monkeypatch, tmp_path):
 def test_s3_bad_url():
     with pytest.raises(InvalidRequest):
         open_blob_store("s3:///prefix-only")
-
-
-# Local directory alone: direct I/O --------------------------------------------------------------
-
-# Past the 8 MiB staging buffer twice, and a length that is no multiple of a disk block.
-ODD_LENGTH = (19 << 20) - 1234
-
-
-@pytest.fixture(scope="module")
-def odd_data() -> bytes:
-    return big_data(19)[:ODD_LENGTH]
-
-
-# ranges that start and end off block boundaries, cross staging buffers, and sit under DIRECT_MIN
-ODD_RANGES = [(0, ODD_LENGTH), (4095, 4097 + (1 << 20)), ((8 << 20) - 5, (16 << 20) + 5),
-              (ODD_LENGTH - (1 << 20) - 3, ODD_LENGTH), (1, 2), (ODD_LENGTH - 1, ODD_LENGTH)]
-
-
-@pytest.mark.parametrize("direct", [True, False])
-def test_local_direct_and_buffered_io_store_the_same_bytes(tmp_path, odd_data, direct):
-    store = LocalBlobStore(tmp_path / "blobs", direct=direct)
-    store.put("packs/odd.pack", odd_data)
-    assert store.direct is direct  # this filesystem (ext4 or tmpfs) takes O_DIRECT
-    # the zero padding of the last block is cut off again: the file holds the bytes and no more
-    assert (tmp_path / "blobs" / "packs" / "odd.pack").read_bytes() == odd_data
-    assert store.get_ranges("packs/odd.pack", ODD_RANGES) == [odd_data[s:e] for s, e in ODD_RANGES]
-    assert not [p.name for p in (tmp_path / "blobs" / "packs").iterdir() if p.name.startswith(".")]
-
-
-def _refuse_o_direct(monkeypatch):
-    """The filesystem of tmpfs before Linux 6.6, or of some network mounts: open(O_DIRECT) -> EINVAL."""
-    real_open = os.open
-
-    def refusing(path, flags, *args, **kwargs):
-        if flags & os.O_DIRECT:
-            raise OSError(errno.EINVAL, "Invalid argument")
-        return real_open(path, flags, *args, **kwargs)
-
-    monkeypatch.setattr(os, "open", refusing)
-
-
-def test_local_put_falls_back_to_buffered_where_o_direct_is_refused(tmp_path, odd_data, monkeypatch):
-    _refuse_o_direct(monkeypatch)
-    store = LocalBlobStore(tmp_path / "blobs")
-    store.put("packs/odd.pack", odd_data)
-    assert store.direct is False  # remembered: the next put does not try again
-    assert store.get_ranges("packs/odd.pack", ODD_RANGES) == [odd_data[s:e] for s, e in ODD_RANGES]
-    assert [p.name for p in (tmp_path / "blobs" / "packs").iterdir()] == ["odd.pack"]  # no temp file left
-
-
-def test_local_get_falls_back_to_buffered_where_o_direct_is_refused(tmp_path, odd_data, monkeypatch):
-    LocalBlobStore(tmp_path / "blobs").put("packs/odd.pack", odd_data)  # written with O_DIRECT
-    _refuse_o_direct(monkeypatch)
-    store = LocalBlobStore(tmp_path / "blobs")
-    assert store.get_ranges("packs/odd.pack", ODD_RANGES) == [odd_data[s:e] for s, e in ODD_RANGES]
-    assert store.direct is False
-
-
-def test_direct_io_setting_reaches_the_blob_store(tmp_path):
-    on = Settings.from_env({"MFSREG_HOME": str(tmp_path / "a")})
-    off = Settings.from_env({"MFSREG_HOME": str(tmp_path / "b"), "MFSREG_DIRECT_IO": "0"})
-    assert (on.direct_io, off.direct_io) == (True, False)
-    assert open_blob_store(on.blob_url, direct_io=on.direct_io).direct is True
-    assert open_blob_store(off.blob_url, direct_io=off.direct_io).direct is False

@@ -8,14 +8,13 @@ from registry.blobs.base import BlobStore
 from registry.errors import InvalidRequest
 
 
-def open_blob_store(url: str, s3_endpoint_url: str | None = None, direct_io: bool = True) -> BlobStore:
-    """Open the blob store named by ``url``: ``file:///dir`` or ``s3://bucket/prefix``. ``direct_io``:
-    a local directory moves packs with O_DIRECT where the filesystem allows (see local.py)."""
+def open_blob_store(url: str, s3_endpoint_url: str | None = None) -> BlobStore:
+    """Open the blob store named by ``url``: ``file:///dir`` or ``s3://bucket/prefix``."""
     parsed = urlparse(url)
     if parsed.scheme == "file":
         from registry.blobs.local import LocalBlobStore
 
-        return LocalBlobStore(parsed.path, direct=direct_io)
+        return LocalBlobStore(parsed.path)
     if parsed.scheme == "s3":
         from registry.blobs.s3 import S3BlobStore
 
