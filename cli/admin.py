@@ -1,10 +1,12 @@
-"""Admin commands on the metadata database: `db upgrade`, `family quorum`."""
+"""Admin commands, run where the metadata database is: `db upgrade`, `family quorum`, `prune`."""
 
 from __future__ import annotations
 
 import typer
 
-from cli.output import emit_json
+from cli.backend import RegistryOption
+from cli.output import emit_json, human_bytes
+from cli.progress import progress_for
 
 db_app = typer.Typer(help="The metadata database.", no_args_is_help=True)
 family_app = typer.Typer(help="Family settings.", no_args_is_help=True)
@@ -37,3 +39,44 @@ def quorum(
         emit_json({"family": family, "base_quorum": value, "tier_changes": changed})
     else:
         typer.echo(f"{family}: base quorum {value}; {changed} chunks changed tier")
+
+
+def prune(
+    min_age: str = typer.Option(
+        "1h", "--min-age", help="Grace period: chunks recorded and packs retired more recently than this stay "
+        "(a push may not have committed yet; a pull may still read a retired pack). 0 when nothing else runs."),
+    max_unused: float = typer.Option(0.1, "--max-unused", help="Repack a pack when more than this share of it is unused."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Only say what would be deleted and freed."),
+    json_: bool = typer.Option(False, "--json"),
+    registry: str = RegistryOption,
+) -> None:
+    """Delete the chunks no version needs and give back their space: packs left empty are deleted,
+    packs mostly unused are repacked. Chunks that deltas of stored versions need are kept."""
+    from registry.config import parse_duration
+    from registry.errors import InvalidRequest
+    from registry.registry import Registry
+
+    if registry:
+        raise InvalidRequest("prune runs where the registry's database is: run it on the server's host, with "
+                             "MFSREG_DATABASE_URL and MFSREG_BLOB_URL set and without MFSREG_URL")
+    try:
+        seconds = parse_duration(min_age)
+    except ValueError:
+        raise InvalidRequest(f"--min-age {min_age!r}: give seconds, or a number with s, m, h or d (e.g. 1h)") from None
+    with Registry() as reg, progress_for(json_) as progress:
+        res = reg.prune(seconds, max_unused, dry_run, progress)
+    if json_:
+        emit_json(res.to_dict())
+        return
+    if dry_run:
+        head = (f"would delete {res.deleted_chunks} chunks no version needs ({human_bytes(res.deleted_chunk_bytes)}); "
+                f"would repack {res.repacked_packs} packs ({human_bytes(res.moved_bytes)} to move); would delete "
+                f"{res.deleted_packs} pack blobs, freeing {human_bytes(res.freed_bytes)}")
+    else:
+        head = (f"deleted {res.deleted_chunks} chunks no version needs ({human_bytes(res.deleted_chunk_bytes)}); "
+                f"repacked {res.repacked_packs} packs ({human_bytes(res.moved_bytes)} moved); deleted "
+                f"{res.deleted_packs} pack blobs, freeing {human_bytes(res.freed_bytes)}")
+    typer.echo(head)
+    if res.waiting_packs:
+        typer.echo(f"{res.waiting_packs} retired packs ({human_bytes(res.waiting_bytes)}) wait out --min-age {min_age}; "
+                   "a later prune deletes them")

@@ -10,7 +10,8 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 
 from registry.progress import NullProgress
 
-LABELS = {"hash": "hashed", "skip": "skipped (stored)", "send": "sent", "fetch": "fetched", "write": "written", "verify": "checked"}
+LABELS = {"hash": "hashed", "skip": "skipped (stored)", "send": "sent", "fetch": "fetched", "write": "written", "verify": "checked",
+          "repack": "repacked"}
 
 
 class RichProgress:

@@ -55,6 +55,22 @@ def parse_size(text: str) -> int:
     return int(value)
 
 
+_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(text: str) -> float:
+    """Parse '90', '90s', '30m', '1h', '2d' into seconds (zero or more)."""
+    t = text.strip().lower()
+    mult = _SECONDS.get(t[-1:], None)
+    try:
+        value = float(t[:-1] if mult else t) * (mult or 1)
+    except ValueError:
+        raise ValueError(text) from None
+    if not 0 <= value < float("inf"):  # also refuses nan
+        raise ValueError(text)
+    return value
+
+
 @dataclass(frozen=True)
 class Settings:
     home: Path

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from registry.blobs.packs import PackWriter, StoredChunk
 from registry.db import chunks as chunk_db
+from registry.db import prune as prune_db
 from registry.db import tiers as tier_db
 from registry.db import versions as version_db
 from registry.db.engine import read_tx, write_tx
@@ -134,6 +135,7 @@ def commit_version(reg, family: str, version: str, parent: str | None, manifest:
         raise InvalidRequest(f"the manifest is not cut at the chunk size it names ({chunk_size:,} bytes)")
     cut = chunk_size if chunk_size is not None else manifest.cut_size()  # a size the manifest follows, or None
     with write_tx(reg.engine) as conn:
+        prune_db.exclude_prune(conn)  # the chunks checked below stay until this commit is in
         fam = version_db.lock_family(conn, family, cut or reg.settings.chunk_size)
         existing = version_db.find_version(conn, family, version)
         if existing is not None:

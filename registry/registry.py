@@ -9,7 +9,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from registry import ingest, rebuild
+from registry import ingest, prune, rebuild
 from registry.blobs import open_blob_store
 from registry.blobs.packs import StoredChunk, read_payloads
 from registry.config import Settings
@@ -121,9 +121,8 @@ class Registry:
 
     def delete(self, family: str, version: str) -> DeleteResult:
         """Remove a version and re-tier its family; its children now descend from its parent. Chunks
-        that no version needs any more become unreferenced (see stats' ``unreferenced_bytes``); their
-        bytes stay in their packs until pack compaction exists, and a later push of the same bytes
-        reuses them."""
+        that no version needs any more become unreferenced (see stats' ``unreferenced_bytes``): a
+        later push of the same bytes reuses them, and ``prune`` gives back their space."""
         check_name("family", family)
         check_name("version", version)
         with write_tx(self.engine) as conn:
@@ -134,6 +133,11 @@ class Registry:
             changed, dropped = tier_db.remove_member(conn, fam.id, ids, fam.member_count, fam.base_quorum)
             version_db.set_member_count(conn, fam.id, fam.member_count - 1)
         return DeleteResult(family, version, changed, len(dropped))
+
+    def prune(self, min_age: float = prune.DEFAULT_MIN_AGE, max_unused: float = prune.DEFAULT_MAX_UNUSED,
+              dry_run: bool = False, progress: Progress | None = None) -> prune.PruneResult:
+        """Delete the chunks no version needs and give back their space (registry/prune.py)."""
+        return prune.prune(self, min_age, max_unused, dry_run, progress)
 
     def set_base_quorum(self, family: str, quorum: float) -> int:
         """Change a family's base quorum and re-tier its chunks; returns rows that changed tier."""

@@ -5,7 +5,7 @@
 - sharing_ratio: logical / stored
 - per version: logical bytes, the stored bytes it needs (its chunks and the bases of its deltas),
   of those the bytes stored as deltas and as plain chunks, and the stored bytes it alone holds
-  (deleting it makes them unreferenced; packs are not compacted yet, so no disk space is returned)
+  (deleting it makes them unreferenced; registry/prune.py then gives back their space)
 - per encoding: chunks, raw bytes and stored bytes
 """
 
@@ -25,7 +25,7 @@ def compute_stats(engine, family: str | None = None) -> dict:
         tiers = q.tier_totals(conn, family)
         encodings = q.encodings(conn, family)
         per_version = q.version_figures(conn, family)
-        pack_bytes, orphan_bytes = q.storage_totals(conn) if family is None else (None, None)
+        pack_bytes, orphan_bytes, retired_bytes = q.storage_totals(conn) if family is None else (None, None, None)
     stored = sum(b for _, b in tiers.values())
     out = {
         "scope": family or "registry",
@@ -45,4 +45,5 @@ def compute_stats(engine, family: str | None = None) -> dict:
     if family is None:
         out["pack_bytes"] = pack_bytes
         out["unreferenced_bytes"] = orphan_bytes
+        out["retired_pack_bytes"] = retired_bytes
     return out

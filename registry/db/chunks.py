@@ -23,7 +23,7 @@ def record_pack(conn: Connection, pack_id: str, size: int, stored: Sequence[Stor
     """Record a durable pack and its chunks; returns the stored bytes of the chunks that were new.
 
     A chunk that a concurrent push recorded first keeps its first location (ON CONFLICT DO
-    NOTHING); the copy in this pack is dead weight until packs are compacted.
+    NOTHING); the copy in this pack is dead weight until prune repacks it (registry/prune.py).
     """
     conn.execute(insert(conn, packs).values(id=pack_id, size=size).on_conflict_do_nothing())
     # Sorted rows: two transactions inserting overlapping ids lock them in the same order (no deadlock).

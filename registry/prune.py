@@ -1,0 +1,169 @@
+"""Prune: give back the space of chunks that no version needs (restic's prune, for our packs).
+
+Deleting a version only drops its references: its chunks stay in their packs, so that deleting is
+quick and a push of the same bytes can reuse them. Prune is the step that frees the space:
+
+- Needed chunks: every chunk a version uses. version_chunks holds each version's chunks and the
+  bases of its deltas (ingest.commit_version), so a basis stays as long as any delta needs it.
+  Also kept: chunks recorded within the grace period ``min_age`` (a push that uploaded them may not
+  have committed yet), and, transitively, the bases of every chunk kept.
+- Every other chunk row is deleted.
+- A pack that holds no kept chunk is retired. A pack whose unused share is over ``max_unused`` is
+  repacked: its kept chunks' payloads are copied as they are stored (no re-encoding) into new
+  packs, their rows pointed there, and the old pack retired.
+- A retired pack's blob is deleted once it has been retired for ``min_age``: a pull that located
+  chunks in it just before may still be reading it. With ``min_age`` 0, in the same run.
+
+Concurrency: prune decides what to delete in one transaction that commits wait for
+(db/prune.exclude_prune). A version committed before it keeps its chunks; one committing after
+finds a deleted chunk missing and is refused (NotFound: upload, then commit again), never left
+with a hole. One prune runs at a time per registry.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from datetime import timedelta
+
+from registry.blobs.packs import PackWriter, StoredChunk, pack_key
+from registry.db import prune as q
+from registry.db.engine import read_tx, write_tx
+from registry.errors import InvalidRequest, NotFound
+from registry.progress import NullProgress, Progress
+
+DEFAULT_MIN_AGE = 3600.0  # seconds: longer than any push between its first upload and its commit
+DEFAULT_MAX_UNUSED = 0.1  # a pack with more than this share of unused bytes is repacked
+
+
+@dataclass(frozen=True)
+class PruneResult:
+    dry_run: bool
+    deleted_chunks: int  # chunk rows no version needs, deleted (or that would be, in a dry run)
+    deleted_chunk_bytes: int  # their stored bytes
+    repacked_packs: int
+    moved_bytes: int  # stored bytes of kept chunks copied into new packs
+    retired_packs: int  # packs taken out of use by this run
+    deleted_packs: int  # pack blobs deleted by this run (retired now or by an earlier run)
+    freed_bytes: int  # bytes of those blobs
+    waiting_packs: int  # retired packs whose blobs wait out min_age
+    waiting_bytes: int
+    seconds: float
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def check_prune_args(min_age: float, max_unused: float) -> None:
+    if not min_age >= 0:
+        raise InvalidRequest(f"min age {min_age} s: give zero or more seconds")
+    if not 0 <= max_unused < 1:
+        raise InvalidRequest(f"max unused {max_unused}: give a share of a pack in [0, 1), e.g. 0.1")
+
+
+@dataclass(frozen=True)
+class _Plan:
+    garbage: list[q.ChunkState]
+    retire: list[str]  # packs without a kept chunk
+    repack: list[str]  # packs with too much unused space
+    to_move: int  # stored bytes of the kept chunks in ``repack``
+
+
+def _plan(states: list[q.ChunkState], sizes: dict[str, int], max_unused: float) -> _Plan:
+    kept = {c.id for c in states if c.used or not c.settled}
+    basis = {c.id: c.basis_id for c in states}
+    todo = [b for i in kept if (b := basis.get(i))]
+    while todo:  # bases of kept chunks down their chains (a used chunk's bases are used already)
+        b = todo.pop()
+        if b in basis and b not in kept:
+            kept.add(b)
+            if basis[b]:
+                todo.append(basis[b])
+    live: dict[str, int] = defaultdict(int)
+    for c in states:
+        if c.id in kept:
+            live[c.pack_id] += c.stored_size
+    retire = [p for p in sizes if live[p] == 0]
+    repack = [p for p, size in sizes.items() if 0 < live[p] and size - live[p] > max_unused * size]
+    return _Plan([c for c in states if c.id not in kept], retire, repack, sum(live[p] for p in repack))
+
+
+def prune(reg, min_age: float = DEFAULT_MIN_AGE, max_unused: float = DEFAULT_MAX_UNUSED, dry_run: bool = False,
+          progress: Progress | None = None) -> PruneResult:
+    """Delete what no version needs and free its space (see the module docstring); with ``dry_run``,
+    only say what that would do."""
+    check_prune_args(min_age, max_unused)
+    progress = progress or NullProgress()
+    t0 = time.perf_counter()
+    grace = timedelta(seconds=min_age)
+    with q.one_prune_at_a_time(reg.engine):
+        with (read_tx if dry_run else write_tx)(reg.engine) as conn:
+            if not dry_run:
+                q.exclude_commits(conn)
+            now = q.db_now(conn)
+            sizes = q.pack_sizes(conn)
+            plan = _plan(q.chunk_states(conn, now - grace), sizes, max_unused)
+            if not dry_run:
+                q.delete_chunks(conn, [c.id for c in plan.garbage])
+                q.retire_packs(conn, plan.retire)
+        if dry_run:
+            retiring = [(p, sizes[p]) for p in plan.retire + plan.repack]
+            with read_tx(reg.engine) as conn:
+                due = q.retired(conn, q.db_now(conn) - grace) + (retiring if min_age == 0 else [])
+                waiting = [r for r in q.retired(conn) + retiring if r not in due]
+        else:
+            _repack(reg, plan.repack, progress)
+            with read_tx(reg.engine) as conn:
+                due = q.retired(conn, q.db_now(conn) - grace)
+            _delete_blobs(reg, due)
+            with read_tx(reg.engine) as conn:
+                waiting = q.retired(conn)
+    return PruneResult(
+        dry_run=dry_run,
+        deleted_chunks=len(plan.garbage), deleted_chunk_bytes=sum(c.stored_size for c in plan.garbage),
+        repacked_packs=len(plan.repack), moved_bytes=plan.to_move,
+        retired_packs=len(plan.retire) + len(plan.repack),
+        deleted_packs=len(due), freed_bytes=sum(s for _, s in due),
+        waiting_packs=len(waiting), waiting_bytes=sum(s for _, s in waiting),
+        seconds=time.perf_counter() - t0,
+    )
+
+
+def _repack(reg, pack_ids: list[str], progress: Progress) -> None:
+    """Copy the chunks still in ``pack_ids`` into new packs, point their rows there, and retire the
+    old packs. Payloads are copied as stored: the new pack's bytes are
+    the old ones, so nothing is decoded or encoded again."""
+    with read_tx(reg.engine) as conn:
+        rows = {p: q.chunks_in(conn, p) for p in pack_ids}
+    progress.start("repack", sum(r[3] for rs in rows.values() for r in rs))
+    old_pack: dict[str, str] = {}
+
+    def record(pack_id: str, size: int, stored: list[StoredChunk]) -> None:
+        with write_tx(reg.engine) as conn:
+            q.record_moved(conn, pack_id, size, [(c.id, old_pack[c.id], c.offset) for c in stored])
+
+    writer = PackWriter(reg.blobs, reg.settings.pack_size, record)
+    for pack_id, chunk_rows in rows.items():
+        located = [StoredChunk(cid, size, enc, stored, pack_id, off, basis, depth)
+                   for cid, size, enc, stored, off, basis, depth in chunk_rows]
+        try:
+            for c, payload in reg.read_payloads(located):
+                old_pack[c.id] = pack_id
+                writer.add(c.id, c.size, c.encoding, payload, c.basis_id, c.depth)
+                progress.advance("repack", c.stored_size)
+        except NotFound as exc:
+            raise NotFound(f"cannot repack pack {pack_id}: {exc}; nothing was deleted from it") from None
+    writer.flush()
+    with write_tx(reg.engine) as conn:
+        # every row moved: a pack is retired only once no chunk row points into it
+        q.retire_packs(conn, [p for p in pack_ids if q.still_pointing(conn, p) == 0])
+
+
+def _delete_blobs(reg, due: list[tuple[str, int]]) -> None:
+    """Delete the blobs of retired packs, then forget them (a blob already gone is no error: a run
+    that stopped between the two steps left it so)."""
+    for pack_id, _ in due:
+        reg.blobs.delete(pack_key(pack_id))
+    with write_tx(reg.engine) as conn:
+        q.forget_retired(conn, [p for p, _ in due])

@@ -1,0 +1,214 @@
+"""Prune: the space of chunks no version needs comes back; everything a version needs stays whole."""
+
+from __future__ import annotations
+
+import filecmp
+from datetime import datetime, timezone
+
+import pytest
+from sqlalchemy import func, select, update
+
+from registry.config import Settings
+from registry.db import prune as prune_db
+from registry.db.engine import read_tx, write_tx
+from registry.db.models import chunks, packs, retired_packs
+from registry.errors import Conflict, InvalidRequest, NotFound
+from registry.hashing import HashJob
+from registry.ingest import commit_version, upload_missing
+from registry.progress import NullProgress
+from registry.registry import Registry
+from registry.source import open_source
+from tests.cli_run import mfsreg, mfsreg_json
+
+LONG_AGO = datetime(2020, 1, 1, tzinfo=timezone.utc)
+HOUR = 3600.0
+
+
+def pack_blobs(reg) -> set[str]:
+    return {k for k in reg.blobs.list("packs/")}
+
+
+def table_packs(reg) -> set[str]:
+    with read_tx(reg.engine) as conn:
+        return {f"packs/{i[:2]}/{i}.pack" for i in conn.execute(select(packs.c.id)).scalars()}
+
+
+def chunk_bytes(reg) -> int:
+    with read_tx(reg.engine) as conn:
+        return int(conn.execute(select(func.coalesce(func.sum(chunks.c.stored_size), 0))).scalar_one())
+
+
+def age(reg, table, column) -> None:
+    """Move every row's timestamp back to long ago, as if the grace period had passed."""
+    with write_tx(reg.engine) as conn:
+        conn.execute(update(table).values({column: LONG_AGO}))
+
+
+def upload_without_commit(reg, path, family: str = "fam") -> set[str]:
+    """What a push does before its commit (or a push killed just before it): its new chunks stored and
+    recorded, no version. Returns their ids."""
+    with HashJob(open_source(path), reg.settings.chunk_size, NullProgress()) as job:
+        ids = job.chunk_ids()
+        missing = set(ids) - set(reg.locate(ids))
+        upload_missing(reg, job, missing, reg.pool, NullProgress())
+    return missing
+
+
+def pulls_whole(reg, fam, tmp_path, *names) -> None:
+    for name in names:
+        out = tmp_path / f"pulled-{name}"
+        reg.pull("fam", name, out)
+        assert filecmp.cmp(out, fam[name], shallow=False), name
+
+
+def push_family_and_delete_two(reg, fam) -> None:
+    reg.push(fam["base"], "fam", "base")
+    for name in ("lora-chat", "full-med", "vocab-ext"):
+        reg.push(fam[name], "fam", name, parent="base")
+    reg.delete("fam", "lora-chat")
+    reg.delete("fam", "vocab-ext")
+
+
+def test_prune_gives_back_the_space_of_deleted_versions(reg, fam, tmp_path):
+    push_family_and_delete_two(reg, fam)
+    before = reg.stats()
+    assert before["unreferenced_bytes"] > 0
+
+    res = reg.prune(min_age=0, max_unused=0)
+
+    after = reg.stats()
+    assert res.deleted_chunks > 0 and res.deleted_chunk_bytes == before["unreferenced_bytes"]
+    assert after["unreferenced_bytes"] == 0
+    assert res.freed_bytes > 0 and res.waiting_packs == 0
+    # with max_unused 0 every pack left holds only chunks versions need, and every blob has its row
+    assert after["pack_bytes"] == chunk_bytes(reg) == after["stored_bytes"]
+    assert pack_blobs(reg) == table_packs(reg)
+    assert before["pack_bytes"] - after["pack_bytes"] == res.freed_bytes - res.moved_bytes
+    pulls_whole(reg, fam, tmp_path, "base", "full-med")
+
+    again = reg.prune(min_age=0, max_unused=0)  # nothing left to do
+    assert (again.deleted_chunks, again.repacked_packs, again.retired_packs, again.freed_bytes) == (0, 0, 0, 0)
+
+
+def test_prune_keeps_the_bases_that_deltas_need(reg, fam, tmp_path):
+    reg.push(fam["base"], "fam", "base")
+    reg.push(fam["full-med"], "fam", "full-med", parent="base")
+    _, m = reg.manifest("fam", "full-med")
+    bases = {c.basis_id for c in reg.locate(m.chunk_ids()).values() if c.basis_id}
+    assert bases and not bases & set(m.chunk_ids())  # base's chunks, needed by full-med's deltas only
+    reg.delete("fam", "base")
+
+    reg.prune(min_age=0, max_unused=0)
+
+    assert set(reg.locate(bases)) == bases
+    pulls_whole(reg, fam, tmp_path, "full-med")
+
+
+def test_prune_spares_what_a_push_in_flight_stored(reg, fam, tmp_path):
+    reg.push(fam["base"], "fam", "base")
+    in_flight = upload_without_commit(reg, fam["lora-chat"])
+    assert in_flight and reg.stats()["unreferenced_bytes"] > 0
+
+    res = reg.prune(min_age=HOUR, max_unused=0)  # recorded moments ago: inside the grace period
+    assert res.deleted_chunks == 0 and set(reg.locate(in_flight)) == in_flight
+
+    age(reg, chunks, "created_at")  # the push died an hour ago
+    res = reg.prune(min_age=HOUR, max_unused=0)
+    assert res.deleted_chunks == len(in_flight) and not reg.locate(in_flight)
+    pulls_whole(reg, fam, tmp_path, "base")
+
+
+def test_a_commit_whose_chunks_were_pruned_is_refused_whole(reg, fam):
+    reg.push(fam["base"], "fam", "base")
+    _, m = reg.manifest("fam", "base")
+    reg.delete("fam", "base")
+    reg.prune(min_age=0)
+    # a push that found these chunks stored before the prune, committing after it
+    with pytest.raises(NotFound, match="not stored"):
+        commit_version(reg, "fam", "base-again", None, m, reg.settings.chunk_size)
+    assert [v.name for v in reg.versions("fam")] == []
+
+
+def test_retired_packs_wait_out_the_grace_period(reg, fam, tmp_path):
+    push_family_and_delete_two(reg, fam)
+    age(reg, chunks, "created_at")
+
+    first = reg.prune(min_age=HOUR, max_unused=0)
+    assert first.retired_packs > 0 and first.deleted_packs == 0
+    assert first.waiting_packs == first.retired_packs
+    assert reg.stats()["retired_pack_bytes"] == first.waiting_bytes > 0
+    assert pack_blobs(reg) > table_packs(reg)  # the retired blobs are still there for readers
+    pulls_whole(reg, fam, tmp_path, "base", "full-med")
+
+    age(reg, retired_packs, "retired_at")
+    second = reg.prune(min_age=HOUR, max_unused=0)
+    assert (second.deleted_packs, second.freed_bytes) == (first.waiting_packs, first.waiting_bytes)
+    assert second.waiting_packs == 0 and pack_blobs(reg) == table_packs(reg)
+    assert reg.stats()["retired_pack_bytes"] == 0
+    pulls_whole(reg, fam, tmp_path, "base", "full-med")
+
+
+def test_dry_run_changes_nothing_and_foretells_the_real_run(reg, fam):
+    push_family_and_delete_two(reg, fam)
+    before = (reg.stats(), pack_blobs(reg), chunk_bytes(reg))
+
+    dry = reg.prune(min_age=0, max_unused=0, dry_run=True)
+    assert (reg.stats(), pack_blobs(reg), chunk_bytes(reg)) == before
+
+    real = reg.prune(min_age=0, max_unused=0)
+    fields = ("deleted_chunks", "deleted_chunk_bytes", "repacked_packs", "moved_bytes", "retired_packs",
+              "deleted_packs", "freed_bytes", "waiting_packs")
+    assert dry.dry_run and not real.dry_run
+    assert {f: getattr(dry, f) for f in fields} == {f: getattr(real, f) for f in fields}
+
+
+def test_packs_under_the_unused_share_are_left_alone(reg, fam):
+    push_family_and_delete_two(reg, fam)
+    res = reg.prune(min_age=0, max_unused=0.99)  # only packs with nothing needed go
+    assert res.repacked_packs == 0 and res.moved_bytes == 0
+    assert reg.stats()["pack_bytes"] >= chunk_bytes(reg)
+
+
+def test_one_prune_at_a_time(reg):
+    with prune_db.one_prune_at_a_time(reg.engine):
+        with pytest.raises(Conflict, match="another prune is running"):
+            reg.prune(min_age=0)
+    reg.prune(min_age=0)  # the lock is released
+
+
+@pytest.mark.parametrize("min_age, max_unused", [(-1, 0.1), (float("nan"), 0.1), (0, 1.0), (0, -0.1)])
+def test_prune_refuses_bad_arguments(reg, min_age, max_unused):
+    with pytest.raises(InvalidRequest):
+        reg.prune(min_age=min_age, max_unused=max_unused)
+
+
+def test_prune_on_s3(tmp_path, fam, s3_blob_url):
+    blob_url, endpoint = s3_blob_url
+    settings = Settings.from_env({"MFSREG_HOME": str(tmp_path / "home")}, blob_url=blob_url,
+                                 s3_endpoint_url=endpoint, chunk_size=64 << 10, pack_size=1 << 20)
+    with Registry(settings, migrate=True) as reg:
+        push_family_and_delete_two(reg, fam)
+        res = reg.prune(min_age=0, max_unused=0)
+        assert res.freed_bytes > 0 and reg.stats()["unreferenced_bytes"] == 0
+        assert pack_blobs(reg) == table_packs(reg)
+        pulls_whole(reg, fam, tmp_path, "base", "full-med")
+
+
+def test_cli_prune(home_env, fam):
+    mfsreg("push", fam["base"], "--family", "fam", "--version", "base", env=home_env)
+    mfsreg("push", fam["lora-chat"], "--family", "fam", "--version", "chat", env=home_env)
+    mfsreg("delete", "fam", "chat", env=home_env)
+    dry = mfsreg_json("prune", "--min-age", "0", "--dry-run", env=home_env)
+    out = mfsreg_json("prune", "--min-age", "0s", "--max-unused", "0", env=home_env)
+    assert dry["dry_run"] and not out["dry_run"]
+    assert out["deleted_chunks"] == dry["deleted_chunks"] > 0 and out["freed_bytes"] > 0
+    text = mfsreg("prune", env=home_env).stdout  # the default grace period: nothing recent goes
+    assert "deleted 0 chunks" in text
+
+
+@pytest.mark.parametrize("args, what", [(["--min-age", "5x"], "min-age"), (["--min-age", "-1h"], "min-age"),
+                                        (["--max-unused", "1.5"], "max unused")])
+def test_cli_prune_bad_arguments(home_env, args, what):
+    proc = mfsreg("prune", *args, env=home_env, check=False)
+    assert proc.returncode == 2
+    assert len(proc.stderr.strip().splitlines()) == 1 and what in proc.stderr
