@@ -20,6 +20,7 @@ from registry.db import prune as prune_db
 from registry.db import tiers as tier_db
 from registry.db import versions as version_db
 from registry.db.engine import read_tx, write_tx
+from registry.db.locks import exclude_prune
 from registry import deltas, results
 from registry.deltas import BasisReader
 from registry.errors import Conflict, InvalidRequest, NotFound
@@ -67,9 +68,13 @@ class RecordedPacks(PackWriter):
     ``added`` counts the stored bytes of chunks this writer really added."""
 
     def __init__(self, reg):
-        super().__init__(reg.blobs, reg.settings.pack_size, self._record)
+        super().__init__(reg.blobs, reg.settings.pack_size, self._record, self._announce)
         self._engine = reg.engine
         self.added = 0
+
+    def _announce(self, pack_id: str, size: int) -> None:
+        with write_tx(self._engine) as conn:
+            prune_db.announce_pack(conn, pack_id, size)
 
     def _record(self, pack_id: str, size: int, stored: list[StoredChunk]) -> None:
         with write_tx(self._engine) as conn:
@@ -135,7 +140,7 @@ def commit_version(reg, family: str, version: str, parent: str | None, manifest:
         raise InvalidRequest(f"the manifest is not cut at the chunk size it names ({chunk_size:,} bytes)")
     cut = chunk_size if chunk_size is not None else manifest.cut_size()  # a size the manifest follows, or None
     with write_tx(reg.engine) as conn:
-        prune_db.exclude_prune(conn)  # the chunks checked below stay until this commit is in
+        exclude_prune(conn)  # the chunks checked below stay until this commit is in
         fam = version_db.lock_family(conn, family, cut or reg.settings.chunk_size)
         existing = version_db.find_version(conn, family, version)
         if existing is not None:

@@ -11,13 +11,16 @@ quick and a push of the same bytes can reuse them. Prune is the step that frees 
 - A pack that holds no kept chunk is retired. A pack whose unused share is over ``max_unused`` is
   repacked: its kept chunks' payloads are copied as they are stored (no re-encoding) into new
   packs, their rows pointed there, and the old pack retired.
-- A retired pack's blob is deleted once it has been retired for ``min_age``: a pull that located
-  chunks in it just before may still be reading it. With ``min_age`` 0, in the same run.
+- A retired pack becomes unlisted (db/models.py), and so does every pack a writer announced and
+  never recorded (it died): an unlisted pack's blob is deleted once it has been unlisted for
+  ``min_age``, since a pull that located chunks in a retired pack just before may still be reading
+  it. With ``min_age`` 0, in the same run.
 
-Concurrency: prune decides what to delete in one transaction that commits wait for
-(db/prune.exclude_prune). A version committed before it keeps its chunks; one committing after
-finds a deleted chunk missing and is refused (NotFound: upload, then commit again), never left
-with a hole. One prune runs at a time per registry.
+Concurrency: prune decides what to delete in one transaction that the transactions relying on
+stored chunks wait for, and that waits for them (db/locks.py): commits, and packs recorded with
+deltas. A version committed before it keeps its chunks; one committing after finds a deleted chunk
+missing and is refused (NotFound), never left with a hole; so is a pack whose deltas' basis was
+deleted, so a re-run of that push uploads and encodes afresh. One prune runs at a time.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from datetime import timedelta
 from registry.blobs.packs import PackWriter, StoredChunk, pack_key
 from registry.db import prune as q
 from registry.db.engine import read_tx, write_tx
+from registry.db.locks import exclude_writers
 from registry.errors import InvalidRequest, NotFound
 from registry.progress import NullProgress, Progress
 
@@ -45,9 +49,9 @@ class PruneResult:
     repacked_packs: int
     moved_bytes: int  # stored bytes of kept chunks copied into new packs
     retired_packs: int  # packs taken out of use by this run
-    deleted_packs: int  # pack blobs deleted by this run (retired now or by an earlier run)
+    deleted_packs: int  # pack blobs deleted by this run (retired now or earlier, or never recorded)
     freed_bytes: int  # bytes of those blobs
-    waiting_packs: int  # retired packs whose blobs wait out min_age
+    waiting_packs: int  # unlisted packs (retired, or never recorded) whose blobs wait out min_age
     waiting_bytes: int
     seconds: float
 
@@ -100,7 +104,7 @@ def prune(reg, min_age: float = DEFAULT_MIN_AGE, max_unused: float = DEFAULT_MAX
     with q.one_prune_at_a_time(reg.engine):
         with (read_tx if dry_run else write_tx)(reg.engine) as conn:
             if not dry_run:
-                q.exclude_commits(conn)
+                exclude_writers(conn)
             now = q.db_now(conn)
             sizes = q.pack_sizes(conn)
             plan = _plan(q.chunk_states(conn, now - grace), sizes, max_unused)
@@ -110,15 +114,13 @@ def prune(reg, min_age: float = DEFAULT_MIN_AGE, max_unused: float = DEFAULT_MAX
         if dry_run:
             retiring = [(p, sizes[p]) for p in plan.retire + plan.repack]
             with read_tx(reg.engine) as conn:
-                due = q.retired(conn, q.db_now(conn) - grace) + (retiring if min_age == 0 else [])
-                waiting = [r for r in q.retired(conn) + retiring if r not in due]
+                due = q.unlisted(conn, q.db_now(conn) - grace) + (retiring if min_age == 0 else [])
+                waiting = [r for r in q.unlisted(conn) + retiring if r not in due]
         else:
             _repack(reg, plan.repack, progress)
+            due = _delete_blobs(reg, grace)
             with read_tx(reg.engine) as conn:
-                due = q.retired(conn, q.db_now(conn) - grace)
-            _delete_blobs(reg, due)
-            with read_tx(reg.engine) as conn:
-                waiting = q.retired(conn)
+                waiting = q.unlisted(conn)
     return PruneResult(
         dry_run=dry_run,
         deleted_chunks=len(plan.garbage), deleted_chunk_bytes=sum(c.stored_size for c in plan.garbage),
@@ -143,7 +145,11 @@ def _repack(reg, pack_ids: list[str], progress: Progress) -> None:
         with write_tx(reg.engine) as conn:
             q.record_moved(conn, pack_id, size, [(c.id, old_pack[c.id], c.offset) for c in stored])
 
-    writer = PackWriter(reg.blobs, reg.settings.pack_size, record)
+    def announce(pack_id: str, size: int) -> None:
+        with write_tx(reg.engine) as conn:
+            q.announce_pack(conn, pack_id, size)
+
+    writer = PackWriter(reg.blobs, reg.settings.pack_size, record, announce)
     for pack_id, chunk_rows in rows.items():
         located = [StoredChunk(cid, size, enc, stored, pack_id, off, basis, depth)
                    for cid, size, enc, stored, off, basis, depth in chunk_rows]
@@ -153,17 +159,23 @@ def _repack(reg, pack_ids: list[str], progress: Progress) -> None:
                 writer.add(c.id, c.size, c.encoding, payload, c.basis_id, c.depth)
                 progress.advance("repack", c.stored_size)
         except NotFound as exc:
-            raise NotFound(f"cannot repack pack {pack_id}: {exc}; nothing was deleted from it") from None
+            raise NotFound(f"cannot repack pack {pack_id}: {exc}; the chunks that were still needed are still in it") from None
     writer.flush()
     with write_tx(reg.engine) as conn:
         # every row moved: a pack is retired only once no chunk row points into it
         q.retire_packs(conn, [p for p in pack_ids if q.still_pointing(conn, p) == 0])
 
 
-def _delete_blobs(reg, due: list[tuple[str, int]]) -> None:
-    """Delete the blobs of retired packs, then forget them (a blob already gone is no error: a run
-    that stopped between the two steps left it so)."""
-    for pack_id, _ in due:
-        reg.blobs.delete(pack_key(pack_id))
+def _delete_blobs(reg, grace: timedelta) -> list[tuple[str, int]]:
+    """Delete the blobs of packs unlisted for ``grace`` or longer; returns them. They are claimed
+    first, in a transaction that excludes writers (db/locks.py): a writer that recorded its pack
+    meanwhile keeps it, and one that records it afterwards is refused (db/prune.list_pack), so no
+    chunk row ever points into a deleted blob. Should this process die between the claim and the
+    deletes, those blobs are left behind unnamed (a later release could sweep the store for them)."""
     with write_tx(reg.engine) as conn:
-        q.forget_retired(conn, [p for p, _ in due])
+        exclude_writers(conn)
+        due = q.unlisted(conn, q.db_now(conn) - grace)
+        q.forget_unlisted(conn, [p for p, _ in due])
+    for pack_id, _ in due:
+        reg.blobs.delete(pack_key(pack_id))  # a blob never written (its writer died first) is no error
+    return due

@@ -25,7 +25,7 @@ def compute_stats(engine, family: str | None = None) -> dict:
         tiers = q.tier_totals(conn, family)
         encodings = q.encodings(conn, family)
         per_version = q.version_figures(conn, family)
-        pack_bytes, orphan_bytes, retired_bytes = q.storage_totals(conn) if family is None else (None, None, None)
+        pack_bytes, orphan_bytes, unlisted_bytes = q.storage_totals(conn) if family is None else (None, None, None)
     stored = sum(b for _, b in tiers.values())
     out = {
         "scope": family or "registry",
@@ -45,5 +45,5 @@ def compute_stats(engine, family: str | None = None) -> dict:
     if family is None:
         out["pack_bytes"] = pack_bytes
         out["unreferenced_bytes"] = orphan_bytes
-        out["retired_pack_bytes"] = retired_bytes
+        out["unlisted_pack_bytes"] = unlisted_bytes
     return out

@@ -56,6 +56,7 @@ def test_chunk_rows_of_the_previous_release_and_this_one_live_side_by_side(db_ur
 
     from registry.blobs.packs import StoredChunk
     from registry.db import chunks as chunk_db
+    from registry.db import prune as prune_db
     from registry.db.schema import _config
 
     engine = create_db_engine(db_url)
@@ -69,7 +70,8 @@ def test_chunk_rows_of_the_previous_release_and_this_one_live_side_by_side(db_ur
         command.upgrade(_config(engine), "head")
         with engine.begin() as conn:
             conn.execute(old_insert, {"id": "b" * 32, "sha": "2" * 64})  # a previous-release process, after it
-            added = chunk_db.record_pack(conn, "p1", 8, [StoredChunk("c" * 32, 4, "raw", 4, "p1", 4)])
+            prune_db.announce_pack(conn, "p2", 8)  # as a writer does before it writes the blob
+            added = chunk_db.record_pack(conn, "p2", 8, [StoredChunk("c" * 32, 4, "raw", 4, "p2", 4)])
         assert added == 4
         with engine.connect() as conn:
             found = chunk_db.locate(conn, ["a" * 32, "b" * 32, "c" * 32])

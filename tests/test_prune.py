@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 import filecmp
+import threading
+import time
 from datetime import datetime, timezone
 
 import pytest
 from sqlalchemy import func, select, update
 
 from registry.config import Settings
+from registry.blobs.packs import PackWriter
 from registry.db import prune as prune_db
 from registry.db.engine import read_tx, write_tx
-from registry.db.models import chunks, packs, retired_packs
+from registry.db.locks import exclude_writers
+from registry.db.models import chunks, packs, unlisted_packs
 from registry.errors import Conflict, InvalidRequest, NotFound
 from registry.hashing import HashJob
-from registry.ingest import commit_version, upload_missing
+from registry.ingest import commit_version, plan_deltas, upload_missing
 from registry.progress import NullProgress
 from registry.registry import Registry
 from registry.source import open_source
@@ -44,14 +48,40 @@ def age(reg, table, column) -> None:
         conn.execute(update(table).values({column: LONG_AGO}))
 
 
-def upload_without_commit(reg, path, family: str = "fam") -> set[str]:
-    """What a push does before its commit (or a push killed just before it): its new chunks stored and
-    recorded, no version. Returns their ids."""
-    with HashJob(open_source(path), reg.settings.chunk_size, NullProgress()) as job:
-        ids = job.chunk_ids()
-        missing = set(ids) - set(reg.locate(ids))
-        upload_missing(reg, job, missing, reg.pool, NullProgress())
-    return missing
+class InFlightPush:
+    """A push stopped before its commit, as ingest.push runs it: ``plan`` hashes the file and
+    chooses bases for its deltas (against ``parent``), ``upload`` stores and records the missing
+    chunks, ``commit`` makes the version. Tests run other things between the steps."""
+
+    def __init__(self, reg, path, version: str, parent: str | None = None, family: str = "fam"):
+        self.reg, self.family, self.version, self.parent = reg, family, version, parent
+        self.source = open_source(path)
+        self.job = HashJob(self.source, reg.settings.chunk_size, NullProgress())
+
+    def plan(self) -> "InFlightPush":
+        ids = self.job.chunk_ids()
+        self.missing = set(ids) - set(self.reg.locate(ids))
+        new_files = [(refs, f.header.tensors if f.header else ()) for refs, f in zip(self.job.file_chunks, self.source.files)]
+        self.bases, self.reader = plan_deltas(self.reg, self.family, self.parent, new_files, ids, self.missing)
+        return self
+
+    def upload(self) -> set[str]:
+        upload_missing(self.reg, self.job, self.missing, self.reg.pool, NullProgress(), self.bases, self.reader)
+        return self.missing
+
+    def commit(self) -> None:
+        manifest = self.job.manifest()
+        self.job.close()
+        commit_version(self.reg, self.family, self.version, self.parent, manifest, self.reg.settings.chunk_size)
+
+
+def upload_without_commit(reg, path) -> set[str]:
+    """What a push killed just before its commit leaves: its new chunks stored and recorded, no version."""
+    push = InFlightPush(reg, path, "never").plan()
+    try:
+        return push.upload()
+    finally:
+        push.job.close()
 
 
 def pulls_whole(reg, fam, tmp_path, *names) -> None:
@@ -110,7 +140,7 @@ def test_prune_spares_what_a_push_in_flight_stored(reg, fam, tmp_path):
     assert in_flight and reg.stats()["unreferenced_bytes"] > 0
 
     res = reg.prune(min_age=HOUR, max_unused=0)  # recorded moments ago: inside the grace period
-    assert res.deleted_chunks == 0 and set(reg.locate(in_flight)) == in_flight
+    assert res.deleted_chunks == 0 and set(reg.locate(in_flight)) >= in_flight
 
     age(reg, chunks, "created_at")  # the push died an hour ago
     res = reg.prune(min_age=HOUR, max_unused=0)
@@ -136,15 +166,15 @@ def test_retired_packs_wait_out_the_grace_period(reg, fam, tmp_path):
     first = reg.prune(min_age=HOUR, max_unused=0)
     assert first.retired_packs > 0 and first.deleted_packs == 0
     assert first.waiting_packs == first.retired_packs
-    assert reg.stats()["retired_pack_bytes"] == first.waiting_bytes > 0
+    assert reg.stats()["unlisted_pack_bytes"] == first.waiting_bytes > 0
     assert pack_blobs(reg) > table_packs(reg)  # the retired blobs are still there for readers
     pulls_whole(reg, fam, tmp_path, "base", "full-med")
 
-    age(reg, retired_packs, "retired_at")
+    age(reg, unlisted_packs, "since")
     second = reg.prune(min_age=HOUR, max_unused=0)
     assert (second.deleted_packs, second.freed_bytes) == (first.waiting_packs, first.waiting_bytes)
     assert second.waiting_packs == 0 and pack_blobs(reg) == table_packs(reg)
-    assert reg.stats()["retired_pack_bytes"] == 0
+    assert reg.stats()["unlisted_pack_bytes"] == 0
     pulls_whole(reg, fam, tmp_path, "base", "full-med")
 
 
@@ -202,8 +232,11 @@ def test_cli_prune(home_env, fam):
     out = mfsreg_json("prune", "--min-age", "0s", "--max-unused", "0", env=home_env)
     assert dry["dry_run"] and not out["dry_run"]
     assert out["deleted_chunks"] == dry["deleted_chunks"] > 0 and out["freed_bytes"] > 0
-    text = mfsreg("prune", env=home_env).stdout  # the default grace period: nothing recent goes
+    mfsreg("push", fam["vocab-ext"], "--family", "fam", "--version", "vocab", env=home_env)
+    mfsreg("delete", "fam", "vocab", env=home_env)
+    text = mfsreg("prune", env=home_env).stdout  # the default grace period: what was stored just now stays
     assert "deleted 0 chunks" in text
+    assert mfsreg_json("prune", "--min-age", "0", env=home_env)["deleted_chunks"] > 0
 
 
 @pytest.mark.parametrize("args, what", [(["--min-age", "5x"], "min-age"), (["--min-age", "-1h"], "min-age"),
@@ -212,3 +245,87 @@ def test_cli_prune_bad_arguments(home_env, args, what):
     proc = mfsreg("prune", *args, env=home_env, check=False)
     assert proc.returncode == 2
     assert len(proc.stderr.strip().splitlines()) == 1 and what in proc.stderr
+
+
+def test_a_version_pushed_again_after_prune_survives_the_next_prune(reg, fam, tmp_path):
+    """Pack names are never reused: the same bytes pushed again go to new packs, so deleting the
+    blobs of the packs prune retired cannot take the new version's bytes with them."""
+    reg.push(fam["base"], "fam", "base")
+    reg.push(fam["lora-chat"], "fam", "lora-chat")
+    reg.delete("fam", "lora-chat")
+    age(reg, chunks, "created_at")
+    assert reg.prune(min_age=HOUR, max_unused=0).waiting_packs > 0  # retired, blobs kept for now
+    reg.push(fam["lora-chat"], "fam", "lora-chat")  # the same bytes again, encoded the same way
+    age(reg, unlisted_packs, "since")
+    assert reg.prune(min_age=HOUR, max_unused=0).deleted_packs > 0
+    pulls_whole(reg, fam, tmp_path, "base", "lora-chat")
+
+
+def test_chunks_in_flight_keep_the_bases_of_their_deltas(reg, fam, tmp_path):
+    reg.push(fam["base"], "fam", "base")
+    push = InFlightPush(reg, fam["full-med"], "full-med", parent="base").plan()
+    assert push.bases  # full-med is stored as deltas against base's chunks
+    push.upload()
+    reg.delete("fam", "base")
+    with write_tx(reg.engine) as conn:  # base's chunks are old; full-med's, just uploaded, are not
+        conn.execute(update(chunks).where(chunks.c.id.in_(set(push.bases.values()))).values(created_at=LONG_AGO))
+    reg.prune(min_age=HOUR, max_unused=0)
+    assert set(reg.locate(set(push.bases.values()))) == set(push.bases.values())
+    push.parent = None  # its parent is gone; the deltas still decode against the kept bases
+    push.commit()
+    pulls_whole(reg, fam, tmp_path, "full-med")
+
+
+def test_a_push_whose_basis_was_pruned_meanwhile_is_refused_and_a_rerun_works(reg, fam, tmp_path):
+    reg.push(fam["base"], "fam", "base")
+    push = InFlightPush(reg, fam["full-med"], "full-med", parent="base").plan()  # bases chosen in base
+    reg.delete("fam", "base")
+    age(reg, chunks, "created_at")
+    reg.prune(min_age=HOUR)  # base's chunks go; their packs' blobs stay for the grace period
+    with pytest.raises(NotFound, match="deleted by a prune meanwhile"):
+        push.upload()
+    push.job.close()
+    assert not reg.locate(push.missing)  # nothing recorded that could not be decoded
+    reg.push(fam["full-med"], "fam", "full-med")
+    pulls_whole(reg, fam, tmp_path, "full-med")
+
+
+def test_a_pack_whose_writer_died_is_deleted_after_the_grace_period(reg):
+    def announce(pack_id, size):
+        with write_tx(reg.engine) as conn:
+            prune_db.announce_pack(conn, pack_id, size)
+
+    def die(pack_id, size, stored):
+        raise RuntimeError("killed before recording its pack")
+
+    writer = PackWriter(reg.blobs, 1 << 20, die, announce)
+    writer.add("c" * 32, 100, "raw", b"x" * 100)
+    with pytest.raises(RuntimeError):
+        writer.flush()
+    (leftover,) = pack_blobs(reg)
+    assert reg.prune(min_age=HOUR).waiting_packs == 1 and pack_blobs(reg) == {leftover}
+    age(reg, unlisted_packs, "since")
+    assert reg.prune(min_age=HOUR).deleted_packs == 1 and pack_blobs(reg) == set()
+
+
+def test_a_commit_waits_while_prune_decides(reg, fam):
+    """Prune's decision and a commit never interleave (Postgres: advisory lock; SQLite: the write lock)."""
+    reg.push(fam["base"], "fam", "base")
+    push = InFlightPush(reg, fam["lora-chat"], "chat").plan()
+    push.upload()
+    deciding, ended = threading.Event(), []
+
+    def prune_deciding():
+        with write_tx(reg.engine) as conn:
+            exclude_writers(conn)
+            deciding.set()
+            time.sleep(1.0)
+            ended.append(time.monotonic())
+
+    t = threading.Thread(target=prune_deciding)
+    t.start()
+    deciding.wait(10)
+    push.commit()
+    committed = time.monotonic()
+    t.join()
+    assert committed >= ended[0]

@@ -1,8 +1,10 @@
 """Packs: many encoded chunks in one blob, read back by byte range.
 
 One object per chunk would mean millions of tiny objects and requests; one pack of tens of MiB holds
-hundreds of chunks, written once (content-addressed, so retries are idempotent) and read by ranges.
-Readers coalesce nearby ranges of one pack into a single request.
+hundreds of chunks, written once and read by ranges. Readers coalesce nearby ranges of one pack
+into a single request. A pack is named by a random id, never by its content: prune deletes the blob
+of a pack it retired, and a pack named by its bytes would come back under the same name when the
+same version is pushed again, racing that deletion.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
-import xxhash
+import uuid
 
 from registry.blobs.base import BlobStore
 
@@ -40,13 +42,16 @@ class PackWriter:
     """Collects encoded chunks and writes a pack whenever ``pack_size`` bytes are buffered.
 
     ``on_flush(pack_id, pack_bytes, chunks)`` runs after the pack is durable, so that the caller can
-    record the chunks as stored: a chunk is never recorded before its bytes are safe.
+    record the chunks as stored: a chunk is never recorded before its bytes are safe. ``on_put``
+    runs before the blob is written, so that a registry can note a blob it may have to clean up.
     """
 
-    def __init__(self, store: BlobStore, pack_size: int, on_flush: Callable[[str, int, list[StoredChunk]], None]):
+    def __init__(self, store: BlobStore, pack_size: int, on_flush: Callable[[str, int, list[StoredChunk]], None],
+                 on_put: Callable[[str, int], None] | None = None):
         self.store = store
         self.pack_size = pack_size
         self.on_flush = on_flush
+        self.on_put = on_put  # (pack_id, pack_bytes) before the blob is written
         # One buffer, grown to the largest pack and reused for every pack: joining a fresh pack of
         # tens of MiB per flush cost a page fault per 4 KiB (most of the writer's time in an
         # embedded push). It grows only as far as payloads reach: the server makes one writer per
@@ -69,8 +74,10 @@ class PackWriter:
     def flush(self) -> None:
         if not self._pending:
             return
+        pack_id = uuid.uuid4().hex
+        if self.on_put is not None:
+            self.on_put(pack_id, self._size)
         with memoryview(self._buf)[: self._size] as data:  # released before the buffer may grow again
-            pack_id = xxhash.xxh3_128_hexdigest(data)
             self.store.put(pack_key(pack_id), data)
         chunks = [
             StoredChunk(cid, size, enc, n, pack_id, off, basis, depth)

@@ -8,7 +8,10 @@ from sqlalchemy import Connection, and_, select
 
 from registry.blobs.packs import StoredChunk
 from registry.db.dialect import batches, insert
-from registry.db.models import chunks, family_chunks, packs, version_chunks, versions
+from registry.db.locks import exclude_prune
+from registry.db.models import chunks, family_chunks, version_chunks, versions
+from registry.db.prune import list_pack
+from registry.errors import NotFound
 
 
 def missing_ids(conn: Connection, ids: Sequence[str]) -> set[str]:
@@ -20,12 +23,20 @@ def missing_ids(conn: Connection, ids: Sequence[str]) -> set[str]:
 
 
 def record_pack(conn: Connection, pack_id: str, size: int, stored: Sequence[StoredChunk]) -> int:
-    """Record a durable pack and its chunks; returns the stored bytes of the chunks that were new.
+    """Record a durable pack (announced before it was written: db/prune.announce_pack) and its
+    chunks; returns the stored bytes of the chunks that were new.
 
     A chunk that a concurrent push recorded first keeps its first location (ON CONFLICT DO
     NOTHING); the copy in this pack is dead weight until prune repacks it (registry/prune.py).
+    Refused (NotFound) when a prune deleted the basis of one of its deltas after the push chose it:
+    recorded, the delta could never be decoded, and a re-run would take it for stored.
     """
-    conn.execute(insert(conn, packs).values(id=pack_id, size=size).on_conflict_do_nothing())
+    exclude_prune(conn)
+    bases = {c.basis_id for c in stored if c.basis_id} - {c.id for c in stored}
+    gone = bases - set(locate(conn, bases))
+    if gone:
+        raise NotFound(f"the basis chunk {min(gone)} of a delta in this push was deleted by a prune meanwhile: push again")
+    list_pack(conn, pack_id, size)
     # Sorted rows: two transactions inserting overlapping ids lock them in the same order (no deadlock).
     rows = sorted(
         (dict(id=c.id, size=c.size, encoding=c.encoding, stored_size=c.stored_size,

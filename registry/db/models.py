@@ -8,8 +8,10 @@
 - packs / chunks: where each distinct chunk is stored and how it is encoded. A chunk row is written
   only after its pack is durable; rows no version uses yet (an interrupted push) let a re-run skip
   what was already sent.
-- retired_packs: packs that prune (registry/prune.py) took out of use; each blob is deleted once
-  it has been retired for the grace period, so that a pull which located chunks in it can finish.
+- unlisted_packs: pack blobs that no chunk row may point into: one a writer announced before
+  writing it (moved to packs when recorded; a writer that dies leaves it here), or one prune
+  retired. Prune (registry/prune.py) deletes each blob once ``since`` is older than its grace
+  period, so that a pull which located chunks in a retired pack just before can finish.
 - version_chunks: which distinct chunks each version needs (for stats, tiers and delete).
 - family_chunks: per family and chunk, how many members use it and its tier; rebalanced
   incrementally (registry/tiers.py) so a push never re-reads every member.
@@ -67,11 +69,11 @@ packs = Table(
     Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
 )
 
-retired_packs = Table(
-    "retired_packs", metadata,
+unlisted_packs = Table(
+    "unlisted_packs", metadata,
     Column("id", String(32), primary_key=True),
     Column("size", BigInteger, nullable=False),
-    Column("retired_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("since", DateTime(timezone=True), nullable=False, server_default=func.now()),
 )
 
 chunks = Table(

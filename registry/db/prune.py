@@ -1,6 +1,6 @@
 """Queries of prune (registry/prune.py): which chunks versions need, what each pack holds, moving
-chunks to new packs, retired packs, and the locks that keep prune apart from commits and from
-another prune."""
+chunks to new packs, unlisted packs (blobs awaiting deletion), and the lock that keeps one prune
+at a time (db/locks.py keeps prune apart from commits)."""
 
 from __future__ import annotations
 
@@ -11,29 +11,13 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from sqlalchemy import Connection, Engine, bindparam, delete, exists, func, select, text, update
+from sqlalchemy.exc import OperationalError
 
 from registry.db.dialect import batches, insert
-from registry.db.models import chunks, packs, retired_packs, version_chunks
-from registry.errors import Conflict
+from registry.db.models import chunks, packs, unlisted_packs, version_chunks
+from registry.errors import Conflict, NotFound
 
-# Advisory lock keys (Postgres): one for "prune is deciding what is garbage" (commits take it
-# shared), one for "a prune is running" (held for the whole run).
-_DECIDING = 0x6D667301
-_RUNNING = 0x6D667302
-
-
-def exclude_prune(conn: Connection) -> None:
-    """Called first in a transaction that makes stored chunks needed (a commit): it waits while a
-    prune decides what is garbage, and that prune waits for it, so prune never deletes a chunk that
-    a version committing at that moment uses. SQLite needs nothing: its writers take turns."""
-    if conn.dialect.name == "postgresql":
-        conn.execute(text("SELECT pg_advisory_xact_lock_shared(:k)"), {"k": _DECIDING})
-
-
-def exclude_commits(conn: Connection) -> None:
-    """Prune's side of exclude_prune: no commit runs until this transaction ends."""
-    if conn.dialect.name == "postgresql":
-        conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _DECIDING})
+_RUNNING = 0x6D667302  # Postgres advisory lock key: a prune is running (db/locks.py has the other)
 
 
 @contextmanager
@@ -43,14 +27,18 @@ def one_prune_at_a_time(engine: Engine) -> Iterator[None]:
     lock file beside the database."""
     busy = Conflict("another prune is running on this registry: wait for it to finish")
     if engine.dialect.name == "postgresql":
-        with engine.connect() as conn:
+        # autocommit: the connection holds the lock without sitting idle in a transaction, which a
+        # server's idle_in_transaction_session_timeout would end (and the lock with it)
+        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
             if not conn.execute(text("SELECT pg_try_advisory_lock(:k)"), {"k": _RUNNING}).scalar_one():
                 raise busy
             try:
                 yield
             finally:
-                conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": _RUNNING})
-                conn.commit()
+                try:
+                    conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": _RUNNING})
+                except OperationalError:
+                    pass  # the session is gone, and its lock with it
         return
     with open(f"{engine.url.database}.prune.lock", "a+") as fh:
         try:
@@ -94,11 +82,11 @@ def delete_chunks(conn: Connection, ids: Sequence[str]) -> None:
 
 
 def retire_packs(conn: Connection, ids: Sequence[str]) -> None:
-    """Move packs that no chunk row points at any more from packs to retired_packs."""
+    """Move packs that no chunk row points at any more from packs to unlisted_packs."""
     for batch in batches(list(ids)):
         rows = [dict(id=i, size=s) for i, s in conn.execute(select(packs.c.id, packs.c.size).where(packs.c.id.in_(batch)))]
         if rows:
-            conn.execute(insert(conn, retired_packs).on_conflict_do_nothing(), rows)
+            conn.execute(insert(conn, unlisted_packs).on_conflict_do_nothing(), rows)
         conn.execute(delete(packs).where(packs.c.id.in_(batch)))
 
 
@@ -111,7 +99,7 @@ def chunks_in(conn: Connection, pack_id: str) -> list[tuple]:
 
 def record_moved(conn: Connection, pack_id: str, size: int, moved: Sequence[tuple[str, str, int]]) -> None:
     """A durable new pack, and its chunks' rows pointed at it: (chunk id, old pack id, offset)."""
-    conn.execute(insert(conn, packs).values(id=pack_id, size=size).on_conflict_do_nothing())
+    list_pack(conn, pack_id, size)
     stmt = (
         update(chunks)
         .where(chunks.c.id == bindparam("cid"), chunks.c.pack_id == bindparam("old"))
@@ -124,14 +112,29 @@ def still_pointing(conn: Connection, pack_id: str) -> int:
     return conn.execute(select(func.count()).select_from(chunks).where(chunks.c.pack_id == pack_id)).scalar_one()
 
 
-def retired(conn: Connection, before: datetime | None = None) -> list[tuple[str, int]]:
-    """(id, size) of retired packs, those retired no later than ``before`` when given."""
-    q = select(retired_packs.c.id, retired_packs.c.size)
+def unlisted(conn: Connection, before: datetime | None = None) -> list[tuple[str, int]]:
+    """(id, size) of unlisted packs, those unlisted since no later than ``before`` when given."""
+    q = select(unlisted_packs.c.id, unlisted_packs.c.size)
     if before is not None:
-        q = q.where(retired_packs.c.retired_at <= before)
+        q = q.where(unlisted_packs.c.since <= before)
     return [(i, int(s)) for i, s in conn.execute(q)]
 
 
-def forget_retired(conn: Connection, ids: Sequence[str]) -> None:
+def forget_unlisted(conn: Connection, ids: Sequence[str]) -> None:
     for batch in batches(list(ids)):
-        conn.execute(delete(retired_packs).where(retired_packs.c.id.in_(batch)))
+        conn.execute(delete(unlisted_packs).where(unlisted_packs.c.id.in_(batch)))
+
+
+def announce_pack(conn: Connection, pack_id: str, size: int) -> None:
+    """Before a pack's blob is written: should the writer die before list_pack, prune deletes the
+    blob once the grace period has passed, instead of it lying in the store forever."""
+    conn.execute(insert(conn, unlisted_packs).values(id=pack_id, size=size))
+
+
+def list_pack(conn: Connection, pack_id: str, size: int) -> None:
+    """A pack whose blob is durable, from unlisted to packs. Refused if prune deleted the blob in the
+    meantime (its writer took longer than the grace period): then no chunk row may point into it."""
+    if conn.execute(delete(unlisted_packs).where(unlisted_packs.c.id == pack_id)).rowcount != 1:
+        raise NotFound(f"pack {pack_id} was deleted by a prune before it was recorded (writing it took longer than "
+                       "prune's --min-age): push again")
+    conn.execute(insert(conn, packs).values(id=pack_id, size=size))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from sqlalchemy import Connection, case, func, select
 
-from registry.db.models import chunks, families, family_chunks as fc, packs, retired_packs, version_chunks as vc, versions
+from registry.db.models import chunks, families, family_chunks as fc, packs, unlisted_packs, version_chunks as vc, versions
 from registry.tiers import BASE, GROUP, TIERS, UNIQUE
 
 
@@ -86,9 +86,10 @@ def version_figures(conn: Connection, family: str | None) -> list[tuple[str, str
 
 def storage_totals(conn: Connection) -> tuple[int, int, int]:
     """(bytes in packs, stored bytes of recorded chunks that no family uses: deleted versions and
-    interrupted pushes, bytes of packs prune retired whose blobs wait out its grace period)."""
+    interrupted pushes, bytes of unlisted packs: blobs prune retired, or that a writer died before
+    recording, which wait out prune's grace period)."""
     pack_bytes = conn.execute(select(func.coalesce(func.sum(packs.c.size), 0))).scalar_one()
-    retired = conn.execute(select(func.coalesce(func.sum(retired_packs.c.size), 0))).scalar_one()
+    retired = conn.execute(select(func.coalesce(func.sum(unlisted_packs.c.size), 0))).scalar_one()
     orphan = conn.execute(
         select(func.coalesce(func.sum(chunks.c.stored_size), 0)).where(~chunks.c.id.in_(select(fc.c.chunk_id)))
     ).scalar_one()
