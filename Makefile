@@ -33,6 +33,7 @@ bench: install
 	$(BIN)/python -m benchmarks.bench_api
 	$(BIN)/python -m benchmarks.bench_node
 	$(BIN)/python -m benchmarks.page_mapping
+	$(BIN)/python -m benchmarks.bench_prune
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info registry/*.so

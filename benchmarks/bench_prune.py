@@ -3,14 +3,15 @@
     python -m benchmarks.bench_prune [--scale 1.0] [--runs 3] [--data DIR]
 
 Method. Each run: a fresh embedded registry (SQLite, local packs) receives the synthetic family
-(benchmarks/family.py, every member with its parent, deltas on); then lastlayers-code (its retrained
-layers are its own) and lora-chat (lora-chat-v2's parent: its chunks stay as v2's bases and shared
-chunks) are deleted. Timed: `prune --dry-run`, then `prune --min-age 0` with the default
+(benchmarks/family.py, deltas on, each member with base as parent) without lora-chat-v2, plus
+lora-half: base with the LoRA merge of lora-chat in the first half of the tensors it changes, made
+here once. Then lastlayers-code (its retrained layers are its own: whole packs go) and lora-chat
+(lora-half still needs half of its new chunks: its packs are left half used, and repacked) are
+deleted. Timed: `prune --dry-run`, then `prune --min-age 0` with the default
 --max-unused (0.1), both through Registry.prune (wall and CPU seconds of the process). Recorded:
 pack bytes before and after, the stored bytes of the chunks it deleted, packs repacked and the bytes
 moved, blobs deleted. Anchor, in the same run after the prune: copying the same number of bytes
-with shutil.copyfile from the registry's pack files to new files, each fsynced (what moving bytes
-costs at the least on this disk). On the first run every remaining member is pulled and compared
+from the registry's pack files into one new file, fsynced (what moving bytes costs at the least). On the first run every remaining member is pulled and compared
 with its source by sha256. Figures are medians over --runs. Writes results/prune.json.
 """
 
@@ -19,16 +20,34 @@ from __future__ import annotations
 import argparse
 import os
 import resource
-import shutil
 import tempfile
 import time
 from pathlib import Path
 
+import torch
+from safetensors.torch import load_file, save_file
+
 from benchmarks import anchors
 from benchmarks.common import FAMILY, MB, finish, fresh_registry, machine_info, median, table
-from benchmarks.family import DEFAULT_DIR, MEMBERS, generate
+from benchmarks.family import DEFAULT_DIR, generate
 
+PUSHED = ("base", "lora-chat", "lora-half", "lastlayers-code", "full-medical", "vocab-ext")
 DELETED = ("lastlayers-code", "lora-chat")
+
+
+def lora_half(paths: dict[str, Path]) -> Path:
+    """base, with lora-chat's changed tensors in the first half (by name) of those it changes."""
+    out = paths["lora-chat"].with_name("prune-lora-half.safetensors")
+    if out.exists():
+        return out
+    base, chat = load_file(str(paths["base"])), load_file(str(paths["lora-chat"]))
+    changed = sorted(n for n in base if not torch.equal(base[n], chat[n]))
+    for n in changed[: len(changed) // 2]:
+        base[n] = chat[n]
+    tmp = out.with_suffix(".tmp")
+    save_file(base, str(tmp))
+    tmp.rename(out)
+    return out
 
 
 def _cpu() -> float:
@@ -37,27 +56,28 @@ def _cpu() -> float:
 
 
 def copy_anchor(blob_root: Path, nbytes: int, work: Path) -> float:
-    """Seconds to copy ``nbytes`` of pack files (whole files, the last one may overshoot) with fsync."""
-    t0, done, i = time.perf_counter(), 0, 0
-    for src in sorted(blob_root.rglob("*.pack")):
-        if done >= nbytes:
-            break
-        dst = work / f"copy-{i}.pack"
-        shutil.copyfile(src, dst)
-        with open(dst, "rb+") as f:
-            os.fsync(f.fileno())
-        done += src.stat().st_size
-        i += 1
+    """Seconds to copy ``nbytes`` read from the registry's pack files into one new file, fsynced."""
+    dst = work / "copy.bin"
+    t0, left = time.perf_counter(), nbytes
+    with open(dst, "wb") as out:
+        for src in sorted(blob_root.rglob("*.pack")):
+            if left <= 0:
+                break
+            with open(src, "rb") as f:
+                while left > 0 and (block := f.read(min(left, 16 << 20))):
+                    out.write(block)
+                    left -= len(block)
+        out.flush()
+        os.fsync(out.fileno())
     seconds = time.perf_counter() - t0
-    for p in work.glob("copy-*.pack"):
-        p.unlink()
+    dst.unlink()
     return seconds
 
 
 def one_run(paths: dict[str, Path], data: Path, verify: bool) -> dict:
     with fresh_registry(data) as (reg, home):
-        for member, parent in MEMBERS.items():
-            reg.push(paths[member], FAMILY, member, parent=parent)
+        for member in PUSHED:
+            reg.push(paths[member], FAMILY, member, parent=None if member == "base" else "base")
         for member in DELETED:
             reg.delete(FAMILY, member)
         before = reg.stats()
@@ -72,7 +92,7 @@ def one_run(paths: dict[str, Path], data: Path, verify: bool) -> dict:
         anchor = copy_anchor(home / "blobs", res.moved_bytes, work) if res.moved_bytes else 0.0
         checked = {}
         if verify:
-            for member in MEMBERS:
+            for member in PUSHED:
                 if member in DELETED:
                     continue
                 out = work / f"{member}.safetensors"
@@ -131,12 +151,13 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
     paths = generate(args.data, args.scale)
-    anchors.prewarm(paths.values())
+    paths["lora-half"] = lora_half(paths)
+    anchors.prewarm(paths[m] for m in PUSHED)
     runs = []
     for i in range(args.runs):
         runs.append(one_run(paths, args.data, verify=i == 0))
         print(f"run {i + 1}/{args.runs}: prune {runs[-1]['seconds']:.2f} s", flush=True)
-    doc = {"machine": machine_info(), "params": {"scale": args.scale, "runs": args.runs, "deleted": list(DELETED)},
+    doc = {"machine": machine_info(), "params": {"scale": args.scale, "runs": args.runs, "pushed": list(PUSHED), "deleted": list(DELETED)},
            "runs": runs, "summary": summarise(runs)}
     finish("prune.json", doc, report, t_start)
 
