@@ -43,8 +43,8 @@ def quorum(
 
 def prune(
     min_age: str = typer.Option(
-        "1h", "--min-age", help="Grace period: chunks recorded and packs retired more recently than this stay "
-        "(a push may not have committed yet; a pull may still read a retired pack). 0 when nothing else runs."),
+        "1h", "--min-age", help="Grace period: chunks recorded, and packs retired or announced, more recently than "
+        "this stay (a push may not have committed yet; a pull may still read a retired pack). 0 when nothing else runs."),
     max_unused: float = typer.Option(0.1, "--max-unused", help="Repack a pack when more than this share of it is unused."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Only say what would be deleted and freed."),
     json_: bool = typer.Option(False, "--json"),
@@ -78,5 +78,5 @@ def prune(
                 f"{res.deleted_packs} pack blobs, freeing {human_bytes(res.freed_bytes)}")
     typer.echo(head)
     if res.waiting_packs:
-        typer.echo(f"{res.waiting_packs} retired packs ({human_bytes(res.waiting_bytes)}) wait out --min-age {min_age}; "
-                   "a later prune deletes them")
+        typer.echo(f"{res.waiting_packs} unlisted packs ({human_bytes(res.waiting_bytes)}: retired, or being written) "
+                   f"wait out --min-age {min_age}; a later prune deletes those no push records")

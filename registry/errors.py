@@ -51,6 +51,13 @@ class Conflict(RegistryError):
     code = "conflict"
 
 
+class Pruned(Conflict):
+    """A prune deleted something this operation relied on while it ran (a delta's basis, or a pack
+    it took for abandoned): nothing was recorded, and running the operation again works."""
+
+    code = "pruned"
+
+
 class IntegrityError(RegistryError):
     """Stored or received bytes that do not match their recorded digest."""
 

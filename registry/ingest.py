@@ -14,7 +14,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from registry.blobs.packs import PackWriter, StoredChunk
+from registry.blobs.packs import PackWriter, StoredChunk, pack_key
 from registry.db import chunks as chunk_db
 from registry.db import prune as prune_db
 from registry.db import tiers as tier_db
@@ -23,7 +23,7 @@ from registry.db.engine import read_tx, write_tx
 from registry.db.locks import exclude_prune
 from registry import deltas, results
 from registry.deltas import BasisReader
-from registry.errors import Conflict, InvalidRequest, NotFound
+from registry.errors import Conflict, InvalidRequest, NotFound, Pruned
 from registry.hashing import HashJob, encoded_chunks, missing_bytes
 from registry.manifest import Manifest
 from registry.names import check_name
@@ -77,8 +77,15 @@ class RecordedPacks(PackWriter):
             prune_db.announce_pack(conn, pack_id, size)
 
     def _record(self, pack_id: str, size: int, stored: list[StoredChunk]) -> None:
-        with write_tx(self._engine) as conn:
-            self.added += chunk_db.record_pack(conn, pack_id, size, stored)
+        try:
+            with write_tx(self._engine) as conn:
+                self.added += chunk_db.record_pack(conn, pack_id, size, stored)
+        except Pruned:
+            with read_tx(self._engine) as conn:
+                claimed = not prune_db.is_announced(conn, pack_id)
+            if claimed:  # prune took the pack for abandoned before its blob was written: nobody else deletes it
+                self.store.delete(pack_key(pack_id))
+            raise
 
 
 def upload_missing(reg, job: HashJob, missing: set[str], pool: ThreadPoolExecutor, progress: Progress,

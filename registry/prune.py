@@ -16,11 +16,13 @@ quick and a push of the same bytes can reuse them. Prune is the step that frees 
   ``min_age``, since a pull that located chunks in a retired pack just before may still be reading
   it. With ``min_age`` 0, in the same run.
 
-Concurrency: prune decides what to delete in one transaction that the transactions relying on
-stored chunks wait for, and that waits for them (db/locks.py): commits, and packs recorded with
-deltas. A version committed before it keeps its chunks; one committing after finds a deleted chunk
-missing and is refused (NotFound), never left with a hole; so is a pack whose deltas' basis was
-deleted, so a re-run of that push uploads and encodes afresh. One prune runs at a time.
+Concurrency: prune decides what to delete in one transaction that commits and pack records wait
+for, and that waits for them (db/locks.py). A version committed before it keeps its chunks; one
+committing after finds a deleted chunk missing and is refused (NotFound), never left with a hole;
+a pack whose deltas' basis was deleted is refused (Pruned), so a re-run of that push uploads and
+encodes afresh. One prune runs at a time. Writers of the previous release (packs named by their
+bytes, not announced) are safe from the deletion of a pack they list again, but do not wait for
+prune's decision: upgrade every writer before the first prune.
 """
 
 from __future__ import annotations
@@ -105,6 +107,7 @@ def prune(reg, min_age: float = DEFAULT_MIN_AGE, max_unused: float = DEFAULT_MAX
         with (read_tx if dry_run else write_tx)(reg.engine) as conn:
             if not dry_run:
                 exclude_writers(conn)
+                q.forget_relisted(conn)  # so that retiring such a pack again starts its grace period afresh
             now = q.db_now(conn)
             sizes = q.pack_sizes(conn)
             plan = _plan(q.chunk_states(conn, now - grace), sizes, max_unused)
@@ -174,8 +177,13 @@ def _delete_blobs(reg, grace: timedelta) -> list[tuple[str, int]]:
     deletes, those blobs are left behind unnamed (a later release could sweep the store for them)."""
     with write_tx(reg.engine) as conn:
         exclude_writers(conn)
+        q.forget_relisted(conn)
         due = q.unlisted(conn, q.db_now(conn) - grace)
         q.forget_unlisted(conn, [p for p, _ in due])
-    for pack_id, _ in due:
-        reg.blobs.delete(pack_key(pack_id))  # a blob never written (its writer died first) is no error
-    return due
+    deleted = []
+    for pack_id, size in due:
+        key = pack_key(pack_id)
+        if reg.blobs.exists(key):  # a writer that died before its put left no blob: nothing freed
+            reg.blobs.delete(key)
+            deleted.append((pack_id, size))
+    return deleted

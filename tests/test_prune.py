@@ -8,17 +8,17 @@ import time
 from datetime import datetime, timezone
 
 import pytest
-from sqlalchemy import func, select, update
+from sqlalchemy import func, insert, select, text, update
 
 from registry.config import Settings
-from registry.blobs.packs import PackWriter
+from registry.blobs.packs import PackWriter, pack_key
 from registry.db import prune as prune_db
-from registry.db.engine import read_tx, write_tx
+from registry.db.engine import create_db_engine, read_tx, write_tx
 from registry.db.locks import exclude_writers
 from registry.db.models import chunks, packs, unlisted_packs
-from registry.errors import Conflict, InvalidRequest, NotFound
+from registry.errors import Conflict, InvalidRequest, NotFound, Pruned
 from registry.hashing import HashJob
-from registry.ingest import commit_version, plan_deltas, upload_missing
+from registry.ingest import RecordedPacks, commit_version, plan_deltas, upload_missing
 from registry.progress import NullProgress
 from registry.registry import Registry
 from registry.source import open_source
@@ -282,7 +282,7 @@ def test_a_push_whose_basis_was_pruned_meanwhile_is_refused_and_a_rerun_works(re
     reg.delete("fam", "base")
     age(reg, chunks, "created_at")
     reg.prune(min_age=HOUR)  # base's chunks go; their packs' blobs stay for the grace period
-    with pytest.raises(NotFound, match="deleted by a prune meanwhile"):
+    with pytest.raises(Pruned, match="deleted by a prune meanwhile"):
         push.upload()
     push.job.close()
     assert not reg.locate(push.missing)  # nothing recorded that could not be decoded
@@ -329,3 +329,54 @@ def test_a_commit_waits_while_prune_decides(reg, fam):
     committed = time.monotonic()
     t.join()
     assert committed >= ended[0]
+
+
+def test_a_pack_prune_took_for_abandoned_is_refused_and_its_writer_deletes_it(reg):
+    """A writer so slow that prune (here with --min-age 0) claims its announced pack before the blob
+    is written: recording is refused, and the writer deletes the blob nobody else would."""
+
+    class Slow(RecordedPacks):
+        def _announce(self, pack_id, size):
+            super()._announce(pack_id, size)
+            assert reg.prune(min_age=0).waiting_packs == 0  # claimed and "deleted" before the put
+
+    writer = Slow(reg)
+    writer.add("c" * 32, 100, "raw", b"x" * 100)
+    with pytest.raises(Pruned, match="taken for abandoned"):
+        writer.flush()
+    assert pack_blobs(reg) == set() and not reg.locate(["c" * 32])
+
+
+def test_a_pack_an_older_writer_lists_again_is_not_deleted(reg, fam):
+    """A writer of the previous release names packs by their bytes and lists them without announcing:
+    pushing bytes prune retired, it lists the retired name again, and that blob must stay."""
+    reg.push(fam["base"], "fam", "base")
+    reg.push(fam["lora-chat"], "fam", "lora-chat")
+    reg.delete("fam", "lora-chat")
+    age(reg, chunks, "created_at")
+    reg.prune(min_age=HOUR, max_unused=0)
+    with read_tx(reg.engine) as conn:
+        (pack_id, size), *_ = prune_db.unlisted(conn)
+    with write_tx(reg.engine) as conn:  # what the older writer's record_pack does: the pack and its chunk rows
+        conn.execute(insert(packs).values(id=pack_id, size=size))
+        conn.execute(insert(chunks).values(id="d" * 32, size=size, encoding="raw", stored_size=size, pack_id=pack_id,
+                                           offset=0))
+    age(reg, unlisted_packs, "since")
+    reg.prune(min_age=HOUR, max_unused=0)
+    assert pack_key(pack_id) in pack_blobs(reg)
+    with read_tx(reg.engine) as conn:
+        assert pack_id not in {i for i, _ in prune_db.unlisted(conn)}
+
+
+def test_the_postgres_run_lock_leaves_no_transaction_open(pg_database):
+    """The lock that keeps one prune at a time is held on a connection in autocommit: idle in a
+    transaction for the whole run, a server's idle_in_transaction_session_timeout would end it."""
+    engine = create_db_engine(pg_database)
+    try:
+        with prune_db.one_prune_at_a_time(engine):
+            with engine.connect() as conn:
+                states = conn.execute(text("SELECT state FROM pg_stat_activity WHERE datname = current_database() "
+                                           "AND pid <> pg_backend_pid()")).scalars().all()
+        assert states == ["idle"]  # the lock holder, outside any transaction
+    finally:
+        engine.dispose()

@@ -31,7 +31,7 @@ class LocalBlobStore(BlobStore):
     def put(self, key: str, data: bytes | memoryview) -> None:
         path = self._path(key)
         if path.exists() and path.stat().st_size == len(data):
-            return  # content-addressed keys: same key and size means the same bytes are there
+            return  # a key names one blob for good: same key and size is a retried put
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
         try:

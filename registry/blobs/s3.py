@@ -1,8 +1,9 @@
 """A BlobStore on S3 or any S3-compatible server (MinIO, Ceph): the shared deployment backend.
 
 Atomicity comes from S3 itself: an object becomes visible only once its PUT (or the completion of a
-multipart upload) succeeds, so readers never see a part. Keys are content-addressed, so a put finds
-an object of the same size already there and skips the upload. Every botocore failure is turned
+multipart upload) succeeds, so readers never see a part. A key names one blob for good (packs get
+fresh random ids and are written once), so a put that finds an object of the same size already
+there (a retry) skips the upload. Every botocore failure is turned
 into NotFound or a one-line StorageError here; no botocore exception leaves this module.
 """
 
@@ -144,7 +145,7 @@ class S3BlobStore(BlobStore):
         n = memoryview(data).nbytes
         try:
             if self.size(key) == n:
-                return  # content-addressed keys: same key and size means the same bytes are there
+                return  # a key names one blob for good: same key and size is a retried put
         except NotFound:
             pass
         with self._errors("put", key):

@@ -11,7 +11,7 @@ from registry.db.dialect import batches, insert
 from registry.db.locks import exclude_prune
 from registry.db.models import chunks, family_chunks, version_chunks, versions
 from registry.db.prune import list_pack
-from registry.errors import NotFound
+from registry.errors import Pruned
 
 
 def missing_ids(conn: Connection, ids: Sequence[str]) -> set[str]:
@@ -28,14 +28,14 @@ def record_pack(conn: Connection, pack_id: str, size: int, stored: Sequence[Stor
 
     A chunk that a concurrent push recorded first keeps its first location (ON CONFLICT DO
     NOTHING); the copy in this pack is dead weight until prune repacks it (registry/prune.py).
-    Refused (NotFound) when a prune deleted the basis of one of its deltas after the push chose it:
+    Refused (Pruned) when a prune deleted the basis of one of its deltas after the push chose it:
     recorded, the delta could never be decoded, and a re-run would take it for stored.
     """
     exclude_prune(conn)
     bases = {c.basis_id for c in stored if c.basis_id} - {c.id for c in stored}
     gone = bases - set(locate(conn, bases))
     if gone:
-        raise NotFound(f"the basis chunk {min(gone)} of a delta in this push was deleted by a prune meanwhile: push again")
+        raise Pruned(f"the basis chunk {min(gone)} of a delta in this push was deleted by a prune meanwhile: push again")
     list_pack(conn, pack_id, size)
     # Sorted rows: two transactions inserting overlapping ids lock them in the same order (no deadlock).
     rows = sorted(

@@ -1,9 +1,9 @@
 """The lock that keeps prune's decisions apart from the writes that make chunks needed.
 
 Prune (registry/prune.py) decides in one transaction which chunk rows and packs nothing needs and
-deletes them. A transaction that relies on stored chunks staying (a commit, a pack recorded with
-deltas against stored bases) must not interleave with that decision: it would rely on a chunk
-being deleted under it. On Postgres such transactions take a shared advisory lock and prune's
+deletes them, and claims the unlisted packs whose blobs it deletes. A transaction that relies on
+stored chunks or on its own announced pack staying (a commit; recording a pack, whose deltas need
+their stored bases) must not interleave with those: it would rely on something deleted under it. On Postgres such transactions take a shared advisory lock and prune's
 decision the exclusive one; on SQLite nothing is needed, since writers take turns (BEGIN IMMEDIATE).
 """
 

@@ -1,6 +1,6 @@
 """Queries of prune (registry/prune.py): which chunks versions need, what each pack holds, moving
 chunks to new packs, unlisted packs (blobs awaiting deletion), and the lock that keeps one prune
-at a time (db/locks.py keeps prune apart from commits)."""
+at a time (db/locks.py keeps prune apart from commits and from recording packs)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from sqlalchemy.exc import OperationalError
 
 from registry.db.dialect import batches, insert
 from registry.db.models import chunks, packs, unlisted_packs, version_chunks
-from registry.errors import Conflict, NotFound
+from registry.errors import Conflict, Pruned
 
 _RUNNING = 0x6D667302  # Postgres advisory lock key: a prune is running (db/locks.py has the other)
 
@@ -113,11 +113,22 @@ def still_pointing(conn: Connection, pack_id: str) -> int:
 
 
 def unlisted(conn: Connection, before: datetime | None = None) -> list[tuple[str, int]]:
-    """(id, size) of unlisted packs, those unlisted since no later than ``before`` when given."""
-    q = select(unlisted_packs.c.id, unlisted_packs.c.size)
+    """(id, size) of unlisted packs, those unlisted since no later than ``before`` when given. A
+    pack that is listed again is left out: a writer of the previous release, which named packs by
+    their bytes and did not announce them, recorded the same bytes under the same name."""
+    q = select(unlisted_packs.c.id, unlisted_packs.c.size).where(~unlisted_packs.c.id.in_(select(packs.c.id)))
     if before is not None:
         q = q.where(unlisted_packs.c.since <= before)
     return [(i, int(s)) for i, s in conn.execute(q)]
+
+
+def forget_relisted(conn: Connection) -> None:
+    """Drop unlisted rows of packs that are listed again (see ``unlisted``): their blobs are in use."""
+    conn.execute(delete(unlisted_packs).where(unlisted_packs.c.id.in_(select(packs.c.id))))
+
+
+def is_announced(conn: Connection, pack_id: str) -> bool:
+    return conn.execute(select(unlisted_packs.c.id).where(unlisted_packs.c.id == pack_id)).first() is not None
 
 
 def forget_unlisted(conn: Connection, ids: Sequence[str]) -> None:
@@ -135,6 +146,6 @@ def list_pack(conn: Connection, pack_id: str, size: int) -> None:
     """A pack whose blob is durable, from unlisted to packs. Refused if prune deleted the blob in the
     meantime (its writer took longer than the grace period): then no chunk row may point into it."""
     if conn.execute(delete(unlisted_packs).where(unlisted_packs.c.id == pack_id)).rowcount != 1:
-        raise NotFound(f"pack {pack_id} was deleted by a prune before it was recorded (writing it took longer than "
-                       "prune's --min-age): push again")
+        raise Pruned(f"pack {pack_id} was taken for abandoned and deleted by a prune before it was recorded (writing "
+                     "it took longer than prune's --min-age, or prune ran with --min-age 0): push again")
     conn.execute(insert(conn, packs).values(id=pack_id, size=size))

@@ -86,11 +86,11 @@ def version_figures(conn: Connection, family: str | None) -> list[tuple[str, str
 
 def storage_totals(conn: Connection) -> tuple[int, int, int]:
     """(bytes in packs, stored bytes of recorded chunks that no family uses: deleted versions and
-    interrupted pushes, bytes of unlisted packs: blobs prune retired, or that a writer died before
-    recording, which wait out prune's grace period)."""
+    interrupted pushes, bytes of unlisted packs: blobs prune retired, blobs a writer died before
+    recording, and packs being written right now)."""
     pack_bytes = conn.execute(select(func.coalesce(func.sum(packs.c.size), 0))).scalar_one()
-    retired = conn.execute(select(func.coalesce(func.sum(unlisted_packs.c.size), 0))).scalar_one()
+    unlisted = conn.execute(select(func.coalesce(func.sum(unlisted_packs.c.size), 0))).scalar_one()
     orphan = conn.execute(
         select(func.coalesce(func.sum(chunks.c.stored_size), 0)).where(~chunks.c.id.in_(select(fc.c.chunk_id)))
     ).scalar_one()
-    return int(pack_bytes), int(orphan), int(retired)
+    return int(pack_bytes), int(orphan), int(unlisted)
