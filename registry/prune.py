@@ -117,8 +117,11 @@ def prune(reg, min_age: float = DEFAULT_MIN_AGE, max_unused: float = DEFAULT_MAX
         if dry_run:
             retiring = [(p, sizes[p]) for p in plan.retire + plan.repack]
             with read_tx(reg.engine) as conn:
-                due = q.unlisted(conn, q.db_now(conn) - grace) + (retiring if min_age == 0 else [])
+                due = q.unlisted(conn, q.db_now(conn) - grace)
                 waiting = [r for r in q.unlisted(conn) + retiring if r not in due]
+            # as the real run counts: blobs that exist (a writer that died before its put left none)
+            due = [r for r in due if reg.blobs.exists(pack_key(r[0]))] + (retiring if min_age == 0 else [])
+            waiting = [r for r in waiting if r not in due]
         else:
             _repack(reg, plan.repack, progress)
             due = _delete_blobs(reg, grace)
@@ -137,8 +140,7 @@ def prune(reg, min_age: float = DEFAULT_MIN_AGE, max_unused: float = DEFAULT_MAX
 
 def _repack(reg, pack_ids: list[str], progress: Progress) -> None:
     """Copy the chunks still in ``pack_ids`` into new packs, point their rows there, and retire the
-    old packs. Payloads are copied as stored: the new pack's bytes are
-    the old ones, so nothing is decoded or encoded again."""
+    old packs. Payloads are copied as stored, so nothing is decoded or encoded again."""
     with read_tx(reg.engine) as conn:
         rows = {p: q.chunks_in(conn, p) for p in pack_ids}
     progress.start("repack", sum(r[3] for rs in rows.values() for r in rs))
