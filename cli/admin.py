@@ -68,15 +68,18 @@ def prune(
     if json_:
         emit_json(res.to_dict())
         return
+
+    def n(count: int, what: str) -> str:
+        return f"{count} {what}{'' if count == 1 else 's'}"
+
+    chunks = f"{n(res.deleted_chunks, 'chunk')} no version needs ({human_bytes(res.deleted_chunk_bytes)})"
+    packs = f"{n(res.repacked_packs, 'pack')} ({human_bytes(res.moved_bytes)}"
+    blobs = f"{n(res.deleted_packs, 'pack blob')}, freeing {human_bytes(res.freed_bytes)}"
     if dry_run:
-        head = (f"would delete {res.deleted_chunks} chunks no version needs ({human_bytes(res.deleted_chunk_bytes)}); "
-                f"would repack {res.repacked_packs} packs ({human_bytes(res.moved_bytes)} to move); would delete "
-                f"{res.deleted_packs} pack blobs, freeing {human_bytes(res.freed_bytes)}")
+        head = f"would delete {chunks}; would repack {packs} to move); would delete {blobs}"
     else:
-        head = (f"deleted {res.deleted_chunks} chunks no version needs ({human_bytes(res.deleted_chunk_bytes)}); "
-                f"repacked {res.repacked_packs} packs ({human_bytes(res.moved_bytes)} moved); deleted "
-                f"{res.deleted_packs} pack blobs, freeing {human_bytes(res.freed_bytes)}")
+        head = f"deleted {chunks}; repacked {packs} moved); deleted {blobs}"
     typer.echo(head)
     if res.waiting_packs:
-        typer.echo(f"{res.waiting_packs} unlisted packs ({human_bytes(res.waiting_bytes)}: retired, or being written) "
+        typer.echo(f"{n(res.waiting_packs, 'unlisted pack')} ({human_bytes(res.waiting_bytes)}: retired, or being written) "
                    f"wait out --min-age {min_age}; a later prune deletes those no push records")

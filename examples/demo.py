@@ -1,5 +1,6 @@
 """`make demo`: build a small synthetic family, push it to the embedded registry, print the sharing
-figures, pull one member back and show that it is byte-identical.
+figures, pull one member back and show that it is byte-identical; then (in the demo's own registry)
+delete a member, prune, and pull again.
 
 Everything runs through the real `mfsreg` command, as a user would type it. The registry lives in
 .demo/home (SQLite + a local pack directory: the embedded default's backends) so the demo never
@@ -59,6 +60,15 @@ def main() -> None:
     print(f"\npulled file is byte-identical to the pushed one: {same}")
     if not same:
         raise SystemExit(1)
+    if home != DEMO / "home":
+        return  # prune acts on a whole registry: only on the demo's own
+    # deleting a version drops its references; prune gives back the space its own chunks took
+    run("delete", "demo-llm", "lastlayers-code")
+    run("prune", "--min-age", "0")  # nothing else uses this registry: no grace period needed
+    run("pull", "demo-llm", "vocab-ext", "-o", out)
+    if not filecmp.cmp(out, members["vocab-ext"], shallow=False):
+        raise SystemExit("vocab-ext changed after the prune")
+    print("\nafter the prune, vocab-ext still pulls byte-identical")
 
 
 if __name__ == "__main__":
