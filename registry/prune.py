@@ -172,20 +172,21 @@ def _repack(reg, pack_ids: list[str], progress: Progress) -> None:
 
 
 def _delete_blobs(reg, grace: timedelta) -> list[tuple[str, int]]:
-    """Delete the blobs of packs unlisted for ``grace`` or longer; returns them. They are claimed
-    first, in a transaction that excludes writers (db/locks.py): a writer that recorded its pack
-    meanwhile keeps it, and one that records it afterwards is refused (db/prune.list_pack), so no
-    chunk row ever points into a deleted blob. Should this process die between the claim and the
-    deletes, those blobs are left behind unnamed (a later release could sweep the store for them)."""
+    """Delete the blobs of packs unlisted for ``grace`` or longer; returns those that existed. They
+    are claimed first, in a transaction that excludes writers (db/locks.py): a writer that recorded
+    its pack meanwhile keeps it, and one that records it afterwards is refused (db/prune.list_pack),
+    so no chunk row ever points into a deleted blob. Rows go only after their blobs: a prune that
+    dies in between leaves claims that the next one finishes."""
     with write_tx(reg.engine) as conn:
         exclude_writers(conn)
         q.forget_relisted(conn)
-        due = q.unlisted(conn, q.db_now(conn) - grace)
-        q.forget_unlisted(conn, [p for p, _ in due])
+        due = q.claim_due(conn, q.db_now(conn) - grace)
     deleted = []
     for pack_id, size in due:
         key = pack_key(pack_id)
         if reg.blobs.exists(key):  # a writer that died before its put left no blob: nothing freed
             reg.blobs.delete(key)
             deleted.append((pack_id, size))
+    with write_tx(reg.engine) as conn:
+        q.forget_unlisted(conn, [p for p, _ in due])
     return deleted

@@ -347,6 +347,27 @@ def test_a_pack_prune_took_for_abandoned_is_refused_and_its_writer_deletes_it(re
     assert pack_blobs(reg) == set() and not reg.locate(["c" * 32])
 
 
+def test_a_prune_that_died_after_claiming_leaves_the_next_one_its_claims(reg, fam, tmp_path):
+    reg.push(fam["base"], "fam", "base")
+    reg.push(fam["lora-chat"], "fam", "lora-chat")
+    reg.delete("fam", "lora-chat")
+    age(reg, chunks, "created_at")
+    reg.prune(min_age=HOUR, max_unused=0)  # lora-chat's packs retired, their blobs kept for now
+    before = pack_blobs(reg)
+    age(reg, unlisted_packs, "since")
+    with write_tx(reg.engine) as conn:  # what the next prune does before its deletes, and then it dies
+        claimed = prune_db.claim_due(conn, prune_db.db_now(conn))
+    assert claimed and pack_blobs(reg) == before  # nothing deleted yet, and nothing forgotten
+    with read_tx(reg.engine) as conn:
+        assert {i for i, _ in prune_db.unlisted(conn)} == {i for i, _ in claimed}
+        assert not prune_db.is_announced(conn, claimed[0][0])  # claimed: no writer may list it now
+
+    res = reg.prune(min_age=HOUR, max_unused=0)  # claims are due whatever the grace period
+    assert res.deleted_packs == len(claimed) and res.waiting_packs == 0
+    assert pack_blobs(reg) == table_packs(reg)
+    pulls_whole(reg, fam, tmp_path, "base")
+
+
 def test_a_pack_an_older_writer_lists_again_is_not_deleted(reg, fam):
     """A writer of the previous release names packs by their bytes and lists them without announcing:
     pushing bytes prune retired, it lists the retired name again, and that blob must stay."""

@@ -10,8 +10,9 @@
   what was already sent.
 - unlisted_packs: pack blobs that no chunk row may point into: one a writer announced before
   writing it (moved to packs when recorded; a writer that dies leaves it here), or one prune
-  retired. Prune (registry/prune.py) deletes each blob once ``since`` is older than its grace
-  period, so that a pull which located chunks in a retired pack just before can finish.
+  retired. Prune (registry/prune.py) claims each once ``since`` is older than its grace period (so
+  that a pull which located chunks in a retired pack just before can finish), deletes the blob,
+  then the row.
 - version_chunks: which distinct chunks each version needs (for stats, tiers and delete).
 - family_chunks: per family and chunk, how many members use it and its tier; rebalanced
   incrementally (registry/tiers.py) so a push never re-reads every member.
@@ -74,6 +75,9 @@ unlisted_packs = Table(
     Column("id", String(32), primary_key=True),
     Column("size", BigInteger, nullable=False),
     Column("since", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    # set when prune claims the pack for deletion; the row goes once the blob is deleted, so a
+    # prune that dies in between leaves the claim for the next one instead of an unnamed blob
+    Column("claimed_at", DateTime(timezone=True), nullable=True),
 )
 
 chunks = Table(

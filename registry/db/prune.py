@@ -113,12 +113,13 @@ def still_pointing(conn: Connection, pack_id: str) -> int:
 
 
 def unlisted(conn: Connection, before: datetime | None = None) -> list[tuple[str, int]]:
-    """(id, size) of unlisted packs, those unlisted since no later than ``before`` when given. A
-    pack that is listed again is left out: a writer of the previous release, which named packs by
-    their bytes and did not announce them, recorded the same bytes under the same name."""
+    """(id, size) of unlisted packs; given ``before``, those due for deletion: unlisted since no
+    later than that, or claimed by a prune that did not finish. A pack that is listed again is left
+    out: a writer of the previous release, which named packs by their bytes and did not announce
+    them, recorded the same bytes under the same name."""
     q = select(unlisted_packs.c.id, unlisted_packs.c.size).where(~unlisted_packs.c.id.in_(select(packs.c.id)))
     if before is not None:
-        q = q.where(unlisted_packs.c.since <= before)
+        q = q.where((unlisted_packs.c.since <= before) | unlisted_packs.c.claimed_at.is_not(None))
     return [(i, int(s)) for i, s in conn.execute(q)]
 
 
@@ -128,7 +129,21 @@ def forget_relisted(conn: Connection) -> None:
 
 
 def is_announced(conn: Connection, pack_id: str) -> bool:
-    return conn.execute(select(unlisted_packs.c.id).where(unlisted_packs.c.id == pack_id)).first() is not None
+    """Announced and not claimed by a prune."""
+    mine = (unlisted_packs.c.id == pack_id) & unlisted_packs.c.claimed_at.is_(None)
+    return conn.execute(select(unlisted_packs.c.id).where(mine)).first() is not None
+
+
+def claim_due(conn: Connection, before: datetime) -> list[tuple[str, int]]:
+    """Claim for deletion, and return, the unlisted packs unlisted since no later than ``before``,
+    and those an earlier prune claimed and did not finish deleting. A claimed pack can no longer be
+    listed (list_pack refuses it)."""
+    relisted = unlisted_packs.c.id.in_(select(packs.c.id))
+    due = (unlisted_packs.c.since <= before) | unlisted_packs.c.claimed_at.is_not(None)
+    rows = [(i, int(s)) for i, s in conn.execute(select(unlisted_packs.c.id, unlisted_packs.c.size).where(~relisted, due))]
+    for batch in batches([i for i, _ in rows]):
+        conn.execute(update(unlisted_packs).where(unlisted_packs.c.id.in_(batch)).values(claimed_at=func.now()))
+    return rows
 
 
 def forget_unlisted(conn: Connection, ids: Sequence[str]) -> None:
@@ -145,7 +160,8 @@ def announce_pack(conn: Connection, pack_id: str, size: int) -> None:
 def list_pack(conn: Connection, pack_id: str, size: int) -> None:
     """A pack whose blob is durable, from unlisted to packs. Refused if prune deleted the blob in the
     meantime (its writer took longer than the grace period): then no chunk row may point into it."""
-    if conn.execute(delete(unlisted_packs).where(unlisted_packs.c.id == pack_id)).rowcount != 1:
+    mine = (unlisted_packs.c.id == pack_id) & unlisted_packs.c.claimed_at.is_(None)
+    if conn.execute(delete(unlisted_packs).where(mine)).rowcount != 1:
         raise Pruned(f"pack {pack_id} was taken for abandoned and deleted by a prune before it was recorded (writing "
                      "it took longer than prune's --min-age, or prune ran with --min-age 0): push again")
     conn.execute(insert(conn, packs).values(id=pack_id, size=size))
