@@ -20,9 +20,9 @@ from api.auth import principal
 from api.limits import BodyLimit, read_body
 from api.schemas import (
     CommitRequest, DeleteResultModel, DownloadRequest, FamilyModel, NegotiateRequest, NegotiateResponse,
-    PushResultModel, UploadResponse, VersionModel,
+    PruneResultModel, PushResultModel, UploadResponse, VersionModel,
 )
-from registry import service
+from registry import prune, service
 from registry.auth import Principal
 from registry.config import Settings
 from registry.errors import Forbidden
@@ -98,6 +98,18 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
         check_name("family", family)
         who.require("admin", family)
         return reg_of(request).delete(family, version).to_dict()
+
+    @app.post("/v1/prune", response_model=PruneResultModel, tags=["admin"])
+    def prune_registry(request: Request, who: Principal = Depends(principal),
+                       min_age: float = Query(prune.DEFAULT_MIN_AGE, description="grace period, seconds"),
+                       max_unused: float = Query(prune.DEFAULT_MAX_UNUSED), dry_run: bool = Query(False)):
+        """Delete the chunks no version needs and give back their space (`mfsreg prune`): the whole
+        registry, so it needs an admin token for every family."""
+        who.require("admin")
+        if who.family_pattern != "*":
+            raise Forbidden(f"prune acts on every family; this token is limited to {who.family_pattern!r}: "
+                            "use an admin token created with --family '*'")
+        return reg_of(request).prune(min_age, max_unused, dry_run).to_dict()
 
     @app.post("/v1/families/{family}/versions/{version}/negotiate", response_model=NegotiateResponse, tags=["push"])
     def negotiate(family: str, version: str, body: NegotiateRequest, request: Request, who: Principal = Depends(principal)):

@@ -73,6 +73,20 @@ class VersionModel(BaseModel):
     created_at: str
 
 
+class PruneResultModel(BaseModel):
+    dry_run: bool
+    deleted_chunks: int
+    deleted_chunk_bytes: int
+    repacked_packs: int
+    moved_bytes: int
+    retired_packs: int
+    deleted_packs: int
+    freed_bytes: int
+    waiting_packs: int
+    waiting_bytes: int
+    seconds: float
+
+
 class DeleteResultModel(BaseModel):
     family: str
     version: str

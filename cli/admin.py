@@ -1,10 +1,10 @@
-"""Admin commands, run where the metadata database is: `db upgrade`, `family quorum`, `prune`."""
+"""Admin commands: `db upgrade` and `family quorum` (where the metadata database is), `prune`."""
 
 from __future__ import annotations
 
 import typer
 
-from cli.backend import RegistryOption
+from cli.backend import RegistryOption, open_backend
 from cli.output import emit_json, human_bytes
 from cli.progress import progress_for
 
@@ -51,19 +51,16 @@ def prune(
     registry: str = RegistryOption,
 ) -> None:
     """Delete the chunks no version needs and give back their space: packs left empty are deleted,
-    packs mostly unused are repacked. Chunks that deltas of stored versions need are kept."""
+    packs mostly unused are repacked. Chunks that deltas of stored versions need are kept. With
+    MFSREG_URL the server prunes its registry (an admin token for every family)."""
     from registry.config import parse_duration
     from registry.errors import InvalidRequest
-    from registry.registry import Registry
 
-    if registry:
-        raise InvalidRequest("prune runs where the registry's database is: run it on the server's host, with "
-                             "MFSREG_DATABASE_URL and MFSREG_BLOB_URL set and without MFSREG_URL")
     try:
         seconds = parse_duration(min_age)
     except ValueError:
         raise InvalidRequest(f"--min-age {min_age!r}: give seconds, or a number with s, m, h or d (e.g. 1h)") from None
-    with Registry() as reg, progress_for(json_) as progress:
+    with open_backend(registry) as reg, progress_for(json_) as progress:
         res = reg.prune(seconds, max_unused, dry_run, progress)
     if json_:
         emit_json(res.to_dict())

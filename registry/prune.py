@@ -38,27 +38,10 @@ from registry.db.engine import read_tx, write_tx
 from registry.db.locks import exclude_writers
 from registry.errors import InvalidRequest, NotFound
 from registry.progress import NullProgress, Progress
+from registry.results import PruneResult
 
 DEFAULT_MIN_AGE = 3600.0  # seconds: longer than any push between its first upload and its commit
 DEFAULT_MAX_UNUSED = 0.1  # a pack with more than this share of unused bytes is repacked
-
-
-@dataclass(frozen=True)
-class PruneResult:
-    dry_run: bool
-    deleted_chunks: int  # chunk rows no version needs, deleted (or that would be, in a dry run)
-    deleted_chunk_bytes: int  # their stored bytes
-    repacked_packs: int
-    moved_bytes: int  # stored bytes of kept chunks copied into new packs
-    retired_packs: int  # packs taken out of use by this run
-    deleted_packs: int  # pack blobs deleted by this run (retired now or earlier, or never recorded)
-    freed_bytes: int  # bytes of those blobs
-    waiting_packs: int  # unlisted packs (retired, or never recorded) whose blobs wait out min_age
-    waiting_bytes: int
-    seconds: float
-
-    def to_dict(self) -> dict:
-        return dict(self.__dict__)
 
 
 def check_prune_args(min_age: float, max_unused: float) -> None:

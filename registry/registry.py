@@ -21,7 +21,7 @@ from registry.db.engine import create_db_engine, read_tx, write_tx
 from registry.manifest import Manifest
 from registry.names import check_name
 from registry.progress import Progress
-from registry.results import DeleteResult
+from registry.results import DeleteResult, PruneResult
 from registry.stats import compute_stats
 from registry.tiers import check_quorum
 
@@ -135,7 +135,7 @@ class Registry:
         return DeleteResult(family, version, changed, len(dropped))
 
     def prune(self, min_age: float = prune.DEFAULT_MIN_AGE, max_unused: float = prune.DEFAULT_MAX_UNUSED,
-              dry_run: bool = False, progress: Progress | None = None) -> prune.PruneResult:
+              dry_run: bool = False, progress: Progress | None = None) -> PruneResult:
         """Delete the chunks no version needs and give back their space (registry/prune.py)."""
         return prune.prune(self, min_age, max_unused, dry_run, progress)
 

@@ -62,6 +62,24 @@ class DeleteResult:
         return dict(self.__dict__)
 
 
+@dataclass(frozen=True)
+class PruneResult:
+    dry_run: bool
+    deleted_chunks: int  # chunk rows no version needs, deleted (or that would be, in a dry run)
+    deleted_chunk_bytes: int  # their stored bytes
+    repacked_packs: int
+    moved_bytes: int  # stored bytes of kept chunks copied into new packs
+    retired_packs: int  # packs taken out of use by this run
+    deleted_packs: int  # pack blobs deleted by this run (retired now or earlier, or never recorded)
+    freed_bytes: int  # bytes of those blobs
+    waiting_packs: int  # unlisted packs (retired, or never recorded) whose blobs wait out the grace period
+    waiting_bytes: int
+    seconds: float
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
 def existing_result(digest: str, logical_bytes: int, files: int, new_digest: str, n_chunks: int,
                     family: str, version: str, t0: float) -> PushResult:
     """The result of pushing a version that is already there: fine if it is the same content."""

@@ -344,3 +344,27 @@ def test_a_push_cut_otherwise_than_its_family_is_refused_before_it_uploads(serve
         assert r.status_code == 409 and "chunks of 32,768 bytes" in r.json()["detail"], r.text
     assert bucket_keys(server_env) == keys
     assert httpx.get(f"{base}/versions/v2", headers=h).status_code == 404
+
+
+def test_prune_over_http(servers, server_env, fam, tmp_path):
+    (srv,) = servers(1)
+    env = client_env(tmp_path, srv.url, token(server_env, "admin"))
+    for name in ("base", "last-code"):
+        mfsreg("push", fam[name], "--family", "fam", "--version", name, env=env)
+    mfsreg("delete", "fam", "last-code", env=env)
+    packs_before = [k for k in bucket_keys(server_env) if k.endswith(".pack")]
+
+    # prune acts on the whole registry: a push token, or an admin token for some families only, may not
+    for tok in (token(server_env, "push"), token(server_env, "admin", "fam*")):
+        proc = mfsreg("prune", "--min-age", "0", env={**env, "MFSREG_TOKEN": tok}, check=False)
+        assert proc.returncode == 3 and len(proc.stderr.strip().splitlines()) == 1
+    assert "--family '*'" in proc.stderr
+
+    dry = mfsreg_json("prune", "--min-age", "0", "--dry-run", env=env)
+    res = mfsreg_json("prune", "--min-age", "0", env=env)
+    assert dry["dry_run"] and not res["dry_run"] and res["deleted_chunks"] == dry["deleted_chunks"] > 0
+    assert res["freed_bytes"] > 0 and mfsreg_json("stats", env=env)["unreferenced_bytes"] == 0
+    assert len([k for k in bucket_keys(server_env) if k.endswith(".pack")]) < len(packs_before)
+    out = tmp_path / "base.out"
+    mfsreg("pull", "fam", "base", "-o", out, env={**env, "MFSREG_CACHE_DIR": str(tmp_path / "fresh-cache")})
+    assert filecmp.cmp(out, fam["base"], shallow=False)

@@ -28,7 +28,7 @@ from registry.hashing import HashJob, encoded_chunks, missing_bytes
 from registry.manifest import Manifest
 from registry.names import check_name
 from registry.progress import NullProgress, Progress
-from registry.results import DeleteResult, FamilyRow, PushResult, VersionRow, existing_result
+from registry.results import DeleteResult, FamilyRow, PruneResult, PushResult, VersionRow, existing_result
 from registry.source import open_source
 from registry.wire import Entry, build_batch, read_stream
 
@@ -265,6 +265,11 @@ class RemoteRegistry:
         check_name("family", family)
         check_name("version", version)
         return DeleteResult(**self._json("DELETE", f"/v1/families/{family}/versions/{version}"))
+
+    def prune(self, min_age: float, max_unused: float, dry_run: bool = False, progress: Progress | None = None) -> PruneResult:
+        """The server prunes its registry (admin token for every family); ``progress`` is not reported."""
+        params = {"min_age": min_age, "max_unused": max_unused, "dry_run": str(dry_run).lower()}
+        return PruneResult(**self._json("POST", "/v1/prune", params=params))
 
     def health(self) -> dict:
         return self._json("GET", "/healthz")
