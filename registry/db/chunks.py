@@ -33,7 +33,7 @@ def record_pack(conn: Connection, pack_id: str, size: int, stored: Sequence[Stor
     """
     exclude_prune(conn)
     bases = {c.basis_id for c in stored if c.basis_id} - {c.id for c in stored}
-    gone = bases - set(locate(conn, bases))
+    gone = missing_ids(conn, list(bases))
     if gone:
         raise Pruned(f"the basis chunk {min(gone)} of a delta in this push was deleted by a prune meanwhile: push again")
     list_pack(conn, pack_id, size)

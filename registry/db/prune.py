@@ -82,12 +82,15 @@ def delete_chunks(conn: Connection, ids: Sequence[str]) -> None:
 
 
 def retire_packs(conn: Connection, ids: Sequence[str]) -> None:
-    """Move packs that no chunk row points at any more from packs to unlisted_packs."""
+    """Move those of ``ids`` that no chunk row points into any more from packs to unlisted_packs
+    (a pack still pointed into stays listed)."""
+    empty = ~exists().where(chunks.c.pack_id == packs.c.id)
     for batch in batches(list(ids)):
-        rows = [dict(id=i, size=s) for i, s in conn.execute(select(packs.c.id, packs.c.size).where(packs.c.id.in_(batch)))]
+        q = select(packs.c.id, packs.c.size).where(packs.c.id.in_(batch), empty)
+        rows = [dict(id=i, size=s) for i, s in conn.execute(q)]
         if rows:
             conn.execute(insert(conn, unlisted_packs).on_conflict_do_nothing(), rows)
-        conn.execute(delete(packs).where(packs.c.id.in_(batch)))
+            conn.execute(delete(packs).where(packs.c.id.in_([r["id"] for r in rows])))
 
 
 def chunks_in(conn: Connection, pack_id: str) -> list[tuple]:
@@ -108,10 +111,6 @@ def record_moved(conn: Connection, pack_id: str, size: int, moved: Sequence[tupl
     conn.execute(stmt, [dict(cid=c, old=o, off=off) for c, o, off in moved])
 
 
-def still_pointing(conn: Connection, pack_id: str) -> int:
-    return conn.execute(select(func.count()).select_from(chunks).where(chunks.c.pack_id == pack_id)).scalar_one()
-
-
 def unlisted(conn: Connection, before: datetime | None = None) -> list[tuple[str, int]]:
     """(id, size) of unlisted packs; given ``before``, those due for deletion: unlisted since no
     later than that, or claimed by a prune that did not finish. A pack that is listed again is left
@@ -128,19 +127,19 @@ def forget_relisted(conn: Connection) -> None:
     conn.execute(delete(unlisted_packs).where(unlisted_packs.c.id.in_(select(packs.c.id))))
 
 
+def _announced(pack_id: str):
+    """The row of a pack its writer announced, unless a prune has claimed it since."""
+    return (unlisted_packs.c.id == pack_id) & unlisted_packs.c.claimed_at.is_(None)
+
+
 def is_announced(conn: Connection, pack_id: str) -> bool:
-    """Announced and not claimed by a prune."""
-    mine = (unlisted_packs.c.id == pack_id) & unlisted_packs.c.claimed_at.is_(None)
-    return conn.execute(select(unlisted_packs.c.id).where(mine)).first() is not None
+    return conn.execute(select(unlisted_packs.c.id).where(_announced(pack_id))).first() is not None
 
 
 def claim_due(conn: Connection, before: datetime) -> list[tuple[str, int]]:
-    """Claim for deletion, and return, the unlisted packs unlisted since no later than ``before``,
-    and those an earlier prune claimed and did not finish deleting. A claimed pack can no longer be
-    listed (list_pack refuses it)."""
-    relisted = unlisted_packs.c.id.in_(select(packs.c.id))
-    due = (unlisted_packs.c.since <= before) | unlisted_packs.c.claimed_at.is_not(None)
-    rows = [(i, int(s)) for i, s in conn.execute(select(unlisted_packs.c.id, unlisted_packs.c.size).where(~relisted, due))]
+    """Claim for deletion, and return, the packs ``unlisted(conn, before)`` names. A claimed pack
+    can no longer be listed (list_pack refuses it)."""
+    rows = unlisted(conn, before)
     for batch in batches([i for i, _ in rows]):
         conn.execute(update(unlisted_packs).where(unlisted_packs.c.id.in_(batch)).values(claimed_at=func.now()))
     return rows
@@ -160,8 +159,7 @@ def announce_pack(conn: Connection, pack_id: str, size: int) -> None:
 def list_pack(conn: Connection, pack_id: str, size: int) -> None:
     """A pack whose blob is durable, from unlisted to packs. Refused if prune deleted the blob in the
     meantime (its writer took longer than the grace period): then no chunk row may point into it."""
-    mine = (unlisted_packs.c.id == pack_id) & unlisted_packs.c.claimed_at.is_(None)
-    if conn.execute(delete(unlisted_packs).where(mine)).rowcount != 1:
+    if conn.execute(delete(unlisted_packs).where(_announced(pack_id))).rowcount != 1:
         raise Pruned(f"pack {pack_id} was taken for abandoned and deleted by a prune before it was recorded (writing "
                      "it took longer than prune's --min-age, or prune ran with --min-age 0): push again")
     conn.execute(insert(conn, packs).values(id=pack_id, size=size))
