@@ -143,11 +143,8 @@ class S3BlobStore(BlobStore):
     def put(self, key: str, data: bytes | memoryview) -> None:
         k = self._key(key)
         n = memoryview(data).nbytes
-        try:
-            if self.size(key) == n:
-                return  # a key names one blob for good: same key and size is a retried put
-        except NotFound:
-            pass
+        # No HEAD first: pack ids are random, so the key is new, and a retried put of the same
+        # bytes simply replaces the object atomically (S3 has no partial objects).
         with self._errors("put", key):
             if n < MULTIPART_THRESHOLD:
                 # botocore sends a CRC32 checksum with the body, so the server rejects damaged bytes
