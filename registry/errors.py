@@ -45,6 +45,13 @@ class NotFound(RegistryError):
     code = "not_found"
 
 
+class MissingChunks(NotFound):
+    """A commit names chunks that are not stored: never uploaded, or deleted by a prune after the
+    push found them stored. A push uploads them and commits again, once."""
+
+    code = "missing_chunks"
+
+
 class Conflict(RegistryError):
     """An operation that contradicts stored state, e.g. a version name reused for other bytes."""
 
@@ -53,7 +60,8 @@ class Conflict(RegistryError):
 
 class Pruned(Conflict):
     """A prune deleted something this operation relied on while it ran (a delta's basis, or a pack
-    it took for abandoned): nothing was recorded, and running the operation again works."""
+    it took for abandoned): nothing was recorded. A push stores such chunks again once (plain where
+    the basis is gone); only if that is refused too does the user see this, and a re-run works."""
 
     code = "pruned"
 

@@ -11,6 +11,7 @@ Concurrency: uploads of two pushes run side by side; a chunk both of them send i
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from registry.db.engine import read_tx, write_tx
 from registry.db.locks import exclude_prune
 from registry import deltas, results
 from registry.deltas import BasisReader
-from registry.errors import Conflict, InvalidRequest, NotFound, Pruned
+from registry.errors import Conflict, InvalidRequest, MissingChunks, NotFound, Pruned
 from registry.hashing import HashJob, encoded_chunks, missing_bytes
 from registry.manifest import Manifest
 from registry.names import check_name
@@ -88,18 +89,54 @@ class RecordedPacks(PackWriter):
             raise
 
 
+ChunkItem = tuple  # (id, size, encoding, payload, basis id or None, depth): what RecordedPacks.add takes
+
+
+def store_chunks(reg, ids: set[str], bases: Iterable[str],
+                 items: Callable[[set[str], set[str] | None], Iterable[ChunkItem]]) -> int:
+    """Store the chunks ``ids`` as ``items(wanted, gone)`` yields them (``gone`` None on the first
+    pass), deltas against ``bases``; returns the stored bytes added.
+
+    A prune that runs meanwhile may delete a basis this push chose, or take a pack it is writing
+    for abandoned: that pack is refused (Pruned) and nothing in it is recorded. The chunks still
+    missing are then stored once more, ``gone`` naming the bases that no longer exist (chunks
+    planned against them go plain); a second refusal reaches the caller."""
+    first, pending = RecordedPacks(reg), iter(items(ids, None))
+    try:
+        for item in pending:
+            first.add(*item)
+        first.flush()
+        return first.added
+    except Pruned:
+        pass
+    finally:
+        getattr(pending, "close", lambda: None)()  # a generator stopped early: its encoding jobs end here
+    with read_tx(reg.engine) as conn:
+        still = chunk_db.missing_ids(conn, list(ids))
+        gone = chunk_db.missing_ids(conn, [b for b in set(bases) if b is not None])
+    again = RecordedPacks(reg)
+    for item in items(still, gone):
+        again.add(*item)
+    again.flush()
+    return first.added + again.added
+
+
 def upload_missing(reg, job: HashJob, missing: set[str], pool: ThreadPoolExecutor, progress: Progress,
                    bases: dict[str, str] | None = None, reader: BasisReader | None = None) -> int:
     """Encode and store the chunks in ``missing``; returns the stored bytes this push added."""
-    writer = RecordedPacks(reg)
+    bases = bases or {}
     progress.start("send", missing_bytes(job, missing))
-    basis_raw = reader.raw if reader is not None else None
-    for c, encoding, payload, basis_id in encoded_chunks(job, missing, pool, bases, basis_raw):
-        depth = reader.located[basis_id].depth + 1 if basis_id else 0
-        writer.add(c.id, c.size, encoding, payload, basis_id, depth)
-        progress.advance("send", c.size)
-    writer.flush()
-    return writer.added
+
+    def items(wanted: set[str], gone: set[str] | None) -> Iterator[ChunkItem]:
+        usable = {c: b for c, b in bases.items() if b not in (gone or ())}
+        basis_raw = reader.raw if reader is not None else None
+        for c, encoding, payload, basis_id in encoded_chunks(job, wanted, pool, usable, basis_raw):
+            depth = reader.located[basis_id].depth + 1 if basis_id else 0
+            yield c.id, c.size, encoding, payload, basis_id, depth
+            if gone is None:  # a second pass re-sends bytes the bar has counted
+                progress.advance("send", c.size)
+
+    return store_chunks(reg, missing, bases.values(), items)
 
 
 def check_push_names(family: str, version: str, parent: str | None) -> None:
@@ -167,7 +204,7 @@ def commit_version(reg, family: str, version: str, parent: str | None, manifest:
             c.basis_id for c in located.values() if c.basis_id and c.basis_id not in located
         ]
         if still_missing:
-            raise NotFound(f"{len(still_missing)} chunks of {family}/{version} are not stored (first: {min(still_missing)}): upload them, then commit again")
+            raise MissingChunks(f"{len(still_missing)} chunks of {family}/{version} are not stored (first: {min(still_missing)}): upload them, then commit again")
         wrong = [c.id for f in manifest.files for c in f.chunks if located[c.id].size != c.size]
         if wrong:
             raise InvalidRequest(f"manifest gives chunk {wrong[0]} a size other than the stored one: it cannot rebuild")
@@ -201,7 +238,16 @@ def push(reg, path: Path, family: str, version: str, parent: str | None = None, 
         bases, reader = plan_deltas(reg, family, parent, new_files, ids, missing)
         added = upload_missing(reg, job, missing, reg.pool, progress, bases, reader)
         manifest = job.manifest()  # waits for the file digests, which ran beside the encoding
-    changed, existing = commit_version(reg, family, version, parent, manifest, chunk_size)
+        try:
+            changed, existing = commit_version(reg, family, version, parent, manifest, chunk_size)
+        except MissingChunks:
+            # A prune deleted chunks this push found stored (a deleted version's) before the commit
+            # could use them: store them (plain) and commit once more.
+            with read_tx(reg.engine) as conn:
+                lost = chunk_db.missing_ids(conn, ids)
+            added += upload_missing(reg, job, lost, reg.pool, NullProgress())
+            missing |= lost
+            changed, existing = commit_version(reg, family, version, parent, manifest, chunk_size)
     if existing is not None:  # a concurrent push of the same name committed first
         return existing_result(existing, manifest, family, version, t0)
     return PushResult(

@@ -23,7 +23,7 @@ from registry.db import versions as version_db
 from registry.db.engine import read_tx
 from registry.errors import IntegrityError, InvalidModel, InvalidRequest, NotFound, StorageError
 from registry.deltas import BasisReader, cap_depth
-from registry.ingest import RecordedPacks, check_cut, check_push_names, commit_version, existing_result, plan_deltas
+from registry.ingest import check_cut, check_push_names, commit_version, existing_result, plan_deltas, store_chunks
 from registry.parallel import windowed_map
 from registry.results import PushResult
 from registry.manifest import SAFETENSORS, Manifest, parse_doc
@@ -122,11 +122,18 @@ def receive_batch(reg, family: str, body: bytes) -> dict:
         verified = list(windowed_map(reg.pool, verify, todo))
         fetching.result()
     ready = list(windowed_map(reg.pool, encode, verified))
-    writer = RecordedPacks(reg)
-    for e, encoding, payload, basis_id, depth in ready:
-        writer.add(e.id, e.size, encoding, payload, basis_id, depth)
-    writer.flush()
-    return {"received": len(entries), "new_bytes": writer.added}
+    uploaded = {e.id: (e.encoding, payload) for e, payload, _ in verified}
+
+    def items(wanted: set[str], gone: set[str] | None):
+        for e, encoding, payload, basis_id, depth in ready:
+            if e.id not in wanted:
+                continue
+            if gone and basis_id in gone:  # a prune deleted the basis meanwhile: store what the client sent
+                (encoding, payload), basis_id, depth = uploaded[e.id], None, 0
+            yield e.id, e.size, encoding, bytes(payload), basis_id, depth
+
+    added = store_chunks(reg, {e.id for e, _ in todo}, basis_of.values(), items)
+    return {"received": len(entries), "new_bytes": added}
 
 
 def _check_headers(reg, manifest: Manifest) -> None:

@@ -23,6 +23,7 @@ from registry.progress import NullProgress
 from registry.registry import Registry
 from registry.source import open_source
 from tests.cli_run import mfsreg, mfsreg_json
+from tests.hooks import OnSend
 
 LONG_AGO = datetime(2020, 1, 1, tzinfo=timezone.utc)
 HOUR = 3600.0
@@ -276,18 +277,45 @@ def test_chunks_in_flight_keep_the_bases_of_their_deltas(reg, fam, tmp_path):
     pulls_whole(reg, fam, tmp_path, "full-med")
 
 
-def test_a_push_whose_basis_was_pruned_meanwhile_is_refused_and_a_rerun_works(reg, fam, tmp_path):
+def test_a_push_whose_basis_was_pruned_meanwhile_stores_those_chunks_plain(reg, fam, tmp_path):
     reg.push(fam["base"], "fam", "base")
     push = InFlightPush(reg, fam["full-med"], "full-med", parent="base").plan()  # bases chosen in base
+    gone = set(push.bases.values())
+    assert gone
     reg.delete("fam", "base")
     age(reg, chunks, "created_at")
     reg.prune(min_age=HOUR)  # base's chunks go; their packs' blobs stay for the grace period
+    assert not reg.locate(gone)
+
+    # A pack holding a delta against a deleted basis is never recorded: it could not be decoded.
+    writer = RecordedPacks(reg)
+    writer.add("d" * 32, 100, "esub", b"x" * 10, min(gone), 1)
     with pytest.raises(Pruned, match="deleted by a prune meanwhile"):
-        push.upload()
-    push.job.close()
-    assert not reg.locate(push.missing)  # nothing recorded that could not be decoded
-    reg.push(fam["full-med"], "fam", "full-med")
+        writer.flush()
+    assert not reg.locate(["d" * 32])
+
+    push.upload()  # the refused pack's chunks, and the rest, are stored again without those bases
+    stored = reg.locate(push.missing)
+    assert set(stored) == push.missing
+    assert not [c.id for c in stored.values() if c.basis_id in gone]
+    push.parent = None  # its parent is gone
+    push.commit()
     pulls_whole(reg, fam, tmp_path, "full-med")
+
+
+def test_a_push_whose_found_chunks_are_pruned_before_its_commit_stores_them_and_commits(reg, fam, tmp_path):
+    reg.push(fam["base"], "fam", "base")
+    reg.push(fam["lora-chat"], "fam", "chat")
+    reg.delete("fam", "chat")  # its own chunks stay stored, used by no version
+    unused = chunk_bytes(reg) - reg.stats("fam")["stored_bytes"]
+    assert unused > 0
+    # pushed again: every chunk is found stored, then a prune (min-age 0) deletes the unused ones
+    hook = OnSend(lambda: reg.prune(min_age=0))
+    res = reg.push(fam["lora-chat"], "fam", "chat-again", progress=hook)
+    (pruned,) = hook.results
+    assert pruned.deleted_chunks > 0
+    assert res.new_chunks == pruned.deleted_chunks and res.new_bytes > 0  # stored again, then committed
+    pulls_whole(reg, {**fam, "chat-again": fam["lora-chat"]}, tmp_path, "chat-again", "base")
 
 
 def test_a_pack_whose_writer_died_is_deleted_after_the_grace_period(reg):

@@ -21,6 +21,7 @@ from registry.source import open_source
 from registry.wire import Entry, build_batch
 from tests import synth
 from tests.cli_run import MFSREG, mfsreg, mfsreg_json
+from tests.hooks import OnSend
 from tests.server import client_env, free_port, servers, server_env, token  # noqa: F401
 
 
@@ -344,6 +345,29 @@ def test_a_push_cut_otherwise_than_its_family_is_refused_before_it_uploads(serve
         assert r.status_code == 409 and "chunks of 32,768 bytes" in r.json()["detail"], r.text
     assert bucket_keys(server_env) == keys
     assert httpx.get(f"{base}/versions/v2", headers=h).status_code == 404
+
+
+def test_a_push_over_http_survives_a_prune_between_its_negotiation_and_its_commit(servers, server_env, fam, tmp_path):
+    from registry.client.cache import NodeCache
+    from registry.client.remote import RemoteRegistry
+
+    (srv,) = servers(1)
+    with RemoteRegistry(srv.url, token=token(server_env, "admin")) as remote:
+        remote.push(fam["base"], "fam", "base")
+        remote.push(fam["lora-chat"], "fam", "chat")
+        remote.delete("fam", "chat")
+        # pushed again, every chunk is found stored; then a prune deletes the unused ones
+        hook = OnSend(lambda: remote.prune(min_age=0, max_unused=0.1))
+        res = remote.push(fam["lora-chat"], "fam", "chat-again", progress=hook)
+        (pruned,) = hook.results
+        assert pruned.deleted_chunks > 0 and res.new_chunks == pruned.deleted_chunks and res.sent_bytes > 0
+        out = tmp_path / "chat-again.out"
+        cache = NodeCache(tmp_path / "node-cache")
+        try:
+            remote.pull("fam", "chat-again", out, cache=cache)
+        finally:
+            cache.close()
+    assert filecmp.cmp(out, fam["lora-chat"], shallow=False)
 
 
 def test_prune_over_http(servers, server_env, fam, tmp_path):

@@ -22,7 +22,8 @@ from registry import rebuild
 from registry.blobs.packs import StoredChunk
 from registry.config import Settings, size_from_env
 from registry.errors import (
-    Conflict, Forbidden, IntegrityError, InvalidRequest, NotFound, RegistryError, StorageError, TooLarge, Unauthorized,
+    Conflict, Forbidden, IntegrityError, InvalidRequest, MissingChunks, NotFound, Pruned, RegistryError, StorageError,
+    TooLarge, Unauthorized,
 )
 from registry.hashing import HashJob, encoded_chunks, missing_bytes
 from registry.manifest import Manifest
@@ -40,6 +41,7 @@ LEGACY_CHUNK_SIZE = 1 << 20  # the default before families recorded theirs (migr
 # One table from HTTP status to the registry's error tree (the server sends problem details).
 _STATUS = {400: InvalidRequest, 401: Unauthorized, 403: Forbidden, 404: NotFound, 409: Conflict,
            413: TooLarge, 422: IntegrityError, 503: StorageError}
+_CODES = {k.code: k for k in (MissingChunks, Pruned)}
 
 
 class RemoteRegistry:
@@ -118,7 +120,17 @@ class RemoteRegistry:
             progress.advance("skip", skipped)
             sent, added = self._upload(family, job, draft, missing, progress, neg.get("bases", {}))
             manifest = job.manifest()
-        res = self._json("POST", f"{base}/commit", json={"parent": parent, "manifest": manifest.to_doc(), "chunk_size": chunk_size})
+            commit = {"parent": parent, "manifest": manifest.to_doc(), "chunk_size": chunk_size}
+            try:
+                res = self._json("POST", f"{base}/commit", json=commit)
+            except MissingChunks:
+                # A prune deleted chunks this push found stored before the commit could use them:
+                # ask again what is missing, upload it and commit once more.
+                neg = negotiate(manifest)
+                lost = set(neg["missing"])
+                more_sent, more_added = self._upload(family, job, manifest, lost, NullProgress(), neg.get("bases", {}))
+                sent, added, missing = sent + more_sent, added + more_added, missing | lost
+                res = self._json("POST", f"{base}/commit", json=commit)
         return PushResult(**{**res, "new_bytes": added, "new_chunks": len(missing),
                              "reused_chunks": res["chunks"] - len(missing), "sent_bytes": sent,
                              "seconds": time.perf_counter() - t0})
@@ -267,9 +279,10 @@ class RemoteRegistry:
         return DeleteResult(**self._json("DELETE", f"/v1/families/{family}/versions/{version}"))
 
     def prune(self, min_age: float, max_unused: float, dry_run: bool = False, progress: Progress | None = None) -> PruneResult:
-        """The server prunes its registry (admin token for every family); ``progress`` is not reported."""
+        """The server prunes its registry (admin token for every family); ``progress`` is not reported.
+        The answer comes when the run ends, however long a repack takes: no read timeout."""
         params = {"min_age": min_age, "max_unused": max_unused, "dry_run": str(dry_run).lower()}
-        return PruneResult(**self._json("POST", "/v1/prune", params=params))
+        return PruneResult(**self._json("POST", "/v1/prune", params=params, timeout=httpx.Timeout(None, connect=10.0)))
 
     def health(self) -> dict:
         return self._json("GET", "/healthz")
@@ -284,10 +297,16 @@ def _raise_for(resp: httpx.Response) -> None:
     if resp.status_code < 400:
         return
     try:
-        detail = resp.json().get("detail") or resp.reason_phrase
-    except ValueError:
-        detail = resp.text[:200] or resp.reason_phrase
+        body = resp.json()
+        detail = body.get("detail") or resp.reason_phrase
+    except (ValueError, AttributeError):
+        body, detail = None, resp.text[:200] or resp.reason_phrase
     kind = _STATUS.get(resp.status_code, RegistryError)
+    if kind is not RegistryError and isinstance(body, dict):
+        # A finer kind the caller acts on, named by the problem's type (api/errors.py); a server
+        # older than that kind sends the plain one.
+        finer = _CODES.get(str(body.get("type", "")).removeprefix("urn:mfsreg:"))
+        kind = finer if finer is not None and issubclass(finer, kind) else kind
     raise kind(f"{detail}" if kind is not RegistryError else f"server answered {resp.status_code}: {detail}")
 
 
