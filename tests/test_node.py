@@ -114,10 +114,11 @@ longest = max(len(pieces) for _, pieces in lay.values())
 assert -(-longest // PIECES_PER_TASK) >= 2, longest  # a tensor's runs can hold both pool threads at once
 copier = Copier(node.cache, torch.device("cpu"), node.remote.pool)
 copier.refetch = refetcher(node.fetcher, info)
-got = {}
-for name, (span, pieces) in lay.items():  # no fetch ahead: every copy finds its chunk file gone
-    got[name] = copier.empty(span)
-    copier.copy(got[name], pieces)
+got = {name: copier.empty(span) for name, (span, _) in lay.items()}
+# no fetch ahead: every copy finds its chunk file gone; the first tensor one at a time, the rest at once
+(first, (_, pieces)), *rest = lay.items()
+copier.copy(got[first], pieces)
+copier.copy_many([(got[name], pieces) for name, (_, pieces) in rest])
 want = load_file(path)
 assert got.keys() == want.keys()
 for name, t in want.items():

@@ -10,6 +10,7 @@ a CUDA stream; a buffer is refilled only after the event of its last copy has co
 
 from __future__ import annotations
 
+import functools
 import os
 import queue
 import threading
@@ -45,8 +46,8 @@ if hasattr(torch, "float8_e8m0fnu"):
 FETCH_AHEAD_BYTES = 128 << 20  # raw bytes per fetch batch running ahead of the copies
 STAGE_BYTES = 64 << 20  # each of the two pinned staging buffers on a GPU
 # Chunks one pool task maps and checks on the CPU: a future per 1 MiB chunk cost about as much as
-# mapping it; four per task (8 MiB at the default 2 MiB chunks) still spread a tensor's chunks over
-# the cores.
+# mapping it; four per task (8 MiB at the default 2 MiB chunks) still spread a fetch group's chunks
+# over the cores.
 PIECES_PER_TASK = 4
 
 
@@ -123,42 +124,56 @@ class Copier:
         return torch.empty(span.shape, dtype=self.empty_dtype(span), device=self.device)
 
     def copy(self, tensor: torch.Tensor, pieces: list[Piece]) -> int:
-        """Put ``pieces`` into ``tensor`` (mapped or copied), each checked against its id; returns their bytes.
-        A chunk whose cache file is missing (another process evicted it), cut short or damaged is
-        dropped, fetched again and put in place again, once."""
-        if not pieces:
-            return 0
-        flat = tensor.view(-1).view(torch.uint8) if tensor.dim() else tensor.reshape(1).view(torch.uint8)
+        """Put ``pieces`` into ``tensor``; see copy_many."""
+        return self.copy_many([(tensor, pieces)])
+
+    def copy_many(self, work: list[tuple[torch.Tensor, list[Piece]]]) -> int:
+        """Put each tensor's pieces into it (mapped or copied), each checked against its id; returns
+        their bytes. A chunk whose cache file is missing (another process evicted it), cut short or
+        damaged is dropped, fetched again and put in place again, once.
+
+        On the CPU the pieces of all the tensors share the pool in runs of PIECES_PER_TASK: a
+        tensor of one chunk (most norms and biases, and many weights at 2 MiB chunks) no longer
+        runs on the calling thread while the pool waits, and a tensor's last uneven run no longer
+        holds the next tensor back."""
+        work = [(t, pieces) for t, pieces in work if pieces]
+        total = sum(p.chunk.size for _, pieces in work for p in pieces)
         if self.cuda:
-            for p in pieces:
-                self._stage(flat, p)
-            return sum(p.chunk.size for p in pieces)
-        arr = flat.numpy()
-        region = mapping.region_of(tensor) if mapping is not None else None
+            for tensor, pieces in work:
+                flat = _bytes_of(tensor)
+                for p in pieces:
+                    self._stage(flat, p)
+            return total
+        jobs = []  # (placer of one tensor, piece)
+        for tensor, pieces in work:
+            region = mapping.region_of(tensor) if mapping is not None else None
+            place = functools.partial(self._place, _bytes_of(tensor).numpy(), region)
+            jobs.extend((place, p) for p in pieces)
 
-        def place(p: Piece) -> bool:
-            if region is not None and region.can_map(p.start, p.chunk.size):
-                view = region.map_file(p.start, p.chunk.size, self.cache.chunk_file(p.chunk.id))
-                if view is not None:
-                    return chunk_id(view) == p.chunk.id
-            return self._read(p.chunk, memoryview(arr[p.start : p.start + p.chunk.size]))
+        def place_run(run: list) -> list:
+            return [(place, p) for place, p in run if not place(p)]
 
-        def place_run(run: list[Piece]) -> list[Piece]:
-            return [p for p in run if not place(p)]
-
-        if self.pool is not None and len(pieces) > 1:
-            runs = [pieces[i : i + PIECES_PER_TASK] for i in range(0, len(pieces), PIECES_PER_TASK)]
-            failed = [p for bad in windowed_map(self.pool, place_run, runs) for p in bad]
+        if self.pool is not None and len(jobs) > 1:
+            runs = [jobs[i : i + PIECES_PER_TASK] for i in range(0, len(jobs), PIECES_PER_TASK)]
+            failed = [job for bad in windowed_map(self.pool, place_run, runs) for job in bad]
         else:
-            failed = place_run(pieces)
+            failed = place_run(jobs)
         if failed:
             # Fetched again here, on the calling thread, never on a pool thread: a fetch decodes on
             # that same pool, and with every pool thread waiting for it, it would never run.
-            self._renew([p.chunk for p in failed])
-            for p in failed:
+            self._renew([p.chunk for _, p in failed])
+            for place, p in failed:
                 if not place(p):
                     raise self.cache.failed_again(p.chunk.id)
-        return sum(p.chunk.size for p in pieces)
+        return total
+
+    def _place(self, arr, region, p: Piece) -> bool:
+        """CPU: map the chunk's cache file into its slot of the tensor, or read it there; checked against its id."""
+        if region is not None and region.can_map(p.start, p.chunk.size):
+            view = region.map_file(p.start, p.chunk.size, self.cache.chunk_file(p.chunk.id))
+            if view is not None:
+                return chunk_id(view) == p.chunk.id
+        return self._read(p.chunk, memoryview(arr[p.start : p.start + p.chunk.size]))
 
     def _stage(self, flat: torch.Tensor, p: Piece) -> None:
         """GPU: read one chunk into a pinned staging buffer, check it, and queue its copy."""
@@ -209,6 +224,11 @@ class Copier:
             self.stream.synchronize()
 
 
+def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes as a flat uint8 view (a 0-d tensor too)."""
+    return tensor.view(-1).view(torch.uint8) if tensor.dim() else tensor.reshape(1).view(torch.uint8)
+
+
 def _fetch_ahead(fetcher: Fetcher, info: VersionInfo, groups: list[list[str]]) -> Iterator[int]:
     """Yield group indexes as their chunks land in the cache; fetching runs on a background thread."""
     done: queue.Queue = queue.Queue(maxsize=2)
@@ -242,8 +262,7 @@ def fill(node: Node, info: VersionInfo, copier: Copier, targets: dict[str, torch
     copier.refetch = refetcher(node.fetcher, info)
     copier.begin()
     for k in _fetch_ahead(node.fetcher, info, chunk_groups):
-        for name in groups[k]:
-            copied += copier.copy(targets[name], todo[name])
+        copied += copier.copy_many([(targets[name], todo[name]) for name in groups[k]])
     copier.finish()
     node.cache.evict(protect=[i for g in chunk_groups for i in g])
     return copied
