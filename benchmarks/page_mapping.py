@@ -12,7 +12,12 @@ node cache's, into a scratch directory, and read once. Each pass reserves an ano
 every chunk file over its slot with MAP_FIXED and touches every page: once with the range on a
 2 MiB boundary (what mapping.Region does), once on a 4 KiB boundary that is not a 64 KiB one.
 Reported: the median over ``--runs`` passes, and FilePmdMapped (kB of file pages this process
-maps with 2 MiB entries) while the last pass is mapped. Writes results/page_mapping.json.
+maps with 2 MiB entries) while the last pass is mapped.
+
+Two more rows read every byte instead of one per page: the aligned chunk files, each hashed with
+xxh3-128 as load_tensors checks a chunk against its id, and the one file, hashed in slices of the
+same size; both on a thread per core, as load_tensors runs its checks. They show what the check
+costs beyond mapping: a pass over the bytes at the memory's speed. Writes results/page_mapping.json.
 """
 
 from __future__ import annotations
@@ -24,9 +29,11 @@ import os
 import shutil
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
+import xxhash
 
 from benchmarks import anchors
 from benchmarks.common import MB, finish, machine_info, median, table
@@ -44,12 +51,24 @@ def _touch(addr: int, n: int) -> None:
     np.frombuffer((ctypes.c_ubyte * n).from_address(addr), dtype=np.uint8)[::PAGE].sum()
 
 
-def whole_file(path: Path) -> tuple[float, int]:
-    """The anchor: map the file as load_file's mmap backend does and touch every page."""
+def _hash_all(pool: ThreadPoolExecutor, addr: int, sizes: list[tuple[int, int]]) -> None:
+    """xxh3-128 of each (offset, size) span from ``addr``, on the pool's threads (xxhash releases the GIL)."""
+    views = [memoryview((ctypes.c_ubyte * n).from_address(addr + off)) for off, n in sizes]
+    list(pool.map(xxhash.xxh3_128_hexdigest, views))
+
+
+def whole_file(path: Path, pool: ThreadPoolExecutor | None = None, slice_size: int = HUGE) -> tuple[float, int]:
+    """The anchor: map the file as load_file's mmap backend does and touch every page (with ``pool``,
+    hash every byte instead, in slices of ``slice_size``)."""
     t0 = time.perf_counter()
     with open(path, "rb") as f:
         m = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    np.frombuffer(m, dtype=np.uint8)[::PAGE].sum()
+    if pool is None:
+        np.frombuffer(m, dtype=np.uint8)[::PAGE].sum()
+    else:
+        n = len(m)
+        _hash_all(pool, ctypes.addressof(ctypes.c_ubyte.from_buffer(m)),
+                  [(o, min(slice_size, n - o)) for o in range(0, n, slice_size)])
     s = time.perf_counter() - t0
     pmd = _pmd_kb()
     del m
@@ -69,8 +88,9 @@ def cut(path: Path, size: int, into: Path) -> list[tuple[Path, int]]:
     return out
 
 
-def mapped(files: list[tuple[Path, int]], size: int, aligned: bool) -> tuple[float, int]:
-    """Reserve, map every chunk file at multiples of ``size``, touch every page; seconds and FilePmdMapped."""
+def mapped(files: list[tuple[Path, int]], size: int, aligned: bool, pool: ThreadPoolExecutor | None = None) -> tuple[float, int]:
+    """Reserve, map every chunk file at multiples of ``size``, touch every page (with ``pool``, hash
+    each chunk file's bytes instead); seconds and FilePmdMapped."""
     length = len(files) * size
     t0 = time.perf_counter()
     raw = _libc.mmap(None, length + 2 * HUGE, _PROT, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
@@ -83,7 +103,10 @@ def mapped(files: list[tuple[Path, int]], size: int, aligned: bool) -> tuple[flo
         os.close(fd)
         if got != base + k * size:
             raise SystemExit("mmap of a chunk file failed")
-    _touch(base, sum(n for _, n in files))
+    if pool is None:
+        _touch(base, sum(n for _, n in files))
+    else:
+        _hash_all(pool, base, [(k * size, n) for k, (_, n) in enumerate(files)])
     s = time.perf_counter() - t0
     pmd = _pmd_kb()
     _libc.munmap(raw, length + 2 * HUGE)
@@ -103,7 +126,21 @@ def report(doc: dict) -> str:
     return "\n".join([
         f"## Map and touch {total / MB:,.1f} MB of {doc['params']['member']} (median of {doc['params']['runs']} passes, "
         f"{doc['machine']['cpu_model']}, Linux {os.uname().release})", "",
-        table(["mapped", "range aligned to", "ms", "MB/s", "speed / one file", "FilePmdMapped kB"], rows)])
+        table(["mapped", "range aligned to", "ms", "MB/s", "speed / one file", "FilePmdMapped kB"], rows), "",
+        *_read_rows(doc)])
+
+
+def _read_rows(doc: dict) -> list[str]:
+    rd = doc["results"].get("read")
+    if not rd:
+        return []
+    total, touch = doc["bytes"], doc["results"]["whole_file"]["seconds"]
+    rows = [[f"one file, {rd['chunk_size'] >> 10} KiB slices", f"{rd['whole_file'] * 1e3:.1f}",
+             f"{total / rd['whole_file'] / MB:,.0f}", f"{touch / rd['whole_file']:.2f}"],
+            [f"{rd['chunk_size'] >> 10} KiB chunk files, mapped aligned, each checked against its id",
+             f"{rd['chunks'] * 1e3:.1f}", f"{total / rd['chunks'] / MB:,.0f}", f"{touch / rd['chunks']:.2f}"]]
+    return [f"### Map and read every byte (xxh3-128 on {rd['threads']} threads), as load_tensors' id check does", "",
+            table(["mapped", "ms", "MB/s", "speed / one file touched"], rows)]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -128,6 +165,12 @@ def main(argv: list[str] | None = None) -> None:
                 runs = [mapped(files, size, aligned) for _ in range(args.runs)]
                 results["chunks"].append({"chunk_size": size, "files": len(files), "aligned": aligned,
                                           "seconds": median([s for s, _ in runs]), "pmd_kb": runs[-1][1]})
+        # every byte read, by the largest chunk size (the default's 2 MiB): what the id check adds
+        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+            runs = [whole_file(path, pool, size) for _ in range(args.runs)]
+            checked = [mapped(files, size, True, pool) for _ in range(args.runs)]
+        results["read"] = {"threads": os.cpu_count() or 1, "chunk_size": size,
+                           "whole_file": median([s for s, _ in runs]), "chunks": median([s for s, _ in checked])}
     finally:
         shutil.rmtree(work, ignore_errors=True)
     doc = {"machine": machine_info(), "params": {"scale": args.scale, "runs": args.runs, "member": args.member,
