@@ -126,6 +126,7 @@ def upload_missing(reg, job: HashJob, missing: set[str], pool: ThreadPoolExecuto
     """Encode and store the chunks in ``missing``; returns the stored bytes this push added."""
     bases = bases or {}
     progress.start("send", missing_bytes(job, missing))
+    counted: set[str] = set()  # a second pass re-sends chunks the bar has counted
 
     def items(wanted: set[str], gone: set[str] | None) -> Iterator[ChunkItem]:
         usable = {c: b for c, b in bases.items() if b not in (gone or ())}
@@ -133,7 +134,8 @@ def upload_missing(reg, job: HashJob, missing: set[str], pool: ThreadPoolExecuto
         for c, encoding, payload, basis_id in encoded_chunks(job, wanted, pool, usable, basis_raw):
             depth = reader.located[basis_id].depth + 1 if basis_id else 0
             yield c.id, c.size, encoding, payload, basis_id, depth
-            if gone is None:  # a second pass re-sends bytes the bar has counted
+            if c.id not in counted:
+                counted.add(c.id)
                 progress.advance("send", c.size)
 
     return store_chunks(reg, missing, bases.values(), items)

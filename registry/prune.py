@@ -19,10 +19,11 @@ quick and a push of the same bytes can reuse them. Prune is the step that frees 
 Concurrency: prune decides what to delete in one transaction that commits and pack records wait
 for, and that waits for them (db/locks.py). A version committed before it keeps its chunks; one
 committing after finds a deleted chunk missing and is refused (MissingChunks), never left with a
-hole; a pack whose deltas' basis was deleted is refused (Pruned). A push stores what it lost either
-way once more and commits again (ingest.store_chunks, ingest.push, the client's push). One prune runs at a time. Writers of the previous release (packs named by their
-bytes, not announced) are safe from the deletion of a pack they list again, but do not wait for
-prune's decision: upgrade every writer before the first prune.
+hole; a pack whose deltas' basis was deleted is refused (Pruned). A push stores what it lost
+either way once more and commits again (ingest.store_chunks, ingest.push, the client's push).
+One prune runs at a time. Writers of the previous release (packs named by their bytes, not
+announced) are safe from the deletion of a pack they list again, but do not wait for prune's
+decision: upgrade every writer before the first prune.
 """
 
 from __future__ import annotations

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import filecmp
 import threading
 import time
@@ -17,13 +18,15 @@ from registry.db.engine import create_db_engine, read_tx, write_tx
 from registry.db.locks import exclude_writers
 from registry.db.models import chunks, packs, unlisted_packs
 from registry.errors import Conflict, InvalidRequest, NotFound, Pruned
-from registry.hashing import HashJob
+from registry import service
+from registry.hashing import HashJob, hash_source
 from registry.ingest import RecordedPacks, commit_version, plan_deltas, upload_missing
 from registry.progress import NullProgress
 from registry.registry import Registry
 from registry.source import open_source
+from registry.wire import Entry, build_batch
 from tests.cli_run import mfsreg, mfsreg_json
-from tests.hooks import OnSend
+from tests.hooks import OnFirstPut, OnSend, Tally
 
 LONG_AGO = datetime(2020, 1, 1, tzinfo=timezone.utc)
 HOUR = 3600.0
@@ -300,6 +303,50 @@ def test_a_push_whose_basis_was_pruned_meanwhile_stores_those_chunks_plain(reg, 
     assert not [c.id for c in stored.values() if c.basis_id in gone]
     push.parent = None  # its parent is gone
     push.commit()
+    pulls_whole(reg, fam, tmp_path, "full-med")
+
+
+def test_a_push_whose_pack_a_prune_took_for_abandoned_writes_it_again(reg, fam, tmp_path):
+    reg.push(fam["base"], "fam", "base")
+    reg.settings = dataclasses.replace(reg.settings, pack_size=64 << 10)  # the push writes several packs
+    # prune with --min-age 0 runs after the first pack is announced, before its blob is written
+    reg.blobs = OnFirstPut(reg.blobs, lambda: reg.prune(min_age=0))
+    tally = Tally()
+    res = reg.push(fam["full-med"], "fam", "full-med", progress=tally)
+    assert reg.blobs.puts >= 3 and res.new_bytes > 0  # the claimed pack, then its chunks again with the rest
+    assert tally.done["send"] == tally.total["send"] > 0  # each chunk counted once, sent once or twice
+    assert pack_blobs(reg) == table_packs(reg)  # the writer deleted the claimed pack's blob
+    pulls_whole(reg, fam, tmp_path, "full-med", "base")
+
+
+def test_the_servers_batch_upload_stores_plain_what_a_prune_took_the_basis_of(reg, fam, tmp_path):
+    """receive_batch, as the API calls it: the first pack it writes holds deltas against base's
+    chunks, and a prune deletes them while that pack is written."""
+    reg.push(fam["base"], "fam", "base")
+    base_packs = table_packs(reg)
+    manifest = hash_source(open_source(fam["full-med"]), reg.settings.chunk_size, NullProgress())
+    neg = service.negotiate(reg, "fam", "full-med", manifest.to_doc())
+    gone = set(neg["bases"].values())
+    assert gone and neg["missing"]
+    data = fam["full-med"].read_bytes()
+    refs = {c.id: c for f in manifest.files for c in f.chunks}
+    body = build_batch([(Entry(i, refs[i].size, "raw", refs[i].size, neg["bases"].get(i), refs[i].itemsize),
+                         data[refs[i].offset : refs[i].offset + refs[i].size]) for i in neg["missing"]])
+
+    def delete_and_prune():
+        reg.delete("fam", "base")
+        age(reg, chunks, "created_at")
+        reg.prune(min_age=HOUR)
+
+    reg.blobs = OnFirstPut(reg.blobs, delete_and_prune)
+    service.receive_batch(reg, "fam", body)
+    assert not reg.locate(gone)
+    # left in storage besides the recorded packs: base's (retired, in their grace period) and the refused one
+    (refused,) = pack_blobs(reg) - table_packs(reg) - base_packs
+    assert base_packs <= pack_blobs(reg) and reg.blobs.puts >= 2
+    stored = reg.locate(neg["missing"])
+    assert set(stored) == set(neg["missing"]) and not [c for c in stored.values() if c.basis_id in gone]
+    service.commit(reg, "fam", "full-med", None, manifest.to_doc())
     pulls_whole(reg, fam, tmp_path, "full-med")
 
 
