@@ -1,0 +1,137 @@
+"""load_tensors and switch under two revisions of the node client, measured as interleaved pairs.
+
+    python -m benchmarks.compare_load REV [--against REV2] [--pairs 3]
+
+The node-side counterpart of compare_ingest (same method, same reason: this VM's speed swings
+between hours, so two bench_node runs made at different times cannot show a 15% change). One
+server (the working tree's code, Postgres, moto's S3) holds base and lora-chat; each side's client
+runs in a fresh process with its own checkout first on sys.path, against one shared node cache that
+a first, untimed load fills. A child loads lora-chat and maps it ``load_file`` by turns, nine times
+each, and times "ready" (the call plus the first touch of every page, as bench_node does); then it
+switches a ResidentModel between base and lora-chat five times. The sides take turns going first.
+Writes benchmarks/results/compare_load.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+from benchmarks import anchors
+from benchmarks.bench_api import Stack
+from benchmarks.common import FAMILY, REPO, finish, machine_info, median, table
+from benchmarks.compare_ingest import build, checkout, drop_worktree
+from benchmarks.family import DEFAULT_DIR, generate
+from registry.client.remote import RemoteRegistry
+
+BASE, MEMBER = "base", "lora-chat"
+
+# Run in a child process with the side's checkout first on sys.path. Prints one JSON line.
+CHILD = r"""
+import json, statistics, sys, time
+sys.path.insert(0, sys.argv[1])
+import registry
+from benchmarks.bench_node import _touch
+from registry.client import Node, ResidentModel, load_tensors
+from safetensors.torch import load_file
+
+url, token, cache_dir, path, family, base, member = sys.argv[2:9]
+node = Node(url, token, cache_dir)
+load_tensors(family, member, node=node)  # untimed: imports, pools, page cache
+load_file(path)
+loads, files = [], []
+for _ in range(9):
+    t0 = time.perf_counter(); t = load_tensors(family, member, node=node); _touch(t); loads.append(time.perf_counter() - t0); del t
+    t0 = time.perf_counter(); t = load_file(path); _touch(t); files.append(time.perf_counter() - t0); del t
+resident = ResidentModel(family, base, node=node)
+switches = []
+for _ in range(5):
+    t0 = time.perf_counter(); resident.switch(member); resident.switch(base); switches.append((time.perf_counter() - t0) / 2)
+node.close()
+print(json.dumps({"load_tensors_ready": statistics.median(loads), "load_file_ready": statistics.median(files),
+                  "switch": statistics.median(switches), "package": registry.__file__}))
+"""
+
+
+def child(root: Path, url: str, token: str, cache: Path, path: Path) -> dict:
+    out = subprocess.run([sys.executable, "-c", CHILD, str(root), url, token, str(cache), str(path), FAMILY, BASE, MEMBER],
+                         cwd=REPO, capture_output=True, text=True)
+    if out.returncode:
+        raise SystemExit(f"the child for {root} failed:\n{out.stderr.strip()[-2000:]}")
+    doc = json.loads(out.stdout.strip().splitlines()[-1])
+    if not Path(doc["package"]).resolve().is_relative_to(root.resolve()):
+        raise SystemExit(f"the child for {root} ran {doc['package']}: not that checkout's own")
+    return doc
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description="load_tensors and switch under two revisions, interleaved")
+    ap.add_argument("rev", help="the revision to compare (e.g. the commit before a change)")
+    ap.add_argument("--against", default=None, help="the other revision (default: the working tree)")
+    ap.add_argument("--pairs", type=int, default=3)
+    ap.add_argument("--scale", type=float, default=1.0)
+    ap.add_argument("--data", type=Path, default=DEFAULT_DIR)
+    ap.add_argument("--out", default="compare_load.json", help="file name under benchmarks/results/")
+    args = ap.parse_args(argv)
+    if args.against == args.rev:
+        raise SystemExit("--against names the same revision: nothing to compare")
+    t_start = time.perf_counter()
+    paths = generate(args.data, args.scale, verbose=True)
+    anchors.prewarm([paths[BASE], paths[MEMBER]])
+    work = args.data / "compare-load"
+    work.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix="stack-", dir=work))
+    stack = Stack(scratch)
+    pairs = []
+    try:
+        sides = {args.rev: build(checkout(args.rev, work / "a"))}
+        sides[args.against or "working tree"] = build(checkout(args.against, work / "b") if args.against else REPO)
+        url = stack.start_api(f"reg-{uuid.uuid4().hex[:8]}")
+        with RemoteRegistry(url, token=stack.token) as client:
+            for name in (BASE, MEMBER):
+                client.push(paths[name], FAMILY, name)
+        cache = scratch / "node-cache"
+        for i in range(args.pairs):
+            pair = {}
+            for label in (list(sides) if i % 2 == 0 else list(sides)[::-1]):  # take turns going first
+                pair[label] = child(sides[label], url, stack.token, cache, paths[MEMBER])
+            pairs.append(pair)
+            print(f"pair {i + 1}/{args.pairs}: " + ", ".join(f"{k} {v['load_tensors_ready']:.3f} s" for k, v in pair.items()),
+                  flush=True)
+    finally:
+        stack.close()
+        shutil.rmtree(scratch, ignore_errors=True)
+        drop_worktree(work / "a")
+        if args.against:
+            drop_worktree(work / "b")
+
+    a, b = list(sides)
+    ratios = {k: [p[b][k] / p[a][k] for p in pairs] for k in ("load_tensors_ready", "switch")}
+    doc = {"machine": machine_info(), "params": {"pairs": args.pairs, "scale": args.scale, "member": MEMBER,
+                                                "sides": {a: args.rev, b: args.against}},
+           "pairs": pairs, "ratios": ratios, "ratio_medians": {k: median(v) for k, v in ratios.items()}}
+    finish(args.out, doc, report, t_start)
+
+
+def report(doc: dict) -> str:
+    a, b = list(doc["params"]["sides"])
+    rows = [[i, f"{p[a]['load_tensors_ready']:.3f}", f"{p[b]['load_tensors_ready']:.3f}", f"{p[a]['load_file_ready']:.3f}",
+             f"{p[b]['load_file_ready']:.3f}", f"{p[a]['switch']:.4f}", f"{p[b]['switch']:.4f}"]
+            for i, p in enumerate(doc["pairs"], 1)]
+    med = doc["ratio_medians"]
+    return "\n".join([
+        f"## {doc['params']['member']} loaded by two revisions of the node client, interleaved (seconds, ready)", "",
+        table(["pair", f"load_tensors {a}", f"load_tensors {b}", f"load_file ({a}'s run)", f"load_file ({b}'s run)",
+               f"switch {a}", f"switch {b}"], rows), "",
+        f"Median ratio {b} / {a}: load_tensors {med['load_tensors_ready']:.2f}, switch {med['switch']:.2f}", ""])
+
+
+if __name__ == "__main__":
+    main()
