@@ -90,4 +90,4 @@ def version_chunk_table(conn: Connection, version_id: int) -> dict[str, list]:
                                        family_chunks.c.chunk_id == version_chunks.c.chunk_id))
         .where(version_chunks.c.version_id == version_id)
     )
-    return {row[0]: list(row[1:]) for row in conn.execute(q)}
+    return {row[0]: list(row[1:]) for row in conn.execute(q).all()}  # one fetchall, not a fetch per row
