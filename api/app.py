@@ -13,7 +13,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from api import errors
 from api.auth import principal
@@ -81,10 +81,14 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
     # JSONResponse they skip FastAPI's per-value encoder, which took about 40% of a version request.
     @app.get("/v1/families/{family}/versions/{version}", tags=["read"], response_class=JSONResponse)
     def version(family: str, version: str, request: Request, who: Principal = Depends(principal)):
-        """A version with its manifest and, per chunk id it needs, [encoding, stored bytes, basis id, raw bytes, tier]."""
+        """A version with its manifest and, per chunk id it needs, [encoding, stored bytes, basis id, raw bytes, tier].
+        Tagged (ETag); with a current If-None-Match the answer is a 304 with no body."""
         check_name("family", family)
         who.require("read", family)
-        return JSONResponse(service.version_doc(reg_of(request), family, version))
+        doc, tag = service.version_doc(reg_of(request), family, version, request.headers.get("if-none-match"))
+        if doc is None:  # the node's copy is current (service.version_doc)
+            return Response(status_code=304, headers={"ETag": tag})
+        return JSONResponse(doc, headers={"ETag": tag})
 
     @app.get("/v1/families/{family}/chunks", tags=["read"], response_class=JSONResponse)
     def family_chunks(family: str, request: Request, tier: str | None = Query(None), who: Principal = Depends(principal)):

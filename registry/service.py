@@ -234,21 +234,39 @@ def stream_chunks(reg, chunks: list[StoredChunk]) -> Iterator[bytes]:
     return stream()
 
 
-def version_doc(reg, family: str, version: str) -> dict:
+def version_doc(reg, family: str, version: str, if_none_match: str | None = None) -> tuple[dict | None, str]:
     """A version for a node: its manifest, and per chunk it needs (its own and the bases of its
-    deltas) [encoding, stored bytes, basis id, raw bytes, tier]. One read transaction, three queries."""
+    deltas) [encoding, stored bytes, basis id, raw bytes, tier]. One read transaction, three queries.
+
+    Also its tag (an HTTP entity tag): the version's row id and its family's epoch, which every
+    change to the family's members or tiers bumps, so equal tags mean equal documents. When
+    ``if_none_match`` (the request's header) names the current tag, the document is not built and
+    None comes back instead: the node's copy is current, and it costs one query."""
     check_name("family", family)
     check_name("version", version)
     with read_tx(reg.engine) as conn:
+        found = version_db.version_tag(conn, family, version)
+        if found is None:
+            version_db.get_version(conn, family, version)  # says which of the two is missing
+        tag = f'"{found[0]}.{found[1]}"'
+        if if_none_match is not None and _tag_matches(if_none_match, tag):
+            return None, tag
         row = version_db.get_version(conn, family, version)
         manifest = Manifest.doc_of(version_db.read_manifest(conn, row.id))
         table = chunk_db.version_chunk_table(conn, row.id)
-    return {
+    doc = {
         "family": row.family, "version": row.name, "parent": row.parent, "digest": row.digest,
         "logical_bytes": row.logical_bytes, "files": row.file_count, "single_file": row.single_file,
         "created_at": str(row.created_at), "manifest": manifest,
         "chunks": table,
     }
+    return doc, tag
+
+
+def _tag_matches(if_none_match: str, tag: str) -> bool:
+    """RFC 9110's weak comparison of If-None-Match (a list of tags, or *) with ``tag``."""
+    tags = {t.strip().removeprefix("W/") for t in if_none_match.split(",")}
+    return "*" in tags or tag in tags
 
 
 def tier_doc(reg, family: str, tier: str | None) -> dict:

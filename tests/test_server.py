@@ -370,6 +370,44 @@ def test_a_push_over_http_survives_a_prune_between_its_negotiation_and_its_commi
     assert filecmp.cmp(out, fam["lora-chat"], shallow=False)
 
 
+def test_a_version_document_is_tagged_and_a_node_keeps_it_while_the_family_is_unchanged(servers, server_env, fam, tmp_path):
+    from registry.client import Node
+
+    (srv,) = servers(1)
+    env = client_env(tmp_path, srv.url, token(server_env, "admin"))
+    for name in ("base", "lora-chat"):
+        mfsreg("push", fam[name], "--family", "fam", "--version", name, env=env)
+    h = {"Authorization": f"Bearer {env['MFSREG_TOKEN']}"}
+    url = f"{srv.url}/v1/families/fam/versions/lora-chat"
+    first = httpx.get(url, headers=h)
+    tag = first.headers["etag"]
+    again = httpx.get(url, headers={**h, "If-None-Match": tag})
+    assert again.status_code == 304 and again.content == b"" and again.headers["etag"] == tag
+    assert httpx.get(url, headers={**h, "If-None-Match": '"0.0"'}).json() == first.json()
+
+    node = Node(env["MFSREG_URL"], env["MFSREG_TOKEN"], env["MFSREG_CACHE_DIR"])
+    try:
+        kept = node.fetcher.version("fam", "lora-chat")
+        assert node.fetcher.version("fam", "lora-chat") is kept  # a 304: the parsed document is reused
+        # the operator lowers the base quorum (on the server's host): lora-chat's own chunks join base
+        mfsreg("family", "quorum", "fam", "0.5", env=server_env)
+        moved = httpx.get(url, headers={**h, "If-None-Match": tag})
+        assert moved.status_code == 200 and moved.headers["etag"] != tag
+        assert moved.json()["chunks"] != first.json()["chunks"]
+        fresh = node.fetcher.version("fam", "lora-chat")
+        assert fresh is not kept and fresh.tiers == {i: row[4] for i, row in moved.json()["chunks"].items()}
+        # the same name for other bytes (deleted and pushed again) is never taken for the kept one
+        mfsreg("delete", "fam", "lora-chat", env=env)
+        mfsreg("push", fam["last-code"], "--family", "fam", "--version", "lora-chat", env=env)
+        other = node.fetcher.version("fam", "lora-chat")
+        assert other.digest != fresh.digest and other.manifest != fresh.manifest
+        out = tmp_path / "lora-chat.out"
+        mfsreg("pull", "fam", "lora-chat", "-o", out, env=env)
+        assert filecmp.cmp(out, fam["last-code"], shallow=False)
+    finally:
+        node.close()
+
+
 def test_prune_over_http(servers, server_env, fam, tmp_path):
     (srv,) = servers(1)
     env = client_env(tmp_path, srv.url, token(server_env, "admin"))

@@ -115,3 +115,34 @@ def test_base_quorum(reg, fam):
     assert reg.chunk_tiers("fam") == expected_tiers(reg, "fam", 0.5)
     reg.delete("fam", "code")
     assert reg.chunk_tiers("fam") == expected_tiers(reg, "fam", 0.5)
+
+
+def test_every_change_to_a_family_bumps_its_epoch(reg, fam):
+    """The epoch tags a family's version documents (service.version_doc): each commit, delete and
+    quorum change moves it, and nothing else (a read, a re-push of an existing version) does."""
+    from sqlalchemy import select
+
+    from registry import service
+    from registry.db.engine import read_tx
+    from registry.db.models import families
+
+    def epoch() -> int:
+        with read_tx(reg.engine) as conn:
+            return conn.execute(select(families.c.epoch).where(families.c.name == "fam")).scalar_one()
+
+    seen = []
+    reg.push(fam["base"], "fam", "base")
+    seen.append(epoch())
+    reg.push(fam["lora-chat"], "fam", "lora-chat")
+    seen.append(epoch())
+    reg.push(fam["lora-chat"], "fam", "lora-chat")  # exists: nothing changes
+    service.version_doc(reg, "fam", "base")
+    assert epoch() == seen[-1]
+    reg.set_base_quorum("fam", 0.5)
+    seen.append(epoch())
+    reg.delete("fam", "lora-chat")
+    seen.append(epoch())
+    assert seen == sorted(set(seen)), seen  # strictly rising
+    doc, tag = service.version_doc(reg, "fam", "base")
+    assert doc is not None and service.version_doc(reg, "fam", "base", if_none_match=tag) == (None, tag)
+    assert service.version_doc(reg, "fam", "base", if_none_match=f'W/"x", {tag}')[0] is None

@@ -180,9 +180,18 @@ class RemoteRegistry:
     # -- pull -------------------------------------------------------------------------------------
 
     def version_doc(self, family: str, version: str) -> dict:
+        return self.version_doc_if(family, version)[0]
+
+    def version_doc_if(self, family: str, version: str, tag: str | None = None) -> tuple[dict | None, str | None]:
+        """The version's document and its tag; (None, tag) when ``tag`` is still current (a 304: the
+        caller's copy is the document). A server older than tags sends no tag."""
         check_name("family", family)
         check_name("version", version)
-        return self._json("GET", f"/v1/families/{family}/versions/{version}")
+        headers = {"If-None-Match": tag} if tag else None
+        resp = self._request("GET", f"/v1/families/{family}/versions/{version}", headers=headers)
+        if resp.status_code == 304:
+            return None, resp.headers.get("etag", tag)
+        return resp.json(), resp.headers.get("etag")
 
     def manifest(self, family: str, version: str) -> tuple[VersionRow, Manifest]:
         doc = self.version_doc(family, version)

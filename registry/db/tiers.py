@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from sqlalchemy import Connection, and_, case, delete, func, select, update
 
 from registry.db.dialect import batches, insert
+from registry.db.models import families
 from registry.db.models import family_chunks as fc
 from registry.tiers import BASE, GROUP, UNIQUE, threshold
 
@@ -36,8 +37,15 @@ def _retier(conn: Connection, family_id: int, chunk_ids: Sequence[str], members:
     return changed
 
 
+def bump_epoch(conn: Connection, family_id: int) -> None:
+    """Mark a change to the family's members or tiers: version documents read before are out of
+    date (their tag names the old epoch; service.version_doc)."""
+    conn.execute(update(families).where(families.c.id == family_id).values(epoch=families.c.epoch + 1))
+
+
 def add_member(conn: Connection, family_id: int, chunk_ids: Sequence[str], members_before: int, quorum: float) -> int:
     """A new member that uses ``chunk_ids`` (distinct) joins; returns rows that changed tier."""
+    bump_epoch(conn, family_id)
     members = members_before + 1
     if chunk_ids:
         stmt = insert(conn, fc)
@@ -58,6 +66,7 @@ def add_member(conn: Connection, family_id: int, chunk_ids: Sequence[str], membe
 
 def remove_member(conn: Connection, family_id: int, chunk_ids: Sequence[str], members_before: int, quorum: float) -> tuple[int, list[str]]:
     """A member that used ``chunk_ids`` leaves; returns (rows that changed tier, ids no member uses now)."""
+    bump_epoch(conn, family_id)  # also for the children it leaves: they now descend from its parent
     members = members_before - 1
     ids = list(chunk_ids)
     for batch in batches(ids):
@@ -84,6 +93,7 @@ def remove_member(conn: Connection, family_id: int, chunk_ids: Sequence[str], me
 
 def recompute(conn: Connection, family_id: int, members: int, quorum: float) -> int:
     """Re-tier every chunk of a family (after a quorum change); returns rows that changed."""
+    bump_epoch(conn, family_id)
     tier = _tier_expr(members, quorum)
     return conn.execute(update(fc).where(fc.c.family_id == family_id, fc.c.tier != tier).values(tier=tier)).rowcount
 
