@@ -238,8 +238,10 @@ def version_doc(reg, family: str, version: str, if_none_match: str | None = None
     """A version for a node: its manifest, and per chunk it needs (its own and the bases of its
     deltas) [encoding, stored bytes, basis id, raw bytes, tier]. One read transaction, three queries.
 
-    Also its tag (an HTTP entity tag): the version's row id and its family's epoch, which every
-    change to the family's members or tiers bumps, so equal tags mean equal documents. When
+    Also its tag (an HTTP entity tag): the version's row id, its family's epoch, which every change
+    to the family's members or tiers bumps, and its digest, so equal tags mean equal documents (the
+    digest also tells apart a version pushed again by a writer of an earlier release, which bumps no
+    epoch, into an id SQLite reused). When
     ``if_none_match`` (the request's header) names the current tag, the document is not built and
     None comes back instead: the node's copy is current, and it costs one query."""
     check_name("family", family)
@@ -248,7 +250,8 @@ def version_doc(reg, family: str, version: str, if_none_match: str | None = None
         found = version_db.version_tag(conn, family, version)
         if found is None:
             version_db.get_version(conn, family, version)  # says which of the two is missing
-        tag = f'"{found[0]}.{found[1]}"'
+            raise NotFound(f"version {family}/{version} was being changed: ask again")  # committed just now
+        tag = f'"{found[0]}.{found[1]}.{found[2].removeprefix("sha256:")[:16]}"'
         if if_none_match is not None and _tag_matches(if_none_match, tag):
             return None, tag
         row = version_db.get_version(conn, family, version)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from registry.blobs.packs import StoredChunk
 from registry.client.cache import NodeCache
 from registry.client.remote import RemoteRegistry
+from registry.errors import StorageError
 from registry.manifest import Manifest
 from registry.parallel import sized_batches
 from registry.progress import NullProgress, Progress
@@ -69,6 +70,9 @@ class Fetcher:
             kept = self._versions.get(key)
         doc, tag = self.remote.version_doc_if(family, version, kept[0] if kept else None)
         if doc is None:  # a 304: only ever the answer to the tag of a kept document
+            if kept is None:
+                raise StorageError(f"{self.remote.url} answered 304 Not Modified to a request that named no tag: "
+                                   "check the proxy in front of the registry")
             info = kept[1]
         else:
             info = VersionInfo(

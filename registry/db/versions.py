@@ -59,14 +59,14 @@ def find_version(conn: Connection, family: str, name: str) -> VersionRow | None:
     return _row(r) if r else None
 
 
-def version_tag(conn: Connection, family: str, name: str) -> tuple[int, int] | None:
-    """(the version's row id, its family's epoch), or None if there is no such version: what names
-    the current state of its document (service.version_doc)."""
+def version_tag(conn: Connection, family: str, name: str) -> tuple[int, int, str] | None:
+    """(the version's row id, its family's epoch, its digest), or None if there is no such version:
+    what names the current state of its document (service.version_doc)."""
     r = conn.execute(
-        select(versions.c.id, families.c.epoch).join(families, families.c.id == versions.c.family_id)
+        select(versions.c.id, families.c.epoch, versions.c.digest).join(families, families.c.id == versions.c.family_id)
         .where(families.c.name == family, versions.c.name == name)
     ).first()
-    return (r[0], r[1]) if r else None
+    return (r[0], r[1], r[2]) if r else None
 
 
 def get_version(conn: Connection, family: str, name: str) -> VersionRow:
