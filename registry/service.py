@@ -236,7 +236,8 @@ def stream_chunks(reg, chunks: list[StoredChunk]) -> Iterator[bytes]:
 
 def version_doc(reg, family: str, version: str, if_none_match: str | None = None) -> tuple[dict | None, str]:
     """A version for a node: its manifest, and per chunk it needs (its own and the bases of its
-    deltas) [encoding, stored bytes, basis id, raw bytes, tier]. One read transaction, three queries.
+    deltas) [encoding, stored bytes, basis id, raw bytes, tier]. One read transaction: four
+    queries, or one when the tag is current.
 
     Also its tag (an HTTP entity tag): the version's row id, its family's epoch, which every change
     to the family's members or tiers bumps, and its digest, so equal tags mean equal documents (the
