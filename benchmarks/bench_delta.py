@@ -40,12 +40,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
 import time
 from pathlib import Path
 
 from benchmarks import anchors
-from benchmarks.common import FAMILY, MB, finish, fresh_registry, machine_info, median, spread, table
+from benchmarks.common import FAMILY, MB, cpu_seconds, finish, fresh_registry, machine_info, median, spread, table
 from benchmarks.family import DEFAULT_DIR, MEMBERS, Shape, generate
 
 STORAGE_GATE = 0.6  # stored bytes with delta / without
@@ -55,16 +54,11 @@ SPEED_PUSHES = {"base": "all new, stored plain", "full-medical": "all new, store
 DELTA_MEMBER, PLAIN_MEMBER = "full-medical", "base"
 
 
-def _cpu_seconds() -> float:
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
-
-
 def push_cpu(reg, path: Path, version: str, parent: str | None) -> dict:
     """Push one member; wall seconds and CPU seconds of the whole process (all threads) around it."""
-    c0, t0 = _cpu_seconds(), time.perf_counter()
+    c0, t0 = cpu_seconds(), time.perf_counter()
     r = reg.push(path, FAMILY, version, parent=parent)
-    wall, cpu = time.perf_counter() - t0, _cpu_seconds() - c0
+    wall, cpu = time.perf_counter() - t0, cpu_seconds() - c0
     return {"version": version, "parent": parent, "logical_bytes": r.logical_bytes, "new_bytes": r.new_bytes,
             "new_chunks": r.new_chunks, "chunks": r.chunks, "seconds": wall, "cpu_seconds": cpu}
 

@@ -19,17 +19,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from benchmarks import anchors
-from benchmarks.common import FAMILY, MB, finish, fresh_registry, machine_info, median, table
-from benchmarks.family import DEFAULT_DIR, generate
+from benchmarks.common import FAMILY, MB, cpu_seconds, finish, fresh_registry, machine_info, median, table
+from benchmarks.family import DEFAULT_DIR, _save, generate
 
 PUSHED = ("base", "lora-chat", "lora-half", "lastlayers-code", "full-medical", "vocab-ext")
 DELETED = ("lastlayers-code", "lora-chat")
@@ -44,15 +43,8 @@ def lora_half(paths: dict[str, Path]) -> Path:
     changed = sorted(n for n in base if not torch.equal(base[n], chat[n]))
     for n in changed[: len(changed) // 2]:
         base[n] = chat[n]
-    tmp = out.with_suffix(".tmp")
-    save_file(base, str(tmp))
-    tmp.rename(out)
+    _save(base, out)
     return out
-
-
-def _cpu() -> float:
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
 
 
 def copy_anchor(blob_root: Path, nbytes: int, work: Path) -> float:
@@ -84,9 +76,9 @@ def one_run(paths: dict[str, Path], data: Path, verify: bool) -> dict:
         t0 = time.perf_counter()
         dry = reg.prune(min_age=0, dry_run=True)
         dry_s = time.perf_counter() - t0
-        c0, t0 = _cpu(), time.perf_counter()
+        c0, t0 = cpu_seconds(), time.perf_counter()
         res = reg.prune(min_age=0)
-        wall, cpu = time.perf_counter() - t0, _cpu() - c0
+        wall, cpu = time.perf_counter() - t0, cpu_seconds() - c0
         after = reg.stats()
         work = Path(tempfile.mkdtemp(prefix="copy-", dir=home))
         anchor = copy_anchor(home / "blobs", res.moved_bytes, work) if res.moved_bytes else 0.0

@@ -6,6 +6,7 @@ import datetime as dt
 import json
 import os
 import platform
+import resource
 import shutil
 import statistics
 import subprocess
@@ -117,6 +118,12 @@ def write_json(name: str, doc: dict) -> Path:
     out = RESULTS / name
     out.write_text(json.dumps(doc, indent=2) + "\n")
     return out
+
+
+def cpu_seconds() -> float:
+    """User + system CPU of this process so far (every thread)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
 
 
 def finish(name: str, doc: dict, report, t_start: float) -> None:

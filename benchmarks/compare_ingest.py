@@ -27,6 +27,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from benchmarks import anchors
@@ -91,6 +93,22 @@ def checkout(rev: str, where: Path) -> Path:
     return where
 
 
+@contextmanager
+def two_sides(rev: str, against: str | None, work: Path) -> Iterator[dict[str, Path]]:
+    """label -> checkout: ``rev`` under work/a and ``against`` under work/b (None: the working tree),
+    each with its C module built; the worktrees are removed afterwards."""
+    if against == rev:
+        raise SystemExit("--against names the same revision: nothing to compare")
+    try:
+        sides = {rev: build(checkout(rev, work / "a"))}
+        sides[against or "working tree"] = build(checkout(against, work / "b") if against else REPO)
+        yield sides
+    finally:
+        drop_worktree(work / "a")
+        if against:
+            drop_worktree(work / "b")
+
+
 def push(root: Path, home: Path, path: Path, version: str, parent: str | None, warm: bool) -> dict:
     out = run([sys.executable, "-c", CHILD, str(root), str(home), str(path), version, parent or "",
                "warm" if warm else "cold"], REPO)
@@ -115,40 +133,34 @@ def main(argv: list[str] | None = None) -> None:
     t_start = time.perf_counter()
     paths = generate(args.data, args.scale, verbose=True)
     parent = MEMBERS[args.member]
-    if args.against == args.rev:
-        raise SystemExit("--against names the same revision: nothing to compare")
     work = args.data / "compare"
     work.mkdir(parents=True, exist_ok=True)
     templates = {}
-    try:
-        sides = {args.rev: build(checkout(args.rev, work / "a"))}
-        sides[args.against or "working tree"] = build(checkout(args.against, work / "b") if args.against else REPO)
-        anchors.prewarm([paths[args.member], paths[parent]])
-        for label, root in sides.items():
-            templates[label] = Path(tempfile.mkdtemp(prefix="template-", dir=work))
-            push(root, templates[label], paths[parent], parent, None, warm=False)
-        pairs = []
-        for i in range(args.pairs):
-            pair = {}
-            order = list(sides) if i % 2 == 0 else list(sides)[::-1]  # take turns going first
-            for label in order:
-                root = sides[label]
-                home = Path(tempfile.mkdtemp(prefix="push-", dir=work))
-                shutil.rmtree(home)
-                shutil.copytree(templates[label], home)
-                try:
-                    pair[label] = push(root, home, paths[args.member], args.member, parent, warm=True)
-                finally:
-                    shutil.rmtree(home, ignore_errors=True)
-            pairs.append(pair)
-            cpu = {k: v["user"] + v["system"] for k, v in pair.items()}
-            print(f"pair {i + 1}/{args.pairs}: " + ", ".join(f"{k} {c:.2f} CPU-s" for k, c in cpu.items()), flush=True)
-    finally:
-        for t in templates.values():
-            shutil.rmtree(t, ignore_errors=True)
-        drop_worktree(work / "a")
-        if args.against:
-            drop_worktree(work / "b")
+    with two_sides(args.rev, args.against, work) as sides:
+        try:
+            anchors.prewarm([paths[args.member], paths[parent]])
+            for label, root in sides.items():
+                templates[label] = Path(tempfile.mkdtemp(prefix="template-", dir=work))
+                push(root, templates[label], paths[parent], parent, None, warm=False)
+            pairs = []
+            for i in range(args.pairs):
+                pair = {}
+                order = list(sides) if i % 2 == 0 else list(sides)[::-1]  # take turns going first
+                for label in order:
+                    root = sides[label]
+                    home = Path(tempfile.mkdtemp(prefix="push-", dir=work))
+                    shutil.rmtree(home)
+                    shutil.copytree(templates[label], home)
+                    try:
+                        pair[label] = push(root, home, paths[args.member], args.member, parent, warm=True)
+                    finally:
+                        shutil.rmtree(home, ignore_errors=True)
+                pairs.append(pair)
+                cpu = {k: v["user"] + v["system"] for k, v in pair.items()}
+                print(f"pair {i + 1}/{args.pairs}: " + ", ".join(f"{k} {c:.2f} CPU-s" for k, c in cpu.items()), flush=True)
+        finally:
+            for t in templates.values():
+                shutil.rmtree(t, ignore_errors=True)
 
     a, b = list(sides)
     ratios = [(p[b]["user"] + p[b]["system"]) / (p[a]["user"] + p[a]["system"]) for p in pairs]

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -27,7 +26,7 @@ from pathlib import Path
 from benchmarks import anchors
 from benchmarks.bench_api import Stack
 from benchmarks.common import FAMILY, REPO, finish, machine_info, median, table
-from benchmarks.compare_ingest import build, checkout, drop_worktree
+from benchmarks.compare_ingest import run, two_sides
 from benchmarks.family import DEFAULT_DIR, generate
 from registry.client.remote import RemoteRegistry
 
@@ -38,12 +37,18 @@ CHILD = r"""
 import json, statistics, sys, time
 sys.path.insert(0, sys.argv[1])
 import registry
-from benchmarks.bench_node import _touch
 from registry.client import Node, ResidentModel, load_tensors
+import torch
 from safetensors.torch import load_file
 
 url, token, cache_dir, path, family, base, member = sys.argv[2:9]
 node = Node(url, token, cache_dir)
+
+def _touch(tensors):  # here, not imported: both sides time the first touch with the same code
+    for t in tensors.values():
+        if t.numel():
+            t.reshape(-1).view(torch.uint8)[::4096].sum()
+
 load_tensors(family, member, node=node)  # untimed: imports, pools, page cache
 load_file(path)
 loads, files = [], []
@@ -61,11 +66,8 @@ print(json.dumps({"load_tensors_ready": statistics.median(loads), "load_file_rea
 
 
 def child(root: Path, url: str, token: str, cache: Path, path: Path) -> dict:
-    out = subprocess.run([sys.executable, "-c", CHILD, str(root), url, token, str(cache), str(path), FAMILY, BASE, MEMBER],
-                         cwd=REPO, capture_output=True, text=True)
-    if out.returncode:
-        raise SystemExit(f"the child for {root} failed:\n{out.stderr.strip()[-2000:]}")
-    doc = json.loads(out.stdout.strip().splitlines()[-1])
+    out = run([sys.executable, "-c", CHILD, str(root), url, token, str(cache), str(path), FAMILY, BASE, MEMBER], REPO)
+    doc = json.loads(out.strip().splitlines()[-1])
     if not Path(doc["package"]).resolve().is_relative_to(root.resolve()):
         raise SystemExit(f"the child for {root} ran {doc['package']}: not that checkout's own")
     return doc
@@ -80,37 +82,31 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--data", type=Path, default=DEFAULT_DIR)
     ap.add_argument("--out", default="compare_load.json", help="file name under benchmarks/results/")
     args = ap.parse_args(argv)
-    if args.against == args.rev:
-        raise SystemExit("--against names the same revision: nothing to compare")
     t_start = time.perf_counter()
     paths = generate(args.data, args.scale, verbose=True)
     anchors.prewarm([paths[BASE], paths[MEMBER]])
     work = args.data / "compare-load"
     work.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(prefix="stack-", dir=work))
-    stack = Stack(scratch)
     pairs = []
-    try:
-        sides = {args.rev: build(checkout(args.rev, work / "a"))}
-        sides[args.against or "working tree"] = build(checkout(args.against, work / "b") if args.against else REPO)
-        url = stack.start_api(f"reg-{uuid.uuid4().hex[:8]}")
-        with RemoteRegistry(url, token=stack.token) as client:
-            for name in (BASE, MEMBER):
-                client.push(paths[name], FAMILY, name)
-        cache = scratch / "node-cache"
-        for i in range(args.pairs):
-            pair = {}
-            for label in (list(sides) if i % 2 == 0 else list(sides)[::-1]):  # take turns going first
-                pair[label] = child(sides[label], url, stack.token, cache, paths[MEMBER])
-            pairs.append(pair)
-            print(f"pair {i + 1}/{args.pairs}: " + ", ".join(f"{k} {v['load_tensors_ready']:.3f} s" for k, v in pair.items()),
-                  flush=True)
-    finally:
-        stack.close()
-        shutil.rmtree(scratch, ignore_errors=True)
-        drop_worktree(work / "a")
-        if args.against:
-            drop_worktree(work / "b")
+    with two_sides(args.rev, args.against, work) as sides:
+        scratch = Path(tempfile.mkdtemp(prefix="stack-", dir=work))
+        stack = Stack(scratch)
+        try:
+            url = stack.start_api(f"reg-{uuid.uuid4().hex[:8]}")
+            with RemoteRegistry(url, token=stack.token) as client:
+                for name in (BASE, MEMBER):
+                    client.push(paths[name], FAMILY, name)
+            cache = scratch / "node-cache"
+            for i in range(args.pairs):
+                pair = {}
+                for label in (list(sides) if i % 2 == 0 else list(sides)[::-1]):  # take turns going first
+                    pair[label] = child(sides[label], url, stack.token, cache, paths[MEMBER])
+                pairs.append(pair)
+                print(f"pair {i + 1}/{args.pairs}: " + ", ".join(f"{k} {v['load_tensors_ready']:.3f} s" for k, v in pair.items()),
+                      flush=True)
+        finally:
+            stack.close()
+            shutil.rmtree(scratch, ignore_errors=True)
 
     a, b = list(sides)
     ratios = {k: [p[b][k] / p[a][k] for p in pairs] for k in ("load_tensors_ready", "switch")}

@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
                 runs = [mapped(files, size, aligned) for _ in range(args.runs)]
                 results["chunks"].append({"chunk_size": size, "files": len(files), "aligned": aligned,
                                           "seconds": median([s for s, _ in runs]), "pmd_kb": runs[-1][1]})
-        # every byte read, by the largest chunk size (the default's 2 MiB): what the id check adds
+        # every byte read, with the chunk files of the last of --sizes (the default's 2 MiB): what the id check adds
         with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
             runs = [whole_file(path, pool, size) for _ in range(args.runs)]
             checked = [mapped(files, size, True, pool) for _ in range(args.runs)]

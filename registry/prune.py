@@ -33,11 +33,12 @@ from collections import defaultdict
 from dataclasses import dataclass
 from datetime import timedelta
 
-from registry.blobs.packs import PackWriter, StoredChunk, pack_key
+from registry.blobs.packs import StoredChunk, pack_key
 from registry.db import prune as q
 from registry.db.engine import read_tx, write_tx
 from registry.db.locks import exclude_writers
 from registry.errors import InvalidRequest, NotFound
+from registry.ingest import RecordedPacks
 from registry.progress import NullProgress, Progress
 from registry.results import PruneResult
 
@@ -122,6 +123,19 @@ def prune(reg, min_age: float = DEFAULT_MIN_AGE, max_unused: float = DEFAULT_MAX
     )
 
 
+class _MovedPacks(RecordedPacks):
+    """New packs for repacked chunks: announced like a push's, recorded by pointing the chunks'
+    rows at them (``old_pack``: chunk id -> the pack it comes from) instead of adding rows."""
+
+    def __init__(self, reg, old_pack: dict[str, str]):
+        super().__init__(reg)
+        self.old_pack = old_pack
+
+    def _record(self, pack_id: str, size: int, stored: list[StoredChunk]) -> None:
+        with write_tx(self._engine) as conn:
+            q.record_moved(conn, pack_id, size, [(c.id, self.old_pack[c.id], c.offset) for c in stored])
+
+
 def _repack(reg, pack_ids: list[str], progress: Progress) -> None:
     """Copy the chunks still in ``pack_ids`` into new packs, point their rows there, and retire the
     old packs. Payloads are copied as stored, so nothing is decoded or encoded again."""
@@ -130,15 +144,7 @@ def _repack(reg, pack_ids: list[str], progress: Progress) -> None:
     progress.start("repack", sum(r[3] for rs in rows.values() for r in rs))
     old_pack: dict[str, str] = {}
 
-    def record(pack_id: str, size: int, stored: list[StoredChunk]) -> None:
-        with write_tx(reg.engine) as conn:
-            q.record_moved(conn, pack_id, size, [(c.id, old_pack[c.id], c.offset) for c in stored])
-
-    def announce(pack_id: str, size: int) -> None:
-        with write_tx(reg.engine) as conn:
-            q.announce_pack(conn, pack_id, size)
-
-    writer = PackWriter(reg.blobs, reg.settings.pack_size, record, announce)
+    writer = _MovedPacks(reg, old_pack)
     for pack_id, chunk_rows in rows.items():
         located = [StoredChunk(cid, size, enc, stored, pack_id, off, basis, depth)
                    for cid, size, enc, stored, off, basis, depth in chunk_rows]

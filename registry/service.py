@@ -236,7 +236,7 @@ def stream_chunks(reg, chunks: list[StoredChunk]) -> Iterator[bytes]:
 
 def version_doc(reg, family: str, version: str, if_none_match: str | None = None) -> tuple[dict | None, str]:
     """A version for a node: its manifest, and per chunk it needs (its own and the bases of its
-    deltas) [encoding, stored bytes, basis id, raw bytes, tier]. One read transaction: four
+    deltas) [encoding, stored bytes, basis id, raw bytes, tier]. One read transaction: three
     queries, or one when the tag is current.
 
     Also its tag (an HTTP entity tag): the version's row id, its family's epoch, which every change
@@ -248,14 +248,14 @@ def version_doc(reg, family: str, version: str, if_none_match: str | None = None
     check_name("family", family)
     check_name("version", version)
     with read_tx(reg.engine) as conn:
-        found = version_db.version_tag(conn, family, version)
+        found = version_db.find_version_and_epoch(conn, family, version)
         if found is None:
             version_db.get_version(conn, family, version)  # says which of the two is missing
             raise NotFound(f"version {family}/{version} was being changed: ask again")  # committed just now
-        tag = f'"{found[0]}.{found[1]}.{found[2].removeprefix("sha256:")[:16]}"'
+        row, epoch = found
+        tag = f'"{row.id}.{epoch}.{row.digest.removeprefix("sha256:")[:16]}"'
         if if_none_match is not None and _tag_matches(if_none_match, tag):
             return None, tag
-        row = version_db.get_version(conn, family, version)
         manifest = Manifest.doc_of(version_db.read_manifest(conn, row.id))
         table = chunk_db.version_chunk_table(conn, row.id)
     doc = {

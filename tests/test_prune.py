@@ -12,7 +12,7 @@ import pytest
 from sqlalchemy import func, insert, select, text, update
 
 from registry.config import Settings
-from registry.blobs.packs import PackWriter, pack_key
+from registry.blobs.packs import pack_key
 from registry.db import prune as prune_db
 from registry.db.engine import create_db_engine, read_tx, write_tx
 from registry.db.locks import exclude_writers
@@ -33,12 +33,12 @@ HOUR = 3600.0
 
 
 def pack_blobs(reg) -> set[str]:
-    return {k for k in reg.blobs.list("packs/")}
+    return set(reg.blobs.list("packs/"))
 
 
 def table_packs(reg) -> set[str]:
     with read_tx(reg.engine) as conn:
-        return {f"packs/{i[:2]}/{i}.pack" for i in conn.execute(select(packs.c.id)).scalars()}
+        return {pack_key(i) for i in conn.execute(select(packs.c.id)).scalars()}
 
 
 def chunk_bytes(reg) -> int:
@@ -57,8 +57,8 @@ class InFlightPush:
     chooses bases for its deltas (against ``parent``), ``upload`` stores and records the missing
     chunks, ``commit`` makes the version. Tests run other things between the steps."""
 
-    def __init__(self, reg, path, version: str, parent: str | None = None, family: str = "fam"):
-        self.reg, self.family, self.version, self.parent = reg, family, version, parent
+    def __init__(self, reg, path, version: str, parent: str | None = None):
+        self.reg, self.family, self.version, self.parent = reg, "fam", version, parent
         self.source = open_source(path)
         self.job = HashJob(self.source, reg.settings.chunk_size, NullProgress())
 
@@ -86,6 +86,16 @@ def upload_without_commit(reg, path) -> set[str]:
         return push.upload()
     finally:
         push.job.close()
+
+
+def chat_retired(reg, fam):
+    """base and lora-chat pushed, lora-chat deleted, and a prune (grace period not yet over for its
+    packs) that retires them and keeps their blobs for now; returns that prune's result."""
+    reg.push(fam["base"], "fam", "base")
+    reg.push(fam["lora-chat"], "fam", "lora-chat")
+    reg.delete("fam", "lora-chat")
+    age(reg, chunks, "created_at")
+    return reg.prune(min_age=HOUR, max_unused=0)
 
 
 def pulls_whole(reg, fam, tmp_path, *names) -> None:
@@ -254,11 +264,7 @@ def test_cli_prune_bad_arguments(home_env, args, what):
 def test_a_version_pushed_again_after_prune_survives_the_next_prune(reg, fam, tmp_path):
     """Pack names are never reused: the same bytes pushed again go to new packs, so deleting the
     blobs of the packs prune retired cannot take the new version's bytes with them."""
-    reg.push(fam["base"], "fam", "base")
-    reg.push(fam["lora-chat"], "fam", "lora-chat")
-    reg.delete("fam", "lora-chat")
-    age(reg, chunks, "created_at")
-    assert reg.prune(min_age=HOUR, max_unused=0).waiting_packs > 0  # retired, blobs kept for now
+    assert chat_retired(reg, fam).waiting_packs > 0  # retired, blobs kept for now
     reg.push(fam["lora-chat"], "fam", "lora-chat")  # the same bytes again, encoded the same way
     age(reg, unlisted_packs, "since")
     assert reg.prune(min_age=HOUR, max_unused=0).deleted_packs > 0
@@ -366,14 +372,11 @@ def test_a_push_whose_found_chunks_are_pruned_before_its_commit_stores_them_and_
 
 
 def test_a_pack_whose_writer_died_is_deleted_after_the_grace_period(reg):
-    def announce(pack_id, size):
-        with write_tx(reg.engine) as conn:
-            prune_db.announce_pack(conn, pack_id, size)
+    class Dies(RecordedPacks):  # announces its pack, writes it, and dies before recording it
+        def _record(self, pack_id, size, stored):
+            raise RuntimeError("killed before recording its pack")
 
-    def die(pack_id, size, stored):
-        raise RuntimeError("killed before recording its pack")
-
-    writer = PackWriter(reg.blobs, 1 << 20, die, announce)
+    writer = Dies(reg)
     writer.add("c" * 32, 100, "raw", b"x" * 100)
     with pytest.raises(RuntimeError):
         writer.flush()
@@ -423,11 +426,7 @@ def test_a_pack_prune_took_for_abandoned_is_refused_and_its_writer_deletes_it(re
 
 
 def test_a_prune_that_died_after_claiming_leaves_the_next_one_its_claims(reg, fam, tmp_path):
-    reg.push(fam["base"], "fam", "base")
-    reg.push(fam["lora-chat"], "fam", "lora-chat")
-    reg.delete("fam", "lora-chat")
-    age(reg, chunks, "created_at")
-    reg.prune(min_age=HOUR, max_unused=0)  # lora-chat's packs retired, their blobs kept for now
+    chat_retired(reg, fam)  # lora-chat's packs retired, their blobs kept for now
     before = pack_blobs(reg)
     age(reg, unlisted_packs, "since")
     with write_tx(reg.engine) as conn:  # what the next prune does before its deletes, and then it dies
@@ -446,11 +445,7 @@ def test_a_prune_that_died_after_claiming_leaves_the_next_one_its_claims(reg, fa
 def test_a_pack_an_older_writer_lists_again_is_not_deleted(reg, fam):
     """A writer of the previous release names packs by their bytes and lists them without announcing:
     pushing bytes prune retired, it lists the retired name again, and that blob must stay."""
-    reg.push(fam["base"], "fam", "base")
-    reg.push(fam["lora-chat"], "fam", "lora-chat")
-    reg.delete("fam", "lora-chat")
-    age(reg, chunks, "created_at")
-    reg.prune(min_age=HOUR, max_unused=0)
+    chat_retired(reg, fam)
     with read_tx(reg.engine) as conn:
         (pack_id, size), *_ = prune_db.unlisted(conn)
     with write_tx(reg.engine) as conn:  # what the older writer's record_pack does: the pack and its chunk rows

@@ -151,7 +151,7 @@ def test_every_change_to_a_family_bumps_its_epoch(reg, fam):
 def test_a_version_pushed_again_under_its_name_never_keeps_its_tag(reg, fam):
     """Even when the writer bumps no epoch (one of an earlier release: here the epoch is put back
     as it would leave it) and SQLite gives the new row the deleted one's id."""
-    from sqlalchemy import select, update
+    from sqlalchemy import update
 
     from registry import service
     from registry.db import versions as version_db
@@ -162,14 +162,13 @@ def test_a_version_pushed_again_under_its_name_never_keeps_its_tag(reg, fam):
     reg.push(fam["lora-chat"], "fam", "v")
     doc, tag = service.version_doc(reg, "fam", "v")
     with read_tx(reg.engine) as conn:
-        epoch = conn.execute(select(families.c.epoch).where(families.c.name == "fam")).scalar_one()
-        old_id = version_db.version_tag(conn, "fam", "v")[0]
+        old, epoch = version_db.find_version_and_epoch(conn, "fam", "v")
     reg.delete("fam", "v")
     reg.push(fam["last-code"], "fam", "v")
     with write_tx(reg.engine) as conn:
         conn.execute(update(families).where(families.c.name == "fam").values(epoch=epoch))
-        new_id = version_db.version_tag(conn, "fam", "v")[0]
+        new_id = version_db.find_version(conn, "fam", "v").id
     if reg.engine.dialect.name == "sqlite":
-        assert new_id == old_id  # the case this guards: the same id, the same epoch
+        assert new_id == old.id  # the case this guards: the same id, the same epoch
     new_doc, new_tag = service.version_doc(reg, "fam", "v", if_none_match=tag)
     assert new_doc is not None and new_tag != tag and new_doc["digest"] != doc["digest"]

@@ -59,14 +59,11 @@ def find_version(conn: Connection, family: str, name: str) -> VersionRow | None:
     return _row(r) if r else None
 
 
-def version_tag(conn: Connection, family: str, name: str) -> tuple[int, int, str] | None:
-    """(the version's row id, its family's epoch, its digest), or None if there is no such version:
-    what names the current state of its document (service.version_doc)."""
-    r = conn.execute(
-        select(versions.c.id, families.c.epoch, versions.c.digest).join(families, families.c.id == versions.c.family_id)
-        .where(families.c.name == family, versions.c.name == name)
-    ).first()
-    return (r[0], r[1], r[2]) if r else None
+def find_version_and_epoch(conn: Connection, family: str, name: str) -> tuple[VersionRow, int] | None:
+    """The version and its family's epoch (service.version_doc's tag), in one query; None if absent."""
+    r = conn.execute(_version_query().add_columns(families.c.epoch)
+                     .where(families.c.name == family, versions.c.name == name)).first()
+    return (_row(r), r[-1]) if r else None
 
 
 def get_version(conn: Connection, family: str, name: str) -> VersionRow:
