@@ -68,7 +68,14 @@ class MappedFile:
     def close(self) -> None:
         self.view.release()
         if self._mm is not None:
-            self._mm.close()
+            try:
+                self._mm.close()
+            except BufferError:
+                # A slice of the map is still alive: an error raised while a chunk was encoded
+                # keeps its frame, and the slice in it, until it is handled. Closing now would hide
+                # that error behind this one; the map is unmapped when its last slice goes.
+                pass
+            self._mm = None
         os.close(self._fd)
 
     def __enter__(self) -> "MappedFile":

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 from registry.blobs.packs import StoredChunk
 from registry.chunking import ChunkRef
+from registry.errors import NotFound
 from registry.safetensors import TensorSpan
 
 MAX_DEPTH = 3  # a pull decodes at most this many deltas on top of a plain chunk
@@ -96,8 +97,22 @@ class BasisReader:
                 i = self.located[i].basis_id
         want -= set(self._payloads)
         if want:
-            for c, payload in self._fetch([self.located[i] for i in want]):
-                self._payloads[c.id] = bytes(payload)
+            try:
+                for c, payload in self._fetch([self.located[i] for i in want]):
+                    self._payloads[c.id] = bytes(payload)
+            except NotFound:
+                pass  # a pack deleted by a prune meanwhile: ``usable`` reads the rest one by one
+
+    def usable(self, chunk_id: str) -> bytes | None:
+        """The raw bytes of basis ``chunk_id``, or None where storage no longer holds them: a prune
+        (with --min-age 0, or longer than its grace period) deleted its pack after this push chose
+        it. The new chunk is then stored plain, which is always correct; a delta against it would
+        be refused when its pack is recorded."""
+        try:
+            return self.raw(chunk_id)
+        except NotFound:
+            return None
+
     def raw(self, chunk_id: str) -> bytes:
         with self._lock:
             hit = self._cache.get(chunk_id)

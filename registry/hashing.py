@@ -115,10 +115,10 @@ def missing_bytes(manifest: Manifest | HashJob, missing: set[str]) -> int:
 
 def encoded_chunks(job: HashJob, wanted: set[str], pool: ThreadPoolExecutor,
                    bases: dict[str, str] | None = None,
-                   basis_raw: Callable[[str], bytes] | None = None) -> Iterator[tuple[ChunkRef, str, bytes, str | None]]:
+                   basis_raw: Callable[[str], bytes | None] | None = None) -> Iterator[tuple[ChunkRef, str, bytes, str | None]]:
     """(chunk, encoding, payload, basis id or None) for each chunk in ``wanted``, once each, in
     file order. With ``bases`` (chunk id -> basis chunk id) and ``basis_raw`` (basis id -> its raw
-    bytes), a chunk is stored as a delta when that is smaller than plain.
+    bytes, or None where they are gone), a chunk is stored as a delta when that is smaller than plain.
 
     Chunks are read through the job's own mmaps (a second mapping would fault every page in
     again). Encoding runs on the pool (zstd, numpy and the C kernels release the GIL).

@@ -130,7 +130,7 @@ def upload_missing(reg, job: HashJob, missing: set[str], pool: ThreadPoolExecuto
 
     def items(wanted: set[str], gone: set[str] | None) -> Iterator[ChunkItem]:
         usable = {c: b for c, b in bases.items() if b not in (gone or ())}
-        basis_raw = reader.raw if reader is not None else None
+        basis_raw = reader.usable if reader is not None else None
         for c, encoding, payload, basis_id in encoded_chunks(job, wanted, pool, usable, basis_raw):
             depth = reader.located[basis_id].depth + 1 if basis_id else 0
             yield c.id, c.size, encoding, payload, basis_id, depth

@@ -108,10 +108,11 @@ def receive_batch(reg, family: str, body: bytes) -> dict:
     def encode(item):
         e, payload, raw = item
         basis_id = basis_of.get(e.id)
-        if basis_id is not None:
+        basis = reader.usable(basis_id) if basis_id is not None else None
+        if basis is not None:
             # The client's compressed upload is the plain candidate; a raw upload may still compress.
             plain = (e.encoding, payload) if e.encoding != codec.RAW else None
-            encoding, out, is_delta = codec.best_encoding(raw, e.itemsize, reader.raw(basis_id), plain)
+            encoding, out, is_delta = codec.best_encoding(raw, e.itemsize, basis, plain)
             if is_delta and len(out) < e.length:
                 return e, encoding, out, basis_id, located[basis_id].depth + 1
         return e, e.encoding, bytes(payload), None, 0

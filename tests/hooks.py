@@ -21,24 +21,30 @@ class OnSend(NullProgress):
             self.results.append(self.action())
 
 
-class OnFirstPut:
-    """A registry's blob store that runs ``action`` just before its first put of a blob, once a
-    writer has announced that pack: a prune that runs there takes the pack for abandoned (with
-    --min-age 0) or deletes the bases of its deltas. Everything else goes to the real store."""
+class OnFirst:
+    """A registry's blob store that runs ``action`` just before the first call of its ``method``
+    ("put": once a writer has announced that pack, so a prune there takes the pack for abandoned
+    with --min-age 0, or deletes the bases of its deltas; "get_ranges": before a push reads the
+    bases it chose). ``calls`` counts that method's calls. Everything else goes to the real store."""
 
-    def __init__(self, store, action: Callable[[], object]):
+    def __init__(self, store, method: str, action: Callable[[], object]):
         self._store = store
+        self._method = method
         self.action = action
-        self.puts = 0
-
-    def put(self, key: str, data) -> None:
-        self.puts += 1
-        if self.puts == 1:
-            self.action()
-        self._store.put(key, data)
+        self.calls = 0
 
     def __getattr__(self, name: str):
-        return getattr(self._store, name)
+        real = getattr(self._store, name)
+        if name != self._method:
+            return real
+
+        def hooked(*args, **kwargs):
+            self.calls += 1
+            if self.calls == 1:
+                self.action()
+            return real(*args, **kwargs)
+
+        return hooked
 
 
 class Tally(NullProgress):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from registry import codec
-from registry.blobs.packs import StoredChunk
+from registry.blobs.packs import StoredChunk, pack_key
 from registry.chunking import chunk_id
 from registry.deltas import MAX_DEPTH
 from registry.errors import IntegrityError
@@ -334,6 +334,21 @@ def test_corrupt_delta_is_detected():
         decode_verified(chunk, payload, base[::-1])  # wrong basis: bytes do not match the id
     with pytest.raises(IntegrityError):
         decode_verified(chunk, payload[:-3] + b"xyz", base)
+
+
+def test_a_push_whose_basis_is_damaged_in_storage_stops_with_that_error(reg, fam):
+    """A basis whose stored bytes no longer decode to its id: the push stops with that one-line
+    error (not with a failure to unmap the file it was encoding) and commits nothing."""
+    reg.push(fam["base"], "fam", "base")
+    for c in reg.locate(reg.manifest("fam", "base")[1].chunk_ids()).values():
+        with open(reg.blobs.root / pack_key(c.pack_id), "r+b") as f:
+            f.seek(c.offset + c.stored_size // 2)
+            byte = f.read(1)[0]
+            f.seek(-1, 1)
+            f.write(bytes([byte ^ 0xFF]))
+    with pytest.raises(IntegrityError, match="chunk"):
+        reg.push(fam["full-med"], "fam", "full-med")
+    assert [v.name for v in reg.versions("fam")] == ["base"]
 
 
 def test_full_fine_tune_is_stored_as_small_deltas(reg, fam, tmp_path):

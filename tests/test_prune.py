@@ -26,7 +26,7 @@ from registry.registry import Registry
 from registry.source import open_source
 from registry.wire import Entry, build_batch
 from tests.cli_run import mfsreg, mfsreg_json
-from tests.hooks import OnFirstPut, OnSend, Tally
+from tests.hooks import OnFirst, OnSend, Tally
 
 LONG_AGO = datetime(2020, 1, 1, tzinfo=timezone.utc)
 HOUR = 3600.0
@@ -316,10 +316,10 @@ def test_a_push_whose_pack_a_prune_took_for_abandoned_writes_it_again(reg, fam, 
     reg.push(fam["base"], "fam", "base")
     reg.settings = dataclasses.replace(reg.settings, pack_size=64 << 10)  # the push writes several packs
     # prune with --min-age 0 runs after the first pack is announced, before its blob is written
-    reg.blobs = OnFirstPut(reg.blobs, lambda: reg.prune(min_age=0))
+    reg.blobs = OnFirst(reg.blobs, "put", lambda: reg.prune(min_age=0))
     tally = Tally()
     res = reg.push(fam["full-med"], "fam", "full-med", progress=tally)
-    assert reg.blobs.puts >= 3 and res.new_bytes > 0  # the claimed pack, then its chunks again with the rest
+    assert reg.blobs.calls >= 3 and res.new_bytes > 0  # the claimed pack, then its chunks again with the rest
     assert tally.done["send"] == tally.total["send"] > 0  # each chunk counted once, sent once or twice
     assert pack_blobs(reg) == table_packs(reg)  # the writer deleted the claimed pack's blob
     pulls_whole(reg, fam, tmp_path, "full-med", "base")
@@ -344,14 +344,58 @@ def test_the_servers_batch_upload_stores_plain_what_a_prune_took_the_basis_of(re
         age(reg, chunks, "created_at")
         reg.prune(min_age=HOUR)
 
-    reg.blobs = OnFirstPut(reg.blobs, delete_and_prune)
+    reg.blobs = OnFirst(reg.blobs, "put", delete_and_prune)
     service.receive_batch(reg, "fam", body)
     assert not reg.locate(gone)
     # left in storage besides the recorded packs: base's (retired, in their grace period) and the refused one
     (refused,) = pack_blobs(reg) - table_packs(reg) - base_packs
-    assert base_packs <= pack_blobs(reg) and reg.blobs.puts >= 2
+    assert base_packs <= pack_blobs(reg) and reg.blobs.calls >= 2
     stored = reg.locate(neg["missing"])
     assert set(stored) == set(neg["missing"]) and not [c for c in stored.values() if c.basis_id in gone]
+    service.commit(reg, "fam", "full-med", None, manifest.to_doc())
+    pulls_whole(reg, fam, tmp_path, "full-med")
+
+
+def delete_base_and_prune_at_once(reg) -> set[str]:
+    """base deleted and a prune with --min-age 0: its chunks and their packs' blobs go at once;
+    returns the ids of the chunks it had."""
+    ids = set(reg.manifest("fam", "base")[1].chunk_ids())
+    reg.delete("fam", "base")
+    reg.prune(min_age=0)
+    assert not reg.locate(ids)
+    return ids
+
+
+def test_a_push_whose_bases_blobs_a_prune_deletes_before_it_reads_them_stores_those_chunks_plain(reg, fam, tmp_path):
+    reg.push(fam["base"], "fam", "base")
+    base_blobs = pack_blobs(reg)
+    gone: set[str] = set()
+    # the push chose its bases in base (the family's only member); the prune runs as it reads the first
+    reg.blobs = OnFirst(reg.blobs, "get_ranges", lambda: gone.update(delete_base_and_prune_at_once(reg)))
+    res = reg.push(fam["full-med"], "fam", "full-med")
+    assert reg.blobs.calls >= 1 and gone and not base_blobs & pack_blobs(reg)
+    stored = reg.locate(reg.manifest("fam", "full-med")[1].chunk_ids())
+    assert res.new_bytes > 0 and not [c for c in stored.values() if c.basis_id in gone]
+    pulls_whole(reg, fam, tmp_path, "full-med")
+
+
+def test_the_servers_batch_upload_stores_plain_what_a_prune_deleted_the_bases_blobs_of(reg, fam, tmp_path):
+    """receive_batch, as the API calls it, with a prune (--min-age 0) between its lookup of the
+    bases the client named and its read of them."""
+    reg.push(fam["base"], "fam", "base")
+    manifest = hash_source(open_source(fam["full-med"]), reg.settings.chunk_size, NullProgress())
+    neg = service.negotiate(reg, "fam", "full-med", manifest.to_doc())
+    assert neg["bases"] and neg["missing"]
+    data = fam["full-med"].read_bytes()
+    refs = {c.id: c for f in manifest.files for c in f.chunks}
+    body = build_batch([(Entry(i, refs[i].size, "raw", refs[i].size, neg["bases"].get(i), refs[i].itemsize),
+                         data[refs[i].offset : refs[i].offset + refs[i].size]) for i in neg["missing"]])
+    gone: set[str] = set()
+    reg.blobs = OnFirst(reg.blobs, "get_ranges", lambda: gone.update(delete_base_and_prune_at_once(reg)))
+    service.receive_batch(reg, "fam", body)
+    assert reg.blobs.calls >= 1 and set(neg["bases"].values()) <= gone
+    stored = reg.locate(neg["missing"])
+    assert set(stored) == set(neg["missing"]) and not [c for c in stored.values() if c.basis_id]
     service.commit(reg, "fam", "full-med", None, manifest.to_doc())
     pulls_whole(reg, fam, tmp_path, "full-med")
 
