@@ -408,6 +408,60 @@ def test_a_version_document_is_tagged_and_a_node_keeps_it_while_the_family_is_un
         node.close()
 
 
+def test_a_node_keeps_the_documents_it_read_last(servers, server_env, fam, tmp_path, monkeypatch):
+    from registry.client import Node, fetch
+
+    monkeypatch.setattr(fetch, "KEPT_VERSIONS", 2)
+    (srv,) = servers(1)
+    env = client_env(tmp_path, srv.url, token(server_env, "admin"))
+    names = ("base", "lora-chat", "last-code")
+    for name in names:
+        mfsreg("push", fam[name], "--family", "fam", "--version", name, env=env)
+    node = Node(env["MFSREG_URL"], env["MFSREG_TOKEN"], env["MFSREG_CACHE_DIR"])
+    try:
+        first = {n: node.fetcher.version("fam", n) for n in names}  # base, the oldest, is dropped
+        assert node.fetcher.version("fam", "last-code") is first["last-code"]
+        assert node.fetcher.version("fam", "lora-chat") is first["lora-chat"]  # now the newest
+        again = node.fetcher.version("fam", "base")  # read and parsed anew; last-code is dropped for it
+        assert again is not first["base"] and again == first["base"]
+        assert node.fetcher.version("fam", "lora-chat") is first["lora-chat"]
+        assert node.fetcher.version("fam", "last-code") is not first["last-code"]
+    finally:
+        node.close()
+
+
+def test_a_node_behind_a_proxy_that_drops_tags_reads_each_document_whole(servers, server_env, fam, tmp_path):
+    """As against a server older than tags: no ETag comes back, so the node keeps nothing and never
+    sends If-None-Match, and what it reads still follows the family."""
+    from registry.client import Node
+    from registry.client.node import pull
+
+    (srv,) = servers(1)
+    env = client_env(tmp_path, srv.url, token(server_env, "admin"))
+    for name in ("base", "lora-chat"):
+        mfsreg("push", fam[name], "--family", "fam", "--version", name, env=env)
+    node = Node(env["MFSREG_URL"], env["MFSREG_TOKEN"], env["MFSREG_CACHE_DIR"])
+    asked: list[str | None] = []
+
+    def drop_tag(response: httpx.Response) -> None:
+        response.headers.pop("etag", None)
+
+    http = node.fetcher.remote.http
+    http.event_hooks = {"request": [lambda r: asked.append(r.headers.get("if-none-match"))], "response": [drop_tag]}
+    try:
+        one = node.fetcher.version("fam", "lora-chat")
+        two = node.fetcher.version("fam", "lora-chat")
+        assert one is not two and one == two and asked == [None, None]
+        mfsreg("family", "quorum", "fam", "0.5", env=server_env)  # lora-chat's own chunks join base
+        three = node.fetcher.version("fam", "lora-chat")
+        assert three.tiers != two.tiers and set(three.tiers.values()) == {"base"}
+        out = tmp_path / "lora-chat.out"
+        pull(node.fetcher, "fam", "lora-chat", out)
+        assert filecmp.cmp(out, fam["lora-chat"], shallow=False)
+    finally:
+        node.close()
+
+
 def test_prune_over_http(servers, server_env, fam, tmp_path):
     (srv,) = servers(1)
     env = client_env(tmp_path, srv.url, token(server_env, "admin"))
