@@ -54,7 +54,28 @@ def machine_info() -> dict:
         "git_commit": commit, "registry_dirty": dirty,
         # other work on the machine skews timings: the load average says how busy it was
         "loadavg_1_5_15": [round(x, 2) for x in os.getloadavg()],
+        "libraries": library_versions(),
     }
+
+
+def library_versions() -> dict:
+    """The installed versions of the libraries whose speed the figures depend on (a fresh install
+    may bring a newer zstandard or numpy than the run it is compared with)."""
+    from importlib import metadata
+
+    out: dict = {}
+    for name in ("zstandard", "numpy", "xxhash", "safetensors", "torch", "boto3", "moto"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    try:
+        import zstandard
+
+        out["libzstd"] = ".".join(map(str, zstandard.ZSTD_VERSION))
+    except ImportError:
+        pass
+    return out
 
 
 @contextmanager
