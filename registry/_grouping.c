@@ -430,7 +430,13 @@ static PyObject *sparse_join(PyObject *self, PyObject *args) {
         Py_ssize_t m = n - i < 8 ? n - i : 8;
         if (m < 8) bits &= (1u << m) - 1;  /* flags past the end mean nothing */
         if (bits == 0) {
-            memset(dst + i, 0, (size_t)m);
+            /* a run of zero flag bytes takes one memset: a call per 8 bytes took a tenth of a
+             * delta's decoding, as most flag bytes of a sparse plane are zero */
+            Py_ssize_t end = i + 8;
+            while (end < n && f[end >> 3] == 0) end += 8;
+            if (end > n) end = n;
+            memset(dst + i, 0, (size_t)(end - i));
+            i = end - 8;  /* the loop steps to end */
             continue;
         }
         if (used + popcount8(bits) > avail) {
