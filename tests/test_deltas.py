@@ -130,6 +130,16 @@ def test_grouping_module_writes_what_numpy_writes(itemsize, elements, monkeypatc
     assert results[0][1].sum() == elements
 
 
+@pytest.mark.skipif(codec._grouping is None, reason="no C module")
+def test_ungrouping_refuses_a_short_or_shared_scratch():
+    b = np.arange(64, dtype=np.uint8)
+    planes = np.zeros(64, dtype=np.uint8)  # two planes of 32 two-byte elements
+    assert len(codec._grouping.unsub_grouped(planes, 32, b, 2, b"", np.empty(64, dtype=np.uint8))) == 64
+    for scratch in (np.empty(63, dtype=np.uint8), planes, b):
+        with pytest.raises(ValueError, match="scratch"):
+            codec._grouping.unsub_grouped(planes, 32, b, 2, b"", scratch)
+
+
 def test_grouping_makes_a_full_fine_tune_smaller():
     """Grouped by the basis's exponent, the deltas of a full fine-tune (every weight moved by about
     1e-3 of the weights' scale) come out well below the same deltas ungrouped."""
