@@ -321,7 +321,7 @@ def _sub_grouped(a: np.ndarray, b: np.ndarray, itemsize: int, planes: np.ndarray
     module and numpy write the same bytes (tests compare them)."""
     sizes = np.empty(256, dtype=np.int64)
     if _grouping is not None:
-        _grouping.sub_grouped(a, b, itemsize, planes, stride, sizes)
+        _grouping.sub_grouped(a, b, itemsize, planes, stride, sizes, _scratch("sub_joined", b.size))
         return sizes
     u, s = _UNSIGNED[itemsize], _SIGNED[itemsize]
     keys = _group_keys(b, itemsize)

@@ -131,13 +131,19 @@ def test_grouping_module_writes_what_numpy_writes(itemsize, elements, monkeypatc
 
 
 @pytest.mark.skipif(codec._grouping is None, reason="no C module")
-def test_ungrouping_refuses_a_short_or_shared_scratch():
-    b = np.arange(64, dtype=np.uint8)
+def test_grouping_refuses_a_short_or_shared_scratch():
+    a, b = np.arange(64, dtype=np.uint8), np.arange(64, dtype=np.uint8)[::-1].copy()
     planes = np.zeros(64, dtype=np.uint8)  # two planes of 32 two-byte elements
-    assert len(codec._grouping.unsub_grouped(planes, 32, b, 2, b"", np.empty(64, dtype=np.uint8))) == 64
+    sizes = np.zeros(256, dtype=np.int64)
+    codec._grouping.sub_grouped(a, b, 2, planes, 32, sizes, np.empty(64, dtype=np.uint8))
+    assert codec._grouping.unsub_grouped(planes, 32, b, 2, b"", np.empty(64, dtype=np.uint8)) == a.tobytes()
     for scratch in (np.empty(63, dtype=np.uint8), planes, b):
         with pytest.raises(ValueError, match="scratch"):
             codec._grouping.unsub_grouped(planes, 32, b, 2, b"", scratch)
+        with pytest.raises(ValueError, match="scratch"):
+            codec._grouping.sub_grouped(a, b, 2, planes, 32, sizes, scratch)
+    with pytest.raises(ValueError, match="scratch"):
+        codec._grouping.sub_grouped(a, b, 2, planes, 32, sizes, sizes)
 
 
 def test_grouping_makes_a_full_fine_tune_smaller():
