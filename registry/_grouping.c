@@ -11,7 +11,7 @@
  *
  * numpy's equivalent is a stable argsort of the keys plus a gather, about 8 ns an element; these
  * counting-sort loops take about 1.6 (counting the keys, then grouping) and 1.4 (ungrouping) on
- * full-medical's chunks (2.0 and 1.9 before the elements went through a joined scratch buffer,
+ * full-medical's chunks (1.9 and 2.0 before the elements went through a joined scratch buffer,
  * same machine), and decoding runs once per chunk on every pull. codec.py keeps the numpy
  * version for machines where this module was not built, and tests compare the two.
  */
