@@ -44,9 +44,11 @@ typedef int64_t hist_t[LANES][NKEYS];
 /* Where quarter l starts and how long it is: three of n / LANES elements, the last one the rest. */
 static inline Py_ssize_t lane_len(Py_ssize_t n) { return n / LANES; }
 
-/* The differences are read from and written to byte planes directly (plane k at k * stride), so
- * neither direction needs a separate split or join pass. Loads and stores of elements go through
- * memcpy: chunks are sliced from mmapped files at offsets that need not be aligned. */
+/* The differences are scattered into (or gathered from) a scratch buffer of whole elements, and a
+ * sequential pass splits them into byte planes (plane k at k * stride) or joins them back: the
+ * scatter and gather then touch one stream per group, not one per group and plane. Loads and
+ * stores of elements go through memcpy: chunks are sliced from mmapped files at offsets that need
+ * not be aligned, and the scratch buffer is the caller's. */
 #define DEFINE_KERNELS(T, BITS)                                                                     \
     static inline T load_##BITS(const char *p, Py_ssize_t i) {                                     \
         T v;                                                                                        \
@@ -59,36 +61,38 @@ static inline Py_ssize_t lane_len(Py_ssize_t n) { return n / LANES; }
         return (T)((T)(d << 1) ^ (T)((T)0 - (T)(d >> (BITS - 1)))); /* xor all ones if negative */ \
     }                                                                                               \
     static inline T unzigzag_##BITS(T b, T z) { return (T)(b + (T)((z >> 1) ^ (T)((T)0 - (T)(z & 1)))); } \
-    static inline int put_##BITS(T *restrict joined, Py_ssize_t n, int64_t *restrict pos,           \
+    static inline int put_##BITS(char *restrict joined, Py_ssize_t n, int64_t *restrict pos,        \
                                  unsigned key, T v) {                                               \
         Py_ssize_t p = pos[key]++;                                                                  \
         if (p >= n) return -1;                                                                      \
-        joined[p] = v;                                                                              \
+        memcpy(joined + p * (Py_ssize_t)sizeof(T), &v, sizeof(T));                                  \
         return 0;                                                                                   \
     }                                                                                               \
     /* The grouped elements split into byte planes in one sequential pass (the scatter writes one  \
      * stream per group, not one per group and plane): the inverse of join below. */               \
-    static void split_##BITS(const T *restrict joined, Py_ssize_t n, unsigned char *restrict z,     \
+    static void split_##BITS(const char *restrict joined, Py_ssize_t n, unsigned char *restrict z,  \
                              Py_ssize_t stride) {                                                   \
-        for (Py_ssize_t p = 0; p < n; p++)                                                          \
-            for (int k = 0; k < BITS / 8; k++) z[k * stride + p] = (unsigned char)(joined[p] >> (8 * k)); \
+        for (Py_ssize_t p = 0; p < n; p++) {                                                        \
+            T w = load_##BITS(joined, p);                                                           \
+            for (int k = 0; k < BITS / 8; k++) z[k * stride + p] = (unsigned char)(w >> (8 * k));  \
+        }                                                                                           \
     }                                                                                               \
-    static inline int get_##BITS(const T *restrict joined, Py_ssize_t n, int64_t *restrict pos,     \
+    static inline int get_##BITS(const char *restrict joined, Py_ssize_t n, int64_t *restrict pos,  \
                                  unsigned key, T *v) {                                              \
         Py_ssize_t p = pos[key]++;                                                                  \
         if (p >= n) return -1;                                                                      \
-        *v = joined[p];                                                                             \
+        *v = load_##BITS(joined, p);                                                                \
         return 0;                                                                                   \
     }                                                                                               \
     /* The planes joined into whole elements, still in group order: one sequential pass, so the    \
      * gather then reads one stream per group instead of one per group and plane (twice the       \
      * streams for bf16 than the prefetchers follow well). */                                       \
     static void join_##BITS(const unsigned char *restrict z, Py_ssize_t stride, Py_ssize_t n,       \
-                            T *restrict joined) {                                                   \
+                            char *restrict joined) {                                                \
         for (Py_ssize_t p = 0; p < n; p++) {                                                        \
             T w = 0;                                                                                \
             for (int k = 0; k < BITS / 8; k++) w |= (T)((T)z[k * stride + p] << (8 * k));          \
-            joined[p] = w;                                                                          \
+            memcpy(joined + p * (Py_ssize_t)sizeof(T), &w, sizeof(T));                              \
         }                                                                                           \
     }                                                                                               \
     static void count_##BITS(const char *restrict b, Py_ssize_t n, hist_t h) {                      \
@@ -103,7 +107,7 @@ static inline Py_ssize_t lane_len(Py_ssize_t n) { return n / LANES; }
     static int sub_##BITS(const char *restrict a, const char *restrict b, unsigned char *restrict z,\
                           Py_ssize_t stride, Py_ssize_t n, hist_t pos, void *scratch) {             \
         T zz[LANES][BLOCK];                                                                         \
-        T *restrict joined = scratch;                                                               \
+        char *restrict joined = scratch;                                                            \
         unsigned char keys[LANES][BLOCK];                                                           \
         Py_ssize_t q = lane_len(n);                                                                 \
         for (Py_ssize_t s = 0; s < q; s += BLOCK) {                                                 \
@@ -130,7 +134,7 @@ static inline Py_ssize_t lane_len(Py_ssize_t n) { return n / LANES; }
                             char *restrict out, Py_ssize_t stride, Py_ssize_t n, hist_t pos,        \
                             void *scratch) {                                                        \
         T zz[LANES][BLOCK];                                                                         \
-        T *restrict joined = scratch;                                                               \
+        char *restrict joined = scratch;                                                            \
         join_##BITS(z, stride, n, joined);                                                          \
         Py_ssize_t q = lane_len(n);                                                                 \
         for (Py_ssize_t s = 0; s < q; s += BLOCK) {                                                 \

@@ -65,24 +65,26 @@ class MappedFile:
             self._mm.madvise(mmap.MADV_SEQUENTIAL)
         self.view = memoryview(self._mm) if self._mm is not None else memoryview(b"")
 
-    def close(self) -> None:
+    def close(self, failing: bool = False) -> None:
+        """Unmap and close. ``failing``: an error is on its way out, and the frames it keeps (of a
+        chunk's encoding, say) may still hold slices of the map; closing would then raise over that
+        error, so the map is left to be unmapped when its last slice goes. Otherwise a slice still
+        alive is a leak, and raises BufferError."""
         self.view.release()
         if self._mm is not None:
             try:
                 self._mm.close()
             except BufferError:
-                # A slice of the map is still alive: an error raised while a chunk was encoded
-                # keeps its frame, and the slice in it, until it is handled. Closing now would hide
-                # that error behind this one; the map is unmapped when its last slice goes.
-                pass
+                if not failing:
+                    raise
             self._mm = None
         os.close(self._fd)
 
     def __enter__(self) -> "MappedFile":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, *exc) -> None:
+        self.close(failing=exc_type is not None)
 
 
 def file_sha256(view: memoryview, cancel: threading.Event | None = None) -> str | None:

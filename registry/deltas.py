@@ -74,13 +74,15 @@ class BasisReader:
     """Raw bytes of stored chunks, decoding delta chains, with a small byte-bounded LRU cache.
 
     ``fetch(chunks)`` yields (chunk, payload); ``decode(chunk, payload, basis)`` returns verified raw
-    bytes. Thread-safe: encoder threads call ``raw`` concurrently.
+    bytes; ``locate(ids)`` says where chunks are recorded now. Thread-safe: encoder threads call ``raw`` concurrently.
     """
 
-    def __init__(self, located: dict[str, StoredChunk], fetch: Callable, decode: Callable, cache_bytes: int = 256 << 20):
+    def __init__(self, located: dict[str, StoredChunk], fetch: Callable, decode: Callable,
+                 locate: Callable[[list[str]], dict[str, StoredChunk]], cache_bytes: int = 256 << 20):
         self.located = located
         self._fetch = fetch
         self._decode = decode
+        self._locate = locate  # where chunks are recorded now (Registry.locate): tells a prune from a lost blob
         self._cache: OrderedDict[str, bytes] = OrderedDict()
         self._cached = 0
         self._limit = cache_bytes
@@ -104,14 +106,26 @@ class BasisReader:
                 pass  # a pack deleted by a prune meanwhile: ``usable`` reads the rest one by one
 
     def usable(self, chunk_id: str) -> bytes | None:
-        """The raw bytes of basis ``chunk_id``, or None where storage no longer holds them: a prune
-        (with --min-age 0, or longer than its grace period) deleted its pack after this push chose
-        it. The new chunk is then stored plain, which is always correct; a delta against it would
-        be refused when its pack is recorded."""
+        """The raw bytes of basis ``chunk_id``, or None where a prune (with --min-age 0, or longer
+        than its grace period) deleted its pack after this push chose it. The new chunk is then
+        stored plain, which is always correct; a delta against it would be refused when its pack is
+        recorded. A blob missing or cut short while its chunks are still recorded in it is damage,
+        not a prune (prune deletes the rows before the blob): that error is raised."""
         try:
             return self.raw(chunk_id)
         except NotFound:
-            return None
+            if self._pruned(chunk_id):
+                return None
+            raise
+
+    def _pruned(self, chunk_id: str) -> bool:
+        """Whether a chunk of ``chunk_id``'s delta chain is no longer recorded where it was located."""
+        chain, i = [], chunk_id
+        while i and i in self.located and i not in chain:
+            chain.append(i)
+            i = self.located[i].basis_id
+        now = self._locate(chain)
+        return any(i not in now or now[i].pack_id != self.located[i].pack_id for i in chain)
 
     def raw(self, chunk_id: str) -> bytes:
         with self._lock:

@@ -49,7 +49,7 @@ class HashJob:
                     progress.advance("hash", c.size)
                 self.file_chunks.append(tuple(refs))
         except BaseException:
-            self.close()
+            self.close(failing=True)
             raise
 
     @property
@@ -87,19 +87,20 @@ class HashJob:
             )
         return Manifest(files=tuple(entries), single_file=self.source.single_file)
 
-    def close(self) -> None:
+    def close(self, failing: bool = False) -> None:
+        """Stop the digests and unmap the files (``failing``: see MappedFile.close)."""
         self._cancel.set()
         for fut in self._futures:
             fut.cancel()
         self._digests.shutdown(wait=True)  # a running digest still reads its mmap
         for mf in self._maps:
-            mf.close()
+            mf.close(failing)
 
     def __enter__(self) -> "HashJob":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, *exc) -> None:
+        self.close(failing=exc_type is not None)
 
 
 def hash_source(source: Source, chunk_size: int, progress: Progress) -> Manifest:

@@ -60,7 +60,7 @@ def plan_deltas(reg, family: str, parent: str | None, new_files: list, ids: list
         capped = deltas.cap_depth(bid, located)
         if capped is not None:
             bases[cid] = capped
-    reader = deltas.BasisReader(located, reg.read_payloads, decode_verified)
+    reader = deltas.BasisReader(located, reg.read_payloads, decode_verified, locate=reg.locate)
     return bases, reader
 
 

@@ -88,7 +88,7 @@ def receive_batch(reg, family: str, body: bytes) -> dict:
         # only bases this family already uses: a push must not pull another family's bytes in
         allowed = tier_db.family_chunk_ids(conn, fam.id, hinted) if fam else set()
         located = chunk_db.locate_closure(conn, allowed)
-    reader = BasisReader(located, reg.read_payloads, decode_verified)
+    reader = BasisReader(located, reg.read_payloads, decode_verified, locate=reg.locate)
     todo = []
     for e, payload in entries:
         if e.id in missing:

@@ -13,7 +13,7 @@ from registry import codec
 from registry.blobs.packs import StoredChunk, pack_key
 from registry.chunking import chunk_id
 from registry.deltas import MAX_DEPTH
-from registry.errors import IntegrityError
+from registry.errors import IntegrityError, NotFound
 from registry.rebuild import decode_verified
 from tests import synth
 
@@ -137,13 +137,18 @@ def test_grouping_refuses_a_short_or_shared_scratch():
     sizes = np.zeros(256, dtype=np.int64)
     codec._grouping.sub_grouped(a, b, 2, planes, 32, sizes, np.empty(64, dtype=np.uint8))
     assert codec._grouping.unsub_grouped(planes, 32, b, 2, b"", np.empty(64, dtype=np.uint8)) == a.tobytes()
+    tail = np.zeros(8, dtype=np.uint8)
     for scratch in (np.empty(63, dtype=np.uint8), planes, b):
         with pytest.raises(ValueError, match="scratch"):
-            codec._grouping.unsub_grouped(planes, 32, b, 2, b"", scratch)
+            codec._grouping.unsub_grouped(planes, 32, b, 2, tail, scratch)
         with pytest.raises(ValueError, match="scratch"):
             codec._grouping.sub_grouped(a, b, 2, planes, 32, sizes, scratch)
+    for args in ((a, b, 2, planes, 32, sizes, sizes), (a, b, 2, planes, 32, sizes, a)):
+        with pytest.raises(ValueError, match="scratch"):
+            codec._grouping.sub_grouped(*args)
+    wide = np.zeros(128, dtype=np.uint8)
     with pytest.raises(ValueError, match="scratch"):
-        codec._grouping.sub_grouped(a, b, 2, planes, 32, sizes, sizes)
+        codec._grouping.unsub_grouped(planes, 32, b, 2, wide[:8], wide[4:])  # shares bytes with the tail
 
 
 def test_grouping_makes_a_full_fine_tune_smaller():
@@ -363,6 +368,17 @@ def test_a_push_whose_basis_is_damaged_in_storage_stops_with_that_error(reg, fam
             f.seek(-1, 1)
             f.write(bytes([byte ^ 0xFF]))
     with pytest.raises(IntegrityError, match="chunk"):
+        reg.push(fam["full-med"], "fam", "full-med")
+    assert [v.name for v in reg.versions("fam")] == ["base"]
+
+
+def test_a_push_whose_basis_pack_is_lost_from_storage_stops_with_that_error(reg, fam):
+    """Packs gone from storage while their chunks are still recorded: damage, not a prune (which
+    deletes the rows first), so the push stops instead of storing its chunks plain."""
+    reg.push(fam["base"], "fam", "base")
+    for key in reg.blobs.list("packs/"):
+        (reg.blobs.root / key).unlink()
+    with pytest.raises(NotFound, match="missing"):
         reg.push(fam["full-med"], "fam", "full-med")
     assert [v.name for v in reg.versions("fam")] == ["base"]
 
