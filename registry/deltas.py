@@ -74,7 +74,8 @@ class BasisReader:
     """Raw bytes of stored chunks, decoding delta chains, with a small byte-bounded LRU cache.
 
     ``fetch(chunks)`` yields (chunk, payload); ``decode(chunk, payload, basis)`` returns verified raw
-    bytes; ``locate(ids)`` says where chunks are recorded now. Thread-safe: encoder threads call ``raw`` concurrently.
+    bytes; ``locate(ids)`` says where chunks are recorded now. Thread-safe: encoder threads call
+    ``raw`` concurrently.
     """
 
     def __init__(self, located: dict[str, StoredChunk], fetch: Callable, decode: Callable,
