@@ -114,10 +114,11 @@ class BasisReader:
         not a prune (prune deletes the rows before the blob): that error is raised."""
         try:
             return self.raw(chunk_id)
-        except NotFound:
+        except NotFound as exc:
             if self._pruned(chunk_id):
                 return None
-            raise
+            raise NotFound(f"{exc}, though the registry still records basis chunk {chunk_id} in it: storage lost "
+                           "that blob; restore it from a backup (pulls of the versions that use it fail too)") from None
 
     def _pruned(self, chunk_id: str) -> bool:
         """Whether a chunk of ``chunk_id``'s delta chain is no longer recorded where it was located."""
