@@ -18,6 +18,7 @@ from registry.db import schema
 from registry.db import tiers as tier_db
 from registry.db import versions as version_db
 from registry.db.engine import create_db_engine, read_tx, write_tx
+from registry.errors import NotFound, StorageError
 from registry.manifest import Manifest
 from registry.names import check_name
 from registry.progress import Progress
@@ -78,7 +79,10 @@ class Registry:
         t0 = time.perf_counter()
         row, manifest = self.manifest(family, version)
         located = self.locate(manifest.chunk_ids())
-        rebuild.rebuild(manifest, Path(out), located, self.read_payloads, self.pool, progress)
+        try:
+            rebuild.rebuild(manifest, Path(out), located, self.read_payloads, self.pool, progress)
+        except NotFound as exc:  # a pack the registry records is gone: data loss, said as the server says it
+            raise StorageError(f"the registry's storage lost data ({exc}): restore that blob from a backup") from None
         return rebuild.PullResult(
             family=family, version=version, digest=row.digest, path=str(out), logical_bytes=row.logical_bytes,
             files=row.file_count, seconds=time.perf_counter() - t0,
@@ -100,8 +104,6 @@ class Registry:
             check_name("family", family)
         with read_tx(self.engine) as conn:
             if family is not None and not version_db.family_exists(conn, family):
-                from registry.errors import NotFound
-
                 raise NotFound(f"family {family!r} does not exist: see `mfsreg ls`")
             return version_db.list_versions(conn, family)
 

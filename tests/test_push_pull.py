@@ -7,7 +7,7 @@ import filecmp
 import pytest
 import torch
 
-from registry.errors import Conflict, NotFound
+from registry.errors import Conflict, NotFound, StorageError
 from tests import synth
 
 
@@ -172,3 +172,13 @@ def test_delete_keeps_chunks_others_need(reg, fam, tmp_path):
         reg.manifest("fam", "base")
     reg.pull("fam", "lora", tmp_path / "l.out")
     assert filecmp.cmp(tmp_path / "l.out", fam["lora-chat"], shallow=False)
+
+
+def test_a_pull_whose_pack_storage_lost_says_so_and_writes_nothing(reg, fam, tmp_path):
+    reg.push(fam["base"], "fam", "base")
+    for key in reg.blobs.list("packs/"):
+        (reg.blobs.root / key).unlink()
+    (tmp_path / "out").mkdir()
+    with pytest.raises(StorageError, match="storage lost data .*missing.*restore that blob from a backup"):
+        reg.pull("fam", "base", tmp_path / "out" / "base.safetensors")
+    assert list((tmp_path / "out").iterdir()) == []  # nor a temp file left behind
