@@ -109,26 +109,38 @@ def two_sides(rev: str, against: str | None, work: Path) -> Iterator[dict[str, P
             drop_worktree(work / "b")
 
 
-def push(root: Path, home: Path, path: Path, version: str, parent: str | None, warm: bool) -> dict:
-    out = run([sys.executable, "-c", CHILD, str(root), str(home), str(path), version, parent or "",
-               "warm" if warm else "cold"], REPO)
+def child_result(root: Path, code: str, args: list[str], *modules: str) -> dict:
+    """Run ``code`` for the checkout ``root`` in a fresh interpreter; its last line of output, as
+    JSON. Each of ``modules`` (keys of that JSON naming imported files) must be the checkout's own."""
+    out = run([sys.executable, "-c", code, str(root), *args], REPO)
     doc = json.loads(out.strip().splitlines()[-1])
-    # setup.py builds the module optionally: a failed build would quietly measure the numpy path
-    if not Path(doc["package"]).resolve().is_relative_to(root.resolve()) or not doc["c_module"] \
-            or not Path(doc["c_module"]).resolve().is_relative_to(root.resolve()):
-        raise SystemExit(f"the push for {root} ran {doc['package']} with C module {doc['c_module']}: not that checkout's own")
+    for key in modules:
+        if not doc.get(key) or not Path(doc[key]).resolve().is_relative_to(root.resolve()):
+            raise SystemExit(f"the child for {root} imported {key} {doc.get(key)}: not that checkout's own")
     return doc
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description="CPU of one push under two revisions, interleaved")
-    ap.add_argument("rev", help="the revision to compare (e.g. the commit a session started from)")
+def push(root: Path, home: Path, path: Path, version: str, parent: str | None, warm: bool) -> dict:
+    # setup.py builds the module optionally: a failed build would quietly measure the numpy path
+    return child_result(root, CHILD, [str(home), str(path), version, parent or "", "warm" if warm else "cold"],
+                        "package", "c_module")
+
+
+def compare_parser(description: str, out: str) -> argparse.ArgumentParser:
+    """The arguments both comparisons take: two revisions, how many pairs, the family and the result file."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("rev", help="the revision to compare (e.g. the commit before a change)")
     ap.add_argument("--against", default=None, help="the other revision (default: the working tree)")
-    ap.add_argument("--member", default="full-medical", choices=[m for m, p in MEMBERS.items() if p is not None])
     ap.add_argument("--pairs", type=int, default=3)
     ap.add_argument("--scale", type=float, default=1.0)
     ap.add_argument("--data", type=Path, default=DEFAULT_DIR)
-    ap.add_argument("--out", default="compare_ingest.json", help="file name under benchmarks/results/")
+    ap.add_argument("--out", default=out, help="file name under benchmarks/results/")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = compare_parser("CPU of one push under two revisions, interleaved", "compare_ingest.json")
+    ap.add_argument("--member", default="full-medical", choices=[m for m, p in MEMBERS.items() if p is not None])
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
     paths = generate(args.data, args.scale, verbose=True)

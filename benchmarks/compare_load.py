@@ -14,10 +14,7 @@ Writes benchmarks/results/compare_load.json.
 
 from __future__ import annotations
 
-import argparse
-import json
 import shutil
-import sys
 import tempfile
 import time
 import uuid
@@ -25,9 +22,9 @@ from pathlib import Path
 
 from benchmarks import anchors
 from benchmarks.bench_api import Stack
-from benchmarks.common import FAMILY, REPO, finish, machine_info, median, table
-from benchmarks.compare_ingest import run, two_sides
-from benchmarks.family import DEFAULT_DIR, generate
+from benchmarks.common import FAMILY, finish, machine_info, median, table
+from benchmarks.compare_ingest import child_result, compare_parser, two_sides
+from benchmarks.family import generate
 from registry.client.remote import RemoteRegistry
 
 BASE, MEMBER = "base", "lora-chat"
@@ -66,22 +63,11 @@ print(json.dumps({"load_tensors_ready": statistics.median(loads), "load_file_rea
 
 
 def child(root: Path, url: str, token: str, cache: Path, path: Path) -> dict:
-    out = run([sys.executable, "-c", CHILD, str(root), url, token, str(cache), str(path), FAMILY, BASE, MEMBER], REPO)
-    doc = json.loads(out.strip().splitlines()[-1])
-    if not Path(doc["package"]).resolve().is_relative_to(root.resolve()):
-        raise SystemExit(f"the child for {root} ran {doc['package']}: not that checkout's own")
-    return doc
+    return child_result(root, CHILD, [url, token, str(cache), str(path), FAMILY, BASE, MEMBER], "package")
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description="load_tensors and switch under two revisions, interleaved")
-    ap.add_argument("rev", help="the revision to compare (e.g. the commit before a change)")
-    ap.add_argument("--against", default=None, help="the other revision (default: the working tree)")
-    ap.add_argument("--pairs", type=int, default=3)
-    ap.add_argument("--scale", type=float, default=1.0)
-    ap.add_argument("--data", type=Path, default=DEFAULT_DIR)
-    ap.add_argument("--out", default="compare_load.json", help="file name under benchmarks/results/")
-    args = ap.parse_args(argv)
+    args = compare_parser("load_tensors and switch under two revisions, interleaved", "compare_load.json").parse_args(argv)
     t_start = time.perf_counter()
     paths = generate(args.data, args.scale, verbose=True)
     anchors.prewarm([paths[BASE], paths[MEMBER]])

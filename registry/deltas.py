@@ -89,15 +89,25 @@ class BasisReader:
         self._limit = cache_bytes
         self._lock = threading.Lock()
         self._payloads: dict[str, bytes] = {}
+        self._pruned_packs: set[str] = set()  # packs a prune emptied since ``located`` was read
+
+    def _chain(self, chunk_id: str | None) -> list[str]:
+        """``chunk_id`` and the bases its delta decodes against, as far as ``located`` knows them."""
+        chain: list[str] = []
+        while chunk_id and chunk_id in self.located and chunk_id not in chain:
+            chain.append(chunk_id)
+            chunk_id = self.located[chunk_id].basis_id
+        return chain
 
     def prefetch(self, ids: Iterable[str]) -> None:
         """Read the payloads of ``ids`` and of the bases they need in one call, so the store can
         coalesce them into a few range reads (one request per basis chunk is slow on S3)."""
         want: set[str] = set()
         for i in ids:
-            while i and i in self.located and i not in want and i not in self._cache:
-                want.add(i)
-                i = self.located[i].basis_id
+            for c in self._chain(i):
+                if c in self._cache:
+                    break  # decoded already: its bases are not needed
+                want.add(c)
         want -= set(self._payloads)
         if want:
             try:
@@ -111,23 +121,22 @@ class BasisReader:
         than its grace period) deleted its pack after this push chose it. The new chunk is then
         stored plain, which is always correct; a delta against it would be refused when its pack is
         recorded. A blob missing or cut short while its chunks are still recorded in it is damage,
-        not a prune (prune deletes the rows before the blob): that error is raised."""
+        not a prune (prune deletes the rows before the blob): that error is raised. A pack found
+        pruned is remembered, so the other chunks it held are neither read nor looked up again."""
+        chain = self._chain(chunk_id)
+        if any(self.located[i].pack_id in self._pruned_packs for i in chain):
+            return None
         try:
             return self.raw(chunk_id)
         except NotFound as exc:
-            if self._pruned(chunk_id):
+            now = self._locate(chain)
+            moved = {self.located[i].pack_id for i in chain if i not in now or now[i].pack_id != self.located[i].pack_id}
+            if moved:
+                with self._lock:
+                    self._pruned_packs |= moved
                 return None
             raise NotFound(f"{exc}, though the registry still records basis chunk {chunk_id} in it: storage lost "
                            "that blob; restore it from a backup (pulls of the versions that use it fail too)") from None
-
-    def _pruned(self, chunk_id: str) -> bool:
-        """Whether a chunk of ``chunk_id``'s delta chain is no longer recorded where it was located."""
-        chain, i = [], chunk_id
-        while i and i in self.located and i not in chain:
-            chain.append(i)
-            i = self.located[i].basis_id
-        now = self._locate(chain)
-        return any(i not in now or now[i].pack_id != self.located[i].pack_id for i in chain)
 
     def raw(self, chunk_id: str) -> bytes:
         with self._lock:
