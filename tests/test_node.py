@@ -340,6 +340,26 @@ def test_a_damaged_cached_chunk_is_fetched_again(published, fam, tmp_path):
 
 
 
+def test_a_damaged_cached_basis_is_fetched_again(published, fam, tmp_path):
+    """A delta decodes against its basis from the node cache: a basis whose cache file rotted is
+    dropped and fetched again, not trusted (every pull of the member would fail, blamed on the
+    registry's packs)."""
+    _, env = published
+    mfsreg_json("cache", "warm", "fam", "--tier", "base", env=env)
+    rows = needed(env, "full-med")
+    basis = next(b for b in sorted({row[2] for row in rows.values() if row[2]}) if _cache_file(env, b).exists())
+    expected = sum(row[1] for i, row in rows.items() if not _cache_file(env, i).exists())
+    _cache_file(env, basis).chmod(0o644)
+    data = bytearray(_cache_file(env, basis).read_bytes())
+    data[len(data) // 3] ^= 0x08
+    _cache_file(env, basis).write_bytes(data)
+    res = mfsreg_json("pull", "fam", "full-med", "-o", tmp_path / "full-med.out", env=env)
+    assert filecmp.cmp(tmp_path / "full-med.out", fam["full-med"], shallow=False)
+    assert chunk_id(_cache_file(env, basis).read_bytes()) == basis
+    basis_stored = (rows.get(basis) or needed(env, "base")[basis])[1]
+    assert res["fetched_bytes"] == expected + basis_stored
+
+
 def test_a_pack_lost_behind_the_first_of_a_batch_is_reported_before_the_stream(published, server_env, tmp_path):
     """The server checks every pack of a download batch before it streams: with the first pack it
     would read still there and a later one gone, the pull gets the storage error in one line, not

@@ -23,6 +23,7 @@ import uuid
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+from registry.chunking import chunk_id as chunk_id_of
 from registry.errors import IntegrityError, StorageError
 from registry.tiers import EVICTION_ORDER
 
@@ -117,6 +118,16 @@ class NodeCache:
             return self.chunk_path(chunk_id).read_bytes()
         except FileNotFoundError:
             return None
+
+    def get_verified(self, chunk_id: str) -> bytes | None:
+        """A cached chunk's bytes if they hash to its id; a damaged or cut-short file is dropped (and
+        None returned) so that it is fetched again. For bases of deltas: a bad basis would otherwise
+        make every decode against it fail, pull after pull, blamed on the registry's packs."""
+        data = self.get(chunk_id)
+        if data is not None and chunk_id_of(data) != chunk_id:
+            self.discard(chunk_id)
+            return None
+        return data
 
     def read_into(self, chunk_id: str, out) -> bool:
         """Read a chunk straight into a writable buffer (a tensor's bytes); False if not cached."""

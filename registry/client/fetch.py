@@ -129,7 +129,7 @@ class Fetcher:
                 received += len(p)
                 yield c, p
 
-        raw = decode_batch(batch, located, payloads, self.remote.pool, known=self.cache.get)
+        raw = decode_batch(batch, located, payloads, self.remote.pool, known=self.cache.get_verified)
         self.cache.put_many((i, data, tiers.get(i), family) for i, data in raw.items())
         if landed is not None:
             landed(raw.keys())

@@ -16,7 +16,13 @@ def verify_cache(cache: NodeCache, progress: Progress | None = None) -> dict:
     """Hash everything the cache holds; drop what does not match its name. Returns what was checked
     and what was dropped."""
     progress = progress or NullProgress()
-    found = [(kind, e, e.stat(follow_symlinks=False).st_size) for kind, e in cache.disk_files() if not is_temp(e.name)]
+    found = []
+    for kind, e in cache.disk_files():
+        if not is_temp(e.name):
+            try:
+                found.append((kind, e, e.stat(follow_symlinks=False).st_size))
+            except FileNotFoundError:
+                continue  # evicted by a pull since the listing
     progress.start("verify", sum(size for _, _, size in found))
     damaged: dict[str, list[str]] = {"chunk": [], "file": []}
     for kind, e, size in found:
