@@ -15,7 +15,12 @@ from dataclasses import dataclass
 import zstandard
 
 from registry.chunking import ChunkRef, plan_cuts
-from registry.safetensors import TensorSpan
+from registry.config import MAX_CHUNK_SIZE
+from registry.safetensors import MAX_HEADER_BYTES, TensorSpan
+
+# The largest chunk a manifest may name: a tensor piece, or a safetensors header kept whole. Bounded
+# so that a small document cannot name a huge one (checking its cuts would plan them all).
+MAX_CHUNK_BYTES = max(MAX_CHUNK_SIZE, MAX_HEADER_BYTES + 8)
 
 SAFETENSORS = "safetensors"
 BLOB = "blob"
@@ -174,6 +179,8 @@ def parse_doc(doc: object, draft: bool = False) -> Manifest:
             check_id(c.id)
             if c.offset != pos or c.size <= 0 or c.itemsize not in (1, 2, 4, 8):
                 raise InvalidRequest(f"malformed manifest: {f.path}: chunks do not tile the file at offset {pos}")
+            if c.size > MAX_CHUNK_BYTES:
+                raise InvalidRequest(f"malformed manifest: {f.path}: a chunk of {c.size} bytes at offset {pos}, over the {MAX_CHUNK_BYTES} byte limit")
             pos += c.size
         if pos != f.size:
             raise InvalidRequest(f"malformed manifest: {f.path}: chunks cover {pos} of {f.size} bytes")

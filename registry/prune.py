@@ -44,11 +44,12 @@ from registry.results import PruneResult
 
 DEFAULT_MIN_AGE = 3600.0  # seconds: longer than any push between its first upload and its commit
 DEFAULT_MAX_UNUSED = 0.1  # a pack with more than this share of unused bytes is repacked
+MAX_MIN_AGE = 10 * 365 * 86400.0  # seconds: beyond this, date arithmetic overflows (and no grace needs it)
 
 
 def check_prune_args(min_age: float, max_unused: float) -> None:
-    if not min_age >= 0:
-        raise InvalidRequest(f"min age {min_age} s: give zero or more seconds")
+    if not 0 <= min_age <= MAX_MIN_AGE:
+        raise InvalidRequest(f"min age {min_age} s: give zero or more seconds, at most {MAX_MIN_AGE:.0f} (ten years)")
     if not 0 <= max_unused < 1:
         raise InvalidRequest(f"max unused {max_unused}: give a share of a pack in [0, 1), e.g. 0.1")
 

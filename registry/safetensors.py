@@ -76,7 +76,7 @@ def parse_header(head: bytes, file_size: int, where: str) -> SafetensorsHeader:
     raw = head[8 : 8 + n]
     try:
         obj = json.loads(bytes(raw).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:  # bad UTF-8 or JSON, an over-long integer, nesting too deep
         raise InvalidModel(f"{where}: corrupted header: not valid JSON ({exc.__class__.__name__})") from None
     if not isinstance(obj, dict):
         raise InvalidModel(f"{where}: corrupted header: expected a JSON object of tensors")

@@ -16,20 +16,20 @@ from concurrent.futures import ThreadPoolExecutor
 
 from registry import codec
 from registry.blobs.packs import StoredChunk, pack_key
-from registry.config import MAX_CHUNK_SIZE, check_chunk_size
+from registry.config import check_chunk_size
 from registry.db import chunks as chunk_db
 from registry.db import tiers as tier_db
 from registry.db import versions as version_db
 from registry.db.engine import read_tx
 from registry.errors import IntegrityError, InvalidModel, InvalidRequest, NotFound, StorageError
 from registry.deltas import BasisReader, cap_depth
-from registry.ingest import check_cut, check_push_names, commit_version, existing_result, plan_deltas, store_chunks
+from registry.ingest import check_cut, check_parent, check_push_names, commit_version, existing_result, plan_deltas, store_chunks
 from registry.parallel import windowed_map
 from registry.results import PushResult
-from registry.manifest import SAFETENSORS, Manifest, parse_doc
+from registry.manifest import MAX_CHUNK_BYTES, SAFETENSORS, Manifest, parse_doc
 from registry.names import check_name
 from registry.rebuild import decode_verified
-from registry.safetensors import MAX_HEADER_BYTES, parse_header
+from registry.safetensors import parse_header
 from registry.tiers import TIERS
 from registry.wire import Entry, encode_index, parse_batch
 
@@ -50,6 +50,7 @@ def negotiate(reg, family: str, version: str, doc: object, parent: str | None = 
     manifest = parse_doc(doc, draft=True)
     ids = manifest.chunk_ids()
     sizes = manifest.chunk_sizes()
+    check_parent(reg, family, parent)  # before anything is uploaded, as an embedded push does
     with read_tx(reg.engine) as conn:
         existing = version_db.find_version(conn, family, version)
         fam = version_db.find_family(conn, family)
@@ -79,7 +80,7 @@ def receive_batch(reg, family: str, body: bytes) -> dict:
         _check_encoding(e.encoding)
         if codec.is_delta(e.encoding):
             raise InvalidRequest("delta-encoded uploads are not accepted: send raw or zstd chunks")
-        if not 0 < e.size <= max(MAX_CHUNK_SIZE, MAX_HEADER_BYTES + 8):
+        if not 0 < e.size <= MAX_CHUNK_BYTES:
             raise InvalidRequest(f"chunk {e.id}: size {e.size} is out of range")
     hinted = list({e.basis_id for e, _ in entries if e.basis_id})
     with read_tx(reg.engine) as conn:

@@ -72,7 +72,7 @@ def parse_index(data: bytes | memoryview) -> tuple[list[Entry], int]:
                   check_id(d["basis_id"]) if d.get("basis_id") else None, int(d.get("itemsize", 1)))
             for d in doc
         ]
-    except (ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError, RecursionError, OverflowError) as exc:  # nested too deep; Infinity
         raise InvalidRequest(f"malformed chunk batch index: {exc.__class__.__name__}") from None
     if any(e.size < 0 or e.length < 0 or e.itemsize not in (1, 2, 4, 8) for e in entries):
         raise InvalidRequest("malformed chunk batch: negative sizes or a bad itemsize")

@@ -86,6 +86,16 @@ def _shape_mismatch(tmp):
     return st_bytes({"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 16]}}, b"\0" * 16)
 
 
+def _header_nested_too_deep(tmp):
+    header = b"[" * 100_000  # json.loads gives up with a RecursionError
+    return struct.pack("<Q", len(header)) + header
+
+
+def _header_with_a_huge_integer(tmp):
+    header = b'{"a": {"dtype": "U8", "shape": [' + b"9" * 5000 + b'], "data_offsets": [0, 4]}}'
+    return struct.pack("<Q", len(header)) + header + b"\0" * 4  # over Python's digit limit: a ValueError
+
+
 CASES = {
     "truncated": (_truncated, "truncated"),
     "truncated-prefix": (_truncated_prefix, "truncated"),
@@ -95,6 +105,8 @@ CASES = {
     "unknown-dtype": (_unknown_dtype, "unknown dtype"),
     "header-claims-100mb": (_claims_100mb, "over the"),
     "shape-mismatch": (_shape_mismatch, "shape"),
+    "header-nested-too-deep": (_header_nested_too_deep, "corrupted header"),
+    "header-with-a-huge-integer": (_header_with_a_huge_integer, "corrupted header"),
 }
 
 

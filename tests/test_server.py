@@ -5,6 +5,7 @@ from __future__ import annotations
 import filecmp
 import json
 import signal
+import struct
 import subprocess
 import time
 from pathlib import Path
@@ -160,6 +161,34 @@ def test_negotiate_takes_a_draft_and_commit_does_not(servers, server_env, tmp_pa
     assert r.status_code == 400 and "sha256" in r.json()["detail"]
     assert httpx.get(f"{srv.url}/v1/families/fam/versions/v1", headers=h).status_code == 404
     assert bucket_keys(server_env) == []
+
+
+def test_malformed_requests_get_a_400_and_store_nothing(servers, server_env, fam, tmp_path):
+    """Inputs that once reached a 500 (or, for the huge chunk, planned its cuts for seconds): a
+    batch index nested too deep or holding Infinity, a manifest naming a chunk far over the limit,
+    a negotiate naming a parent that does not exist (refused before any upload), a prune grace
+    period past what dates can hold."""
+    (srv,) = servers(1)
+    admin = {"Authorization": f"Bearer {token(server_env, 'admin')}"}
+    for index in (b"[" * 100_000, json.dumps([{"id": "0" * 32, "size": float("inf"), "encoding": "raw", "length": 1}]).encode()):
+        r = httpx.post(f"{srv.url}/v1/families/fam/chunks", content=struct.pack("<I", len(index)) + index + b"x", headers=admin)
+        assert r.status_code == 400 and "malformed chunk batch" in r.json()["detail"], r.text
+    huge = 1 << 50
+    doc = {"format": 1, "single_file": False, "files": [{"path": "x.bin", "kind": "blob", "size": huge, "sha256": "0" * 64,
+                                                            "chunks": [["0" * 32, 0, huge, 1]], "tensors": []}]}
+    for route, body in (("commit", {"manifest": doc, "chunk_size": 4096}), ("negotiate", {"manifest": doc})):
+        r = httpx.post(f"{srv.url}/v1/families/fam/versions/v1/{route}", json=body, headers=admin, timeout=30)
+        assert r.status_code == 400 and "byte limit" in r.json()["detail"], r.text
+    good = hash_source(open_source(fam["base"]), 64 << 10, NullProgress()).to_doc()
+    r = httpx.post(f"{srv.url}/v1/families/fam/versions/v1/negotiate", json={"manifest": good, "parent": "nope"}, headers=admin)
+    assert r.status_code == 404 and "parent version fam/nope does not exist" in r.json()["detail"], r.text
+    for age in ("inf", "1e300"):
+        r = httpx.post(f"{srv.url}/v1/prune", params={"min_age": age, "dry_run": "true"}, headers=admin)
+        assert r.status_code == 400 and "min age" in r.json()["detail"], r.text
+    proc = mfsreg("push", fam["lora-chat"], "--family", "fam", "--version", "v2", "--parent", "nope",
+                  env=client_env(tmp_path, srv.url, token(server_env, "push")), check=False)
+    assert proc.returncode == 2 and "parent version fam/nope does not exist" in proc.stderr, proc.stderr
+    assert bucket_keys(server_env) == []  # the refused push uploaded nothing
 
 
 def test_body_limit(server_env, servers, tmp_path):
