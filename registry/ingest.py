@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from registry.config import MAX_CHUNK_SIZE, MIN_CHUNK_SIZE
 from registry.blobs.packs import PackWriter, StoredChunk, pack_key
 from registry.db import chunks as chunk_db
 from registry.db import prune as prune_db
@@ -185,6 +186,8 @@ def commit_version(reg, family: str, version: str, parent: str | None, manifest:
     if chunk_size is not None and not manifest.follows_chunk_size(chunk_size):
         raise InvalidRequest(f"the manifest is not cut at the chunk size it names ({chunk_size:,} bytes)")
     cut = chunk_size if chunk_size is not None else manifest.cut_size()  # a size the manifest follows, or None
+    if cut is not None and not MIN_CHUNK_SIZE <= cut <= MAX_CHUNK_SIZE:
+        cut = None  # a tiny file's cuts say nothing of the size (a 10-byte blob cut 3/3/3/1): not a family's
     with write_tx(reg.engine) as conn:
         exclude_prune(conn)  # the chunks checked below stay until this commit is in
         fam = version_db.lock_family(conn, family, cut or reg.settings.chunk_size)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import filecmp
+import hashlib
 import json
 import signal
 import struct
@@ -185,10 +186,21 @@ def test_malformed_requests_get_a_400_and_store_nothing(servers, server_env, fam
     for age in ("inf", "1e300"):
         r = httpx.post(f"{srv.url}/v1/prune", params={"min_age": age, "dry_run": "true"}, headers=admin)
         assert r.status_code == 400 and "min age" in r.json()["detail"], r.text
+    # a commit without chunk_size whose cuts imply a size out of range starts no family at that size
+    parts = [b"xxx", b"x"]
+    r = httpx.post(f"{srv.url}/v1/families/tiny/chunks", headers=admin,
+                   content=build_batch([(Entry(chunk_id(b), len(b), "raw", len(b)), b) for b in parts]))
+    assert r.status_code == 200, r.text
+    cuts = [[chunk_id(b"xxx"), o, 3, 1] for o in (0, 3, 6)] + [[chunk_id(b"x"), 9, 1, 1]]
+    tiny = {"format": 1, "single_file": False, "files": [{"path": "t.bin", "kind": "blob", "size": 10,
+            "sha256": hashlib.sha256(b"x" * 10).hexdigest(), "chunks": cuts, "tensors": []}]}
+    r = httpx.post(f"{srv.url}/v1/families/tiny/versions/v1/commit", json={"manifest": tiny}, headers=admin)
+    assert r.status_code == 409 and "is cut in chunks of 2,097,152 bytes" in r.json()["detail"], r.text
+    assert httpx.get(f"{srv.url}/v1/families/tiny", headers=admin).status_code == 404
     proc = mfsreg("push", fam["lora-chat"], "--family", "fam", "--version", "v2", "--parent", "nope",
                   env=client_env(tmp_path, srv.url, token(server_env, "push")), check=False)
     assert proc.returncode == 2 and "parent version fam/nope does not exist" in proc.stderr, proc.stderr
-    assert bucket_keys(server_env) == []  # the refused push uploaded nothing
+    assert len(bucket_keys(server_env)) == 1  # the two tiny chunks' pack; the refused push uploaded nothing
 
 
 def test_body_limit(server_env, servers, tmp_path):
