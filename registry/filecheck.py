@@ -96,9 +96,10 @@ class CheckedFile:
     syncs the file and renames it into place; leaving the ``with`` block otherwise removes it, once
     no check still reads it."""
 
-    def __init__(self, dest: Path, size: int, pool: Executor):
+    def __init__(self, dest: Path, size: int, pool: Executor, mode: int | None = None):
         dest.parent.mkdir(parents=True, exist_ok=True)
         self.dest = dest
+        self.mode = mode  # set before the rename: the file never appears under ``dest`` with another
         self.tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex}.tmp")
         self.pool = pool
         self.checks: list[Future] = []
@@ -118,6 +119,8 @@ class CheckedFile:
         return [c for f in self.checks for c in f.result()]
 
     def commit(self) -> None:
+        if self.mode is not None:
+            os.fchmod(self.fd, self.mode)
         os.fsync(self.fd)
         os.close(self.fd)
         self.fd = -1

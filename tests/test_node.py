@@ -295,6 +295,20 @@ def test_to_dir_hardlinks_from_the_cache(published, fam, tmp_path):
     assert b["fetched_bytes"] == 0 and a["digest"] == b["digest"]
     tensors = load_file(str(fb))
     assert tensors.keys() == load_file(str(fam["lora-chat"])).keys()
+    # The shared file changed in place without its mode changing (root writes through 0444): the
+    # next pull rebuilds it instead of linking the changed bytes into another engine directory.
+    assert not os.stat(fa).st_mode & 0o222
+    os.chmod(fa, 0o644)  # (root needs no such step; another user does)
+    with open(fa, "r+b") as f:
+        f.seek(os.path.getsize(fa) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x20]))
+    os.chmod(fa, 0o444)
+    mfsreg_json("pull", "fam", "lora-chat", "--to-dir", tmp_path / "engine-c", env=env)
+    fc = tmp_path / "engine-c" / fam["lora-chat"].name
+    assert filecmp.cmp(fc, fam["lora-chat"], shallow=False) and not os.stat(fc).st_mode & 0o222
+    assert os.stat(fc).st_ino != os.stat(fa).st_ino
 
 
 def test_cache_commands_need_a_registry_and_sane_sizes(tmp_path):

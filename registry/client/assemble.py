@@ -76,14 +76,15 @@ class _Copier:
 
 
 def write_file(entry: FileEntry, dest: Path, cache: NodeCache, refetch: Callable[[list[str]], None],
-               pool: Executor, progress: Progress, arriving: Callable[[str], None] | None = None) -> None:
+               pool: Executor, progress: Progress, arriving: Callable[[str], None] | None = None,
+               mode: int | None = None) -> None:
     """Write ``entry`` to ``dest`` atomically from cached chunks, each checked in place against its id.
 
     ``arriving(id)``, when given, waits for a chunk that a fetch running alongside has not landed
     yet. ``refetch(ids)`` drops chunks' cache files and fetches them again (another process
-    evicted them meanwhile, or they failed the check)."""
+    evicted them meanwhile, or they failed the check). ``mode``: the file's permissions as it appears."""
     chunks = check_tiling(entry)
-    with CheckedFile(dest, entry.size, pool) as out:
+    with CheckedFile(dest, entry.size, pool, mode) as out:
         copier = _Copier(cache, out.fd)
 
         def place(c: ChunkRef) -> None:

@@ -13,6 +13,8 @@ from pathlib import Path
 from registry import rebuild
 from registry.client import assemble
 from registry.client.fetch import Fetcher, FetchStats, VersionInfo
+from registry.filecheck import BATCH_BYTES, bad_chunks, check_tiling
+from registry.parallel import sized_batches, windowed_map
 from registry.progress import NullProgress, Progress
 from registry.rebuild import PullResult, safe_relpath
 
@@ -113,6 +115,24 @@ def pull(fetcher: Fetcher, family: str, version: str, out: Path, progress: Progr
     )
 
 
+def _intact(stored: Path, entry, pool) -> bool:
+    """Whether the materialised file ``stored`` is still read-only, of its size, and every chunk of
+    it hashes to its id where it lies (the check a pull makes of a file it writes)."""
+    try:
+        fd = os.open(stored, os.O_RDONLY)
+    except FileNotFoundError:  # not built yet, or evicted by another process
+        return False
+    try:
+        st = os.fstat(fd)
+        if st.st_size != entry.size or st.st_mode & 0o222:
+            return False
+        batches = list(sized_batches(check_tiling(entry), lambda c: c.size, BATCH_BYTES))
+        bad = [c for found in windowed_map(pool, lambda b: bad_chunks(fd, b), batches) for c in found]  # all done before the close
+        return not bad
+    finally:
+        os.close(fd)
+
+
 def _materialise_dir(fetcher: Fetcher, info: VersionInfo, out: Path, progress: Progress, refetch, arriving) -> None:
     """Every file of the version under ``out`` (a single-file version keeps its file name), each
     built once in the cache's files/ store and hardlinked into place; copied where links fail."""
@@ -122,13 +142,14 @@ def _materialise_dir(fetcher: Fetcher, info: VersionInfo, out: Path, progress: P
     for entry in info.manifest.files:
         dest = out.joinpath(*safe_relpath(entry.path).parts)
         stored = cache.file_path(entry.sha256)
-        # A materialised file is shared by hardlinks and kept read-only; one that is writable again
-        # or has another size was changed in place, and is rebuilt rather than handed on.
-        st = stored.stat() if stored.exists() else None
-        if st is None or st.st_size != entry.size or st.st_mode & 0o222:
-            stored.unlink(missing_ok=True)
-            assemble.write_file(entry, stored, cache, refetch, fetcher.remote.pool, progress, arriving)
-            stored.chmod(0o444)  # read-only: engines only read, and an edit through one link would hit all
+        # A materialised file is shared by hardlinks and kept read-only; one that is writable again,
+        # has another size or fails its chunks' check (root writes through a read-only mode) was
+        # changed in place, and is rebuilt rather than handed on.
+        if not _intact(stored, entry, fetcher.remote.pool):
+            # Built under a temp name and renamed over whatever is there, already read-only (engines
+            # only read, and an edit through one link would hit all): another process pulling the
+            # same file never sees it writable, so never takes it for a changed one and deletes it.
+            assemble.write_file(entry, stored, cache, refetch, fetcher.remote.pool, progress, arriving, mode=0o444)
             cache.add_file(entry.sha256, entry.size)
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex}.link")
