@@ -233,26 +233,30 @@ class NodeCache:
         limit = self.max_bytes if max_bytes is None else max_bytes
         if limit is None:
             return 0, 0
-        keep = set(protect)
-        total = self.total_bytes()
-        removed = freed = 0
-        if total <= limit:
+        if self.total_bytes() <= limit:  # the common case, without taking the write lock
             return 0, 0
+        keep = set(protect)
+        removed = freed = 0
+        victims = []
         q = ("SELECT key, size FROM entries WHERE NOT (rank = ? AND family IN (SELECT family FROM pins)) "
              "ORDER BY rank, last_used")
-        victims = []
-        for key, size in self._conn().execute(q, (RANK["base"],)).fetchall():
-            if total <= limit:
-                break
-            if key in keep:
-                continue
-            victims.append(key)
-            total -= size
-            removed += 1
-            freed += size
-        # index rows go first (one transaction), then the files: a reader that finds no file
-        # fetches the chunk again, and no row ever points at a deleted file for long
+        # The total, the choice and the deletion in one write transaction: two pulls finishing
+        # together would otherwise each count the other's chunks as still there and both evict,
+        # emptying the cache far below its limit. Index rows go first, then the files: a reader
+        # that finds no file fetches the chunk again, and no row ever points at a deleted file.
         with self._db() as db:
+            total = db.execute("SELECT COALESCE(SUM(size), 0) FROM entries").fetchone()[0]
+            if total <= limit:
+                return 0, 0
+            for key, size in db.execute(q, (RANK["base"],)).fetchall():
+                if total <= limit:
+                    break
+                if key in keep:
+                    continue
+                victims.append(key)
+                total -= size
+                removed += 1
+                freed += size
             db.executemany("DELETE FROM entries WHERE key = ?", [(k,) for k in victims])
         for key in victims:
             (self.file_path(key[5:]) if key.startswith("file:") else self.chunk_path(key)).unlink(missing_ok=True)
