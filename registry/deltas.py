@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 from registry.blobs.packs import StoredChunk
 from registry.chunking import ChunkRef
-from registry.errors import NotFound
+from registry.errors import NotFound, StorageError
 from registry.safetensors import TensorSpan
 
 MAX_DEPTH = 3  # a pull decodes at most this many deltas on top of a plain chunk
@@ -135,7 +135,8 @@ class BasisReader:
                 with self._lock:
                     self._pruned_packs |= moved
                 return None
-            raise NotFound(f"{exc}, though the registry still records basis chunk {chunk_id} in it: storage lost "
+            # data loss, not the caller's mistake: exit 5 / a 503, as a pull that meets it (not a 404)
+            raise StorageError(f"{exc}, though the registry still records basis chunk {chunk_id} in it: storage lost "
                            "that blob; restore it from a backup (pulls of the versions that use it fail too)") from None
 
     def raw(self, chunk_id: str) -> bytes:

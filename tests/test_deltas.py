@@ -13,7 +13,7 @@ from registry import codec
 from registry.blobs.packs import StoredChunk, pack_key
 from registry.chunking import chunk_id
 from registry.deltas import MAX_DEPTH
-from registry.errors import IntegrityError, NotFound
+from registry.errors import IntegrityError, NotFound, StorageError
 from registry.rebuild import decode_verified
 from tests import synth
 
@@ -378,7 +378,7 @@ def test_a_push_whose_basis_pack_is_lost_from_storage_stops_with_that_error(reg,
     reg.push(fam["base"], "fam", "base")
     for key in reg.blobs.list("packs/"):
         (reg.blobs.root / key).unlink()
-    with pytest.raises(NotFound, match="missing.*still records basis chunk .*restore it from a backup"):
+    with pytest.raises(StorageError, match="missing.*still records basis chunk .*restore it from a backup"):
         reg.push(fam["full-med"], "fam", "full-med")
     assert [v.name for v in reg.versions("fam")] == ["base"]
 
