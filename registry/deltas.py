@@ -137,7 +137,7 @@ class BasisReader:
                 return None
             # data loss, not the caller's mistake: exit 5 / a 503, as a pull that meets it (not a 404)
             raise StorageError(f"{exc}, though the registry still records basis chunk {chunk_id} in it: storage lost "
-                           "that blob; restore it from a backup (pulls of the versions that use it fail too)") from None
+                               "that blob; restore it from a backup (pulls of the versions that use it fail too)") from None
 
     def raw(self, chunk_id: str) -> bytes:
         with self._lock:

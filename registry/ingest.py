@@ -15,8 +15,8 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from registry.config import MAX_CHUNK_SIZE, MIN_CHUNK_SIZE
 from registry.blobs.packs import PackWriter, StoredChunk, pack_key
+from registry.config import MAX_CHUNK_SIZE, MIN_CHUNK_SIZE
 from registry.db import chunks as chunk_db
 from registry.db import prune as prune_db
 from registry.db import tiers as tier_db

@@ -180,7 +180,8 @@ def parse_doc(doc: object, draft: bool = False) -> Manifest:
             if c.offset != pos or c.size <= 0 or c.itemsize not in (1, 2, 4, 8):
                 raise InvalidRequest(f"malformed manifest: {f.path}: chunks do not tile the file at offset {pos}")
             if c.size > MAX_CHUNK_BYTES:
-                raise InvalidRequest(f"malformed manifest: {f.path}: a chunk of {c.size} bytes at offset {pos}, over the {MAX_CHUNK_BYTES} byte limit")
+                raise InvalidRequest(f"malformed manifest: {f.path}: a chunk of {c.size} bytes at offset {pos}, "
+                                     f"over the {MAX_CHUNK_BYTES} byte limit")
             pos += c.size
         if pos != f.size:
             raise InvalidRequest(f"malformed manifest: {f.path}: chunks cover {pos} of {f.size} bytes")

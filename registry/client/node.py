@@ -127,7 +127,8 @@ def _intact(stored: Path, entry, pool) -> bool:
         if st.st_size != entry.size or st.st_mode & 0o222:
             return False
         batches = list(sized_batches(check_tiling(entry), lambda c: c.size, BATCH_BYTES))
-        bad = [c for found in windowed_map(pool, lambda b: bad_chunks(fd, b), batches) for c in found]  # all done before the close
+        # every check runs to its end (no early exit) before the descriptor it maps is closed
+        bad = [c for found in windowed_map(pool, lambda b: bad_chunks(fd, b), batches) for c in found]
         return not bad
     finally:
         os.close(fd)
