@@ -16,7 +16,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from api import errors
-from api.auth import principal
+from api.auth import Authenticate, principal
 from api.limits import BodyLimit, read_body
 from api.schemas import (
     CommitRequest, DeleteResultModel, DownloadRequest, FamilyModel, NegotiateRequest, NegotiateResponse,
@@ -49,6 +49,7 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
     )
     errors.install(app)
     app.add_middleware(BodyLimit, max_body=(settings or (registry.settings if registry else Settings.from_env())).max_body)
+    app.add_middleware(Authenticate)  # added last, so it runs first: no body is read before the token is checked
 
     def reg_of(request: Request) -> Registry:
         return request.app.state.registry
@@ -120,7 +121,7 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
         """Step 1 of a push: which of the manifest's chunks must be uploaded."""
         check_name("family", family)
         who.require("push", family)
-        return service.negotiate(reg_of(request), family, version, body.manifest, body.parent)
+        return service.negotiate(reg_of(request), family, version, body.manifest, body.parent, who)
 
     @app.post("/v1/families/{family}/chunks", response_model=UploadResponse, tags=["push"],
               openapi_extra={"requestBody": {"content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}})
@@ -130,14 +131,14 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
         check_name("family", family)
         who.require("push", family)
         body = await read_body(request, reg_of(request).settings.max_body)
-        return await run_in_threadpool(service.receive_batch, reg_of(request), family, body)
+        return await run_in_threadpool(service.receive_batch, reg_of(request), family, body, who)
 
     @app.post("/v1/families/{family}/versions/{version}/commit", response_model=PushResultModel, status_code=201, tags=["push"])
     def commit(family: str, version: str, body: CommitRequest, request: Request, who: Principal = Depends(principal)):
         """Step 3: the version becomes visible, atomically, if every chunk is stored."""
         check_name("family", family)
         who.require("push", family)
-        return service.commit(reg_of(request), family, version, body.parent, body.manifest, body.chunk_size).to_dict()
+        return service.commit(reg_of(request), family, version, body.parent, body.manifest, body.chunk_size, who).to_dict()
 
     @app.post("/v1/families/{family}/chunks/download", tags=["read"],
               responses={200: {"content": {"application/octet-stream": {}}}})

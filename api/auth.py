@@ -1,12 +1,46 @@
-"""The auth dependency: the request's principal, from its bearer token (see registry/auth.py)."""
+"""Who is asking: every /v1/ request's principal, from its bearer token (see registry/auth.py).
+
+The token is checked by an ASGI middleware before the request's body is read: FastAPI reads and
+parses a route's body before it runs the route's dependencies, so a check made there would let a
+caller without a valid token have the server read and parse a body up to MFSREG_MAX_BODY. The
+``principal`` dependency hands the routes what the middleware found.
+"""
 
 from __future__ import annotations
 
 from fastapi import Request
+from starlette.concurrency import run_in_threadpool
 
 from registry.auth import Principal, authenticate
+from registry.errors import RegistryError
+
+_KEY = "mfsreg.principal"
+
+
+class Authenticate:
+    """ASGI middleware: a /v1/ request without a valid token is answered 401 (or, where anonymous
+    reads are open, goes on as an anonymous reader) before its body is read."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            await self.app(scope, receive, send)
+            return
+        from api.errors import problem, status_for
+
+        reg = scope["app"].state.registry
+        header = dict(scope.get("headers", ())).get(b"authorization")
+        try:
+            found = await run_in_threadpool(authenticate, reg.engine, header.decode("latin-1") if header else None,
+                                            reg.settings.anonymous_read)
+        except RegistryError as exc:
+            await problem(status_for(exc), exc.code, str(exc))(scope, receive, send)
+            return
+        scope.setdefault("state", {})[_KEY] = found
+        await self.app(scope, receive, send)
 
 
 def principal(request: Request) -> Principal:
-    reg = request.app.state.registry
-    return authenticate(reg.engine, request.headers.get("authorization"), reg.settings.anonymous_read)
+    return request.scope["state"][_KEY]

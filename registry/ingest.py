@@ -15,9 +15,12 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from sqlalchemy import Connection
+
 from registry.blobs.packs import PackWriter, StoredChunk, pack_key
 from registry.config import MAX_CHUNK_SIZE, MIN_CHUNK_SIZE
 from registry.db import chunks as chunk_db
+from registry.db import claims as claim_db
 from registry.db import prune as prune_db
 from registry.db import tiers as tier_db
 from registry.db import versions as version_db
@@ -174,11 +177,13 @@ def check_cut(manifest: Manifest, family: str, chunk_size: int) -> None:
 
 
 def commit_version(reg, family: str, version: str, parent: str | None, manifest: Manifest,
-                   chunk_size: int | None = None) -> tuple[int, object | None]:
+                   chunk_size: int | None = None,
+                   unproven: Callable[[Connection, list[str]], set[str]] | None = None) -> tuple[int, object | None]:
     """Make a version visible: one transaction that checks every chunk is stored, writes the
     version and its chunk uses, and rebalances the family's tiers. ``chunk_size`` is the size the
     manifest was cut at (None from a client older than family chunk sizes: then it is read off the
-    manifest's cuts); a new family is created with it.
+    manifest's cuts); a new family is created with it. ``unproven`` names those of the manifest's
+    stored chunks the pusher has not shown it may use (registry/access.py): any refuses the commit.
 
     Returns (rows that changed tier, None), or (0, existing row) when the same name was committed
     first by someone else (then the caller compares digests).
@@ -210,6 +215,11 @@ def commit_version(reg, family: str, version: str, parent: str | None, manifest:
         ]
         if still_missing:
             raise MissingChunks(f"{len(still_missing)} chunks of {family}/{version} are not stored (first: {min(still_missing)}): upload them, then commit again")
+        unsent = unproven(conn, ids) if unproven is not None else ()
+        if unsent:
+            raise MissingChunks(f"{len(unsent)} chunks of {family}/{version} are stored for other families that this "
+                                f"token may not read (first: {min(unsent)}): upload them, then commit again")
+        claim_db.forget(conn, family, ids)  # the family uses them from now on
         wrong = [c.id for f in manifest.files for c in f.chunks if located[c.id].size != c.size]
         if wrong:
             raise InvalidRequest(f"manifest gives chunk {wrong[0]} a size other than the stored one: it cannot rebuild")

@@ -7,7 +7,8 @@ quick and a push of the same bytes can reuse them. Prune is the step that frees 
   bases of its deltas (ingest.commit_version), so a basis stays as long as any delta needs it.
   Also kept: chunks recorded within the grace period ``min_age`` (a push that uploaded them may not
   have committed yet), and, transitively, the bases of every chunk kept.
-- Every other chunk row is deleted.
+- Every other chunk row is deleted, and so are the chunk claims (db/models.py) older than
+  ``min_age``: a push that claimed chunks and has not committed within it uploads them again.
 - A pack that holds no kept chunk is retired. A pack whose unused share is over ``max_unused`` is
   repacked: its kept chunks' payloads are copied as they are stored (no re-encoding) into new
   packs, their rows pointed there, and the old pack retired.
@@ -34,6 +35,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from registry.blobs.packs import StoredChunk, pack_key
+from registry.db import claims as claim_db
 from registry.db import prune as q
 from registry.db.engine import read_tx, write_tx
 from registry.db.locks import exclude_writers
@@ -99,6 +101,7 @@ def prune(reg, min_age: float = DEFAULT_MIN_AGE, max_unused: float = DEFAULT_MAX
             plan = _plan(q.chunk_states(conn, now - grace), sizes, max_unused)
             if not dry_run:
                 q.delete_chunks(conn, [c.id for c in plan.garbage])
+                claim_db.forget_before(conn, now - grace)  # those of pushes that never committed
                 q.retire_packs(conn, plan.retire)
         if dry_run:
             retiring = [(p, sizes[p]) for p in plan.retire + plan.repack]

@@ -14,14 +14,16 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 
-from registry import codec
+from registry import access, codec
+from registry.auth import Principal
 from registry.blobs.packs import StoredChunk, pack_key
 from registry.config import check_chunk_size
 from registry.db import chunks as chunk_db
+from registry.db import claims as claim_db
 from registry.db import tiers as tier_db
 from registry.db import versions as version_db
-from registry.db.engine import read_tx
-from registry.errors import IntegrityError, InvalidModel, InvalidRequest, NotFound, StorageError
+from registry.db.engine import read_tx, write_tx
+from registry.errors import IntegrityError, InvalidModel, InvalidRequest, NotFound, StorageError, TooLarge
 from registry.deltas import BasisReader, cap_depth
 from registry.ingest import check_cut, check_parent, check_push_names, commit_version, existing_result, plan_deltas, store_chunks
 from registry.parallel import windowed_map
@@ -31,7 +33,7 @@ from registry.names import check_name
 from registry.rebuild import decode_verified
 from registry.safetensors import parse_header
 from registry.tiers import TIERS
-from registry.wire import Entry, encode_index, parse_batch
+from registry.wire import RAW_PER_BODY, Entry, encode_index, parse_batch
 
 PACK_LOOKUPS = 8  # concurrent size lookups of one download batch's packs (check_packs)
 
@@ -41,8 +43,10 @@ def _check_encoding(name: str) -> None:
         raise InvalidRequest(f"unknown chunk encoding {name!r}")
 
 
-def negotiate(reg, family: str, version: str, doc: object, parent: str | None = None) -> dict:
-    """Which chunks to upload, and for each a suggested basis: the server stores an uploaded chunk
+def negotiate(reg, family: str, version: str, doc: object, parent: str | None = None,
+              who: Principal | None = None) -> dict:
+    """Which chunks to upload (those not stored, and those ``who`` may not use without sending
+    them: registry/access.py), and for each a suggested basis: the server stores an uploaded chunk
     as a delta against it when that is smaller (the client never needs the basis bytes).
     The manifest may be a draft (file sha256s null): a client negotiates and uploads while its
     file digests are still being computed, and sends them with the commit."""
@@ -55,6 +59,7 @@ def negotiate(reg, family: str, version: str, doc: object, parent: str | None = 
         existing = version_db.find_version(conn, family, version)
         fam = version_db.find_family(conn, family)
         missing = chunk_db.missing_ids(conn, ids)
+        missing |= access.unproven(conn, who, family, [i for i in ids if i not in missing])
     if fam is not None and existing is None:
         check_cut(manifest, family, fam.chunk_size)  # before anything is uploaded
     bases, _ = plan_deltas(reg, family, parent, [(f.chunks, f.tensors) for f in manifest.files], ids, missing)
@@ -69,12 +74,13 @@ def negotiate(reg, family: str, version: str, doc: object, parent: str | None = 
     }
 
 
-def receive_batch(reg, family: str, body: bytes) -> dict:
+def receive_batch(reg, family: str, body: bytes, who: Principal | None = None) -> dict:
     """Verify and store one uploaded batch. Every chunk is decoded and re-hashed (xxh3-128 must
     equal its id); any mismatch rejects the whole batch before a byte is written. A chunk that
     names a suggested basis of this family is stored as a delta against it when that is smaller.
     The bases are read from the blob store while the uploaded chunks are verified; memory holds
-    the body and the batch's raw bytes (a batch is at most MFSREG_MAX_BODY)."""
+    the body and the batch's raw bytes (a batch is at most MFSREG_MAX_BODY). Through a token
+    scoped to some families (``who``), the batch's chunks are claimed for ``family``."""
     entries = list(parse_batch(body))
     for e, _ in entries:
         _check_encoding(e.encoding)
@@ -82,6 +88,10 @@ def receive_batch(reg, family: str, body: bytes) -> dict:
             raise InvalidRequest("delta-encoded uploads are not accepted: send raw or zstd chunks")
         if not 0 < e.size <= MAX_CHUNK_BYTES:
             raise InvalidRequest(f"chunk {e.id}: size {e.size} is out of range")
+    limit = max(RAW_PER_BODY * reg.settings.max_body, MAX_CHUNK_BYTES)  # the largest chunk always fits
+    if sum(e.size for e, _ in entries) > limit:
+        raise TooLarge(f"the batch's chunks add up to {sum(e.size for e, _ in entries):,} bytes once decoded, over this "
+                       f"server's {limit:,} ({RAW_PER_BODY}x MFSREG_MAX_BODY): send fewer chunks per request")
     hinted = list({e.basis_id for e, _ in entries if e.basis_id})
     with read_tx(reg.engine) as conn:
         missing = chunk_db.missing_ids(conn, [e.id for e, _ in entries])
@@ -90,12 +100,11 @@ def receive_batch(reg, family: str, body: bytes) -> dict:
         allowed = tier_db.family_chunk_ids(conn, fam.id, hinted) if fam else set()
         located = chunk_db.locate_closure(conn, allowed)
     reader = BasisReader(located, reg.read_payloads, decode_verified, locate=reg.locate)
-    todo = []
-    for e, payload in entries:
-        if e.id in missing:
-            todo.append((e, payload))
-            missing.discard(e.id)
-    basis_of = {e.id: cap_depth(e.basis_id, located) for e, _ in todo if e.basis_id in allowed}
+    # Every chunk is verified, the stored ones too: an upload is how a scoped token proves it
+    # holds a chunk another family stored (registry/access.py); only the missing ones are stored.
+    sent = list({e.id: (e, payload) for e, payload in entries}.values())
+    todo_ids = {e.id for e, _ in sent if e.id in missing}
+    basis_of = {e.id: cap_depth(e.basis_id, located) for e, _ in sent if e.id in todo_ids and e.basis_id in allowed}
 
     def verify(item):
         e, payload = item
@@ -121,7 +130,7 @@ def receive_batch(reg, family: str, body: bytes) -> dict:
     # All verified before anything is written; the bases' reads (network) overlap the verification.
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="mfsreg-bases") as io:
         fetching = io.submit(reader.prefetch, list(basis_of.values()))
-        verified = list(windowed_map(reg.pool, verify, todo))
+        verified = [v for v in windowed_map(reg.pool, verify, sent) if v[0].id in todo_ids]
         fetching.result()
     ready = list(windowed_map(reg.pool, encode, verified))
     uploaded = {e.id: (e.encoding, payload) for e, payload, _ in verified}
@@ -134,40 +143,44 @@ def receive_batch(reg, family: str, body: bytes) -> dict:
                 (encoding, payload), basis_id, depth = uploaded[e.id], None, 0
             yield e.id, e.size, encoding, bytes(payload), basis_id, depth
 
-    added = store_chunks(reg, {e.id for e, _ in todo}, basis_of.values(), items)
+    added = store_chunks(reg, todo_ids, basis_of.values(), items)
+    if not access.reads_everything(who):
+        with write_tx(reg.engine) as conn:
+            claim_db.record(conn, family, [e.id for e, _ in sent])
     return {"received": len(entries), "new_bytes": added}
 
 
 def _check_headers(reg, manifest: Manifest) -> None:
-    """Each safetensors file's first chunk must be a header that describes exactly its tensors."""
-    heads = {f.chunks[0].id for f in manifest.files if f.kind == SAFETENSORS}
-    with read_tx(reg.engine) as conn:
-        located = chunk_db.locate(conn, heads)
-    raw = {}
-    for c, payload in reg.read_payloads([located[i] for i in heads if i in located]):
-        raw[c.id] = decode_verified(c, payload)
+    """Each safetensors file's first chunk must be a header that describes exactly its tensors.
+    One decoded header is held at a time: a manifest may name many headers of up to 100 MB each."""
+    files_of: dict[str, list] = {}
     for f in manifest.files:
-        if f.kind != SAFETENSORS:
-            continue
-        head = f.chunks[0]
-        if head.id not in raw:
-            continue  # commit_version reports missing chunks
-        try:
-            parsed = parse_header(raw[head.id], f.size, f.path)
-        except InvalidModel as exc:
-            raise InvalidRequest(f"manifest does not match its header: {exc}") from None
-        if parsed.header_size != head.size or tuple(parsed.tensors) != tuple(f.tensors):
-            raise InvalidRequest(f"manifest does not match its header: {f.path}: tensors differ")
+        if f.kind == SAFETENSORS:
+            files_of.setdefault(f.chunks[0].id, []).append(f)
+    with read_tx(reg.engine) as conn:
+        located = chunk_db.locate(conn, files_of)
+    # a head not stored is left to commit_version, which reports missing chunks
+    for c, payload in reg.read_payloads([located[i] for i in files_of if i in located]):
+        raw = decode_verified(c, payload)
+        for f in files_of[c.id]:
+            try:
+                parsed = parse_header(raw, f.size, f.path)
+            except InvalidModel as exc:
+                raise InvalidRequest(f"manifest does not match its header: {exc}") from None
+            if parsed.header_size != f.chunks[0].size or tuple(parsed.tensors) != tuple(f.tensors):
+                raise InvalidRequest(f"manifest does not match its header: {f.path}: tensors differ")
 
 
-def commit(reg, family: str, version: str, parent: str | None, doc: object, chunk_size: int | None = None) -> PushResult:
+def commit(reg, family: str, version: str, parent: str | None, doc: object, chunk_size: int | None = None,
+           who: Principal | None = None) -> PushResult:
     t0 = time.perf_counter()
     check_push_names(family, version, parent)
     manifest = parse_doc(doc)
     _check_headers(reg, manifest)
     if chunk_size is not None:
         check_chunk_size(chunk_size, "chunk_size")
-    changed, existing = commit_version(reg, family, version, parent, manifest, chunk_size)
+    changed, existing = commit_version(reg, family, version, parent, manifest, chunk_size,
+                                       lambda conn, ids: access.unproven(conn, who, family, ids))
     if existing is not None:
         return existing_result(existing, manifest, family, version, t0)
     n = len(manifest.chunk_ids())

@@ -21,6 +21,11 @@ from dataclasses import dataclass
 from registry.errors import InvalidRequest
 
 MAX_INDEX_BYTES = 16 << 20
+# An upload batch's chunks may add up to this many times the server's body limit once decoded: the
+# server holds a batch's raw bytes while it verifies them, and compressed chunks (a tensor of
+# zeros) could otherwise name far more than any body. A client cuts its batches at this many times
+# its own batch size, which is below the body limit.
+RAW_PER_BODY = 4
 _ID = re.compile(r"^[0-9a-f]{32}$")
 
 

@@ -126,6 +126,20 @@ def test_bad_requests_get_problem_details(servers, server_env, tmp_path):
     r = httpx.post(f"{srv.url}/v1/families/fam/chunks", headers=h,
                    content=build_batch([(Entry(chunk_id(b"\0" * 1000), 1000, "zstd", len(bomb)), bomb)]))
     assert r.status_code == 422
+    # nor are frames whose sizes add up to far more than the body, however small each payload
+    from registry.manifest import MAX_CHUNK_BYTES
+
+    many = [(Entry(chunk_id(bytes([i])), MAX_CHUNK_BYTES, "zstd", 1), b"x") for i in range(5)]
+    r = httpx.post(f"{srv.url}/v1/families/fam/chunks", headers=h, content=build_batch(many))
+    assert r.status_code == 413 and "send fewer chunks per request" in r.json()["detail"]
+    # the token is checked before the body is read: a caller without one gets a 401, not a parse
+    # (FastAPI parses a JSON body before a route's dependencies run: without the early check, a 422)
+    for body in (b"{not json", build_batch(many)):
+        for path in ("versions/v1/negotiate", "versions/v1/commit", "chunks", "chunks/download"):
+            for auth, says in (({"Authorization": "Bearer mfs_nope"}, "unknown or revoked token"), ({}, "missing token")):
+                r = httpx.post(f"{srv.url}/v1/families/fam/{path}", content=body,
+                               headers={"Content-Type": "application/json", **auth})
+                assert r.status_code == 401 and says in r.json()["detail"]
     # clients send raw or plain-compressed chunks: deltas are the server's to make, and unknown
     # encodings are refused
     raw = b"\x05" * 4096
@@ -329,6 +343,52 @@ def test_token_scoped_to_one_family_cannot_read_another(servers, server_env, fam
     prefix = tok[:10]
     mfsreg("token", "revoke", prefix, env=server_env)
     assert httpx.get(f"{srv.url}/v1/families", headers=h).status_code == 401
+
+
+def test_a_scoped_token_uses_another_familys_chunks_only_by_sending_their_bytes(servers, server_env, fam, tmp_path):
+    (srv,) = servers(1)
+    admin_tok, scoped_tok = token(server_env, "admin"), token(server_env, "push", "qwen*")
+    admin, scoped = ({"Authorization": f"Bearer {t}"} for t in (admin_tok, scoped_tok))
+    admin_env = client_env(tmp_path, srv.url, admin_tok)
+    for name in ("base", "lora-chat"):
+        mfsreg_json("push", fam[name], "--family", "secret", "--version", name, env=admin_env)
+    keys = sorted(bucket_keys(server_env))
+    m = hash_source(open_source(fam["base"]), 64 << 10, NullProgress())
+    doc, ids, data = m.to_doc(), m.chunk_ids(), fam["base"].read_bytes()
+    url = f"{srv.url}/v1/families/qwen"
+    # naming the ids of another family's chunks is not enough: the commit is refused, and no version appears
+    r = httpx.post(f"{url}/versions/v1/commit", json={"manifest": doc}, headers=scoped)
+    assert r.status_code == 404 and "may not read" in r.json()["detail"]
+    assert httpx.get(f"{url}/versions/v1", headers=scoped).status_code == 404
+    neg = httpx.post(f"{url}/versions/v1/negotiate", json={"manifest": doc}, headers=scoped).json()
+    assert sorted(neg["missing"]) == sorted(ids)
+    # an upload of a stored id is re-hashed like any other: other bytes are refused
+    raw = {c.id: data[c.offset:c.offset + c.size] for f in m.files for c in f.chunks}
+    head = raw[ids[0]]
+    forged = build_batch([(Entry(ids[0], len(head), "raw", len(head)), bytes(len(head)))])
+    assert httpx.post(f"{url}/chunks", content=forged, headers=scoped).status_code == 422
+    body = build_batch([(Entry(i, len(b), "raw", len(b)), b) for i, b in raw.items()])
+    r = httpx.post(f"{url}/chunks", content=body, headers=scoped)
+    assert r.status_code == 200 and r.json()["new_bytes"] == 0
+    # what a push proved lasts the grace period: a prune past it forgets an upload nobody committed
+    assert httpx.post(f"{srv.url}/v1/prune", params={"min_age": 0}, headers=admin).status_code == 200
+    assert httpx.post(f"{url}/versions/v1/commit", json={"manifest": doc}, headers=scoped).status_code == 404
+    assert httpx.post(f"{url}/chunks", content=body, headers=scoped).status_code == 200
+    assert httpx.post(f"{url}/versions/v1/commit", json={"manifest": doc}, headers=scoped).status_code == 201
+    assert sorted(bucket_keys(server_env)) == keys  # the bytes are still stored once
+    # a family the token may read counts: another qwen* family uses them without sending
+    neg = httpx.post(f"{srv.url}/v1/families/qwen2/versions/v1/negotiate", json={"manifest": doc}, headers=scoped).json()
+    assert neg["missing"] == []
+    # and a token for every family dedups against every family, as before
+    neg = httpx.post(f"{srv.url}/v1/families/other/versions/v1/negotiate", json={"manifest": doc}, headers=admin).json()
+    assert neg["missing"] == []
+    # the client does all this by itself: it sends the chunks qwen lacks, the registry stores none of them
+    scoped_env = client_env(tmp_path, srv.url, scoped_tok)
+    res = mfsreg_json("push", fam["lora-chat"], "--family", "qwen", "--version", "chat", env=scoped_env)
+    assert res["sent_bytes"] > 0 and res["new_bytes"] == 0
+    assert sorted(bucket_keys(server_env)) == keys
+    mfsreg("pull", "qwen", "chat", "-o", tmp_path / "chat.out", env=scoped_env)
+    assert filecmp.cmp(tmp_path / "chat.out", fam["lora-chat"], shallow=False)
 
 
 def test_pushes_through_the_api_follow_the_familys_chunk_size(servers, server_env, fam, tmp_path):

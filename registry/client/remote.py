@@ -31,7 +31,7 @@ from registry.names import check_name
 from registry.progress import NullProgress, Progress
 from registry.results import DeleteResult, FamilyRow, PruneResult, PushResult, VersionRow, existing_result
 from registry.source import open_source
-from registry.wire import Entry, build_batch, read_stream
+from registry.wire import RAW_PER_BODY, Entry, build_batch, read_stream
 
 UPLOAD_BATCH = 32 << 20  # bytes of payload per upload request: well under the server's body limit (MFSREG_UPLOAD_BATCH)
 UPLOAD_INFLIGHT = 2  # upload requests at once
@@ -157,19 +157,25 @@ class RemoteRegistry:
                 s, a = inflight.popleft().result()
                 sent, added = sent + s, added + a
 
+        batch: list[tuple[Entry, bytes]] = []
+        size = raw = 0
+
+        def send():
+            nonlocal batch, size, raw
+            collect(UPLOAD_INFLIGHT - 1)
+            inflight.append(uploader.submit(post, batch, raw))
+            batch, size, raw = [], 0, 0
+
         try:
-            batch: list[tuple[Entry, bytes]] = []
-            size = raw = 0
             for c, encoding, payload, _ in encoded_chunks(job, missing, self.pool):
+                if batch and raw + c.size > RAW_PER_BODY * self.upload_batch:  # the server bounds decoded bytes too
+                    send()
                 batch.append((Entry(c.id, c.size, encoding, len(payload), bases.get(c.id), c.itemsize), payload))
                 size, raw = size + len(payload), raw + c.size
                 if size >= self.upload_batch:
-                    collect(UPLOAD_INFLIGHT - 1)
-                    inflight.append(uploader.submit(post, batch, raw))
-                    batch, size, raw = [], 0, 0
+                    send()
             if batch:
-                collect(UPLOAD_INFLIGHT - 1)
-                inflight.append(uploader.submit(post, batch, raw))
+                send()
             collect(0)
         finally:
             for fut in inflight:

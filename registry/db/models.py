@@ -16,6 +16,10 @@
 - version_chunks: which distinct chunks each version needs (for stats, tiers and delete).
 - family_chunks: per family and chunk, how many members use it and its tier; rebalanced
   incrementally (registry/tiers.py) so a push never re-reads every member.
+- chunk_claims: chunks a push to a family uploaded (bytes re-hashed by the server), so its commit
+  may use them although the family does not use them yet: a token scoped to some families commits
+  only chunks it proved it holds, or that a family it may read already uses (registry/access.py).
+  Dropped by the commit that uses them, or by prune once older than its grace period.
 - tokens: API bearer tokens, stored only as sha256 hashes, each with a role and a family pattern.
 """
 
@@ -116,6 +120,14 @@ family_chunks = Table(
     Index(None, "family_id", "users"),
     Index(None, "family_id", "tier"),
     Index(None, "chunk_id"),
+)
+
+chunk_claims = Table(
+    "chunk_claims", metadata,
+    # the family's name, not its id: a first push uploads before its family row exists
+    Column("family", String(128), primary_key=True),
+    Column("chunk_id", CHUNK_ID, primary_key=True),
+    Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
 )
 
 tokens = Table(
