@@ -48,7 +48,8 @@ def prune(
     json_: bool = typer.Option(False, "--json"),
 ) -> None:
     """Evict files, then unique, group and base chunks (least recently used first) down to the limit,
-    and remove temp files that killed writers left (older than an hour)."""
+    and remove temp files that killed writers left (older than an hour). Files a killed writer left
+    unrecorded are counted (and evictable) from here on."""
     from registry.client.cache import NodeCache
     from registry.config import parse_size
     from registry.errors import InvalidRequest
@@ -60,10 +61,12 @@ def prune(
         raise InvalidRequest(f"--max-size {max_size!r} is not a size: use bytes or a suffix K, M, G") from None
     if limit is None:
         raise InvalidRequest("no limit to prune to: give --max-size or set MFSREG_CACHE_MAX")
+    orphans = cache.record_orphans()
     removed, freed = cache.evict(limit)
     temps = cache.sweep_temps()
     if json_:
-        emit_json({"removed": removed, "freed_bytes": freed, "bytes": cache.total_bytes(), "temp_files_removed": temps})
+        emit_json({"removed": removed, "freed_bytes": freed, "bytes": cache.total_bytes(), "temp_files_removed": temps,
+                   "unrecorded_files_found": orphans})
     else:
         typer.echo(f"removed {removed} entries, freed {human_bytes(freed)}"
                    + (f", and {temps} temp files left by killed writers" if temps else ""))

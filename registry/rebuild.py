@@ -83,6 +83,14 @@ def targets(manifest: Manifest, out: Path) -> list[tuple[FileEntry, Path]]:
     return [(f, out.joinpath(*safe_relpath(f.path).parts)) for f in manifest.files]
 
 
+def written_path(manifest: Manifest, out: Path) -> Path:
+    """Where a pull to ``out`` put the version, once written: the file itself for a single-file
+    version pulled into a directory, else ``out``."""
+    if manifest.single_file and out.is_dir():
+        return out / safe_relpath(manifest.files[0].path).name
+    return out
+
+
 def closure(ids: list[str], located: dict[str, StoredChunk], have: Callable[[str], bool] = lambda i: False) -> list[str]:
     """``ids`` plus the bases their deltas need, each listed after its basis (decode order).
     Bases for which ``have`` is true (already decoded elsewhere, e.g. in a node cache) stop the walk."""

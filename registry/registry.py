@@ -84,7 +84,8 @@ class Registry:
         except NotFound as exc:  # a pack the registry records is gone: data loss, said as the server says it
             raise StorageError(f"the registry's storage lost data ({exc}): restore that blob from a backup") from None
         return rebuild.PullResult(
-            family=family, version=version, digest=row.digest, path=str(out), logical_bytes=row.logical_bytes,
+            family=family, version=version, digest=row.digest, path=str(rebuild.written_path(manifest, Path(out))),
+            logical_bytes=row.logical_bytes,
             files=row.file_count, seconds=time.perf_counter() - t0,
         )
 

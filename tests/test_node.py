@@ -285,6 +285,40 @@ def test_pinned_base_survives_prune(published, fam, tmp_path):
     assert set(cached_ids(env)) == base_tier
 
 
+def test_a_pin_keeps_base_chunks_another_family_cached_first(published, fam, tmp_path):
+    """Two families share their base's bytes: chunks cached through one are still the other's base,
+    and a pin of the other keeps them."""
+    _, env = published
+    mfsreg_json("push", fam["base"], "--family", "other", "--version", "base", env=env)
+    mfsreg_json("pull", "fam", "base", "-o", tmp_path / "base.out", env=env)  # cached through fam, not pinned
+    warm = mfsreg_json("cache", "warm", "other", "--tier", "base", env=env)
+    assert warm["pinned"] and warm["fetched_bytes"] == 0
+    mfsreg_json("cache", "prune", "--max-size", "1", env=env)
+    other_base = {i for i, r in Node(env["MFSREG_URL"], env["MFSREG_TOKEN"], env["MFSREG_CACHE_DIR"]).remote
+                  .version_doc("other", "base")["chunks"].items() if r[4] == "base"}
+    assert other_base and set(cached_ids(env)) == other_base
+
+
+def test_a_single_file_pulled_into_a_directory_reports_the_file(published, fam, tmp_path):
+    _, env = published
+    (tmp_path / "engine").mkdir()
+    res = mfsreg_json("pull", "fam", "lora-chat", "-o", tmp_path / "engine", env=env)
+    assert res["path"] == str(tmp_path / "engine" / fam["lora-chat"].name)
+    assert filecmp.cmp(res["path"], fam["lora-chat"], shallow=False)
+
+
+def test_warm_keeps_the_size_limit_and_refuses_a_negative_count(published, fam, tmp_path):
+    _, env = published
+    base = needed(env, "base")
+    limit = sum(r[3] for r in base.values() if r[4] == "base") + 100_000
+    small = dict(env, MFSREG_CACHE_MAX=str(limit))
+    mfsreg_json("pull", "fam", "full-med", "-o", tmp_path / "f.out", env=small)
+    mfsreg_json("cache", "warm", "fam", "--tier", "base", "--recent", "0", env=small)
+    assert mfsreg_json("cache", "stats", env=small)["bytes"] <= limit
+    proc = mfsreg("cache", "warm", "fam", "--recent", "-1", env=small, check=False)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "--recent -1" in proc.stderr
+
+
 def test_to_dir_hardlinks_from_the_cache(published, fam, tmp_path):
     _, env = published
     a = mfsreg_json("pull", "fam", "lora-chat", "--to-dir", tmp_path / "engine-a", env=env)
@@ -348,6 +382,8 @@ def test_a_damaged_cached_chunk_is_fetched_again(published, fam, tmp_path):
     res = mfsreg_json("pull", "fam", "lora-chat", "-o", tmp_path / "again.out", env=env)
     assert filecmp.cmp(tmp_path / "again.out", fam["lora-chat"], shallow=False)
     assert res["fetched_bytes"] == rows[flipped][1] + rows[cut][1]  # the two chunks' stored bytes, and no more
+    # found cached, then fetched again: counted once, as fetched
+    assert res["cached_bytes"] == sum(rows[i][3] for i in in_file) - rows[flipped][3] - rows[cut][3]
     for victim in (flipped, cut):
         assert chunk_id(_cache_file(env, victim).read_bytes()) == victim
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
@@ -466,8 +502,30 @@ def test_prune_removes_temp_files_that_killed_writers_left(tmp_path):
     finally:
         cache.close()
     res = mfsreg_json("cache", "prune", "--max-size", "1G", env=env)
-    assert res["temp_files_removed"] == 2 and res["removed"] == 0
+    assert res["temp_files_removed"] == 2 and res["removed"] == 0 and res["unrecorded_files_found"] == 0
     assert not old.exists() and not old_file.exists() and fresh.exists() and chunk.read_bytes() == data
+
+
+def test_prune_counts_and_evicts_files_a_killed_writer_left_unrecorded(tmp_path):
+    """A writer killed between renaming a chunk into place and recording it leaves a file the index
+    does not know: prune records it, so that the limit counts it and it can be evicted."""
+    from registry.client.cache import atomic_write
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MFSREG_")}
+    env["MFSREG_CACHE_DIR"] = str(tmp_path / "c")
+    cache = NodeCache(tmp_path / "c")
+    try:
+        kept, lost = os.urandom(4000), os.urandom(6000)
+        cache.put(chunk_id(kept), kept, "base", "fam")
+        atomic_write(cache.chunk_file(chunk_id(lost)), lost, mode=0o444)  # the file, and no row
+    finally:
+        cache.close()
+    assert mfsreg_json("cache", "stats", env=env)["bytes"] == 4000
+    res = mfsreg_json("cache", "prune", "--max-size", "1G", env=env)
+    assert res["unrecorded_files_found"] == 1 and res["bytes"] == 10_000
+    res = mfsreg_json("cache", "prune", "--max-size", "5000", env=env)
+    assert res["unrecorded_files_found"] == 0 and res["removed"] == 1 and res["bytes"] == 4000
+    assert cached_ids(env) == [chunk_id(kept)]  # the unknown one went first: it ranks as unique
 
 
 def test_cache_verify_drops_what_is_damaged_and_keeps_the_rest(tmp_path):

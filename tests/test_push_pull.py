@@ -174,6 +174,15 @@ def test_delete_keeps_chunks_others_need(reg, fam, tmp_path):
     assert filecmp.cmp(tmp_path / "l.out", fam["lora-chat"], shallow=False)
 
 
+def test_a_single_file_pulled_into_a_directory_reports_the_file(reg, fam, tmp_path):
+    reg.push(fam["lora-chat"], "fam", "chat")
+    (tmp_path / "out").mkdir()
+    res = reg.pull("fam", "chat", tmp_path / "out")
+    assert res.path == str(tmp_path / "out" / fam["lora-chat"].name)
+    assert filecmp.cmp(res.path, fam["lora-chat"], shallow=False)
+    assert reg.pull("fam", "chat", tmp_path / "c.out").path == str(tmp_path / "c.out")
+
+
 def test_a_pull_whose_pack_storage_lost_says_so_and_writes_nothing(reg, fam, tmp_path):
     reg.push(fam["base"], "fam", "base")
     for key in reg.blobs.list("packs/"):

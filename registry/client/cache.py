@@ -58,6 +58,10 @@ CREATE TABLE IF NOT EXISTS entries (
 );
 CREATE INDEX IF NOT EXISTS entries_evict ON entries (rank, last_used);
 CREATE TABLE IF NOT EXISTS pins (family TEXT PRIMARY KEY);
+-- which cached chunks are in which family's base tier: a chunk two families share is protected by
+-- a pin of either (entries.family names only the first family that cached it)
+CREATE TABLE IF NOT EXISTS family_base (family TEXT, key TEXT, PRIMARY KEY (family, key));
+CREATE INDEX IF NOT EXISTS family_base_key ON family_base (key);
 CREATE TABLE IF NOT EXISTS pulls (family TEXT, version TEXT, last_used REAL, PRIMARY KEY (family, version));
 """
 
@@ -71,6 +75,12 @@ class NodeCache:
         (self.root / "files").mkdir(parents=True, exist_ok=True)
         self._local = threading.local()
         self._conn().executescript(_SCHEMA)  # idempotent; executescript manages its own transaction
+        with self._db() as db:
+            if db.execute("PRAGMA user_version").fetchone()[0] < 1:
+                # a cache from before family_base: what its rows knew (one family per chunk)
+                db.execute("INSERT OR IGNORE INTO family_base (family, key) SELECT family, key FROM entries "
+                           "WHERE rank = ? AND family IS NOT NULL", (RANK["base"],))
+                db.execute("PRAGMA user_version = 1")
 
     # -- index ------------------------------------------------------------------------------------
 
@@ -155,9 +165,10 @@ class NodeCache:
         self.record(rows)
 
     def discard(self, chunk_id: str) -> None:
-        """Drop one chunk (found damaged or cut short on disk): its row, then its file."""
+        """Drop one chunk (found damaged or cut short on disk): its rows, then its file."""
         with self._db() as db:
             db.execute("DELETE FROM entries WHERE key = ?", (chunk_id,))
+            db.execute("DELETE FROM family_base WHERE key = ?", (chunk_id,))
         self.chunk_path(chunk_id).unlink(missing_ok=True)
 
     def failed_again(self, chunk_id: str) -> IntegrityError:
@@ -174,7 +185,10 @@ class NodeCache:
         self.file_path(sha256).unlink(missing_ok=True)
 
     def record(self, items: Iterable[tuple[str, int, str | None, str | None]]) -> None:
+        """Rows for entries on disk (key, size, tier, family), used now. A row that exists keeps its
+        highest tier of any family; a file without one (its writer died before recording it) gets one."""
         now = time.time()
+        items = list(items)
         rows = [(k, n, RANK.get(t, UNKNOWN_RANK) if t else UNKNOWN_RANK, fam, now) for k, n, t, fam in items]
         with self._db() as db:
             db.executemany(
@@ -183,16 +197,20 @@ class NodeCache:
                 "family = COALESCE(entries.family, excluded.family)",
                 rows,
             )
+            _note_base(db, [(k, t, fam) for k, _, t, fam in items])
 
     def touch(self, chunk_ids: Iterable[str]) -> None:
         now = time.time()
         with self._db() as db:
             db.executemany("UPDATE entries SET last_used = ? WHERE key = ?", [(now, i) for i in chunk_ids])
 
-    def set_tiers(self, tiers: dict[str, str | None]) -> None:
+    def set_tiers(self, tiers: dict[str, str | None], family: str | None = None) -> None:
+        """What the registry says now of these chunks' tiers (in ``family``): tiers move as members join."""
         with self._db() as db:
             db.executemany("UPDATE entries SET rank = ? WHERE key = ?",
                            [(RANK.get(t, UNKNOWN_RANK) if t else UNKNOWN_RANK, i) for i, t in tiers.items()])
+            if family is not None:
+                _note_base(db, [(i, t, family) for i, t in tiers.items()])
 
     # -- files ------------------------------------------------------------------------------------
 
@@ -238,8 +256,8 @@ class NodeCache:
         keep = set(protect)
         removed = freed = 0
         victims = []
-        q = ("SELECT key, size FROM entries WHERE NOT (rank = ? AND family IN (SELECT family FROM pins)) "
-             "ORDER BY rank, last_used")
+        q = ("SELECT key, size FROM entries WHERE NOT EXISTS (SELECT 1 FROM family_base b JOIN pins p "
+             "ON p.family = b.family WHERE b.key = entries.key) ORDER BY rank, last_used")
         # The total, the choice and the deletion in one write transaction: two pulls finishing
         # together would otherwise each count the other's chunks as still there and both evict,
         # emptying the cache far below its limit. Index rows go first, then the files: a reader
@@ -248,7 +266,7 @@ class NodeCache:
             total = db.execute("SELECT COALESCE(SUM(size), 0) FROM entries").fetchone()[0]
             if total <= limit:
                 return 0, 0
-            for key, size in db.execute(q, (RANK["base"],)).fetchall():
+            for key, size in db.execute(q).fetchall():
                 if total <= limit:
                     break
                 if key in keep:
@@ -258,6 +276,7 @@ class NodeCache:
                 removed += 1
                 freed += size
             db.executemany("DELETE FROM entries WHERE key = ?", [(k,) for k in victims])
+            db.executemany("DELETE FROM family_base WHERE key = ?", [(k,) for k in victims])
         for key in victims:
             (self.file_path(key[5:]) if key.startswith("file:") else self.chunk_path(key)).unlink(missing_ok=True)
         return removed, freed
@@ -290,6 +309,33 @@ class NodeCache:
                     pass  # renamed or removed meanwhile
         return removed
 
+    def record_orphans(self) -> int:
+        """Rows for the chunk and materialised files that have none (their writer was killed between
+        renaming the file into place and recording it): counted against the size limit and evicted
+        like any other entry from now on. Returns how many."""
+        found = {(f"file:{e.name}" if kind == "file" else e.name): e
+                 for kind, e in self.disk_files() if not is_temp(e.name)}
+        keys, known = list(found), set()
+        conn = self._conn()
+        for i in range(0, len(keys), 900):
+            batch = keys[i:i + 900]
+            known.update(r[0] for r in conn.execute(
+                f"SELECT key FROM entries WHERE key IN ({','.join('?' * len(batch))})", batch))
+        adopted = 0
+        for key in keys:
+            if key in known:
+                continue
+            try:
+                size = found[key].stat(follow_symlinks=False).st_size
+            except FileNotFoundError:
+                continue  # evicted or discarded meanwhile
+            if key.startswith("file:"):
+                self.add_file(key[5:], size)
+            else:
+                self.record([(key, size, None, None)])
+            adopted += 1
+        return adopted
+
     def stats(self) -> dict:
         rows = self._conn().execute("SELECT rank, COUNT(*), COALESCE(SUM(size), 0) FROM entries GROUP BY rank").fetchall()
         names = {FILE_RANK: "files", **{r: t for t, r in RANK.items()}}
@@ -298,6 +344,16 @@ class NodeCache:
             "path": str(self.root), "max_bytes": self.max_bytes, "bytes": sum(b for _, _, b in rows),
             "chunks": sum(n for r, n, _ in rows if r != FILE_RANK), "by_tier": by, "pinned_families": self.pinned(),
         }
+
+
+def _note_base(db: sqlite3.Connection, items: list[tuple[str, str | None, str | None]]) -> None:
+    """Keep family_base in step with (key, tier, family) as the registry last told them: a chunk
+    enters its family's base tier, or leaves it (a member that drifted moved it to group)."""
+    told = [(fam, k, t) for k, t, fam in items if fam is not None and t is not None]
+    db.executemany("INSERT OR IGNORE INTO family_base (family, key) VALUES (?, ?)",
+                   [(fam, k) for fam, k, t in told if t == "base"])
+    db.executemany("DELETE FROM family_base WHERE family = ? AND key = ?",
+                   [(fam, k) for fam, k, t in told if t != "base"])
 
 
 class _Tx:

@@ -38,6 +38,7 @@ class FetchStats:
     cached_bytes: int = 0  # raw bytes that were already in the cache
     cached_chunks: int = 0
     chunk_ids: list[str] = field(default_factory=list)
+    cached: set[str] = field(default_factory=set)  # the ids counted in cached_bytes
 
 
 @dataclass(frozen=True)
@@ -103,9 +104,13 @@ class Fetcher:
             if self.cache.has(i):
                 stats.cached_bytes += located[i].size
                 stats.cached_chunks += 1
+                stats.cached.add(i)
             else:
                 missing.append(i)
-        self.cache.touch(ids)
+        # Used now, and in this family's tiers: a chunk cached through another family is marked base
+        # of this one too (a pin of either keeps it), and a file whose writer died before its row
+        # was written gets one, so that the size limit counts it.
+        self.cache.record((i, located[i].size, tiers.get(i), family) for i in stats.cached)
         progress.start("fetch", sum(located[i].size for i in missing))
         if not missing:
             return stats

@@ -31,6 +31,7 @@ def refetcher(fetcher: Fetcher, info: VersionInfo, stats: FetchStats | None = No
         if stats is not None:
             stats.fetched_bytes += got.fetched_bytes
             stats.fetched_chunks += got.fetched_chunks
+            stats.chunk_ids.extend(chunk_ids)
 
     return refetch
 
@@ -108,10 +109,14 @@ def pull(fetcher: Fetcher, family: str, version: str, out: Path, progress: Progr
     stats = fetched["stats"]
     cache.record_pull(family, version)
     cache.evict(protect=ids)
+    # a chunk found cached and then fetched again (damaged, or evicted by another process) counts as fetched only
+    recounted = stats.cached.intersection(refetched.chunk_ids)
     return PullResult(
-        family=family, version=version, digest=info.digest, path=str(out), logical_bytes=info.logical_bytes,
+        family=family, version=version, digest=info.digest,
+        path=str(out if to_dir else rebuild.written_path(info.manifest, out)), logical_bytes=info.logical_bytes,
         files=len(info.manifest.files), seconds=time.perf_counter() - t0,
-        fetched_bytes=stats.fetched_bytes + refetched.fetched_bytes, cached_bytes=stats.cached_bytes,
+        fetched_bytes=stats.fetched_bytes + refetched.fetched_bytes,
+        cached_bytes=stats.cached_bytes - sum(info.located[i].size for i in recounted),
     )
 
 

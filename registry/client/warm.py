@@ -5,10 +5,14 @@ from __future__ import annotations
 from registry.client.cache import NodeCache
 from registry.client.fetch import Fetcher
 from registry.client.remote import RemoteRegistry
+from registry.errors import InvalidRequest
 
 
 def warm_cache(remote: RemoteRegistry, family: str, tier: str | None = "base", recent: int = 0, pin: bool = True,
                cache: NodeCache | None = None) -> dict:
+    if recent < 0:
+        remote.close()
+        raise InvalidRequest(f"--recent {recent} is below 0: give how many recently pulled members to keep warm")
     cache = cache or NodeCache()
     try:
         fetcher = Fetcher(remote, cache)
@@ -20,12 +24,17 @@ def warm_cache(remote: RemoteRegistry, family: str, tier: str | None = "base", r
             cache.pin(family)
         stats = fetcher.ensure(family, ids, located, tiers)
         fetched, chunks = stats.fetched_bytes, len(ids)
-        cache.set_tiers(tiers)  # tiers move as members join: refresh what the cache believes
+        cache.set_tiers(tiers, family)  # tiers move as members join: refresh what the cache believes
+        warm = list(ids)
         for version in cache.recent_pulls(family, recent) if recent else []:
             info = fetcher.version(family, version)
             s = fetcher.ensure(family, info.manifest.chunk_ids(), info.located, info.tiers)
             fetched += s.fetched_bytes
             chunks += s.fetched_chunks + s.cached_chunks
+            warm += s.chunk_ids
+        # the size limit holds after a warm as after a pull: older entries make room for what it
+        # brought (more than the limit can hold keeps all of it, as a pull keeps its own chunks)
+        cache.evict(protect=warm)
         return {"family": family, "tier": tier, "chunks": chunks, "fetched_bytes": fetched, "pinned": pin and tier == "base"}
     finally:
         remote.close()
