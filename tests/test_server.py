@@ -8,6 +8,7 @@ import json
 import signal
 import struct
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -312,6 +313,45 @@ def test_unreachable_server_is_one_line(fam, tmp_path):
     env["MFSREG_URL"] = "ftp://example"
     proc = mfsreg("ls", env=env, check=False)
     assert proc.returncode == 2 and "must start with http" in proc.stderr
+
+
+def test_a_url_that_is_not_an_mfsreg_server_is_one_line(tmp_path):
+    """A static web server where MFSREG_URL should be: its 200 pages are not JSON."""
+    site = tmp_path / "site"
+    (site / "v1" / "families").mkdir(parents=True)  # GET /v1/families/ answers a 200 directory listing
+    port = free_port()
+    web = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1", "-d", str(site)],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        env = client_env(tmp_path, f"http://127.0.0.1:{port}", "mfs_whatever")
+        for _ in range(100):
+            try:
+                httpx.get(f"http://127.0.0.1:{port}/")
+                break
+            except httpx.TransportError:
+                time.sleep(0.05)
+        proc = mfsreg("ls", env=env, check=False)
+        assert proc.returncode == 2 and "is not JSON" in proc.stderr and "MFSREG_URL" in proc.stderr, proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1
+    finally:
+        web.terminate()
+        web.wait()
+
+
+def test_a_request_of_the_wrong_shape_is_not_taken_for_damaged_bytes(servers, server_env, tmp_path):
+    """The server answers 422 both for a chunk that fails its check and for a body of the wrong
+    shape; the client tells them apart by the problem's type."""
+    from registry.client.remote import RemoteRegistry
+    from registry.errors import IntegrityError, InvalidRequest
+
+    (srv,) = servers(1)
+    with RemoteRegistry(srv.url, token=token(server_env, "admin")) as remote:
+        with pytest.raises(InvalidRequest, match="ids"):
+            remote._json("POST", "/v1/families/fam/chunks/download", json={"ids": 5})
+        good = b"\x02" * 4096
+        batch = build_batch([(Entry(chunk_id(good)[:-1] + "0", 4096, "raw", 4096), good)])
+        with pytest.raises(IntegrityError, match="do not match"):
+            remote._json("POST", "/v1/families/fam/chunks", content=batch)
 
 
 def test_server_stores_uploaded_near_duplicates_as_deltas(servers, server_env, fam, tmp_path):

@@ -41,7 +41,9 @@ LEGACY_CHUNK_SIZE = 1 << 20  # the default before families recorded theirs (migr
 # One table from HTTP status to the registry's error tree (the server sends problem details).
 _STATUS = {400: InvalidRequest, 401: Unauthorized, 403: Forbidden, 404: NotFound, 409: Conflict,
            413: TooLarge, 422: IntegrityError, 503: StorageError}
-_CODES = {k.code: k for k in (MissingChunks, Pruned)}
+# The problem's type names the kind where a status has several: 422 is a chunk that fails its
+# check (IntegrityError) or a request body of the wrong shape (invalid_request, api/errors.py).
+_CODES = {k.code: k for k in (MissingChunks, Pruned, InvalidRequest)}
 
 
 class RemoteRegistry:
@@ -81,7 +83,12 @@ class RemoteRegistry:
         return resp
 
     def _json(self, method: str, path: str, **kw):
-        return self._request(method, path, **kw).json()
+        resp = self._request(method, path, **kw)
+        try:
+            return resp.json()
+        except ValueError:  # a proxy's or another server's page: every mfsreg answer is JSON
+            raise InvalidRequest(f"{self.url} answered {method} {path} with {resp.status_code} and a body that is not "
+                                 "JSON: check that MFSREG_URL points at an mfsreg server") from None
 
     # -- push -------------------------------------------------------------------------------------
 
@@ -319,9 +326,10 @@ def _raise_for(resp: httpx.Response) -> None:
     kind = _STATUS.get(resp.status_code, RegistryError)
     if kind is not RegistryError and isinstance(body, dict):
         # A finer kind the caller acts on, named by the problem's type (api/errors.py); a server
-        # older than that kind sends the plain one.
-        finer = _CODES.get(str(body.get("type", "")).removeprefix("urn:mfsreg:"))
-        kind = finer if finer is not None and issubclass(finer, kind) else kind
+        # older than that kind sends the plain one. On a 422 the type tells the two kinds apart.
+        named = _CODES.get(str(body.get("type", "")).removeprefix("urn:mfsreg:"))
+        if named is not None and (issubclass(named, kind) or resp.status_code == 422):
+            kind = named
     raise kind(f"{detail}" if kind is not RegistryError else f"server answered {resp.status_code}: {detail}")
 
 
