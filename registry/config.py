@@ -22,6 +22,9 @@ DEFAULT_CHUNK_SIZE = 2 << 20
 DEFAULT_PACK_SIZE = 64 << 20  # packs of tens of MiB keep object counts low and range reads cheap
 MIN_CHUNK_SIZE = 4 << 10
 MAX_CHUNK_SIZE = 256 << 20
+# Room for an upload batch that holds one chunk of the largest size, uncompressible, with its index
+# (registry/wire.py caps an index at 16 MiB): at 256 MiB a family cut at 256 MiB could not push.
+DEFAULT_MAX_BODY = 320 << 20
 
 
 def check_chunk_size(size: int, what: str = "MFSREG_CHUNK_SIZE") -> int:
@@ -82,7 +85,7 @@ class Settings:
     workers: int = field(default_factory=lambda: max(1, os.cpu_count() or 1))
     delta: bool = True  # store near-duplicate chunks as deltas against a basis (MFSREG_DELTA=0: exact dedup only)
     anonymous_read: bool = False  # server: let requests without a token read
-    max_body: int = 256 << 20  # server: largest request body accepted (uploads are batched below it)
+    max_body: int = DEFAULT_MAX_BODY  # server: largest request body accepted (uploads are batched below it)
 
     @property
     def embedded(self) -> bool:
@@ -102,7 +105,7 @@ class Settings:
             pack_size=_size(env, "MFSREG_PACK_SIZE", DEFAULT_PACK_SIZE),
             delta=env.get("MFSREG_DELTA", "1").lower() not in ("0", "false", "no", "off"),
             anonymous_read=env.get("MFSREG_ANONYMOUS_READ", "").lower() in ("1", "true", "yes", "on"),
-            max_body=_size(env, "MFSREG_MAX_BODY", 256 << 20),
+            max_body=_size(env, "MFSREG_MAX_BODY", DEFAULT_MAX_BODY),
         )
         values.update(overrides)
         return cls(**values)

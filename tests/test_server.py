@@ -233,6 +233,16 @@ def test_body_limit(server_env, servers, tmp_path):
     assert r.status_code == 413
 
 
+def test_the_default_body_limit_takes_a_batch_of_the_largest_chunk():
+    """A family may be cut at up to 256 MiB: one such chunk, uncompressible, goes in a batch alone."""
+    from registry.config import Settings
+    from registry.manifest import MAX_CHUNK_BYTES
+    from registry.wire import encode_index
+
+    index = encode_index([Entry("f" * 32, MAX_CHUNK_BYTES, "raw", MAX_CHUNK_BYTES, "e" * 32, 8)])
+    assert len(index) + MAX_CHUNK_BYTES <= Settings.from_env({}).max_body
+
+
 def test_anonymous_reads_when_opened(server_env, servers, fam, tmp_path):
     server_env["MFSREG_ANONYMOUS_READ"] = "1"
     (srv,) = servers(1)
