@@ -128,9 +128,12 @@ def test_bad_requests_get_problem_details(servers, server_env, tmp_path):
                    content=build_batch([(Entry(chunk_id(b"\0" * 1000), 1000, "zstd", len(bomb)), bomb)]))
     assert r.status_code == 422
     # nor are frames whose sizes add up to far more than the body, however small each payload
+    from registry.config import Settings
     from registry.manifest import MAX_CHUNK_BYTES
+    from registry.wire import RAW_PER_BODY
 
-    many = [(Entry(chunk_id(bytes([i])), MAX_CHUNK_BYTES, "zstd", 1), b"x") for i in range(5)]
+    over = RAW_PER_BODY * Settings.from_env({}).max_body // MAX_CHUNK_BYTES + 1  # the server runs the default
+    many = [(Entry(chunk_id(bytes([i])), MAX_CHUNK_BYTES, "zstd", 1), b"x") for i in range(over)]
     r = httpx.post(f"{srv.url}/v1/families/fam/chunks", headers=h, content=build_batch(many))
     assert r.status_code == 413 and "send fewer chunks per request" in r.json()["detail"]
     # the token is checked before the body is read: a caller without one gets a 401, not a parse
@@ -439,6 +442,34 @@ def test_a_scoped_token_uses_another_familys_chunks_only_by_sending_their_bytes(
     assert sorted(bucket_keys(server_env)) == keys
     mfsreg("pull", "qwen", "chat", "-o", tmp_path / "chat.out", env=scoped_env)
     assert filecmp.cmp(tmp_path / "chat.out", fam["lora-chat"], shallow=False)
+
+
+def test_a_scoped_push_gets_plain_copies_of_chunks_stored_against_another_familys(servers, server_env, fam, tmp_path):
+    """A chunk the push holds, stored as a delta against a chunk of a family the token may not read,
+    would lend that basis: the version would list it, and its readers could download it."""
+    from registry.manifest import Manifest
+
+    (srv,) = servers(1)
+    admin_tok, scoped_tok = token(server_env, "admin"), token(server_env, "push", "qwen*")
+    admin, scoped = ({"Authorization": f"Bearer {t}"} for t in (admin_tok, scoped_tok))
+    admin_env, scoped_env = (client_env(tmp_path, srv.url, t) for t in (admin_tok, scoped_tok))
+    mfsreg_json("push", fam["base"], "--family", "secret", "--version", "base", env=admin_env)
+    mfsreg_json("push", fam["full-med"], "--family", "secret", "--version", "med", "--parent", "base", env=admin_env)
+    before = httpx.get(f"{srv.url}/v1/families/secret/versions/med", headers=admin).json()["chunks"]
+    deltas = {i for i, row in before.items() if row[2]}
+    assert deltas
+    mfsreg_json("push", fam["full-med"], "--family", "qwen", "--version", "med", env=scoped_env)
+    doc = httpx.get(f"{srv.url}/v1/families/qwen/versions/med", headers=scoped).json()
+    own = set(Manifest.from_doc(doc["manifest"]).chunk_ids())
+    assert set(doc["chunks"]) == own  # no basis of the secret family's among what it needs
+    secret_only = sorted(set(httpx.get(f"{srv.url}/v1/families/secret/versions/base", headers=admin).json()["chunks"]) - own)
+    r = httpx.post(f"{srv.url}/v1/families/qwen/chunks/download", json={"ids": secret_only[:3]}, headers=scoped)
+    assert r.status_code == 404
+    after = httpx.get(f"{srv.url}/v1/families/secret/versions/med", headers=admin).json()["chunks"]
+    assert not any(after[i][2] for i in deltas & own)  # the shared chunks are plain now, for both families
+    for family, env in (("qwen", scoped_env), ("secret", admin_env)):
+        mfsreg("pull", family, "med", "-o", tmp_path / f"{family}.out", env=env)
+        assert filecmp.cmp(tmp_path / f"{family}.out", fam["full-med"], shallow=False)
 
 
 def test_pushes_through_the_api_follow_the_familys_chunk_size(servers, server_env, fam, tmp_path):
