@@ -8,6 +8,9 @@ where its own family already uses it, or a family the token may read does (the t
 download it there anyway). Any other chunk is asked for (negotiate lists it as missing) and,
 once uploaded and re-hashed by the server, claimed for the family (db/claims.py): the commit
 checks that every chunk passes one of the three. The registry still keeps one copy of the bytes.
+A chunk stored as a delta against another family's chunk would still lend that basis (a version
+lists the bases it needs to decode, and its readers may download them): before such a commit, the
+chunk gets a plain copy of its own (detach_foreign_chains).
 
 A token for every family (pattern ``*``), and an embedded push, may use every stored chunk.
 """
@@ -18,9 +21,15 @@ from collections.abc import Sequence
 
 from sqlalchemy import Connection
 
+from registry import codec
 from registry.auth import Principal
+from registry.blobs.packs import StoredChunk
+from registry.db import chunks as chunk_db
 from registry.db import claims as claim_db
 from registry.db import versions as version_db
+from registry.db.engine import read_tx, write_tx
+from registry.ingest import RecordedPacks
+from registry.rebuild import decode_batch
 
 
 def reads_everything(who: Principal | None) -> bool:
@@ -36,3 +45,62 @@ def unproven(conn: Connection, who: Principal | None, family: str, stored: Seque
     readable = [f.id for f in version_db.list_families(conn) if who.allows("read", f.name)]
     todo = set(stored) - claim_db.used_by_families(conn, readable, list(stored))
     return todo - claim_db.claimed(conn, family, list(todo)) if todo else todo
+
+
+def foreign_chains(conn: Connection, who: Principal | None, family: str, ids: Sequence[str]) -> list[str]:
+    """Those of ``ids`` stored as deltas whose chain of bases passes through a chunk ``who`` may
+    not use: a version using them would list those bases among its chunks (a node needs them to
+    decode), and its family's readers could download them. Such chunks get a plain copy of their
+    own (detach_foreign_chains)."""
+    if reads_everything(who):
+        return []
+    located = chunk_db.locate_closure(conn, ids)
+    bases = {c.basis_id for c in located.values() if c.basis_id}
+    foreign = unproven(conn, who, family, list(bases - set(ids)))
+    if not foreign:
+        return []
+
+    own = set(ids)
+
+    def reaches(i: str) -> bool:
+        # up to the first chunk of ``ids`` on the way: that one gets a plain copy itself, or its chain is clean
+        b = located[i].basis_id
+        while b is not None and b in located and b not in own:
+            if b in foreign:
+                return True
+            b = located[b].basis_id
+        return False
+
+    return [i for i in dict.fromkeys(ids) if i in located and reaches(i)]
+
+
+def detach_foreign_chains(reg, who: Principal | None, family: str, ids: Sequence[str]) -> int:
+    """Store a plain copy of each of ``ids`` whose delta chain passes through a chunk ``who`` may not
+    use, and point its row there, so that a version of ``family`` needs only chunks it proved it
+    holds. The registry decodes them itself (their bytes equal what the push uploaded, by id).
+    Another family that used the delta now reads the plain copy: the same bytes, a little more
+    storage. Returns how many were detached."""
+    if reads_everything(who):
+        return 0
+    with read_tx(reg.engine) as conn:
+        # only chunks the push has shown it holds: naming ids must not make the registry copy them
+        shown = set(ids) - unproven(conn, who, family, list(ids))
+        todo = foreign_chains(conn, who, family, [i for i in ids if i in shown])
+        located = chunk_db.locate_closure(conn, todo) if todo else {}
+    if not todo:
+        return 0
+    raw = decode_batch(todo, located, reg.read_payloads, reg.pool)
+    writer = _PlainCopies(reg)
+    for i in todo:
+        encoding, payload = codec.encode(raw[i])
+        writer.add(i, len(raw[i]), encoding, payload, None, 0)
+    writer.flush()
+    return len(todo)
+
+
+class _PlainCopies(RecordedPacks):
+    """Packs of plain copies of stored chunks, recorded by pointing the chunks' rows at them."""
+
+    def _record(self, pack_id: str, size: int, stored: list[StoredChunk]) -> None:
+        with write_tx(self._engine) as conn:
+            chunk_db.repoint_plain(conn, pack_id, size, stored)

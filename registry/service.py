@@ -179,8 +179,12 @@ def commit(reg, family: str, version: str, parent: str | None, doc: object, chun
     _check_headers(reg, manifest)
     if chunk_size is not None:
         check_chunk_size(chunk_size, "chunk_size")
-    changed, existing = commit_version(reg, family, version, parent, manifest, chunk_size,
-                                       lambda conn, ids: access.unproven(conn, who, family, ids))
+    access.detach_foreign_chains(reg, who, family, manifest.chunk_ids())
+
+    def unproven(conn, ids):  # checked again in the commit's transaction: what the version would lend
+        return access.unproven(conn, who, family, ids) | set(access.foreign_chains(conn, who, family, ids))
+
+    changed, existing = commit_version(reg, family, version, parent, manifest, chunk_size, unproven)
     if existing is not None:
         return existing_result(existing, manifest, family, version, t0)
     n = len(manifest.chunk_ids())

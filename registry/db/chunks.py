@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from sqlalchemy import Connection, and_, select
+from sqlalchemy import Connection, and_, bindparam, select, update
 
 from registry.blobs.packs import StoredChunk
 from registry.db.dialect import batches, insert
@@ -51,6 +51,21 @@ def record_pack(conn: Connection, pack_id: str, size: int, stored: Sequence[Stor
     # every batch, at about 0.1 ms a row.
     result = conn.execute(insert(conn, chunks).on_conflict_do_nothing().returning(chunks.c.stored_size), rows)
     return sum(result.scalars())
+
+
+def repoint_plain(conn: Connection, pack_id: str, size: int, stored: Sequence[StoredChunk]) -> None:
+    """A durable pack of plain copies of stored chunks (registry/access.py), and those chunks' rows
+    pointed at it: no longer deltas. Their old copies are dead weight until prune repacks them. A
+    chunk deleted meanwhile (a prune) stays deleted: the commit that needed it finds it missing."""
+    exclude_prune(conn)
+    list_pack(conn, pack_id, size)
+    stmt = (
+        update(chunks).where(chunks.c.id == bindparam("cid"))
+        .values(encoding=bindparam("enc"), stored_size=bindparam("n"), pack_id=pack_id, offset=bindparam("off"),
+                basis_id=None, depth=0)
+    )
+    conn.execute(stmt, [dict(cid=c.id, enc=c.encoding, n=c.stored_size, off=c.offset)
+                        for c in sorted(stored, key=lambda c: c.id)])
 
 
 def locate(conn: Connection, ids: Iterable[str]) -> dict[str, StoredChunk]:
