@@ -9,6 +9,7 @@ caller without a valid token have the server read and parse a body up to MFSREG_
 from __future__ import annotations
 
 from fastapi import Request
+from starlette._utils import get_route_path
 from starlette.concurrency import run_in_threadpool
 
 from registry.auth import Principal, authenticate
@@ -25,7 +26,7 @@ class Authenticate:
         self.app = app
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+        if scope["type"] != "http" or not get_route_path(scope).startswith("/v1/"):
             await self.app(scope, receive, send)
             return
         from api.errors import problem, status_for
@@ -43,4 +44,8 @@ class Authenticate:
 
 
 def principal(request: Request) -> Principal:
-    return request.scope["state"][_KEY]
+    found = request.scope.get("state", {}).get(_KEY)
+    if found is None:  # a route the middleware did not see: check the token here
+        reg = request.app.state.registry
+        return authenticate(reg.engine, request.headers.get("authorization"), reg.settings.anonymous_read)
+    return found

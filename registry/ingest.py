@@ -219,7 +219,8 @@ def commit_version(reg, family: str, version: str, parent: str | None, manifest:
         if unsent:
             raise MissingChunks(f"{len(unsent)} chunks of {family}/{version} are stored for other families that this "
                                 f"token may not read (first: {min(unsent)}): upload them, then commit again")
-        claim_db.forget(conn, family, ids)  # the family uses them from now on
+        if unproven is not None:  # only pushes through the server claim chunks
+            claim_db.forget(conn, family, ids)  # the family uses them from now on
         wrong = [c.id for f in manifest.files for c in f.chunks if located[c.id].size != c.size]
         if wrong:
             raise InvalidRequest(f"manifest gives chunk {wrong[0]} a size other than the stored one: it cannot rebuild")

@@ -150,7 +150,7 @@ def receive_batch(reg, family: str, body: bytes, who: Principal | None = None) -
     return {"received": len(entries), "new_bytes": added}
 
 
-def _check_headers(reg, manifest: Manifest) -> None:
+def _check_headers(reg, manifest: Manifest, who: Principal | None = None, family: str = "") -> None:
     """Each safetensors file's first chunk must be a header that describes exactly its tensors.
     One decoded header is held at a time: a manifest may name many headers of up to 100 MB each."""
     files_of: dict[str, list] = {}
@@ -158,8 +158,9 @@ def _check_headers(reg, manifest: Manifest) -> None:
         if f.kind == SAFETENSORS:
             files_of.setdefault(f.chunks[0].id, []).append(f)
     with read_tx(reg.engine) as conn:
-        located = chunk_db.locate(conn, files_of)
-    # a head not stored is left to commit_version, which reports missing chunks
+        # a head ``who`` may not use is not read: its parse errors would describe another family's model
+        located = chunk_db.locate(conn, set(files_of) - access.unproven(conn, who, family, list(files_of)))
+    # a head not stored (or not usable) is left to commit_version, which reports missing chunks
     for c, payload in reg.read_payloads([located[i] for i in files_of if i in located]):
         raw = decode_verified(c, payload)
         for f in files_of[c.id]:
@@ -176,7 +177,7 @@ def commit(reg, family: str, version: str, parent: str | None, doc: object, chun
     t0 = time.perf_counter()
     check_push_names(family, version, parent)
     manifest = parse_doc(doc)
-    _check_headers(reg, manifest)
+    _check_headers(reg, manifest, who, family)
     if chunk_size is not None:
         check_chunk_size(chunk_size, "chunk_size")
     access.detach_foreign_chains(reg, who, family, manifest.chunk_ids())

@@ -413,6 +413,11 @@ def test_a_scoped_token_uses_another_familys_chunks_only_by_sending_their_bytes(
     r = httpx.post(f"{url}/versions/v1/commit", json={"manifest": doc}, headers=scoped)
     assert r.status_code == 404 and "may not read" in r.json()["detail"]
     assert httpx.get(f"{url}/versions/v1", headers=scoped).status_code == 404
+    # nor is another family's header read for such a commit: its parse errors would describe that model
+    lying = json.loads(json.dumps(doc))
+    lying["files"][0]["tensors"][0][0] = "guessed." + lying["files"][0]["tensors"][0][0]
+    r = httpx.post(f"{url}/versions/v1/commit", json={"manifest": lying}, headers=scoped)
+    assert r.status_code == 404 and "may not read" in r.json()["detail"], r.json()
     neg = httpx.post(f"{url}/versions/v1/negotiate", json={"manifest": doc}, headers=scoped).json()
     assert sorted(neg["missing"]) == sorted(ids)
     # an upload of a stored id is re-hashed like any other: other bytes are refused

@@ -31,7 +31,7 @@ def claimed(conn: Connection, family: str, ids: Sequence[str]) -> set[str]:
 
 def forget(conn: Connection, family: str, ids: Sequence[str]) -> None:
     """Drop the claims a commit has used (the family now uses those chunks)."""
-    for batch in batches(list(ids)):
+    for batch in batches(sorted(set(ids))):  # the order record() locks in: no deadlock between the two
         conn.execute(delete(cc).where(cc.c.family == family, cc.c.chunk_id.in_(batch)))
 
 
