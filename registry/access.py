@@ -48,17 +48,22 @@ def unproven(conn: Connection, who: Principal | None, family: str, stored: Seque
 
 
 def foreign_chains(conn: Connection, who: Principal | None, family: str, ids: Sequence[str]) -> list[str]:
+    return _foreign_chains(conn, who, family, ids)[0]
+
+
+def _foreign_chains(conn: Connection, who: Principal | None, family: str,
+                    ids: Sequence[str]) -> tuple[list[str], dict[str, StoredChunk]]:
     """Those of ``ids`` stored as deltas whose chain of bases passes through a chunk ``who`` may
     not use: a version using them would list those bases among its chunks (a node needs them to
     decode), and its family's readers could download them. Such chunks get a plain copy of their
-    own (detach_foreign_chains)."""
+    own (detach_foreign_chains). Also where they and their bases are stored."""
     if reads_everything(who):
-        return []
+        return [], {}
     located = chunk_db.locate_closure(conn, ids)
     bases = {c.basis_id for c in located.values() if c.basis_id}
     foreign = unproven(conn, who, family, list(bases - set(ids)))
     if not foreign:
-        return []
+        return [], located
 
     own = set(ids)
 
@@ -71,7 +76,7 @@ def foreign_chains(conn: Connection, who: Principal | None, family: str, ids: Se
             b = located[b].basis_id
         return False
 
-    return [i for i in dict.fromkeys(ids) if i in located and reaches(i)]
+    return [i for i in dict.fromkeys(ids) if i in located and reaches(i)], located
 
 
 def detach_foreign_chains(reg, who: Principal | None, family: str, ids: Sequence[str]) -> int:
@@ -85,8 +90,7 @@ def detach_foreign_chains(reg, who: Principal | None, family: str, ids: Sequence
     with read_tx(reg.engine) as conn:
         # only chunks the push has shown it holds: naming ids must not make the registry copy them
         shown = set(ids) - unproven(conn, who, family, list(ids))
-        todo = foreign_chains(conn, who, family, [i for i in ids if i in shown])
-        located = chunk_db.locate_closure(conn, todo) if todo else {}
+        todo, located = _foreign_chains(conn, who, family, [i for i in ids if i in shown])
     if not todo:
         return 0
     raw = decode_batch(todo, located, reg.read_payloads, reg.pool)

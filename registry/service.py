@@ -89,8 +89,9 @@ def receive_batch(reg, family: str, body: bytes, who: Principal | None = None) -
         if not 0 < e.size <= MAX_CHUNK_BYTES:
             raise InvalidRequest(f"chunk {e.id}: size {e.size} is out of range")
     limit = max(RAW_PER_BODY * reg.settings.max_body, MAX_CHUNK_BYTES)  # the largest chunk always fits
-    if sum(e.size for e, _ in entries) > limit:
-        raise TooLarge(f"the batch's chunks add up to {sum(e.size for e, _ in entries):,} bytes once decoded, over this "
+    decoded = sum(e.size for e, _ in entries)
+    if decoded > limit:
+        raise TooLarge(f"the batch's chunks add up to {decoded:,} bytes once decoded, over this "
                        f"server's {limit:,} ({RAW_PER_BODY}x MFSREG_MAX_BODY): send fewer chunks per request")
     hinted = list({e.basis_id for e, _ in entries if e.basis_id})
     with read_tx(reg.engine) as conn:

@@ -321,7 +321,7 @@ class NodeCache:
             batch = keys[i:i + 900]
             known.update(r[0] for r in conn.execute(
                 f"SELECT key FROM entries WHERE key IN ({','.join('?' * len(batch))})", batch))
-        adopted = 0
+        chunks, files = [], []
         for key in keys:
             if key in known:
                 continue
@@ -330,11 +330,13 @@ class NodeCache:
             except FileNotFoundError:
                 continue  # evicted or discarded meanwhile
             if key.startswith("file:"):
-                self.add_file(key[5:], size)
+                files.append((key[5:], size))
             else:
-                self.record([(key, size, None, None)])
-            adopted += 1
-        return adopted
+                chunks.append((key, size, None, None))
+        self.record(chunks)  # one transaction for them all
+        for sha256, size in files:
+            self.add_file(sha256, size)
+        return len(chunks) + len(files)
 
     def stats(self) -> dict:
         rows = self._conn().execute("SELECT rank, COUNT(*), COALESCE(SUM(size), 0) FROM entries GROUP BY rank").fetchall()
