@@ -28,6 +28,7 @@ from registry.db import chunks as chunk_db
 from registry.db import claims as claim_db
 from registry.db import versions as version_db
 from registry.db.engine import read_tx, write_tx
+from registry.errors import IntegrityError
 from registry.ingest import RecordedPacks
 from registry.rebuild import decode_batch
 
@@ -45,6 +46,24 @@ def unproven(conn: Connection, who: Principal | None, family: str, stored: Seque
     readable = [f.id for f in version_db.list_families(conn) if who.allows("read", f.name)]
     todo = set(stored) - claim_db.used_by_families(conn, readable, list(stored))
     return todo - claim_db.claimed(conn, family, list(todo)) if todo else todo
+
+
+def check_proofs(reg, who: Principal | None, family: str, uploaded: dict[str, bytes]) -> None:
+    """Raise IntegrityError unless each of ``uploaded`` (id -> raw bytes, already hashed to its id)
+    that ``who`` may not yet use in ``family`` equals the bytes stored under that id. The id is an
+    xxh3-128, fast but not built to resist a forged collision: a claim must rest on the bytes
+    themselves, or bytes crafted to hash like another family's chunk would lend that chunk. The
+    answer is the one a mismatched hash gets, so it says nothing of what is stored."""
+    if reads_everything(who) or not uploaded:
+        return
+    with read_tx(reg.engine) as conn:
+        todo = sorted(unproven(conn, who, family, list(uploaded)))
+        located = chunk_db.locate_closure(conn, todo)
+    todo = [i for i in todo if i in located]  # deleted meanwhile: nothing left to lend
+    stored = decode_batch(todo, located, reg.read_payloads, reg.pool) if todo else {}
+    for i in todo:
+        if stored[i] != uploaded[i]:
+            raise IntegrityError(f"chunk {i}: bytes do not match the id; the batch was refused")
 
 
 def foreign_chains(conn: Connection, who: Principal | None, family: str, ids: Sequence[str]) -> list[str]:

@@ -80,7 +80,9 @@ def receive_batch(reg, family: str, body: bytes, who: Principal | None = None) -
     names a suggested basis of this family is stored as a delta against it when that is smaller.
     The bases are read from the blob store while the uploaded chunks are verified; memory holds
     the body and the batch's raw bytes (a batch is at most MFSREG_MAX_BODY). Through a token
-    scoped to some families (``who``), the batch's chunks are claimed for ``family``."""
+    scoped to some families (``who``), the batch's chunks are claimed for ``family``; a chunk that
+    was stored already must equal the stored bytes (access.check_proofs), and counts in
+    ``new_bytes`` as if it had not been stored, so the answer does not say what other families hold."""
     entries = list(parse_batch(body))
     for e, _ in entries:
         _check_encoding(e.encoding)
@@ -129,10 +131,16 @@ def receive_batch(reg, family: str, body: bytes, who: Principal | None = None) -
         return e, e.encoding, bytes(payload), None, 0
 
     # All verified before anything is written; the bases' reads (network) overlap the verification.
+    scoped = not access.reads_everything(who)
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="mfsreg-bases") as io:
         fetching = io.submit(reader.prefetch, list(basis_of.values()))
-        verified = [v for v in windowed_map(reg.pool, verify, sent) if v[0].id in todo_ids]
+        # the raw bytes of stored chunks are kept only where they must be compared (scoped tokens)
+        checked = [v if scoped or v[0].id in todo_ids else (v[0], v[1], None)
+                   for v in windowed_map(reg.pool, verify, sent)]
         fetching.result()
+    verified = [v for v in checked if v[0].id in todo_ids]
+    if scoped:
+        access.check_proofs(reg, who, family, {e.id: raw for e, _, raw in checked if e.id not in todo_ids})
     ready = list(windowed_map(reg.pool, encode, verified))
     uploaded = {e.id: (e.encoding, payload) for e, payload, _ in verified}
 
@@ -145,9 +153,12 @@ def receive_batch(reg, family: str, body: bytes, who: Principal | None = None) -
             yield e.id, e.size, encoding, bytes(payload), basis_id, depth
 
     added = store_chunks(reg, todo_ids, basis_of.values(), items)
-    if not access.reads_everything(who):
+    if scoped:
         with write_tx(reg.engine) as conn:
             claim_db.record(conn, family, [e.id for e, _ in sent])
+        # What the registry held already is not this token's to learn: a chunk it sent that was
+        # stored counts as new, at the size it was sent.
+        added += sum(e.length for e, _ in sent if e.id not in todo_ids)
     return {"received": len(entries), "new_bytes": added}
 
 

@@ -236,6 +236,29 @@ def test_body_limit(server_env, servers, tmp_path):
     assert r.status_code == 413
 
 
+def test_a_push_of_very_compressible_chunks_cuts_its_batches_at_the_decoded_cap(server_env, servers, tmp_path):
+    """The server refuses a batch whose chunks decode to more than RAW_PER_BODY x its body limit (a
+    few compressed bytes may claim gigabytes): a client whose batches fill slowly, because its
+    chunks compress to almost nothing, cuts them by decoded size as well."""
+    from registry.manifest import MAX_CHUNK_BYTES
+    from registry.wire import RAW_PER_BODY
+
+    # the smallest body limit whose cap is not the floor (one chunk of the largest size always fits)
+    limit = MAX_CHUNK_BYTES // RAW_PER_BODY + (1 << 20)
+    server_env["MFSREG_MAX_BODY"] = str(limit)
+    (srv,) = servers(1)
+    weights = torch.zeros(160, 2 << 20, dtype=torch.uint8)  # 160 chunks of 2 MiB, each zeros but for its number
+    weights[:, 0] = torch.arange(160, dtype=torch.uint8)
+    path = synth.write(tmp_path / "sparse.safetensors", {"w": weights})
+    del weights
+    assert path.stat().st_size > RAW_PER_BODY * limit  # one batch by compressed size alone: refused
+    env = {**client_env(tmp_path, srv.url, token(server_env, "push")), "MFSREG_CHUNK_SIZE": str(2 << 20)}
+    res = mfsreg_json("push", path, "--family", "fam", "--version", "v1", env=env)
+    assert res["new_chunks"] == res["chunks"] >= 160 and res["sent_bytes"] < (1 << 20)
+    mfsreg("pull", "fam", "v1", "-o", tmp_path / "out", env=env)
+    assert filecmp.cmp(tmp_path / "out", path, shallow=False)
+
+
 def test_the_default_body_limit_takes_a_batch_of_the_largest_chunk():
     """A family may be cut at up to 256 MiB: one such chunk, uncompressible, goes in a batch alone."""
     from registry.config import Settings
@@ -409,15 +432,19 @@ def test_a_scoped_token_uses_another_familys_chunks_only_by_sending_their_bytes(
     m = hash_source(open_source(fam["base"]), 64 << 10, NullProgress())
     doc, ids, data = m.to_doc(), m.chunk_ids(), fam["base"].read_bytes()
     url = f"{srv.url}/v1/families/qwen"
-    # naming the ids of another family's chunks is not enough: the commit is refused, and no version appears
+    # naming the ids of another family's chunks is not enough: the commit is refused, and no version
+    # appears; the answer is the one chunks stored nowhere get, so it does not say they are stored
     r = httpx.post(f"{url}/versions/v1/commit", json={"manifest": doc}, headers=scoped)
-    assert r.status_code == 404 and "may not read" in r.json()["detail"]
+    assert r.status_code == 404 and r.json()["detail"].startswith(f"{len(ids)} chunks of qwen/v1 are not stored for this family")
     assert httpx.get(f"{url}/versions/v1", headers=scoped).status_code == 404
+    unknown = hash_source(open_source(fam["full-med"]), 64 << 10, NullProgress()).to_doc()
+    r = httpx.post(f"{url}/versions/v1/commit", json={"manifest": unknown}, headers=scoped)
+    assert r.status_code == 404 and " are not stored for this family (first: " in r.json()["detail"]
     # nor is another family's header read for such a commit: its parse errors would describe that model
     lying = json.loads(json.dumps(doc))
     lying["files"][0]["tensors"][0][0] = "guessed." + lying["files"][0]["tensors"][0][0]
     r = httpx.post(f"{url}/versions/v1/commit", json={"manifest": lying}, headers=scoped)
-    assert r.status_code == 404 and "may not read" in r.json()["detail"], r.json()
+    assert r.status_code == 404 and "not stored for this family" in r.json()["detail"], r.json()
     neg = httpx.post(f"{url}/versions/v1/negotiate", json={"manifest": doc}, headers=scoped).json()
     assert sorted(neg["missing"]) == sorted(ids)
     # an upload of a stored id is re-hashed like any other: other bytes are refused
@@ -427,7 +454,9 @@ def test_a_scoped_token_uses_another_familys_chunks_only_by_sending_their_bytes(
     assert httpx.post(f"{url}/chunks", content=forged, headers=scoped).status_code == 422
     body = build_batch([(Entry(i, len(b), "raw", len(b)), b) for i, b in raw.items()])
     r = httpx.post(f"{url}/chunks", content=body, headers=scoped)
-    assert r.status_code == 200 and r.json()["new_bytes"] == 0
+    # nor does the answer say the registry held them: they count as new, at the size sent
+    assert r.status_code == 200 and r.json()["new_bytes"] == sum(map(len, raw.values()))
+    assert sorted(bucket_keys(server_env)) == keys
     # what a push proved lasts the grace period: a prune past it forgets an upload nobody committed
     assert httpx.post(f"{srv.url}/v1/prune", params={"min_age": 0}, headers=admin).status_code == 200
     assert httpx.post(f"{url}/versions/v1/commit", json={"manifest": doc}, headers=scoped).status_code == 404
@@ -443,10 +472,72 @@ def test_a_scoped_token_uses_another_familys_chunks_only_by_sending_their_bytes(
     # the client does all this by itself: it sends the chunks qwen lacks, the registry stores none of them
     scoped_env = client_env(tmp_path, srv.url, scoped_tok)
     res = mfsreg_json("push", fam["lora-chat"], "--family", "qwen", "--version", "chat", env=scoped_env)
-    assert res["sent_bytes"] > 0 and res["new_bytes"] == 0
+    assert res["sent_bytes"] > 0 and res["new_bytes"] == res["sent_bytes"]
     assert sorted(bucket_keys(server_env)) == keys
     mfsreg("pull", "qwen", "chat", "-o", tmp_path / "chat.out", env=scoped_env)
     assert filecmp.cmp(tmp_path / "chat.out", fam["lora-chat"], shallow=False)
+
+
+def test_a_stored_chunk_proves_a_scoped_upload_only_by_equal_bytes(reg, fam):
+    """A chunk id is an xxh3-128, not built to resist forged collisions: an upload through a scoped
+    token claims a chunk another family stored only if its bytes are the stored ones, plain or
+    delta. (Bytes that hash to a stored id but differ cannot be made in a test; they reach this
+    check after the re-hash, with the same answer a hash mismatch gets.)"""
+    from registry.access import check_proofs
+    from registry.auth import Principal
+    from registry.errors import IntegrityError
+
+    reg.push(fam["base"], "secret", "base")
+    reg.push(fam["full-med"], "secret", "med", parent="base")
+    m = hash_source(open_source(fam["full-med"]), reg.settings.chunk_size, NullProgress())
+    data = fam["full-med"].read_bytes()
+    raw = {c.id: data[c.offset:c.offset + c.size] for f in m.files for c in f.chunks}
+    deltas = {i for i, c in reg.locate(list(raw)).items() if c.basis_id}
+    assert deltas
+    scoped, everyone = Principal("push", "qwen*"), Principal("admin", "*")
+    check_proofs(reg, scoped, "qwen", raw)  # the stored bytes, decoded from their deltas
+    some = min(deltas)
+    forged = {**raw, some: bytes(len(raw[some]))}
+    with pytest.raises(IntegrityError, match=f"chunk {some}: bytes do not match the id"):
+        check_proofs(reg, scoped, "qwen", forged)
+    check_proofs(reg, everyone, "qwen", forged)  # a token for every family proves nothing: it may use them all
+    check_proofs(reg, Principal("push", "sec*"), "secret", forged)  # nor need chunks its own family uses
+
+
+def test_a_scoped_push_whose_proofs_lapse_before_its_commit_uploads_again(servers, server_env, fam, tmp_path):
+    """A prune between a scoped push's upload and its commit forgets the claims that upload made
+    (an admin's prune with a grace period of 0): the commit is told to upload, and the client asks
+    again what is missing, sends it and commits, by itself."""
+    from registry.client.remote import RemoteRegistry
+    from registry.progress import NullProgress as Quiet
+
+    (srv,) = servers(1)
+    admin_tok, scoped_tok = token(server_env, "admin"), token(server_env, "push", "qwen*")
+    mfsreg_json("push", fam["base"], "--family", "secret", "--version", "base",
+                env=client_env(tmp_path, srv.url, admin_tok))
+    keys = sorted(bucket_keys(server_env))
+    pruned = []
+
+    class PruneOnceSent(Quiet):
+        def start(self, task, total):
+            self.total, self.done = total, 0
+
+        def advance(self, task, n):
+            self.done += n
+            if task == "send" and self.done == self.total and not pruned:
+                r = httpx.post(f"{srv.url}/v1/prune", params={"min_age": 0},
+                               headers={"Authorization": f"Bearer {admin_tok}"})
+                pruned.append(r.status_code)
+
+    with RemoteRegistry(srv.url, token=scoped_tok, chunk_size=64 << 10) as client:
+        res = client.push(fam["base"], "qwen", "v1", progress=PruneOnceSent())
+    size = fam["base"].stat().st_size
+    assert pruned == [200]
+    assert res.sent_bytes > size  # every chunk sent twice (the header compresses, the bf16 barely does)
+    assert sorted(bucket_keys(server_env)) == keys  # and stored once, by the first family
+    env = client_env(tmp_path, srv.url, scoped_tok)
+    mfsreg("pull", "qwen", "v1", "-o", tmp_path / "out", env=env)
+    assert filecmp.cmp(tmp_path / "out", fam["base"], shallow=False)
 
 
 def test_a_scoped_push_gets_plain_copies_of_chunks_stored_against_another_familys(servers, server_env, fam, tmp_path):
