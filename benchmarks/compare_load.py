@@ -7,7 +7,7 @@ between hours, so two bench_node runs made at different times cannot show a 15% 
 server (the working tree's code, Postgres, moto's S3) holds base and lora-chat; each side's client
 runs in a fresh process with its own checkout first on sys.path, against one shared node cache that
 a first, untimed load fills. A child loads lora-chat and maps it ``load_file`` by turns, nine times
-each, and times "ready" (the call plus the first touch of every page, as bench_node does); then it
+each (and, where the side has it, ``load_tensors(verify=False)``), and times "ready" (the call plus the first touch of every page, as bench_node does); then it
 switches a ResidentModel between base and lora-chat five times. The sides take turns going first.
 Writes benchmarks/results/compare_load.json.
 """
@@ -48,16 +48,25 @@ def _touch(tensors):  # here, not imported: both sides time the first touch with
 
 load_tensors(family, member, node=node)  # untimed: imports, pools, page cache
 load_file(path)
-loads, files = [], []
+try:  # a revision with load_tensors(verify=False): it maps the cache's files without reading them again
+    load_tensors(family, member, node=node, verify=False)
+    trusting = True
+except TypeError:
+    trusting = False
+loads, files, unverified = [], [], []
 for _ in range(9):
     t0 = time.perf_counter(); t = load_tensors(family, member, node=node); _touch(t); loads.append(time.perf_counter() - t0); del t
     t0 = time.perf_counter(); t = load_file(path); _touch(t); files.append(time.perf_counter() - t0); del t
+    if trusting:
+        t0 = time.perf_counter(); t = load_tensors(family, member, node=node, verify=False); _touch(t)
+        unverified.append(time.perf_counter() - t0); del t
 resident = ResidentModel(family, base, node=node)
 switches = []
 for _ in range(5):
     t0 = time.perf_counter(); resident.switch(member); resident.switch(base); switches.append((time.perf_counter() - t0) / 2)
 node.close()
 print(json.dumps({"load_tensors_ready": statistics.median(loads), "load_file_ready": statistics.median(files),
+                  "load_tensors_unverified_ready": statistics.median(unverified) if unverified else None,
                   "switch": statistics.median(switches), "package": registry.__file__}))
 """
 
@@ -112,7 +121,22 @@ def report(doc: dict) -> str:
         f"## {doc['params']['member']} loaded by two revisions of the node client, interleaved (seconds, ready)", "",
         table(["pair", f"load_tensors {a}", f"load_tensors {b}", f"load_file ({a}'s run)", f"load_file ({b}'s run)",
                f"switch {a}", f"switch {b}"], rows), "",
-        f"Median ratio {b} / {a}: load_tensors {med['load_tensors_ready']:.2f}, switch {med['switch']:.2f}", ""])
+        f"Median ratio {b} / {a}: load_tensors {med['load_tensors_ready']:.2f}, switch {med['switch']:.2f}", "",
+        *_unverified_lines(doc)])
+
+
+def _unverified_lines(doc: dict) -> list[str]:
+    """load_tensors(verify=False) beside load_file of the same child, where a side has it."""
+    out = []
+    for side in doc["params"]["sides"]:
+        runs = [(p[side]["load_tensors_unverified_ready"], p[side]["load_file_ready"], p[side]["load_tensors_ready"])
+                for p in doc["pairs"] if p[side].get("load_tensors_unverified_ready") is not None]
+        if runs:
+            speed = median([f / u for u, f, _ in runs])
+            out += [f"{side}: load_tensors(verify=False) ready {median([u for u, _, _ in runs]):.3f} s; its speed / "
+                    f"load_file's (mmap) in the same child, median {speed:.2f}x (gate >= 0.9x); checked load_tensors "
+                    f"{median([f / c for _, f, c in runs]):.2f}x", ""]
+    return out
 
 
 if __name__ == "__main__":

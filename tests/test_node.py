@@ -169,6 +169,36 @@ def test_load_tensors_replaces_a_damaged_cached_chunk(published, fam):
         node.close()
 
 
+def test_an_unverified_load_trusts_the_cache_and_a_scrub_finds_what_rotted(published, fam):
+    """verify=False checks chunks as they are fetched, not again as they are loaded: a cache file
+    cut short is still fetched again (its size is wrong), while one that rotted in place is handed
+    out as it is, until `cache verify` drops it; the default load catches it (test above)."""
+    from registry.client.scrub import verify_cache
+
+    _, env = published
+    node = Node(env["MFSREG_URL"], env["MFSREG_TOKEN"], env["MFSREG_CACHE_DIR"])
+    try:
+        _equal_to_file(load_tensors("fam", "lora-chat", node=node, verify=False), fam["lora-chat"])  # fetched, checked
+        pieces = [(span, p) for span, ps in layout(node.fetcher.version("fam", "lora-chat")).values() for p in ps]
+        mapped = [(span.name, p) for span, p in pieces if p.start % mmap.PAGESIZE == 0 and p.chunk.size >= 2 * mmap.PAGESIZE
+                  and (p.chunk.size % mmap.PAGESIZE == 0 or p.start + p.chunk.size == span.nbytes)]
+        (name, first), (_, second) = mapped[0], next(m for m in mapped if m[1].chunk.id != mapped[0][1].chunk.id)
+        flipped, cut = first.chunk.id, second.chunk.id
+        _damage(env, flipped, cut)
+        got = load_tensors("fam", "lora-chat", node=node, verify=False)
+        assert chunk_id(_cache_file(env, cut).read_bytes()) == cut  # cut short: fetched again
+        want = load_file(str(fam["lora-chat"]))[name].reshape(-1).view(torch.uint8)
+        rotten = got[name].reshape(-1).view(torch.uint8)[first.start : first.start + first.chunk.size]
+        assert not torch.equal(rotten, want[first.start : first.start + first.chunk.size])  # trusted as it lies
+        assert verify_cache(node.cache)["damaged_chunks"] == [flipped]
+        _equal_to_file(load_tensors("fam", "lora-chat", node=node, verify=False), fam["lora-chat"])
+        model = ResidentModel("fam", "base", node=node, verify=False)
+        model.switch("lora-chat")
+        _equal_to_file(model.tensors, fam["lora-chat"])
+    finally:
+        node.close()
+
+
 def test_resident_model_switch_copies_only_differing_chunks(published, fam):
     _, env = published
     node = Node(env["MFSREG_URL"], env["MFSREG_TOKEN"], env["MFSREG_CACHE_DIR"])

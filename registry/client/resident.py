@@ -12,15 +12,17 @@ class ResidentModel:
 
     ``switch(version)`` moves to another version in place: a tensor whose dtype and shape stay the
     same gets only its differing chunks copied over; a tensor whose shape changes is reallocated and
-    filled; tensors the target lacks are dropped. Returns the bytes copied.
+    filled; tensors the target lacks are dropped. Returns the bytes copied. ``verify``: as for
+    load_tensors.
     """
 
-    def __init__(self, family: str, version: str, device: str | torch.device = "cpu", node: Node | None = None):
+    def __init__(self, family: str, version: str, device: str | torch.device = "cpu", node: Node | None = None,
+                 verify: bool = True):
         self._own = node is None
         self.node = node or Node()
         self.family = family
         self.device = torch.device(device)
-        self.copier = Copier(self.node.cache, self.device, self.node.remote.pool)
+        self.copier = Copier(self.node.cache, self.device, self.node.remote.pool, verify)  # see load_tensors
         self.version = version
         self.info = self.node.fetcher.version(family, version)
         lay = layout(self.info)

@@ -1,8 +1,9 @@
 """Tensors straight from the node cache, without writing a file.
 
 On the CPU each chunk file is mapped into its tensor's address range (registry/client/mapping.py):
-no copy, like safetensors' own mmap loader, and each chunk is re-checked against its id. Chunks
-that do not line up with pages are read into the tensor instead.
+no copy, like safetensors' own mmap loader, and each chunk is re-checked against its id (unless the
+caller passes ``verify=False``, see load_tensors). Chunks that do not line up with pages are read
+into the tensor instead.
 Fetching runs ahead on a background thread, batch by batch, so network, decode and copy overlap.
 On a GPU, chunks go through two pinned staging buffers and are copied with non_blocking copies on
 a CUDA stream; a buffer is refilled only after the event of its last copy has completed.
@@ -98,8 +99,9 @@ class Node:
 class Copier:
     """Puts cached chunks into tensor bytes on one device: mapped where they line up with pages (CPU), else copied."""
 
-    def __init__(self, cache: NodeCache, device: torch.device, pool=None):
+    def __init__(self, cache: NodeCache, device: torch.device, pool=None, verify: bool = True):
         self.cache = cache
+        self.verify = verify  # False: trust the cache's files (checked when fetched), only their sizes
         self.refetch = None  # [chunk id] -> None: fetch chunks into the cache again (node.refetcher)
         self.device = device
         self.pool = pool  # CPU: pieces are read on several threads (file reads and xxh3 release the GIL)
@@ -172,7 +174,7 @@ class Copier:
         if region is not None and region.can_map(p.start, p.chunk.size):
             view = region.map_file(p.start, p.chunk.size, self.cache.chunk_file(p.chunk.id))
             if view is not None:
-                return chunk_id(view) == p.chunk.id
+                return not self.verify or chunk_id(view) == p.chunk.id
         return self._read(p.chunk, memoryview(arr[p.start : p.start + p.chunk.size]))
 
     def _stage(self, flat: torch.Tensor, p: Piece) -> None:
@@ -194,7 +196,7 @@ class Copier:
 
     def _read(self, chunk: ChunkRef, view: memoryview) -> bool:
         """Read a cached chunk into ``view``; False if its file is missing, short or does not match its id."""
-        return self.cache.read_into(chunk.id, view) and chunk_id(view) == chunk.id
+        return self.cache.read_into(chunk.id, view) and (not self.verify or chunk_id(view) == chunk.id)
 
     def _renew(self, chunks: list[ChunkRef]) -> None:
         """Drop these chunks' cache files (missing, cut short or damaged) and fetch them again, in one go."""
@@ -268,13 +270,20 @@ def fill(node: Node, info: VersionInfo, copier: Copier, targets: dict[str, torch
     return copied
 
 
-def load_tensors(family: str, version: str, device: str | torch.device = "cpu", node: Node | None = None) -> dict[str, torch.Tensor]:
-    """A version's tensors on ``device``, built from the node cache (fetching what it lacks)."""
+def load_tensors(family: str, version: str, device: str | torch.device = "cpu", node: Node | None = None,
+                 verify: bool = True) -> dict[str, torch.Tensor]:
+    """A version's tensors on ``device``, built from the node cache (fetching what it lacks).
+
+    Every chunk is checked against its id as it is fetched. ``verify`` (the default) checks each
+    cached chunk again as it is loaded, which reads every byte: a cache file that rotted on disk
+    since is dropped and fetched again. ``verify=False`` trusts the cache's files as fetched (they
+    are written once, read-only, and renamed into place whole; missing or cut-short files are still
+    fetched again), so a CPU load only maps them; ``mfsreg cache verify`` finds damage instead."""
     own = node is None
     node = node or Node()
     try:
         info = node.fetcher.version(family, version)
-        copier = Copier(node.cache, torch.device(device), node.remote.pool)
+        copier = Copier(node.cache, torch.device(device), node.remote.pool, verify)
         lay = layout(info)
         tensors = {name: copier.empty(span) for name, (span, _) in lay.items()}
         fill(node, info, copier, tensors, {name: pieces for name, (_, pieces) in lay.items()})
