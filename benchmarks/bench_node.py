@@ -26,7 +26,7 @@ Then each figure is the median of --runs, measured in one process:
   allocator warm), then in LOAD_REPS interleaved rounds; each round times the call and the first
   touch of every page after it ("ready"). Gated: load_tensors' ready speed >= 0.9x each
   load_file's ready speed; the bare call times are shown beside. load_tensors(verify=False), which
-  trusts the cache as fetched instead of hashing every chunk again, is timed and gated beside.
+  trusts the cache as fetched instead of hashing every chunk again, is timed beside, not gated.
 - switch: ResidentModel(family, "base", node) built from the warm cache, then .switch("lora-chat")
   and .switch("base") back: seconds and bytes copied, beside a full reload of the target
   (load_tensors of lora-chat from the warm cache). On the first run the switched tensors are
@@ -370,11 +370,15 @@ def gates(s: dict) -> dict:
         speed = ld[ref + "_ready"] / ld["load_tensors_ready"]  # speed ratio = inverse time ratio
         out[f"load_tensors_vs_{ref}"] = {"value": speed, "limit": LOAD_GATE, "pass": speed >= LOAD_GATE,
                                          "bare_call_speed": ld[ref] / ld["load_tensors"]}
-    # load_tensors(verify=False), which trusts the cache as fetched, is reported beside: not the default
-    if ld.get("load_tensors_unverified_ready") is not None and ld.get("load_file") is not None:
-        speed = ld["load_file_ready"] / ld["load_tensors_unverified_ready"]
-        out["load_tensors_unverified_vs_load_file"] = {"value": speed, "limit": LOAD_GATE, "pass": speed >= LOAD_GATE}
     return out
+
+
+def unverified_speed(ld: dict) -> float | None:
+    """load_tensors(verify=False)'s ready speed / the mmap load_file's: shown beside the gates, not
+    one of them (the gate is on the default, which checks every chunk)."""
+    if ld.get("load_tensors_unverified_ready") is None or ld.get("load_file") is None:
+        return None
+    return ld["load_file_ready"] / ld["load_tensors_unverified_ready"]
 
 
 def _pf(ok: bool) -> str:
@@ -412,11 +416,11 @@ def report(doc: dict) -> str:
     n = ld["tensor_bytes"]
     rows = [["load_tensors (node cache, warm)", f"{ld['load_tensors']:.3f}", f"{ld['load_tensors_ready']:.3f}",
              f"{n / ld['load_tensors_ready'] / MB:,.0f}", "", ""]]
-    gu = g.get("load_tensors_unverified_vs_load_file")
-    if gu is not None:
+    speed = unverified_speed(ld)
+    if speed is not None:
         rows.append(["load_tensors(verify=False): speed / load_file (mmap)", f"{ld['load_tensors_unverified']:.3f}",
                      f"{ld['load_tensors_unverified_ready']:.3f}", f"{n / ld['load_tensors_unverified_ready'] / MB:,.0f}",
-                     f"{gu['value']:.2f}x", f"{_pf(gu['pass'])} (>= {LOAD_GATE}x)"])
+                     f"{speed:.2f}x", "not gated (the default checks)"])
     for ref, label in (("load_file", "load_file, default backend (mmap)"), ("load_file_pread", "load_file, backend=pread")):
         gg = g[f"load_tensors_vs_{ref}"]
         if ld.get(ref) is None:

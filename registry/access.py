@@ -17,6 +17,7 @@ A token for every family (pattern ``*``), and an embedded push, may use every st
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 from sqlalchemy import Connection
@@ -28,9 +29,12 @@ from registry.db import chunks as chunk_db
 from registry.db import claims as claim_db
 from registry.db import versions as version_db
 from registry.db.engine import read_tx, write_tx
-from registry.errors import IntegrityError
+from registry.errors import IntegrityError, NotFound, StorageError
+from registry.parallel import sized_batches
 from registry.ingest import RecordedPacks
 from registry.rebuild import decode_batch
+
+log = logging.getLogger("mfsreg")
 
 
 def reads_everything(who: Principal | None) -> bool:
@@ -48,22 +52,47 @@ def unproven(conn: Connection, who: Principal | None, family: str, stored: Seque
     return todo - claim_db.claimed(conn, family, list(todo)) if todo else todo
 
 
-def check_proofs(reg, who: Principal | None, family: str, uploaded: dict[str, bytes]) -> None:
-    """Raise IntegrityError unless each of ``uploaded`` (id -> raw bytes, already hashed to its id)
-    that ``who`` may not yet use in ``family`` equals the bytes stored under that id. The id is an
-    xxh3-128, fast but not built to resist a forged collision: a claim must rest on the bytes
-    themselves, or bytes crafted to hash like another family's chunk would lend that chunk. The
-    answer is the one a mismatched hash gets, so it says nothing of what is stored."""
+PROOF_BATCH = 256 << 20  # raw bytes of stored chunks read back at a time to compare an upload with
+
+
+def check_proofs(reg, who: Principal | None, family: str, uploaded: dict[str, bytes]) -> set[str]:
+    """Compare each of ``uploaded`` (id -> raw bytes, already hashed to its id) that ``who`` may not
+    yet use in ``family`` with the bytes stored under that id; raise IntegrityError at the first
+    that differs. The id is an xxh3-128, fast but not built to resist a forged collision: a claim
+    must rest on the bytes themselves, or bytes crafted to hash like another family's chunk would
+    lend that chunk. The error is the one a mismatched hash gets, so it says nothing of what is
+    stored. Returns the ids the push may claim: all of ``uploaded`` but those deleted meanwhile
+    (a prune), which a commit then asks for again."""
     if reads_everything(who) or not uploaded:
-        return
+        return set(uploaded)
     with read_tx(reg.engine) as conn:
         todo = sorted(unproven(conn, who, family, list(uploaded)))
-        located = chunk_db.locate_closure(conn, todo)
-    todo = [i for i in todo if i in located]  # deleted meanwhile: nothing left to lend
-    stored = decode_batch(todo, located, reg.read_payloads, reg.pool) if todo else {}
-    for i in todo:
-        if stored[i] != uploaded[i]:
-            raise IntegrityError(f"chunk {i}: bytes do not match the id; the batch was refused")
+    gone: set[str] = set()
+    for batch in sized_batches(todo, lambda i: len(uploaded[i]), PROOF_BATCH):
+        stored = _stored_bytes(reg, batch)
+        for i in batch:
+            if i not in stored:
+                gone.add(i)
+            elif stored[i] != uploaded[i]:
+                raise IntegrityError(f"chunk {i}: bytes do not match the id; the batch was refused")
+    return set(uploaded) - gone
+
+
+def _stored_bytes(reg, ids: list[str]) -> dict[str, bytes]:
+    """The raw bytes stored under those of ``ids`` still recorded. A prune may move or delete a
+    pack between the lookup and the read: looked up again once. A second failure is answered
+    without its details (they would name another family's chunks and the storage), which go to
+    the server's log."""
+    for attempt in (1, 2):
+        with read_tx(reg.engine) as conn:
+            located = chunk_db.locate_closure(conn, ids)
+        try:
+            return decode_batch([i for i in ids if i in located], located, reg.read_payloads, reg.pool)
+        except (NotFound, IntegrityError, StorageError) as exc:
+            if attempt == 2:
+                log.warning("could not read back stored chunks to compare a scoped upload with: %s", exc)
+    raise StorageError("the registry could not read back stored chunks to compare this upload with: send it "
+                       "again, and tell the registry's operator if this persists")
 
 
 def foreign_chains(conn: Connection, who: Principal | None, family: str, ids: Sequence[str]) -> list[str]:

@@ -210,12 +210,12 @@ def commit_version(reg, family: str, version: str, parent: str | None, manifest:
         # The version uses its chunks and, to rebuild them, the bases of its deltas: tiers count both.
         ids = manifest.chunk_ids()
         located = chunk_db.locate_closure(conn, ids)
-        still_missing = {i for i in ids if i not in located} | {
-            c.basis_id for c in located.values() if c.basis_id and c.basis_id not in located
-        }
         # Chunks not stored and chunks the pusher has not shown it holds get one answer, counted
         # together: told apart, they would say which ids some family this token may not read stores.
-        absent = still_missing | (unproven(conn, [i for i in ids if i in located]) if unproven is not None else set())
+        absent = {i for i in ids if i not in located}
+        absent |= unproven(conn, [i for i in ids if i in located]) if unproven is not None else set()
+        if not absent:  # a basis lost from the records (damage), looked for once every chunk named is the pusher's
+            absent = {c.basis_id for c in located.values() if c.basis_id and c.basis_id not in located}
         if absent:
             raise MissingChunks(f"{len(absent)} chunks of {family}/{version} are not stored for this family (first: "
                                 f"{min(absent)}): upload them, then commit again")

@@ -37,7 +37,7 @@ class PushResult:
     version: str
     digest: str
     logical_bytes: int
-    new_bytes: int  # stored (encoded) bytes this push added; through a scoped token, also those of stored chunks it had to send (registry/service.py)
+    new_bytes: int  # stored (encoded) bytes this push added; through a scoped token, the bytes it sent (registry/service.py)
     new_chunks: int
     reused_chunks: int
     chunks: int

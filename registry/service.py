@@ -81,8 +81,9 @@ def receive_batch(reg, family: str, body: bytes, who: Principal | None = None) -
     The bases are read from the blob store while the uploaded chunks are verified; memory holds
     the body and the batch's raw bytes (a batch is at most MFSREG_MAX_BODY). Through a token
     scoped to some families (``who``), the batch's chunks are claimed for ``family``; a chunk that
-    was stored already must equal the stored bytes (access.check_proofs), and counts in
-    ``new_bytes`` as if it had not been stored, so the answer does not say what other families hold."""
+    was stored already must equal the stored bytes (access.check_proofs, which reads them back in
+    bounded batches), and ``new_bytes`` is the bytes sent, so the answer does not say what other
+    families hold."""
     entries = list(parse_batch(body))
     for e, _ in entries:
         _check_encoding(e.encoding)
@@ -96,12 +97,15 @@ def receive_batch(reg, family: str, body: bytes, who: Principal | None = None) -
         raise TooLarge(f"the batch's chunks add up to {decoded:,} bytes once decoded, over this "
                        f"server's {limit:,} ({RAW_PER_BODY}x MFSREG_MAX_BODY): send fewer chunks per request")
     hinted = list({e.basis_id for e, _ in entries if e.basis_id})
+    scoped = not access.reads_everything(who)
     with read_tx(reg.engine) as conn:
         missing = chunk_db.missing_ids(conn, [e.id for e, _ in entries])
         fam = version_db.find_family(conn, family)
         # only bases this family already uses: a push must not pull another family's bytes in
         allowed = tier_db.family_chunk_ids(conn, fam.id, hinted) if fam else set()
         located = chunk_db.locate_closure(conn, allowed)
+        # stored chunks a scoped token has not shown it may use: compared with the stored bytes below
+        proving = access.unproven(conn, who, family, [e.id for e, _ in entries if e.id not in missing])
     reader = BasisReader(located, reg.read_payloads, decode_verified, locate=reg.locate)
     # Every chunk is verified, the stored ones too: an upload is how a scoped token proves it
     # holds a chunk another family stored (registry/access.py); only the missing ones are stored.
@@ -131,16 +135,15 @@ def receive_batch(reg, family: str, body: bytes, who: Principal | None = None) -
         return e, e.encoding, bytes(payload), None, 0
 
     # All verified before anything is written; the bases' reads (network) overlap the verification.
-    scoped = not access.reads_everything(who)
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="mfsreg-bases") as io:
         fetching = io.submit(reader.prefetch, list(basis_of.values()))
-        # the raw bytes of stored chunks are kept only where they must be compared (scoped tokens)
-        checked = [v if scoped or v[0].id in todo_ids else (v[0], v[1], None)
+        # raw bytes are kept for the chunks to store and those to compare, no others
+        checked = [v if v[0].id in todo_ids or v[0].id in proving else (v[0], v[1], None)
                    for v in windowed_map(reg.pool, verify, sent)]
         fetching.result()
     verified = [v for v in checked if v[0].id in todo_ids]
-    if scoped:
-        access.check_proofs(reg, who, family, {e.id: raw for e, _, raw in checked if e.id not in todo_ids})
+    proved = access.check_proofs(reg, who, family, {e.id: raw for e, _, raw in checked if e.id in proving})
+    del checked
     ready = list(windowed_map(reg.pool, encode, verified))
     uploaded = {e.id: (e.encoding, payload) for e, payload, _ in verified}
 
@@ -155,10 +158,10 @@ def receive_batch(reg, family: str, body: bytes, who: Principal | None = None) -
     added = store_chunks(reg, todo_ids, basis_of.values(), items)
     if scoped:
         with write_tx(reg.engine) as conn:
-            claim_db.record(conn, family, [e.id for e, _ in sent])
-        # What the registry held already is not this token's to learn: a chunk it sent that was
-        # stored counts as new, at the size it was sent.
-        added += sum(e.length for e, _ in sent if e.id not in todo_ids)
+            claim_db.record(conn, family, sorted(todo_ids | proved))
+        # What the registry held, and how it stores it, is not this token's to learn: new_bytes
+        # counts every chunk sent, at the size sent, whether stored now, before, or as a delta.
+        added = sum(e.length for e, _ in sent)
     return {"received": len(entries), "new_bytes": added}
 
 

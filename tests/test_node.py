@@ -191,6 +191,11 @@ def test_an_unverified_load_trusts_the_cache_and_a_scrub_finds_what_rotted(publi
         rotten = got[name].reshape(-1).view(torch.uint8)[first.start : first.start + first.chunk.size]
         assert not torch.equal(rotten, want[first.start : first.start + first.chunk.size])  # trusted as it lies
         assert verify_cache(node.cache)["damaged_chunks"] == [flipped]
+        # a file longer than its chunk is refused by the read path too (the mapping checks its size)
+        long_file = _cache_file(env, cut)
+        long_file.chmod(0o644)
+        long_file.write_bytes(long_file.read_bytes() + b"extra")
+        assert not node.cache.read_into(cut, memoryview(bytearray(second.chunk.size)))
         _equal_to_file(load_tensors("fam", "lora-chat", node=node, verify=False), fam["lora-chat"])
         model = ResidentModel("fam", "base", node=node, verify=False)
         model.switch("lora-chat")

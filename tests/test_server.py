@@ -437,9 +437,12 @@ def test_a_scoped_token_uses_another_familys_chunks_only_by_sending_their_bytes(
     r = httpx.post(f"{url}/versions/v1/commit", json={"manifest": doc}, headers=scoped)
     assert r.status_code == 404 and r.json()["detail"].startswith(f"{len(ids)} chunks of qwen/v1 are not stored for this family")
     assert httpx.get(f"{url}/versions/v1", headers=scoped).status_code == 404
-    unknown = hash_source(open_source(fam["full-med"]), 64 << 10, NullProgress()).to_doc()
-    r = httpx.post(f"{url}/versions/v1/commit", json={"manifest": unknown}, headers=scoped)
-    assert r.status_code == 404 and " are not stored for this family (first: " in r.json()["detail"]
+    # a manifest naming chunks stored nowhere (the grown vocabulary's) and chunks another family
+    # stores (the tensors it shares with the base): all counted together
+    mixed = hash_source(open_source(fam["vocab-ext"]), 64 << 10, NullProgress())
+    assert set(mixed.chunk_ids()) & set(ids) and set(mixed.chunk_ids()) - set(ids)
+    r = httpx.post(f"{url}/versions/v1/commit", json={"manifest": mixed.to_doc()}, headers=scoped)
+    assert r.status_code == 404 and r.json()["detail"].startswith(f"{len(mixed.chunk_ids())} chunks of qwen/v1 are not stored for this family")
     # nor is another family's header read for such a commit: its parse errors would describe that model
     lying = json.loads(json.dumps(doc))
     lying["files"][0]["tensors"][0][0] = "guessed." + lying["files"][0]["tensors"][0][0]
@@ -474,6 +477,11 @@ def test_a_scoped_token_uses_another_familys_chunks_only_by_sending_their_bytes(
     res = mfsreg_json("push", fam["lora-chat"], "--family", "qwen", "--version", "chat", env=scoped_env)
     assert res["sent_bytes"] > 0 and res["new_bytes"] == res["sent_bytes"]
     assert sorted(bucket_keys(server_env)) == keys
+    # chunks new to the registry, stored as deltas against qwen's own: new_bytes is what was sent too,
+    # or its size would tell them from chunks another family holds
+    res = mfsreg_json("push", fam["full-med"], "--family", "qwen", "--version", "med", "--parent", "v1", env=scoped_env)
+    assert res["new_chunks"] > 0 and res["new_bytes"] == res["sent_bytes"]
+    assert len(bucket_keys(server_env)) > len(keys)
     mfsreg("pull", "qwen", "chat", "-o", tmp_path / "chat.out", env=scoped_env)
     assert filecmp.cmp(tmp_path / "chat.out", fam["lora-chat"], shallow=False)
 
@@ -504,6 +512,32 @@ def test_a_stored_chunk_proves_a_scoped_upload_only_by_equal_bytes(reg, fam):
     check_proofs(reg, Principal("push", "sec*"), "secret", forged)  # nor need chunks its own family uses
 
 
+def test_a_scoped_upload_is_compared_with_the_stored_chunk(servers, server_env, fam, tmp_path):
+    """The server reads back a stored chunk that a scoped token uploads, to compare the bytes
+    (access.check_proofs): with that chunk's pack damaged in storage the comparison cannot be made,
+    and the upload is refused with a 503 that names neither the pack nor the chunk's family, and
+    claims nothing. (With equal bytes it passes: the tests above.)"""
+    (srv,) = servers(1)
+    admin_tok, scoped_tok = token(server_env, "admin"), token(server_env, "push", "qwen*")
+    mfsreg_json("push", fam["base"], "--family", "secret", "--version", "base", env=client_env(tmp_path, srv.url, admin_tok))
+    (key,) = [k for k in bucket_keys(server_env) if k.endswith(".pack")]
+    bucket = server_env["MFSREG_BLOB_URL"].split("/")[2]
+    s3 = boto3.client("s3", endpoint_url=server_env["MFSREG_S3_ENDPOINT_URL"], region_name="us-east-1")
+    pack = bytearray(s3.get_object(Bucket=bucket, Key=key)["Body"].read())
+    pack[len(pack) // 2 :] = bytes(len(pack) - len(pack) // 2)
+    s3.put_object(Bucket=bucket, Key=key, Body=bytes(pack))
+    m = hash_source(open_source(fam["base"]), 64 << 10, NullProgress())
+    data = fam["base"].read_bytes()
+    raw = {c.id: data[c.offset:c.offset + c.size] for f in m.files for c in f.chunks}
+    body = build_batch([(Entry(i, len(b), "raw", len(b)), b) for i, b in raw.items()])
+    scoped = {"Authorization": f"Bearer {scoped_tok}"}
+    r = httpx.post(f"{srv.url}/v1/families/qwen/chunks", content=body, headers=scoped)
+    assert r.status_code == 503 and r.json()["detail"].startswith("the registry could not read back stored chunks"), r.text
+    assert key not in r.text and "secret" not in r.text
+    r = httpx.post(f"{srv.url}/v1/families/qwen/versions/v1/commit", json={"manifest": m.to_doc()}, headers=scoped)
+    assert r.status_code == 404 and "not stored for this family" in r.json()["detail"]  # nothing was claimed
+
+
 def test_a_scoped_push_whose_proofs_lapse_before_its_commit_uploads_again(servers, server_env, fam, tmp_path):
     """A prune between a scoped push's upload and its commit forgets the claims that upload made
     (an admin's prune with a grace period of 0): the commit is told to upload, and the client asks
@@ -531,9 +565,14 @@ def test_a_scoped_push_whose_proofs_lapse_before_its_commit_uploads_again(server
 
     with RemoteRegistry(srv.url, token=scoped_tok, chunk_size=64 << 10) as client:
         res = client.push(fam["base"], "qwen", "v1", progress=PruneOnceSent())
-    size = fam["base"].stat().st_size
+    from registry import codec
+
+    m = hash_source(open_source(fam["base"]), 64 << 10, NullProgress())
+    data = fam["base"].read_bytes()
+    once = sum(len(codec.encode(data[c.offset:c.offset + c.size], c.itemsize)[1])
+               for c in {c.id: c for f in m.files for c in f.chunks}.values())
     assert pruned == [200]
-    assert res.sent_bytes > size  # every chunk sent twice (the header compresses, the bf16 barely does)
+    assert res.sent_bytes == 2 * once  # every chunk sent again after the prune
     assert sorted(bucket_keys(server_env)) == keys  # and stored once, by the first family
     env = client_env(tmp_path, srv.url, scoped_tok)
     mfsreg("pull", "qwen", "v1", "-o", tmp_path / "out", env=env)

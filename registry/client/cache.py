@@ -140,9 +140,12 @@ class NodeCache:
         return data
 
     def read_into(self, chunk_id: str, out) -> bool:
-        """Read a chunk straight into a writable buffer (a tensor's bytes); False if not cached."""
+        """Read a chunk straight into a writable buffer (a tensor's bytes); False if not cached, or
+        if its file is not exactly that long (a load that skips the id check relies on this)."""
         try:
             with open(self.chunk_file(chunk_id), "rb", buffering=0) as f:
+                if os.fstat(f.fileno()).st_size != len(out):
+                    return False
                 n = f.readinto(out)
         except FileNotFoundError:
             return False

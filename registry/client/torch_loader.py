@@ -130,7 +130,8 @@ class Copier:
         return self.copy_many([(tensor, pieces)])
 
     def copy_many(self, work: list[tuple[torch.Tensor, list[Piece]]]) -> int:
-        """Put each tensor's pieces into it (mapped or copied), each checked against its id; returns
+        """Put each tensor's pieces into it (mapped or copied), each checked against its id (with
+        ``verify``; without, only against its size); returns
         their bytes. A chunk whose cache file is missing (another process evicted it), cut short or
         damaged is dropped, fetched again and put in place again, once.
 
