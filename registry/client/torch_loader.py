@@ -156,7 +156,9 @@ class Copier:
         def place_run(run: list) -> list:
             return [(place, p) for place, p in run if not place(p)]
 
-        if self.pool is not None and len(jobs) > 1:
+        # Unchecked, a piece is a few system calls and the Python around them: on the pool the
+        # threads would mostly hand the GIL back and forth.
+        if self.pool is not None and len(jobs) > 1 and self.verify:
             runs = [jobs[i : i + PIECES_PER_TASK] for i in range(0, len(jobs), PIECES_PER_TASK)]
             failed = [job for bad in windowed_map(self.pool, place_run, runs) for job in bad]
         else:
@@ -255,9 +257,10 @@ def _fetch_ahead(fetcher: Fetcher, info: VersionInfo, groups: list[list[str]]) -
 
 
 def fill(node: Node, info: VersionInfo, copier: Copier, targets: dict[str, torch.Tensor],
-         todo: dict[str, list[Piece]]) -> int:
-    """Fetch what ``todo`` needs (ahead of the copies) and copy it into ``targets``; returns bytes copied."""
-    lay = layout(info)
+         todo: dict[str, list[Piece]], lay: dict | None = None) -> int:
+    """Fetch what ``todo`` needs (ahead of the copies) and copy it into ``targets``; returns bytes
+    copied. ``lay``: layout(info), where the caller has it already (a few ms for a 1 GB model)."""
+    lay = lay if lay is not None else layout(info)
     names = [n for n in todo if todo[n]]
     groups = list(sized_batches(names, lambda name: lay[name][0].nbytes, FETCH_AHEAD_BYTES))
     chunk_groups = [list(dict.fromkeys(p.chunk.id for n in g for p in todo[n])) for g in groups]
@@ -287,7 +290,7 @@ def load_tensors(family: str, version: str, device: str | torch.device = "cpu", 
         copier = Copier(node.cache, torch.device(device), node.remote.pool, verify)
         lay = layout(info)
         tensors = {name: copier.empty(span) for name, (span, _) in lay.items()}
-        fill(node, info, copier, tensors, {name: pieces for name, (_, pieces) in lay.items()})
+        fill(node, info, copier, tensors, {name: pieces for name, (_, pieces) in lay.items()}, lay)
         node.cache.record_pull(family, version)
         return tensors
     finally:
