@@ -62,7 +62,8 @@ def check_proofs(reg, who: Principal | None, family: str, uploaded: dict[str, by
     must rest on the bytes themselves, or bytes crafted to hash like another family's chunk would
     lend that chunk. The error is the one a mismatched hash gets, so it says nothing of what is
     stored. Returns the ids the push may claim: all of ``uploaded`` but those deleted meanwhile
-    (a prune), which a commit then asks for again."""
+    (a prune), which a commit then asks for again. Raises StorageError (a 503 that names nothing)
+    where the stored bytes cannot be read back."""
     if reads_everything(who) or not uploaded:
         return set(uploaded)
     with read_tx(reg.engine) as conn:
@@ -89,8 +90,8 @@ def _stored_bytes(reg, ids: list[str]) -> dict[str, bytes]:
         try:
             return decode_batch([i for i in ids if i in located], located, reg.read_payloads, reg.pool)
         except (NotFound, IntegrityError, StorageError) as exc:
-            if attempt == 2:
-                log.warning("could not read back stored chunks to compare a scoped upload with: %s", exc)
+            log.warning("could not read back stored chunks to compare a scoped upload with (attempt %d of 2): %s",
+                        attempt, exc)
     raise StorageError("the registry could not read back stored chunks to compare this upload with: send it "
                        "again, and tell the registry's operator if this persists")
 

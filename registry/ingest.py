@@ -28,7 +28,7 @@ from registry.db.engine import read_tx, write_tx
 from registry.db.locks import exclude_prune
 from registry import deltas, results
 from registry.deltas import BasisReader
-from registry.errors import Conflict, InvalidRequest, MissingChunks, NotFound, Pruned
+from registry.errors import Conflict, InvalidRequest, MissingChunks, NotFound, Pruned, StorageError
 from registry.hashing import HashJob, encoded_chunks, missing_bytes
 from registry.manifest import Manifest
 from registry.names import check_name
@@ -214,11 +214,14 @@ def commit_version(reg, family: str, version: str, parent: str | None, manifest:
         # together: told apart, they would say which ids some family this token may not read stores.
         absent = {i for i in ids if i not in located}
         absent |= unproven(conn, [i for i in ids if i in located]) if unproven is not None else set()
-        if not absent:  # a basis lost from the records (damage), looked for once every chunk named is the pusher's
-            absent = {c.basis_id for c in located.values() if c.basis_id and c.basis_id not in located}
         if absent:
             raise MissingChunks(f"{len(absent)} chunks of {family}/{version} are not stored for this family (first: "
                                 f"{min(absent)}): upload them, then commit again")
+        if any(c.basis_id and c.basis_id not in located for c in located.values()):
+            # A delta whose basis has no row: prune never leaves one (it keeps every basis in use),
+            # so the records are damaged, and no upload of the version's own chunks can mend that.
+            raise StorageError(f"the registry's records lost the basis of a stored chunk of {family}/{version}: "
+                               "tell the registry's operator (`mfsreg prune` does not do this; a restore might have)")
         if unproven is not None:  # only pushes through the server claim chunks
             claim_db.forget(conn, family, ids)  # the family uses them from now on
         wrong = [c.id for f in manifest.files for c in f.chunks if located[c.id].size != c.size]

@@ -458,3 +458,22 @@ def test_basis_is_the_most_similar_member_without_parent(reg, fam, tmp_path):
     located = reg.locate(chat.chunk_ids())
     deltas = [c for c in located.values() if c.basis_id]
     assert deltas and {c.basis_id for c in deltas} <= set(base.chunk_ids())
+
+
+def test_a_commit_whose_stored_chunk_lost_its_basis_is_a_storage_error(reg, fam):
+    """A delta whose basis has no row is damage (prune keeps every basis in use): a push that would
+    use it gets a storage error, not "upload them", which no upload of its own chunks could mend."""
+    from sqlalchemy import update
+
+    from registry.db.engine import write_tx
+    from registry.db.models import chunks
+
+    reg.push(fam["base"], "fam", "base")
+    reg.push(fam["full-med"], "fam", "med", parent="base")
+    _, manifest = reg.manifest("fam", "med")
+    delta = min(i for i, c in reg.locate(manifest.chunk_ids()).items() if c.basis_id)
+    with write_tx(reg.engine) as conn:
+        conn.execute(update(chunks).where(chunks.c.id == delta).values(basis_id="f" * 32))
+    with pytest.raises(StorageError, match="lost the basis of a stored chunk of fam/med-again"):
+        reg.push(fam["full-med"], "fam", "med-again")
+    assert sorted(v.name for v in reg.versions("fam")) == ["base", "med"]

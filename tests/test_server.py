@@ -510,6 +510,15 @@ def test_a_stored_chunk_proves_a_scoped_upload_only_by_equal_bytes(reg, fam):
         check_proofs(reg, scoped, "qwen", forged)
     check_proofs(reg, everyone, "qwen", forged)  # a token for every family proves nothing: it may use them all
     check_proofs(reg, Principal("push", "sec*"), "secret", forged)  # nor need chunks its own family uses
+    # a chunk deleted meanwhile (a prune) is compared with nothing, so it is not the push's to claim
+    from sqlalchemy import delete
+
+    from registry.db.engine import write_tx
+    from registry.db.models import chunks
+
+    with write_tx(reg.engine) as conn:
+        conn.execute(delete(chunks).where(chunks.c.id == some))
+    assert check_proofs(reg, scoped, "qwen", raw) == set(raw) - {some}
 
 
 def test_a_scoped_upload_is_compared_with_the_stored_chunk(servers, server_env, fam, tmp_path):

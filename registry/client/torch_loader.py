@@ -135,7 +135,8 @@ class Copier:
         their bytes. A chunk whose cache file is missing (another process evicted it), cut short or
         damaged is dropped, fetched again and put in place again, once.
 
-        On the CPU the pieces of all the tensors share the pool in runs of PIECES_PER_TASK: a
+        On the CPU the pieces of all the tensors share the pool in runs of PIECES_PER_TASK (but
+        for those mapped without the check, which the calling thread maps): a
         tensor of one chunk (most norms and biases, and many weights at 2 MiB chunks) no longer
         runs on the calling thread while the pool waits, and a tensor's last uneven run no longer
         holds the next tensor back."""
@@ -147,22 +148,25 @@ class Copier:
                 for p in pieces:
                     self._stage(flat, p)
             return total
-        jobs = []  # (placer of one tensor, piece)
+        jobs, maps = [], []  # (placer of one tensor, piece): read (or checked), and mapped unchecked
         for tensor, pieces in work:
             region = mapping.region_of(tensor) if mapping is not None else None
             place = functools.partial(self._place, _bytes_of(tensor).numpy(), region)
-            jobs.extend((place, p) for p in pieces)
+            for p in pieces:
+                # Unchecked, a mapped piece is a few system calls and the Python around them: on the
+                # pool the threads would mostly hand the GIL back and forth. Reads stay on the pool.
+                unchecked_map = not self.verify and region is not None and region.can_map(p.start, p.chunk.size)
+                (maps if unchecked_map else jobs).append((place, p))
 
         def place_run(run: list) -> list:
             return [(place, p) for place, p in run if not place(p)]
 
-        # Unchecked, a piece is a few system calls and the Python around them: on the pool the
-        # threads would mostly hand the GIL back and forth.
-        if self.pool is not None and len(jobs) > 1 and self.verify:
+        failed = place_run(maps)
+        if self.pool is not None and len(jobs) > 1:
             runs = [jobs[i : i + PIECES_PER_TASK] for i in range(0, len(jobs), PIECES_PER_TASK)]
-            failed = [job for bad in windowed_map(self.pool, place_run, runs) for job in bad]
+            failed += [job for bad in windowed_map(self.pool, place_run, runs) for job in bad]
         else:
-            failed = place_run(jobs)
+            failed += place_run(jobs)
         if failed:
             # Fetched again here, on the calling thread, never on a pool thread: a fetch decodes on
             # that same pool, and with every pool thread waiting for it, it would never run.
@@ -281,8 +285,9 @@ def load_tensors(family: str, version: str, device: str | torch.device = "cpu", 
     Every chunk is checked against its id as it is fetched. ``verify`` (the default) checks each
     cached chunk again as it is loaded, which reads every byte: a cache file that rotted on disk
     since is dropped and fetched again. ``verify=False`` trusts the cache's files as fetched (they
-    are written once, read-only, and renamed into place whole; missing or cut-short files are still
-    fetched again), so a CPU load only maps them; ``mfsreg cache verify`` finds damage instead."""
+    are written once, read-only, and renamed into place whole; files missing or of the wrong size
+    are still fetched again), so a CPU load maps (or reads) them without hashing them; ``mfsreg
+    cache verify`` finds damage instead."""
     own = node is None
     node = node or Node()
     try:
