@@ -16,12 +16,20 @@ def serve(
     log_level: str = typer.Option("info", "--log-level"),
 ) -> None:
     """Serve the registry over HTTP (MFSREG_DATABASE_URL and MFSREG_BLOB_URL, or the embedded default)."""
+    import copy
+
     import uvicorn
+    from uvicorn.config import LOGGING_CONFIG
 
     from registry.registry import Registry
 
     Registry().close()  # fail fast, with one line, if the database or blob store is unusable
-    uvicorn.run("api.app:create_app", factory=True, host=host, port=port, workers=workers, log_level=log_level)
+    # The registry's own warnings (a stored chunk it could not read back, say) go out as uvicorn's
+    # do, at the same level: otherwise Python prints them bare, and --log-level does not reach them.
+    log_config = copy.deepcopy(LOGGING_CONFIG)
+    log_config["loggers"]["mfsreg"] = {"handlers": ["default"], "level": log_level.upper(), "propagate": False}
+    uvicorn.run("api.app:create_app", factory=True, host=host, port=port, workers=workers, log_level=log_level,
+                log_config=log_config)
 
 
 @token_app.command("create")

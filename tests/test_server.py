@@ -543,6 +543,9 @@ def test_a_scoped_upload_is_compared_with_the_stored_chunk(servers, server_env, 
     r = httpx.post(f"{srv.url}/v1/families/qwen/chunks", content=body, headers=scoped)
     assert r.status_code == 503 and r.json()["detail"].startswith("the registry could not read back stored chunks"), r.text
     assert key not in r.text and "secret" not in r.text
+    # the operator finds what happened in the server's log, in uvicorn's format
+    log = Path(srv.log.name).read_text()
+    assert "WARNING:  could not read back stored chunks to compare a scoped upload with (attempt 2 of 2)" in log, log
     r = httpx.post(f"{srv.url}/v1/families/qwen/versions/v1/commit", json={"manifest": m.to_doc()}, headers=scoped)
     assert r.status_code == 404 and "not stored for this family" in r.json()["detail"]  # nothing was claimed
 
