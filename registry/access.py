@@ -67,16 +67,22 @@ def check_proofs(reg, who: Principal | None, family: str, uploaded: dict[str, by
     if reads_everything(who) or not uploaded:
         return set(uploaded)
     with read_tx(reg.engine) as conn:
-        todo = sorted(unproven(conn, who, family, list(uploaded)))
+        todo = unproven(conn, who, family, list(uploaded))
+    return set(uploaded) - compare_stored(reg, {i: uploaded[i] for i in todo})
+
+
+def compare_stored(reg, uploaded: dict[str, bytes]) -> set[str]:
+    """check_proofs for ids already known to need a proof (receive_batch finds them in its first
+    read): every one of ``uploaded`` is compared; returns those deleted meanwhile."""
     gone: set[str] = set()
-    for batch in sized_batches(todo, lambda i: len(uploaded[i]), PROOF_BATCH):
+    for batch in sized_batches(sorted(uploaded), lambda i: len(uploaded[i]), PROOF_BATCH):
         stored = _stored_bytes(reg, batch)
         for i in batch:
             if i not in stored:
                 gone.add(i)
             elif stored[i] != uploaded[i]:
                 raise IntegrityError(f"chunk {i}: bytes do not match the id; the batch was refused")
-    return set(uploaded) - gone
+    return gone
 
 
 def _stored_bytes(reg, ids: list[str]) -> dict[str, bytes]:

@@ -27,7 +27,7 @@ class ResidentModel:
         self.info = self.node.fetcher.version(family, version)
         lay = layout(self.info)
         self.tensors: dict[str, torch.Tensor] = {name: self.copier.empty(span) for name, (span, _) in lay.items()}
-        self.loaded_bytes = fill(self.node, self.info, self.copier, self.tensors, {n: p for n, (_, p) in lay.items()}, lay)
+        self.loaded_bytes = fill(self.node, self.info, lay, self.copier, self.tensors, {n: p for n, (_, p) in lay.items()})
 
     def switch(self, version: str) -> int:
         target = self.node.fetcher.version(self.family, version)
@@ -49,7 +49,7 @@ class ResidentModel:
             if name not in new:
                 del self.tensors[name]
         self.info = None  # set again only once every copy has landed
-        copied = fill(self.node, target, self.copier, self.tensors, todo, new)
+        copied = fill(self.node, target, new, self.copier, self.tensors, todo)
         self.info, self.version = target, version
         self.node.cache.record_pull(self.family, version)
         return copied

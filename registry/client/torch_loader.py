@@ -181,7 +181,7 @@ class Copier:
         if region is not None and region.can_map(p.start, p.chunk.size):
             view = region.map_file(p.start, p.chunk.size, self.cache.chunk_file(p.chunk.id))
             if view is not None:
-                return not self.verify or chunk_id(view) == p.chunk.id
+                return self._intact(p.chunk, view)
         return self._read(p.chunk, memoryview(arr[p.start : p.start + p.chunk.size]))
 
     def _stage(self, flat: torch.Tensor, p: Piece) -> None:
@@ -203,7 +203,12 @@ class Copier:
 
     def _read(self, chunk: ChunkRef, view: memoryview) -> bool:
         """Read a cached chunk into ``view``; False if its file is missing, short or does not match its id."""
-        return self.cache.read_into(chunk.id, view) and (not self.verify or chunk_id(view) == chunk.id)
+        return self.cache.read_into(chunk.id, view) and self._intact(chunk, view)
+
+    def _intact(self, chunk: ChunkRef, view) -> bool:
+        """Whether bytes in place (of the right size) may be handed out: they hash to the chunk's
+        id, or the caller trusts the cache (``verify=False``)."""
+        return not self.verify or chunk_id(view) == chunk.id
 
     def _renew(self, chunks: list[ChunkRef]) -> None:
         """Drop these chunks' cache files (missing, cut short or damaged) and fetch them again, in one go."""
@@ -260,11 +265,10 @@ def _fetch_ahead(fetcher: Fetcher, info: VersionInfo, groups: list[list[str]]) -
     t.join()
 
 
-def fill(node: Node, info: VersionInfo, copier: Copier, targets: dict[str, torch.Tensor],
-         todo: dict[str, list[Piece]], lay: dict | None = None) -> int:
+def fill(node: Node, info: VersionInfo, lay: dict, copier: Copier, targets: dict[str, torch.Tensor],
+         todo: dict[str, list[Piece]]) -> int:
     """Fetch what ``todo`` needs (ahead of the copies) and copy it into ``targets``; returns bytes
-    copied. ``lay``: layout(info), where the caller has it already (a few ms for a 1 GB model)."""
-    lay = lay if lay is not None else layout(info)
+    copied. ``lay`` is layout(info), which every caller has already (a few ms for a 1 GB model)."""
     names = [n for n in todo if todo[n]]
     groups = list(sized_batches(names, lambda name: lay[name][0].nbytes, FETCH_AHEAD_BYTES))
     chunk_groups = [list(dict.fromkeys(p.chunk.id for n in g for p in todo[n])) for g in groups]
@@ -295,7 +299,7 @@ def load_tensors(family: str, version: str, device: str | torch.device = "cpu", 
         copier = Copier(node.cache, torch.device(device), node.remote.pool, verify)
         lay = layout(info)
         tensors = {name: copier.empty(span) for name, (span, _) in lay.items()}
-        fill(node, info, copier, tensors, {name: pieces for name, (_, pieces) in lay.items()}, lay)
+        fill(node, info, lay, copier, tensors, {name: pieces for name, (_, pieces) in lay.items()})
         node.cache.record_pull(family, version)
         return tensors
     finally:
