@@ -107,10 +107,7 @@ class Fetcher:
                 stats.cached.add(i)
             else:
                 missing.append(i)
-        # Used now, and in this family's tiers: a chunk cached through another family is marked base
-        # of this one too (a pin of either keeps it), and a file whose writer died before its row
-        # was written gets one, so that the size limit counts it.
-        self.cache.record((i, located[i].size, tiers.get(i), family) for i in stats.cached)
+        self.note_used(family, stats.cached, located, tiers)
         progress.start("fetch", sum(located[i].size for i in missing))
         if not missing:
             return stats
@@ -122,6 +119,13 @@ class Fetcher:
                 stats.fetched_chunks += got
                 progress.advance("fetch", sum(located[i].size for i in batch))
         return stats
+
+    def note_used(self, family: str, ids: Iterable[str], located: dict[str, StoredChunk],
+                  tiers: dict[str, str | None]) -> None:
+        """Record cached chunks as used now, and in this family's tiers: a chunk cached through another
+        family is marked base of this one too (a pin of either keeps it), and a file whose writer
+        died before its row was written gets one, so that the size limit counts it."""
+        self.cache.record((i, located[i].size, tiers.get(i), family) for i in ids)
 
     def _fetch_batch(self, family: str, batch: list[str], located, tiers, landed=None, cancel=None) -> tuple[int, int]:
         if cancel is not None and cancel.is_set():
