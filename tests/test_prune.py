@@ -400,6 +400,32 @@ def test_the_servers_batch_upload_stores_plain_what_a_prune_deleted_the_bases_bl
     pulls_whole(reg, fam, tmp_path, "full-med")
 
 
+def test_a_proof_reads_again_where_a_prune_moved_the_stored_chunks(reg, fam, caplog):
+    """A scoped upload of stored chunks is compared with the stored bytes (access.check_proofs). A
+    prune that repacks their pack between the lookup and the read (its blob deleted at once, with a
+    grace period of 0) makes the first read fail: the chunks are looked up again, once, and compared
+    in their new pack, and the upload passes."""
+    from registry.access import check_proofs
+    from registry.auth import Principal
+
+    # lora-chat first: its pack holds the chunks base shares with it, and its own, which die with it
+    reg.push(fam["lora-chat"], "fam", "lora-chat")
+    reg.push(fam["base"], "fam", "base")
+    reg.delete("fam", "lora-chat")
+    m = hash_source(open_source(fam["base"]), reg.settings.chunk_size, NullProgress())
+    data = fam["base"].read_bytes()
+    raw = {c.id: data[c.offset:c.offset + c.size] for f in m.files for c in f.chunks}
+    before = {i: c.pack_id for i, c in reg.locate(list(raw)).items()}
+    pruned = []
+    reg.blobs = OnFirst(reg.blobs, "get_ranges", lambda: pruned.append(reg.prune(min_age=0, max_unused=0)))
+    with caplog.at_level("WARNING", logger="mfsreg"):
+        assert check_proofs(reg, Principal("push", "qwen*"), "qwen", raw) == set(raw)  # every one compared and claimable
+    assert pruned[0].repacked_packs > 0
+    moved = [i for i, c in reg.locate(list(raw)).items() if c.pack_id != before[i]]
+    assert moved and not set(map(pack_key, {before[i] for i in moved})) & pack_blobs(reg)  # their old blob is gone
+    assert "(attempt 1 of 2)" in caplog.text and "(attempt 2 of 2)" not in caplog.text
+
+
 def test_a_push_whose_found_chunks_are_pruned_before_its_commit_stores_them_and_commits(reg, fam, tmp_path):
     reg.push(fam["base"], "fam", "base")
     reg.push(fam["lora-chat"], "fam", "chat")
