@@ -1,6 +1,6 @@
 """load_tensors and switch under two revisions of the node client, measured as interleaved pairs.
 
-    python -m benchmarks.compare_load REV [--against REV2] [--pairs 3]
+    python -m benchmarks.compare_load REV [--against REV2] [--pairs 3] [--cold]
 
 The node-side counterpart of compare_ingest (same method, same reason: this VM's speed swings
 between hours, so two bench_node runs made at different times cannot show a 15% change). One
@@ -10,6 +10,11 @@ a first, untimed load fills. A child loads lora-chat and maps it ``load_file`` b
 each (and, where the side has it, ``load_tensors(verify=False)``), and times "ready" (the call plus the first touch of every page, as bench_node does); then it
 switches a ResidentModel between base and lora-chat five times. The sides take turns going first.
 Writes benchmarks/results/compare_load.json.
+
+``--cold``: before those loads, each child twice drops the node cache's chunk files and the member's
+file from the page cache (posix_fadvise DONTNEED, as after a reboot or memory pressure) and times
+one ``load_tensors`` (checked) and one ``load_file`` from there, ready; the loads that follow then
+find the page cache as those first reads left it (in large folios or small ones).
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ from registry.client import Node, ResidentModel, load_tensors
 import torch
 from safetensors.torch import load_file
 
-url, token, cache_dir, path, family, base, member = sys.argv[2:9]
+url, token, cache_dir, path, family, base, member, mode = sys.argv[2:10]
 node = Node(url, token, cache_dir)
 
 def _touch(tensors):  # here, not imported: both sides time the first touch with the same code
@@ -53,6 +58,16 @@ try:  # a revision with load_tensors(verify=False): it maps the cache's files wi
     trusting = True
 except TypeError:
     trusting = False
+cold_loads, cold_files = [], []
+if mode == "cold":
+    import gc, glob, os
+    def _drop():  # the chunk files and the file leave the page cache; gc first: a live mapping keeps pages
+        gc.collect()
+        for p in [path, *glob.glob(os.path.join(cache_dir, "chunks", "*", "*"))]:
+            fd = os.open(p, os.O_RDONLY); os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED); os.close(fd)
+    for _ in range(2):
+        _drop(); t0 = time.perf_counter(); t = load_tensors(family, member, node=node); _touch(t); cold_loads.append(time.perf_counter() - t0); del t
+        _drop(); t0 = time.perf_counter(); t = load_file(path); _touch(t); cold_files.append(time.perf_counter() - t0); del t
 loads, files, unverified = [], [], []
 for _ in range(9):
     t0 = time.perf_counter(); t = load_tensors(family, member, node=node); _touch(t); loads.append(time.perf_counter() - t0); del t
@@ -67,16 +82,20 @@ for _ in range(5):
 node.close()
 print(json.dumps({"load_tensors_ready": statistics.median(loads), "load_file_ready": statistics.median(files),
                   "load_tensors_unverified_ready": statistics.median(unverified) if unverified else None,
-                  "switch": statistics.median(switches), "package": registry.__file__}))
+                  "switch": statistics.median(switches), "package": registry.__file__,
+                  "load_tensors_cold": cold_loads or None, "load_file_cold": cold_files or None}))
 """
 
 
-def child(root: Path, url: str, token: str, cache: Path, path: Path) -> dict:
-    return child_result(root, CHILD, [url, token, str(cache), str(path), FAMILY, BASE, MEMBER], "package")
+def child(root: Path, url: str, token: str, cache: Path, path: Path, cold: bool) -> dict:
+    return child_result(root, CHILD, [url, token, str(cache), str(path), FAMILY, BASE, MEMBER, "cold" if cold else "warm"],
+                        "package")
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = compare_parser("load_tensors and switch under two revisions, interleaved", "compare_load.json").parse_args(argv)
+    ap = compare_parser("load_tensors and switch under two revisions, interleaved", "compare_load.json")
+    ap.add_argument("--cold", action="store_true", help="first time loads with the files dropped from the page cache")
+    args = ap.parse_args(argv)
     t_start = time.perf_counter()
     paths = generate(args.data, args.scale, verbose=True)
     anchors.prewarm([paths[BASE], paths[MEMBER]])
@@ -95,7 +114,7 @@ def main(argv: list[str] | None = None) -> None:
             for i in range(args.pairs):
                 pair = {}
                 for label in (list(sides) if i % 2 == 0 else list(sides)[::-1]):  # take turns going first
-                    pair[label] = child(sides[label], url, stack.token, cache, paths[MEMBER])
+                    pair[label] = child(sides[label], url, stack.token, cache, paths[MEMBER], args.cold)
                 pairs.append(pair)
                 print(f"pair {i + 1}/{args.pairs}: " + ", ".join(f"{k} {v['load_tensors_ready']:.3f} s" for k, v in pair.items()),
                       flush=True)
@@ -106,7 +125,7 @@ def main(argv: list[str] | None = None) -> None:
     a, b = list(sides)
     ratios = {k: [p[b][k] / p[a][k] for p in pairs] for k in ("load_tensors_ready", "switch")}
     doc = {"machine": machine_info(), "params": {"pairs": args.pairs, "scale": args.scale, "member": MEMBER,
-                                                "sides": {a: args.rev, b: args.against}},
+                                                "sides": {a: args.rev, b: args.against}, "cold": args.cold},
            "pairs": pairs, "ratios": ratios, "ratio_medians": {k: median(v) for k, v in ratios.items()}}
     finish(args.out, doc, report, t_start)
 
@@ -122,7 +141,19 @@ def report(doc: dict) -> str:
         table(["pair", f"load_tensors {a}", f"load_tensors {b}", f"load_file ({a}'s run)", f"load_file ({b}'s run)",
                f"switch {a}", f"switch {b}"], rows), "",
         f"Median ratio {b} / {a}: load_tensors {med['load_tensors_ready']:.2f}, switch {med['switch']:.2f}", "",
-        *_unverified_lines(doc)])
+        *_unverified_lines(doc), *_cold_lines(doc)])
+
+
+def _cold_lines(doc: dict) -> list[str]:
+    """With --cold: the loads from files dropped from the page cache, each side's runs in order."""
+    out = []
+    for side in doc["params"]["sides"]:
+        runs = [p[side] for p in doc["pairs"] if p[side].get("load_tensors_cold")]
+        if runs:
+            fmt = lambda key: ", ".join(f"{x:.3f}" for r in runs for x in r[key])  # noqa: E731
+            out += [f"{side}, dropped from the page cache: load_tensors ready {fmt('load_tensors_cold')} s; "
+                    f"load_file {fmt('load_file_cold')} s", ""]
+    return out
 
 
 def _unverified_lines(doc: dict) -> list[str]:

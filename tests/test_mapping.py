@@ -47,6 +47,32 @@ def cache(tmp_path):
     c.close()
 
 
+def _vm_flags(path: str) -> list[list[str]]:
+    """The VmFlags of each mapping of ``path`` in this process (/proc/self/smaps)."""
+    out, current = [], None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if head and "-" in head[0] and len(head) >= 5 and not head[0].endswith(":"):  # a mapping's first line
+                current = line.rstrip("\n").endswith(path)
+            elif current and line.startswith("VmFlags:"):
+                out.append(line.split()[1:])
+    return out
+
+
+@pytest.mark.skipif(not os.path.isdir("/sys/kernel/mm/transparent_hugepage"), reason="a kernel without huge pages")
+def test_mapped_chunk_files_ask_for_huge_pages(cache):
+    """Each mapped chunk file is advised MADV_HUGEPAGE (smaps shows "hg"): where its pages have left
+    the page cache, the first touch reads them back in 2 MiB folios, not readahead's small ones."""
+    data = np.random.default_rng(2).integers(0, 256, size=4 * PAGE, dtype=np.uint8).tobytes()
+    pieces = _pieces(cache, data, [2 * PAGE])
+    t = mapping.empty((len(data),), torch.uint8)
+    Copier(cache, torch.device("cpu")).copy(t, pieces)
+    for p in pieces:
+        flags = _vm_flags(str(cache.chunk_path(p.chunk.id)))
+        assert flags and all("hg" in f for f in flags), flags
+
+
 def test_aligned_chunks_are_mapped_and_writes_stay_private(cache):
     data = np.random.default_rng(1).integers(0, 2**16, size=(3 * PAGE + 1000) // 2, dtype=np.uint16).tobytes()
     pieces = _pieces(cache, data, [PAGE, 3 * PAGE])  # two whole-page chunks and a short last one
