@@ -63,6 +63,7 @@ if mode == "cold":
     import gc, glob, os
     def _drop():  # the chunk files and the file leave the page cache; gc first: a live mapping keeps pages
         gc.collect()
+        os.sync()  # and so do dirty ones (the chunk files the first load just fetched)
         for p in [path, *glob.glob(os.path.join(cache_dir, "chunks", "*", "*"))]:
             fd = os.open(p, os.O_RDONLY); os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED); os.close(fd)
     for _ in range(2):
