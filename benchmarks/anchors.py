@@ -170,6 +170,20 @@ def prewarm(paths: Iterable[Path]) -> float:
     return time.perf_counter() - t0
 
 
+def drop_from_page_cache(paths: Iterable[Path | str]) -> None:
+    """Drop files' pages from the page cache, as a reboot or memory pressure would: their next reader
+    reads them from disk, and the page cache keeps them in whatever folios that reader's faults or
+    readahead make. Dirty pages are written first (they cannot be dropped); pages a live mapping holds
+    stay, so callers free their tensors (and collect garbage) first."""
+    os.sync()
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
 def hash_gbps(path: Path) -> dict:
     """Single-thread xxh3-128 (per 1 MiB piece) and sha256 (whole file) over a cached file.
 

@@ -27,6 +27,12 @@ Then each figure is the median of --runs, measured in one process:
   touch of every page after it ("ready"). Gated: load_tensors' ready speed >= 0.9x each
   load_file's ready speed; the bare call times are shown beside. load_tensors(verify=False), which
   trusts the cache as fetched instead of hashing every chunk again, is timed beside, not gated.
+  The same rounds run twice per run: with the page cache as the files' writers left it (the node
+  cache's chunk files as the fetch wrote them, the local file as family.py wrote it), and after
+  both were dropped from the page cache (anchors.drop_from_page_cache, as after a reboot or memory
+  pressure; the untimed first load of each then reads them from disk, timed apart as "first"):
+  then the page cache holds them as the loaders' own reads left them, in large folios or small,
+  and a mapping's first touch costs accordingly. Each state is gated.
 - switch: ResidentModel(family, "base", node) built from the warm cache, then .switch("lora-chat")
   and .switch("base") back: seconds and bytes copied, beside a full reload of the target
   (load_tensors of lora-chat from the warm cache). On the first run the switched tensors are
@@ -43,6 +49,7 @@ and prints a markdown table with the gates.
 from __future__ import annotations
 
 import argparse
+import gc
 import shutil
 import tempfile
 import time
@@ -66,6 +73,8 @@ DUP = "lora-chat"  # the mostly-duplicate member pulled with the base cached, lo
 PULL_GATE = 0.3  # warm-base pull seconds / boto3 download seconds
 LOAD_GATE = 0.9  # load_tensors speed / load_file speed
 LOAD_REPS = 5  # timed rounds of each loader per run (median)
+LOADERS = ("load_tensors", "load_tensors_unverified", "load_file", "load_file_pread")
+LOAD_KEYS = (*LOADERS, *(f"{n}_ready" for n in LOADERS))
 
 
 def _sync(device: str) -> None:
@@ -205,15 +214,20 @@ class Bench:
         return {**out, "warm_seconds": warm_s, "warm_fetched_bytes": warm["fetched_bytes"], "warm_chunks": warm["chunks"],
                 "base_chunks_cached": covered, "base_chunks": len(base_ids)}
 
-    def loads(self, node) -> dict:
+    def loads(self, node, dropped: bool = False) -> dict:
         """load_tensors from the warm cache beside load_file (default backend and pread) of the local file.
 
         Each loader runs once untimed (page cache and node cache warm, allocator in the same state),
         then LOAD_REPS timed rounds, interleaved; each round times the load and then the first touch
-        of every page of the tensors (``ready_s`` = load + touch): a lazy loader pays its reads there."""
+        of every page of the tensors (``ready_s`` = load + touch): a lazy loader pays its reads there.
+        ``dropped``: the chunk files and the local file leave the page cache first; the untimed first
+        loads read them back (their ready times are kept as ``<loader>_first``)."""
         from registry.client import load_tensors
 
         path = str(self.paths[DUP])
+        if dropped:
+            gc.collect()
+            anchors.drop_from_page_cache([path, *(node.cache.root / "chunks").glob("*/*")])
         variants = {
             "load_tensors": lambda: load_tensors(FAMILY, DUP, device=self.device, node=node),
             "load_tensors_unverified": lambda: load_tensors(FAMILY, DUP, device=self.device, node=node, verify=False),
@@ -224,7 +238,12 @@ class Bench:
         usable = {}
         for name, fn in variants.items():
             try:
+                t0 = time.perf_counter()
                 tensors = fn()
+                _sync(self.device)
+                _touch(tensors)
+                _sync(self.device)
+                out[name + "_first"] = time.perf_counter() - t0
                 out.setdefault("tensor_bytes", _nbytes(tensors))
                 del tensors
                 usable[name] = fn
@@ -299,7 +318,8 @@ def run_all(bench: Bench, runs: int) -> dict:
         load_tensors(FAMILY, DUP, device=bench.device, node=node)
         load_tensors(FAMILY, "base", device=bench.device, node=node)
         load_file(str(bench.paths[DUP]), device=bench.device)
-        out = {"anchor": {m: [] for m in COLD}, "cold": {m: [] for m in COLD}, "warm_base": [], "loads": [], "switch": []}
+        out = {"anchor": {m: [] for m in COLD}, "cold": {m: [] for m in COLD}, "warm_base": [], "loads": [], "loads_dropped": [],
+               "switch": []}
         for i in range(runs):
             t0 = time.perf_counter()
             for m in COLD:
@@ -307,6 +327,7 @@ def run_all(bench: Bench, runs: int) -> dict:
                 out["cold"][m].append(bench.cold_pull(m, verify=(i == 0)))
             out["warm_base"].append(bench.warm_base_pull(shared, verify=(i == 0)))
             out["loads"].append(bench.loads(node))
+            out["loads_dropped"].append(bench.loads(node, dropped=True))
             out["switch"].append(bench.switch(node, verify=(i == 0)))
             print(f"run {i + 1}/{runs} done in {time.perf_counter() - t0:.1f} s", flush=True)
         out["node_cache"] = node.cache.stats()
@@ -342,10 +363,11 @@ def summarise(raw: dict) -> dict:
     s["warm_base"]["moved_limit_bytes"] = (1 - sh["shared_fraction"]) * sh["logical_bytes"]
     s["warm_base"]["vs_download"] = s["warm_base"]["seconds"] / s["anchor"][DUP]["download_s"]
     s["warm_base"]["vs_get_object"] = s["warm_base"]["seconds"] / s["anchor"][DUP]["get_object_s"]
-    s["loads"] = {k: _med(raw["loads"], k) for k in ("load_tensors", "load_file", "load_file_pread", "load_tensors_ready",
-                                                     "load_file_ready", "load_file_pread_ready", "load_tensors_unverified",
-                                                     "load_tensors_unverified_ready")}
-    s["loads"]["tensor_bytes"] = raw["loads"][0]["tensor_bytes"]
+    for state in ("loads", "loads_dropped"):
+        rows = raw.get(state) or []
+        if rows:
+            s[state] = {k: _med(rows, k) for k in (*LOAD_KEYS, *(f"{n}_first" for n in LOADERS))}
+            s[state]["tensor_bytes"] = rows[0]["tensor_bytes"]
     sw = raw["switch"]
     s["switch"] = {k: _med(sw, k) for k in ("init_base_s", "switch_s", "switch_back_s", "reload_s")}
     s["switch"].update({k: sw[0][k] for k in ("switch_bytes", "switch_back_bytes", "reload_bytes", "resident_bytes", "verified")})
@@ -353,7 +375,7 @@ def summarise(raw: dict) -> dict:
 
 
 def gates(s: dict) -> dict:
-    w, ld = s["warm_base"], s["loads"]
+    w = s["warm_base"]
     out = {
         "warm_base_moved_bytes": {"value": w["fetched_bytes"], "limit": w["moved_limit_bytes"],
                                   "pass": w["fetched_bytes"] <= w["moved_limit_bytes"]},
@@ -363,13 +385,19 @@ def gates(s: dict) -> dict:
     # Gated: time until the tensors' bytes are in memory (load, then first touch of every page) against
     # both load_file backends. load_file's default backend maps the file and reads nothing until used,
     # so its bare call time is shown beside, not gated: no loader that reads and verifies can match it.
-    for ref in ("load_file", "load_file_pread"):
-        if ld.get(ref) is None:
-            out[f"load_tensors_vs_{ref}"] = {"value": None, "limit": LOAD_GATE, "pass": False, "note": "anchor unavailable"}
+    # In both page-cache states (see loads): the files as written, and as the loaders read them back.
+    for state, suffix in (("loads", ""), ("loads_dropped", "_after_drop")):
+        ld = s.get(state)
+        if ld is None:  # a results file from before the second state
             continue
-        speed = ld[ref + "_ready"] / ld["load_tensors_ready"]  # speed ratio = inverse time ratio
-        out[f"load_tensors_vs_{ref}"] = {"value": speed, "limit": LOAD_GATE, "pass": speed >= LOAD_GATE,
-                                         "bare_call_speed": ld[ref] / ld["load_tensors"]}
+        for ref in ("load_file", "load_file_pread"):
+            if ld.get(ref) is None:
+                out[f"load_tensors_vs_{ref}{suffix}"] = {"value": None, "limit": LOAD_GATE, "pass": False,
+                                                         "note": "anchor unavailable"}
+                continue
+            speed = ld[ref + "_ready"] / ld["load_tensors_ready"]  # speed ratio = inverse time ratio
+            out[f"load_tensors_vs_{ref}{suffix}"] = {"value": speed, "limit": LOAD_GATE, "pass": speed >= LOAD_GATE,
+                                                     "bare_call_speed": ld[ref] / ld["load_tensors"]}
     return out
 
 
@@ -383,6 +411,37 @@ def unverified_speed(ld: dict) -> float | None:
 
 def _pf(ok: bool) -> str:
     return "pass" if ok else "FAIL"
+
+
+def _load_rows(ld: dict, g: dict, suffix: str, what: str, p: dict) -> list[str]:
+    """The tensors table of one page-cache state (see Bench.loads)."""
+    n = ld["tensor_bytes"]
+    rows = [["load_tensors (node cache, warm)", f"{ld['load_tensors']:.3f}", f"{ld['load_tensors_ready']:.3f}",
+             f"{n / ld['load_tensors_ready'] / MB:,.0f}", "", ""]]
+    speed = unverified_speed(ld)
+    if speed is not None:
+        rows.append(["load_tensors(verify=False): speed / load_file (mmap)", f"{ld['load_tensors_unverified']:.3f}",
+                     f"{ld['load_tensors_unverified_ready']:.3f}", f"{n / ld['load_tensors_unverified_ready'] / MB:,.0f}",
+                     f"{speed:.2f}x", "not gated (the default checks)"])
+    for ref, label in (("load_file", "load_file, default backend (mmap)"), ("load_file_pread", "load_file, backend=pread")):
+        gg = g[f"load_tensors_vs_{ref}{suffix}"]
+        if ld.get(ref) is None:
+            rows.append([label, "-", "-", "-", "-", "unavailable"])
+            continue
+        rows.append([label, f"{ld[ref]:.3f}", f"{ld[ref + '_ready']:.3f}", f"{n / ld[ref + '_ready'] / MB:,.0f}",
+                     f"{gg['value']:.2f}x", f"{_pf(gg['pass'])} (>= {LOAD_GATE}x)"])
+    out = [f"### Tensors of {DUP} on {p['device']} ({n / MB:,.1f} MB; {what}; median of "
+           f"{LOAD_REPS} interleaved rounds per run)", "",
+           table(["loader", "call s", "ready s", "MB/s (ready)", "load_tensors speed / this (ready)", "gate"], rows), ""]
+    if ld.get("load_tensors_first") is not None and suffix:
+        out += [f"First loads, reading the files back from disk (untimed rounds above): load_tensors "
+                f"{ld['load_tensors_first']:.3f} s, load_file {ld['load_file_first']:.3f} s (ready).", ""]
+    if p["device"] == "cpu" and not suffix:
+        out += ["\"ready\" = the call plus the first touch of every page of every tensor. On CPU, load_file's default "
+                "mmap backend returns tensors over the page cache and reads nothing until they are used, so its bare call "
+                "is nearly free and its cost moves to first use; backend=pread copies the bytes into fresh memory. "
+                "load_tensors maps the node cache's chunk files into each tensor and reads them once to check their ids.", ""]
+    return out
 
 
 def report(doc: dict) -> str:
@@ -412,31 +471,11 @@ def report(doc: dict) -> str:
             f"({w['warm_chunks']} chunks) in {w['warm_seconds']:.2f} s, untimed; it left {w['base_chunks_cached']}/{w['base_chunks']} "
             "of base's chunks cached.", ""]
 
-    ld = s["loads"]
-    n = ld["tensor_bytes"]
-    rows = [["load_tensors (node cache, warm)", f"{ld['load_tensors']:.3f}", f"{ld['load_tensors_ready']:.3f}",
-             f"{n / ld['load_tensors_ready'] / MB:,.0f}", "", ""]]
-    speed = unverified_speed(ld)
-    if speed is not None:
-        rows.append(["load_tensors(verify=False): speed / load_file (mmap)", f"{ld['load_tensors_unverified']:.3f}",
-                     f"{ld['load_tensors_unverified_ready']:.3f}", f"{n / ld['load_tensors_unverified_ready'] / MB:,.0f}",
-                     f"{speed:.2f}x", "not gated (the default checks)"])
-    for ref, label in (("load_file", "load_file, default backend (mmap)"), ("load_file_pread", "load_file, backend=pread")):
-        gg = g[f"load_tensors_vs_{ref}"]
-        if ld.get(ref) is None:
-            rows.append([label, "-", "-", "-", "-", "unavailable"])
-            continue
-        rows.append([label, f"{ld[ref]:.3f}", f"{ld[ref + '_ready']:.3f}", f"{n / ld[ref + '_ready'] / MB:,.0f}",
-                     f"{gg['value']:.2f}x", f"{_pf(gg['pass'])} (>= {LOAD_GATE}x)"])
-    out += [f"### Tensors of {DUP} on {p['device']} ({n / MB:,.1f} MB; page cache and node cache warm; median of "
-            f"{LOAD_REPS} interleaved rounds per run)", "",
-            table(["loader", "call s", "ready s", "MB/s (ready)", "load_tensors speed / this (ready)", "gate"], rows), ""]
-    if p["device"] == "cpu":
-        out += ["\"ready\" = the call plus the first touch of every page of every tensor. On CPU, load_file's default "
-                "mmap backend returns tensors over the page cache and reads nothing until they are used, so its bare call "
-                "is nearly free and its cost moves to first use; backend=pread copies the bytes into fresh memory. "
-                "load_tensors maps the node cache's chunk files into each tensor and reads them once to check their ids.", ""]
-
+    for state, suffix, what in (("loads", "", "page cache and node cache warm, as their writers left them"),
+                                ("loads_dropped", "_after_drop", "after both files were dropped from the page cache, "
+                                 "read back by each loader's untimed first load")):
+        if s.get(state) is not None:
+            out += _load_rows(s[state], g, suffix, what, p)
     sw = s["switch"]
     rows = [
         ["ResidentModel(base) from the warm cache", f"{sw['init_base_s']:.3f}", f"{sw['resident_bytes'] / MB:,.1f}"],
