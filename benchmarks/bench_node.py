@@ -28,7 +28,8 @@ Then each figure is the median of --runs, measured in one process:
   load_file's ready speed; the bare call times are shown beside. load_tensors(verify=False), which
   trusts the cache as fetched instead of hashing every chunk again, is timed beside, not gated.
   The same rounds run twice per run: with the page cache as the files' writers left it (the node
-  cache's chunk files as the fetch wrote them, the local file as family.py wrote it), and after
+  cache's chunk files as the fetch wrote them, or on later runs as the last loads read them back;
+  the local file copied afresh each run), and after
   both were dropped from the page cache (anchors.drop_from_page_cache, as after a reboot or memory
   pressure; the untimed first load of each then reads them from disk, timed apart as "first"):
   then the page cache holds them as the loaders' own reads left them, in large folios or small,
@@ -224,10 +225,16 @@ class Bench:
         loads read them back (their ready times are kept as ``<loader>_first``)."""
         from registry.client import load_tensors
 
-        path = str(self.paths[DUP])
+        path = str(self.work / f"local-{DUP}.safetensors")
         if dropped:
             gc.collect()
             anchors.drop_from_page_cache([path, *(node.cache.root / "chunks").glob("*/*")])
+        else:
+            # Written afresh, as a download writes it: the page cache then holds it as writes leave it,
+            # not as an earlier reader did. (The chunk files are as the fetch wrote them on run 1; on
+            # later runs, as the loads after the last drop read them back.)
+            with open(self.paths[DUP], "rb") as src, open(path, "wb") as out:
+                shutil.copyfileobj(src, out, 16 << 20)
         variants = {
             "load_tensors": lambda: load_tensors(FAMILY, DUP, device=self.device, node=node),
             "load_tensors_unverified": lambda: load_tensors(FAMILY, DUP, device=self.device, node=node, verify=False),
