@@ -87,6 +87,46 @@ def test_load_tensors_equals_safetensors_for_every_member(published, fam):
 
 
 
+def test_a_load_from_a_kept_document_waits_for_the_registry(published, server_env, fam, tmp_path):
+    """A node that holds a version's document lays the tensors out from it while it asks whether it
+    is current (torch_loader.build), every chunk still cached each time: tiers that moved keep the
+    tensors, a version deleted and pushed again with other bytes loads as those bytes, and a version
+    deleted is the registry's one-line error, not tensors of what it was."""
+    from registry.errors import NotFound
+
+    srv, env = published
+    admin = client_env(tmp_path, srv.url, token(server_env, "admin"))
+    node = Node(env["MFSREG_URL"], env["MFSREG_TOKEN"], env["MFSREG_CACHE_DIR"])
+    try:
+        _equal_to_file(load_tensors("fam", "lora-chat", node=node), fam["lora-chat"])
+        kept = node.fetcher.kept("fam", "lora-chat")
+        mfsreg("family", "quorum", "fam", "0.5", env=server_env)  # a new document for the same bytes
+        resident = ResidentModel("fam", "lora-chat", node=node)
+        _equal_to_file(resident.tensors, fam["lora-chat"])
+        assert node.fetcher.kept("fam", "lora-chat") is not kept and resident.info.tiers != kept.tiers
+        mfsreg("delete", "fam", "lora-chat", env=admin)
+        mfsreg("push", fam["last-code"], "--family", "fam", "--version", "lora-chat", env=env)
+        _equal_to_file(load_tensors("fam", "lora-chat", node=node), fam["last-code"])
+        mfsreg("delete", "fam", "lora-chat", env=admin)
+        with pytest.raises(NotFound, match="version fam/lora-chat does not exist"):
+            load_tensors("fam", "lora-chat", node=node)
+        # the same where the load from the kept document fails first: the node cache lost its chunks
+        # and the registry's storage its packs, so that load's refetch fails (a 503); the registry's
+        # answer to the version is the error raised
+        for p in (Path(env["MFSREG_CACHE_DIR"]) / "chunks").rglob("*"):
+            if p.is_file():
+                p.unlink()
+        bucket = server_env["MFSREG_BLOB_URL"].split("/")[2]
+        s3 = boto3.client("s3", endpoint_url=server_env["MFSREG_S3_ENDPOINT_URL"], region_name="us-east-1")
+        for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket):
+            for o in page.get("Contents", []):
+                s3.delete_object(Bucket=bucket, Key=o["Key"])
+        with pytest.raises(NotFound, match="version fam/lora-chat does not exist"):
+            load_tensors("fam", "lora-chat", node=node)
+    finally:
+        node.close()
+
+
 def _equal_to_file(got: dict, path: Path) -> None:
     want = load_file(str(path))
     assert got.keys() == want.keys()

@@ -65,6 +65,13 @@ class Fetcher:
         self._versions: OrderedDict[tuple[str, str], tuple[str, VersionInfo]] = OrderedDict()
         self._versions_lock = threading.Lock()
 
+    def kept(self, family: str, version: str) -> VersionInfo | None:
+        """The document of this version that this fetcher holds (read before), not asked for again:
+        possibly out of date."""
+        with self._versions_lock:
+            kept = self._versions.get((family, version))
+        return kept[1] if kept else None
+
     def version(self, family: str, version: str) -> VersionInfo:
         key = (family, version)
         with self._versions_lock:

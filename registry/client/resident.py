@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from registry.client.torch_loader import Copier, Node, fill, layout
+from registry.client.torch_loader import Copier, Node, build, fill, layout
 
 
 class ResidentModel:
@@ -24,10 +24,8 @@ class ResidentModel:
         self.device = torch.device(device)
         self.copier = Copier(self.node.cache, self.device, self.node.remote.pool, verify)  # see load_tensors
         self.version = version
-        self.info = self.node.fetcher.version(family, version)
-        lay = layout(self.info)
-        self.tensors: dict[str, torch.Tensor] = {name: self.copier.empty(span) for name, (span, _) in lay.items()}
-        self.loaded_bytes = fill(self.node, self.info, lay, self.copier, self.tensors, {n: p for n, (_, p) in lay.items()})
+        self.info, self.tensors = build(self.node, family, version, self.copier)
+        self.loaded_bytes = sum(t.nbytes for t in self.tensors.values())  # the pieces tile every tensor
 
     def switch(self, version: str) -> int:
         target = self.node.fetcher.version(self.family, version)

@@ -16,6 +16,7 @@ import os
 import queue
 import threading
 from collections.abc import Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -290,6 +291,57 @@ def fill(node: Node, info: VersionInfo, lay: dict, copier: Copier, targets: dict
     return copied
 
 
+def _in_background(fn, *args) -> Future:
+    """``fn(*args)`` on a thread of its own; its result or error in the future."""
+    fut: Future = Future()
+
+    def run():
+        fut.set_running_or_notify_cancel()
+        try:
+            fut.set_result(fn(*args))
+        except BaseException as exc:  # handed to whoever asks for the result
+            fut.set_exception(exc)
+
+    threading.Thread(target=run, name="mfsreg-revalidate", daemon=True).start()
+    return fut
+
+
+def build(node: Node, family: str, version: str, copier: Copier) -> tuple[VersionInfo, dict[str, torch.Tensor]]:
+    """A version's tensors, and the document they were laid out from.
+
+    Where this node holds the version's document already, it lays the tensors out from it while
+    the registry is asked, on another thread, whether it is current (a 304, almost always): the
+    round trip overlaps the mapping instead of preceding it. The tensors are handed out only once
+    the answer has come: a document for other bytes (the version deleted and pushed again) has them
+    built again from the new one, and an error (the version is gone, the token refused) is raised
+    as it would have been before any mapping."""
+    kept = node.fetcher.kept(family, version)
+    if kept is not None:
+        answer = _in_background(node.fetcher.version, family, version)
+        try:
+            tensors = _from(node, kept, copier)
+        except Exception:
+            current = answer.result()  # the registry's answer first: the build may have failed for its reason
+            if current.digest == kept.digest:
+                raise
+        else:
+            current = answer.result()
+            if current.digest == kept.digest:  # the same bytes (tiers may have moved: that changes no tensor)
+                return current, tensors
+            del tensors
+        info = current
+    else:
+        info = node.fetcher.version(family, version)
+    return info, _from(node, info, copier)
+
+
+def _from(node: Node, info: VersionInfo, copier: Copier) -> dict[str, torch.Tensor]:
+    lay = layout(info)
+    tensors = {name: copier.empty(span) for name, (span, _) in lay.items()}
+    fill(node, info, lay, copier, tensors, {name: pieces for name, (_, pieces) in lay.items()})
+    return tensors
+
+
 def load_tensors(family: str, version: str, device: str | torch.device = "cpu", node: Node | None = None,
                  verify: bool = True) -> dict[str, torch.Tensor]:
     """A version's tensors on ``device``, built from the node cache (fetching what it lacks).
@@ -303,11 +355,8 @@ def load_tensors(family: str, version: str, device: str | torch.device = "cpu", 
     own = node is None
     node = node or Node()
     try:
-        info = node.fetcher.version(family, version)
         copier = Copier(node.cache, torch.device(device), node.remote.pool, verify)
-        lay = layout(info)
-        tensors = {name: copier.empty(span) for name, (span, _) in lay.items()}
-        fill(node, info, lay, copier, tensors, {name: pieces for name, (_, pieces) in lay.items()})
+        _, tensors = build(node, family, version, copier)
         node.cache.record_pull(family, version)
         return tensors
     finally:
