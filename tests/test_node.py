@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import errno
 import filecmp
+import gc
 import json
 import mmap
 import os
+import sqlite3
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -23,7 +26,7 @@ from registry.client import ResidentModel, load_tensors
 from registry.client.cache import NodeCache
 from registry.client.remote import RemoteRegistry
 from registry.manifest import Manifest
-from registry.client.torch_loader import Node, layout
+from registry.client.torch_loader import Node, _fetch_ahead, chunk_ids, layout
 from tests.cli_run import MFSREG, mfsreg, mfsreg_json
 from tests.server import client_env, servers, server_env, token  # noqa: F401
 
@@ -104,6 +107,12 @@ def test_a_load_from_a_kept_document_waits_for_the_registry(published, server_en
         resident = ResidentModel("fam", "lora-chat", node=node)
         _equal_to_file(resident.tensors, fam["lora-chat"])
         assert node.fetcher.kept("fam", "lora-chat") is not kept and resident.info.tiers != kept.tiers
+        # the cache's index learned the new tiers, not the kept ones (a pin keeps the base tier)
+        ids = chunk_ids(layout(resident.info))
+        with sqlite3.connect(Path(env["MFSREG_CACHE_DIR"]) / "index.db") as db:
+            rows = {k for (k,) in db.execute("SELECT key FROM family_base WHERE family = 'fam'")}
+        assert rows & set(ids) == {i for i in ids if resident.info.tiers[i] == "base"} != {i for i in ids if kept.tiers[i] == "base"}
+        del resident
         mfsreg("delete", "fam", "lora-chat", env=admin)
         mfsreg("push", fam["last-code"], "--family", "fam", "--version", "lora-chat", env=env)
         _equal_to_file(load_tensors("fam", "lora-chat", node=node), fam["last-code"])
@@ -123,6 +132,56 @@ def test_a_load_from_a_kept_document_waits_for_the_registry(published, server_en
                 s3.delete_object(Bucket=bucket, Key=o["Key"])
         with pytest.raises(NotFound, match="version fam/lora-chat does not exist"):
             load_tensors("fam", "lora-chat", node=node)
+    finally:
+        node.close()
+
+
+def _mapped_from(cache_dir: str) -> bool:
+    with open("/proc/self/maps") as f:
+        return str(Path(cache_dir) / "chunks") in f.read()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc/self/maps")
+def test_a_load_maps_from_the_kept_document_while_the_registry_answers(published, fam):
+    """The round trip that asks whether a kept document is current overlaps the mapping: here the
+    registry's answer is held back until this process has chunk files of the cache mapped."""
+    _, env = published
+    node = Node(env["MFSREG_URL"], env["MFSREG_TOKEN"], env["MFSREG_CACHE_DIR"])
+    try:
+        load_tensors("fam", "lora-chat", node=node)  # fetched and kept; its tensors are freed at once
+        gc.collect()
+        assert not _mapped_from(env["MFSREG_CACHE_DIR"])
+        real = node.fetcher.version
+
+        def answer_once_mapped(family, version):
+            deadline = time.monotonic() + 30
+            while not _mapped_from(env["MFSREG_CACHE_DIR"]):
+                assert time.monotonic() < deadline, "the load waited for the registry's answer before mapping"
+                time.sleep(0.01)
+            return real(family, version)
+
+        node.fetcher.version = answer_once_mapped
+        _equal_to_file(load_tensors("fam", "lora-chat", node=node), fam["lora-chat"])
+    finally:
+        node.close()
+
+
+def test_a_fetch_ahead_closed_early_stops_its_thread(published):
+    """A copy that fails mid-load drops the fetch-ahead generator: its thread stops instead of
+    waiting for ever to hand over the next batch."""
+    _, env = published
+    node = Node(env["MFSREG_URL"], env["MFSREG_TOKEN"], env["MFSREG_CACHE_DIR"])
+    try:
+        info = node.fetcher.version("fam", "base")
+        ids = chunk_ids(layout(info))
+        before = set(threading.enumerate())
+        landed = _fetch_ahead(node.fetcher, info, [ids[k::6] for k in range(6)])
+        assert next(landed) == 0
+        landed.close()
+        workers = [t for t in threading.enumerate() if t.name == "mfsreg-fetch-ahead" and t not in before]
+        for t in workers:
+            t.join(timeout=30)
+        assert workers and not any(t.is_alive() for t in workers)
     finally:
         node.close()
 

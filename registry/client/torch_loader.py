@@ -4,13 +4,15 @@ On the CPU each chunk file is mapped into its tensor's address range (registry/c
 no copy, like safetensors' own mmap loader, and each chunk is re-checked against its id (unless the
 caller passes ``verify=False``, see load_tensors). Chunks that do not line up with pages are read
 into the tensor instead.
-Fetching runs ahead on a background thread, batch by batch, so network, decode and copy overlap.
-On a GPU, chunks go through two pinned staging buffers and are copied with non_blocking copies on
+Where chunks are missing, fetching runs ahead on a background thread, batch by batch, so network,
+decode and copy overlap. A load from a version document the node holds already lays the tensors out
+while another thread asks the registry whether that document is current (see build). On a GPU, chunks go through two pinned staging buffers and are copied with non_blocking copies on
 a CUDA stream; a buffer is refilled only after the event of its last copy has completed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import queue
@@ -245,49 +247,74 @@ def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _fetch_ahead(fetcher: Fetcher, info: VersionInfo, groups: list[list[str]]) -> Iterator[int]:
-    """Yield group indexes as their chunks land in the cache; fetching runs on a background thread."""
+    """Yield group indexes as their chunks land in the cache; fetching runs on a background thread.
+    Closed early (a copy failed), the generator tells that thread to stop: batches not yet started
+    are dropped, and it no longer waits to hand over what it fetched."""
     done: queue.Queue = queue.Queue(maxsize=2)
+    stop = threading.Event()
+
+    def hand(item) -> bool:
+        while not stop.is_set():
+            try:
+                done.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                pass
+        return False
 
     def work():
         try:
             for k, ids in enumerate(groups):
-                fetcher.ensure(info.family, ids, info.located, info.tiers)
-                done.put(k)
-        except BaseException as exc:  # hand the error to the consumer
-            done.put(exc)
+                fetcher.ensure(info.family, ids, info.located, info.tiers, cancel=stop)
+                if not hand(k):
+                    return
+        except BaseException as exc:  # hand the error to the consumer (if it still listens)
+            hand(exc)
 
     t = threading.Thread(target=work, name="mfsreg-fetch-ahead", daemon=True)
     t.start()
-    for _ in groups:
-        item = done.get()
-        if isinstance(item, BaseException):
-            raise item
-        yield item
+    try:
+        for _ in groups:
+            item = done.get()
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
     t.join()
 
 
+def chunk_ids(lay: dict) -> list[str]:
+    """The distinct chunks a layout's tensors are made of."""
+    return list(dict.fromkeys(p.chunk.id for _, pieces in lay.values() for p in pieces))
+
+
 def fill(node: Node, info: VersionInfo, lay: dict, copier: Copier, targets: dict[str, torch.Tensor],
-         todo: dict[str, list[Piece]]) -> int:
+         todo: dict[str, list[Piece]], cached: bool | None = None) -> int:
     """Fetch what ``todo`` needs (ahead of the copies) and copy it into ``targets``; returns bytes
-    copied. ``lay`` is layout(info), which every caller has already (a few ms for a 1 GB model)."""
+    copied. ``lay`` is layout(info), which every caller has already (a few ms for a 1 GB model).
+    ``cached``: whether the caller has just seen every chunk of ``todo`` in the cache (None: look)."""
     names = [n for n in todo if todo[n]]
     groups = list(sized_batches(names, lambda name: lay[name][0].nbytes, FETCH_AHEAD_BYTES))
     chunk_groups = [list(dict.fromkeys(p.chunk.id for n in g for p in todo[n])) for g in groups]
+    needed = list(dict.fromkeys(i for g in chunk_groups for i in g))
     copied = 0
     copier.refetch = refetcher(node.fetcher, info)
     copier.begin()
-    needed = list(dict.fromkeys(i for g in chunk_groups for i in g))
-    if all(node.cache.has(i) for i in needed):
-        # All cached (a warm node): nothing to fetch ahead, and a fetch thread would only take the
-        # GIL from the copies: it made a warm, unchecked load of 1.16 GB half again as slow. (A
-        # chunk evicted meanwhile by another process is refetched by the copier.)
-        node.fetcher.note_used(info.family, needed, info.located, info.tiers)
-        copied = copier.copy_many([(targets[name], todo[name]) for name in names])
-    else:
-        for k in _fetch_ahead(node.fetcher, info, chunk_groups):
-            copied += copier.copy_many([(targets[name], todo[name]) for name in groups[k]])
-    copier.finish()
-    node.cache.evict(protect=[i for g in chunk_groups for i in g])
+    try:
+        if cached if cached is not None else all(node.cache.has(i) for i in needed):
+            # All cached (a warm node): nothing to fetch ahead, and a fetch thread would only take
+            # turns with the copies for the interpreter: it made a warm, unchecked load of 1.16 GB
+            # about 1.2x as slow. (A chunk evicted meanwhile by another process is refetched by the copier.)
+            node.fetcher.note_used(info.family, needed, info.located, info.tiers)
+            copied = copier.copy_many([(targets[name], todo[name]) for name in names])
+        else:
+            with contextlib.closing(_fetch_ahead(node.fetcher, info, chunk_groups)) as landed:
+                for k in landed:
+                    copied += copier.copy_many([(targets[name], todo[name]) for name in groups[k]])
+    finally:
+        copier.finish()  # also after a failure: no copy may still be queued into tensors being freed
+    node.cache.evict(protect=needed)
     return copied
 
 
@@ -309,36 +336,41 @@ def _in_background(fn, *args) -> Future:
 def build(node: Node, family: str, version: str, copier: Copier) -> tuple[VersionInfo, dict[str, torch.Tensor]]:
     """A version's tensors, and the document they were laid out from.
 
-    Where this node holds the version's document already, it lays the tensors out from it while
-    the registry is asked, on another thread, whether it is current (a 304, almost always): the
-    round trip overlaps the mapping instead of preceding it. The tensors are handed out only once
-    the answer has come: a document for other bytes (the version deleted and pushed again) has them
-    built again from the new one, and an error (the version is gone, the token refused) is raised
-    as it would have been before any mapping."""
+    Where this node holds the version's document already and every chunk it names is cached, the
+    tensors are laid out and filled from it while another thread asks the registry whether it is
+    current (a 304, almost always): the round trip overlaps the mapping instead of preceding it,
+    and nothing is fetched on the word of a document that may be stale. The tensors are handed out
+    only once the answer has come: another document for the same bytes (tiers moved) is recorded
+    in the cache's index; one for other bytes (the version deleted and pushed again), or any new
+    document after a failed build, has the tensors built again from it; an error (the version is
+    gone, the token refused) is raised instead of the tensors, or of the build's own error."""
     kept = node.fetcher.kept(family, version)
-    if kept is not None:
-        answer = _in_background(node.fetcher.version, family, version)
-        try:
-            tensors = _from(node, kept, copier)
-        except Exception:
-            current = answer.result()  # the registry's answer first: the build may have failed for its reason
-            if current.digest == kept.digest:
-                raise
-        else:
-            current = answer.result()
-            if current.digest == kept.digest:  # the same bytes (tiers may have moved: that changes no tensor)
-                return current, tensors
-            del tensors
-        info = current
-    else:
+    lay = layout(kept) if kept is not None else None
+    if kept is None or not all(node.cache.has(i) for i in chunk_ids(lay)):
         info = node.fetcher.version(family, version)
-    return info, _from(node, info, copier)
+        return info, _from(node, info, layout(info), copier)
+    answer = _in_background(node.fetcher.version, family, version)
+    tensors, failure = None, None
+    try:
+        tensors = _from(node, kept, lay, copier, cached=True)
+    except Exception as exc:  # decided once the answer is in, outside this block: no chained tracebacks
+        failure = exc
+    current = answer.result()
+    if failure is not None:
+        if current is kept:  # the same document: the failure is this load's own
+            raise failure
+    elif current.digest == kept.digest:  # the same bytes
+        if current is not kept:  # tiers moved: the index learns the new ones (pins follow base)
+            node.fetcher.note_used(family, [i for i in chunk_ids(lay) if i in current.located], current.located,
+                                   current.tiers)
+        return current, tensors
+    del tensors
+    return current, _from(node, current, layout(current), copier)
 
 
-def _from(node: Node, info: VersionInfo, copier: Copier) -> dict[str, torch.Tensor]:
-    lay = layout(info)
+def _from(node: Node, info: VersionInfo, lay: dict, copier: Copier, cached: bool | None = None) -> dict[str, torch.Tensor]:
     tensors = {name: copier.empty(span) for name, (span, _) in lay.items()}
-    fill(node, info, lay, copier, tensors, {name: pieces for name, (_, pieces) in lay.items()})
+    fill(node, info, lay, copier, tensors, {name: pieces for name, (_, pieces) in lay.items()}, cached)
     return tensors
 
 
