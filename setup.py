@@ -1,9 +1,15 @@
-"""Build of the one C module, registry/_grouping.c (everything else is in pyproject.toml).
+"""Build of the two C modules (everything else is in pyproject.toml): registry/_grouping.c and
+registry/client/_mapfiles.c.
 
-optional=True: where no C compiler is at hand the install still succeeds, and registry/codec.py
-falls back to numpy for grouped deltas (same bytes, slower; it writes ungrouped deltas instead).
+optional=True: where no C compiler is at hand the install still succeeds; registry/codec.py then
+falls back to numpy for grouped deltas (same bytes, slower; it writes ungrouped deltas instead),
+and registry/client/mapping.py maps chunk files one at a time through ctypes.
 """
 
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension("registry._grouping", ["registry/_grouping.c"], optional=True, extra_compile_args=["-O3"])])
+setup(ext_modules=[
+    Extension("registry._grouping", ["registry/_grouping.c"], optional=True, extra_compile_args=["-O3"]),
+    # maps a node's chunk files into tensors in one call (registry/client/mapping.py copes without it)
+    Extension("registry.client._mapfiles", ["registry/client/_mapfiles.c"], optional=True, extra_compile_args=["-O2"]),
+])

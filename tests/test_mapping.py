@@ -94,6 +94,58 @@ def test_aligned_chunks_are_mapped_and_writes_stay_private(cache):
     assert _files_mapped(cache, pieces) == [False, False, False]  # the region and its mappings went with the tensor
 
 
+@pytest.fixture(params=["c", "ctypes"])
+def mapper(request, monkeypatch):
+    """An unchecked load maps its chunk files in one call to the C helper (registry/client/_mapfiles.c),
+    or one at a time through ctypes where it is not built: both, with the same outcomes."""
+    if request.param == "ctypes":
+        monkeypatch.setattr(mapping, "_mapfiles", None)
+    else:
+        assert mapping._mapfiles is not None, "registry/client/_mapfiles.c is not built: `make install` builds it"
+    return request.param
+
+
+def test_an_unchecked_copy_maps_what_it_can_and_reads_the_rest(cache, mapper, monkeypatch):
+    data = np.random.default_rng(3).integers(0, 256, size=5 * PAGE + 1000, dtype=np.uint8).tobytes()
+    pieces = _pieces(cache, data, [PAGE, 3 * PAGE, 3 * PAGE + 6])  # the third starts off a page: read
+    t = mapping.empty((len(data),), torch.uint8)
+    assert Copier(cache, torch.device("cpu"), verify=False).copy(t, pieces) == len(data)
+    assert _files_mapped(cache, pieces) == [True, True, False, False]
+    assert t.numpy().tobytes() == data
+    assert all("hg" in f for p in pieces[:2] for f in _vm_flags(str(cache.chunk_path(p.chunk.id))))
+    t[:PAGE] = 0  # private: the cached chunk keeps its bytes
+    assert cache.get(pieces[0].chunk.id) == data[:PAGE]
+    # past the budget (room for one more file here), the rest are read
+    u = mapping.empty((len(data),), torch.uint8)
+    monkeypatch.setattr(mapping, "MAP_BUDGET", mapping._mapped + 2)
+    assert Copier(cache, torch.device("cpu"), verify=False).copy(u, pieces) == len(data)
+    assert u.numpy().tobytes() == data and mapping._mapped == mapping.MAP_BUDGET
+    # a file of another size is not mapped, nor charged; with nothing to fetch it from, the copy fails
+    monkeypatch.setattr(mapping, "MAP_BUDGET", 1 << 30)
+    path = cache.chunk_path(pieces[0].chunk.id)
+    os.chmod(path, 0o644)
+    with open(path, "r+b") as f:
+        f.truncate(PAGE // 2)
+    v = mapping.empty((len(data),), torch.uint8)
+    held = mapping._mapped
+    assert mapping.map_many([(mapping.region_of(v), 0, PAGE, str(path))]) == [False] and mapping._mapped == held
+    with pytest.raises(IntegrityError, match="missing or damaged"):
+        Copier(cache, torch.device("cpu"), verify=False).copy(v, pieces)
+
+
+@pytest.mark.skipif(not os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"), reason="needs a sysfs file")
+def test_a_file_that_cannot_be_mapped_leaves_its_slot_usable(mapper):
+    """A sysfs file has a page's size but refuses mmap: the failed MAP_FIXED may have unmapped the
+    slot, so fresh memory is put back there, and the tensor can take the bytes by copy."""
+    t = mapping.empty((2 * PAGE,), torch.uint8)
+    region = mapping.region_of(t)
+    held = mapping._mapped
+    assert mapping.map_many([(region, 0, PAGE, "/sys/kernel/mm/transparent_hugepage/enabled")]) == [False]
+    assert mapping._mapped == held
+    t.fill_(7)  # no hole: this would fault
+    assert int(t.sum()) == 7 * 2 * PAGE
+
+
 def test_chunks_off_page_boundaries_are_copied(cache):
     data = os.urandom(3 * PAGE)
     pieces = _pieces(cache, data, [PAGE, PAGE + 6])  # only the first chunk starts on a page and fills whole pages

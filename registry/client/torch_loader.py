@@ -151,20 +151,25 @@ class Copier:
                 for p in pieces:
                     self._stage(flat, p)
             return total
-        jobs, maps = [], []  # (placer of one tensor, piece): read (or checked), and mapped unchecked
+        jobs, maps = [], []  # (placer of one tensor, piece): read (or checked); and (placer, region, piece) mapped unchecked
         for tensor, pieces in work:
             region = mapping.region_of(tensor) if mapping is not None else None
             place = functools.partial(self._place, _bytes_of(tensor).numpy(), region)
             for p in pieces:
-                # Unchecked, a mapped piece is a few system calls and the Python around them: on the
-                # pool the threads would mostly hand the GIL back and forth. Reads stay on the pool.
-                unchecked_map = not self.verify and region is not None and region.can_map(p.start, p.chunk.size)
-                (maps if unchecked_map else jobs).append((place, p))
+                # Unchecked, a mapped piece is a few system calls: all of them are mapped in one go on
+                # the calling thread (on the pool the threads would mostly hand the GIL back and
+                # forth). Reads stay on the pool.
+                if not self.verify and region is not None and region.can_map(p.start, p.chunk.size):
+                    maps.append((place, region, p))
+                else:
+                    jobs.append((place, p))
 
         def place_run(run: list) -> list:
             return [(place, p) for place, p in run if not place(p)]
 
-        failed = place_run(maps)
+        mapped = mapping.map_many([(region, p.start, p.chunk.size, self.cache.chunk_file(p.chunk.id))
+                                   for _, region, p in maps]) if maps else []
+        failed = place_run([(place, p) for (place, _, p), ok in zip(maps, mapped) if not ok])  # read instead, or refetched
         if self.pool is not None and len(jobs) > 1:
             runs = [jobs[i : i + PIECES_PER_TASK] for i in range(0, len(jobs), PIECES_PER_TASK)]
             failed += [job for bad in windowed_map(self.pool, place_run, runs) for job in bad]
