@@ -36,4 +36,4 @@ bench: install
 	$(BIN)/python -m benchmarks.bench_prune
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info registry/*.so
+	rm -rf $(VENV) .pytest_cache build *.egg-info registry/*.so registry/client/*.so

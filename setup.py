@@ -11,5 +11,5 @@ from setuptools import Extension, setup
 setup(ext_modules=[
     Extension("registry._grouping", ["registry/_grouping.c"], optional=True, extra_compile_args=["-O3"]),
     # maps a node's chunk files into tensors in one call (registry/client/mapping.py copes without it)
-    Extension("registry.client._mapfiles", ["registry/client/_mapfiles.c"], optional=True, extra_compile_args=["-O2"]),
+    Extension("registry.client._mapfiles", ["registry/client/_mapfiles.c"], optional=True, extra_compile_args=["-O3"]),
 ])

@@ -17,47 +17,61 @@ through ctypes without it (same result). */
 #include <sys/stat.h>
 #include <unistd.h>
 
-/* Per file: mapped, not mapped with the slot untouched (missing, another size, unreadable), or not
-   mapped after a failed MAP_FIXED, which may have unmapped the slot (the caller restores it). */
-enum { MAPPED = 0, SKIPPED = 1, FAILED = 2 };
+/* Per file: mapped; not mapped, the slot untouched (missing, another size, unreadable); not mapped
+   after a failed MAP_FIXED, which may have unmapped the slot, and fresh anonymous memory put back
+   there at once (before another thread's mmap could take the hole); or that too failed: the slot
+   is a hole, and the caller must not use its tensor. */
+enum { MAPPED = 0, SKIPPED = 1, RESTORED = 2, HOLE = 3 };
 
 PyDoc_STRVAR(map_files_doc,
     "map_files(addrs, sizes, paths) -> bytes\n\n"
     "Map each file of paths (exactly sizes[i] bytes) privately, readable and writable, at addrs[i]\n"
     "(MAP_FIXED), advised MADV_HUGEPAGE where the platform has it. One status byte per file:\n"
-    "0 mapped, 1 skipped (missing, another size, unreadable; the slot untouched), 2 the mapping\n"
-    "failed (the slot may be unmapped: the caller must restore it).");
+    "0 mapped; 1 skipped (missing, another size, unreadable; the slot untouched); 2 the mapping\n"
+    "failed and fresh anonymous memory is back in the slot; 3 that failed too (the slot is a hole).");
 
 static PyObject *map_files(PyObject *self, PyObject *args) {
     (void)self;
-    PyObject *addrs, *sizes, *paths;
-    if (!PyArg_ParseTuple(args, "O!O!O!", &PyList_Type, &addrs, &PyList_Type, &sizes, &PyList_Type, &paths))
+    PyObject *addr_list, *size_list, *path_list;
+    if (!PyArg_ParseTuple(args, "O!O!O!", &PyList_Type, &addr_list, &PyList_Type, &size_list, &PyList_Type, &path_list))
         return NULL;
-    Py_ssize_t n = PyList_GET_SIZE(paths);
-    if (PyList_GET_SIZE(addrs) != n || PyList_GET_SIZE(sizes) != n) {
-        PyErr_SetString(PyExc_ValueError, "addrs, sizes and paths must have one entry per file");
-        return NULL;
-    }
-    uintptr_t *at = PyMem_Malloc(sizeof(uintptr_t) * (n ? n : 1));
-    size_t *len = PyMem_Malloc(sizeof(size_t) * (n ? n : 1));
-    PyObject **encoded = PyMem_Calloc(n ? n : 1, sizeof(PyObject *));
-    const char **name = PyMem_Malloc(sizeof(char *) * (n ? n : 1));
+    /* tuples: converting a path may run Python code (__fspath__), which must not change what is read */
+    PyObject *addrs = PyList_AsTuple(addr_list), *sizes = PyList_AsTuple(size_list), *paths = PyList_AsTuple(path_list);
+    uintptr_t *at = NULL;
+    size_t *len = NULL;
+    PyObject **encoded = NULL;
+    const char **name = NULL;
     PyObject *result = NULL;
+    Py_ssize_t n = 0;
+    if (addrs == NULL || sizes == NULL || paths == NULL) goto done;
+    n = PyTuple_GET_SIZE(paths);
+    if (PyTuple_GET_SIZE(addrs) != n || PyTuple_GET_SIZE(sizes) != n) {
+        PyErr_SetString(PyExc_ValueError, "addrs, sizes and paths must have one entry per file");
+        goto done;
+    }
+    at = PyMem_Malloc(sizeof(uintptr_t) * (n ? n : 1));
+    len = PyMem_Malloc(sizeof(size_t) * (n ? n : 1));
+    encoded = PyMem_Calloc(n ? n : 1, sizeof(PyObject *));
+    name = PyMem_Malloc(sizeof(char *) * (n ? n : 1));
     if (at == NULL || len == NULL || encoded == NULL || name == NULL) {
         PyErr_NoMemory();
         goto done;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
-        at[i] = (uintptr_t)PyLong_AsVoidPtr(PyList_GET_ITEM(addrs, i));
-        len[i] = PyLong_AsSize_t(PyList_GET_ITEM(sizes, i));
+        at[i] = (uintptr_t)PyLong_AsVoidPtr(PyTuple_GET_ITEM(addrs, i));
         if (PyErr_Occurred()) goto done;
-        if (!PyUnicode_FSConverter(PyList_GET_ITEM(paths, i), &encoded[i])) goto done;
+        len[i] = PyLong_AsSize_t(PyTuple_GET_ITEM(sizes, i));
+        if (PyErr_Occurred()) goto done;
+        if (!PyUnicode_FSConverter(PyTuple_GET_ITEM(paths, i), &encoded[i])) goto done;
         name[i] = PyBytes_AS_STRING(encoded[i]);
     }
     result = PyBytes_FromStringAndSize(NULL, n);
     if (result == NULL) goto done;
     char *status = PyBytes_AS_STRING(result);
     Py_BEGIN_ALLOW_THREADS
+#ifdef MADV_HUGEPAGE
+    size_t page = (size_t)sysconf(_SC_PAGESIZE);
+#endif
     for (Py_ssize_t i = 0; i < n; i++) {
         status[i] = SKIPPED;
         int fd = open(name[i], O_RDONLY | O_CLOEXEC);
@@ -70,11 +84,11 @@ static PyObject *map_files(PyObject *self, PyObject *args) {
                 status[i] = MAPPED;
 #ifdef MADV_HUGEPAGE
                 /* advice only (see mapping.py): a refusal changes nothing */
-                size_t page = (size_t)sysconf(_SC_PAGESIZE);
                 madvise(p, (len[i] + page - 1) / page * page, MADV_HUGEPAGE);
 #endif
             } else {
-                status[i] = FAILED;
+                void *back = mmap((void *)at[i], len[i], PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0);
+                status[i] = back == (void *)at[i] ? RESTORED : HOLE;
             }
         }
         close(fd);
@@ -87,6 +101,9 @@ done:
     PyMem_Free(len);
     PyMem_Free(encoded);
     PyMem_Free(name);
+    Py_XDECREF(addrs);
+    Py_XDECREF(sizes);
+    Py_XDECREF(paths);
     if (PyErr_Occurred()) {
         Py_XDECREF(result);
         return NULL;

@@ -9,7 +9,8 @@ that do not line up with pages are copied into the region instead.
 
 Why by hand: Python's mmap module cannot map a file at a chosen address, and no library maps many
 files into one contiguous tensor, so this calls libc's mmap through ctypes (POSIX only: elsewhere
-torch_loader copies). Once checked, a mapped chunk is not checked again: like safetensors' mmap
+torch_loader copies), and a load that skips the id check maps all its files in one call to a small
+C module where it is built (_mapfiles.c; see map_many). Once checked, a mapped chunk is not checked again: like safetensors' mmap
 loader, the kernel may drop its clean pages and read them again from the cache file.
 Copying instead costs a page fault and a zeroed page per 4 KiB of fresh tensor memory, which is
 most of the time of a copying loader (see benchmarks/bench_node.py).
@@ -51,7 +52,7 @@ try:
     from registry.client import _mapfiles  # C, built by setup.py where a compiler is at hand (see map_many)
 except ImportError:  # one file at a time through ctypes: the same mappings, slower
     _mapfiles = None
-_MAPPED, _SKIPPED = 0, 1  # _mapfiles' status bytes; anything else: a failed MAP_FIXED
+_MAPPED, _HOLE = 0, 3  # _mapfiles' status bytes (see its map_files)
 _FAILED = ctypes.c_void_p(-1).value
 
 # data_ptr -> Region, for tensors built here; an entry goes when its tensor (and every view) is freed.
@@ -72,7 +73,7 @@ def _map_budget() -> int:
 
 
 MAP_BUDGET = _map_budget()
-_lock = threading.RLock()  # reentrant: a Region's __del__ may run (garbage collection) while map_file holds it
+_lock = threading.RLock()  # reentrant: a Region's __del__ may run (garbage collection) while _charge holds it
 _mapped = 0  # mappings charged by live regions (see _map_budget)
 _PER_FILE = 2
 
@@ -162,7 +163,9 @@ class Region:
 def map_many(jobs: list[tuple[Region, int, int, str]]) -> list[bool]:
     """Region.map_file for each (region, start, size, path), without the views; True where mapped.
     With the C helper built, every admitted file is mapped in one call with the GIL released (a
-    third of an unchecked load was the interpreter around each file's system calls)."""
+    third of an unchecked load was the interpreter around each file's system calls). As with
+    map_file, the budget is read without the lock: threads mapping at once may pass it by a few
+    files, well inside the other half of vm.max_map_count."""
     if _mapfiles is None:
         return [region.map_file(start, size, path) is not None for region, start, size, path in jobs]
     admitted, pending = [], 0
@@ -174,12 +177,12 @@ def map_many(jobs: list[tuple[Region, int, int, str]]) -> list[bool]:
                                  [jobs[k][3] for k in admitted])
     done = [False] * len(jobs)
     for k, st in zip(admitted, status):
-        region, start, size, _ = jobs[k]
         if st == _MAPPED:
-            region._holds(start)
+            jobs[k][0]._holds(jobs[k][1])
             done[k] = True
-        elif st != _SKIPPED:
-            region._restore(start, size)
+    if _HOLE in status:  # a failed mapping whose slot not even fresh memory could fill again
+        raise MemoryError("cannot map a chunk into a tensor, and its memory could not be restored; free memory "
+                          "or raise vm.max_map_count and load again")
     return done
 
 

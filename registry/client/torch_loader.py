@@ -169,7 +169,9 @@ class Copier:
 
         mapped = mapping.map_many([(region, p.start, p.chunk.size, self.cache.chunk_file(p.chunk.id))
                                    for _, region, p in maps]) if maps else []
-        failed = place_run([(place, p) for (place, _, p), ok in zip(maps, mapped) if not ok])  # read instead, or refetched
+        # those not mapped (a file missing or of another size, past the budget) are placed one by one:
+        # mapped or read if they can be now, else fetched again below
+        failed = place_run([(place, p) for (place, _, p), ok in zip(maps, mapped) if not ok])
         if self.pool is not None and len(jobs) > 1:
             runs = [jobs[i : i + PIECES_PER_TASK] for i in range(0, len(jobs), PIECES_PER_TASK)]
             failed += [job for bad in windowed_map(self.pool, place_run, runs) for job in bad]
