@@ -117,8 +117,13 @@ def test_a_load_from_a_kept_document_waits_for_the_registry(published, server_en
         mfsreg("push", fam["last-code"], "--family", "fam", "--version", "lora-chat", env=env)
         _equal_to_file(load_tensors("fam", "lora-chat", node=node), fam["last-code"])
         mfsreg("delete", "fam", "lora-chat", env=admin)
+        index = Path(env["MFSREG_CACHE_DIR"]) / "index.db"
+        with sqlite3.connect(index) as db:
+            used = dict(db.execute("SELECT key, last_used FROM entries"))
         with pytest.raises(NotFound, match="version fam/lora-chat does not exist"):
             load_tensors("fam", "lora-chat", node=node)
+        with sqlite3.connect(index) as db:  # the load from the kept document told the index nothing
+            assert dict(db.execute("SELECT key, last_used FROM entries")) == used
         # the same where the load from the kept document fails first: the node cache lost its chunks
         # and the registry's storage its packs, so that load's refetch fails (a 503); the registry's
         # answer to the version is the error raised

@@ -297,10 +297,12 @@ def chunk_ids(lay: dict) -> list[str]:
 
 
 def fill(node: Node, info: VersionInfo, lay: dict, copier: Copier, targets: dict[str, torch.Tensor],
-         todo: dict[str, list[Piece]], cached: bool | None = None) -> int:
+         todo: dict[str, list[Piece]], cached: bool | None = None, record: bool = True) -> int:
     """Fetch what ``todo`` needs (ahead of the copies) and copy it into ``targets``; returns bytes
     copied. ``lay`` is layout(info), which every caller has already (a few ms for a 1 GB model).
-    ``cached``: whether the caller has just seen every chunk of ``todo`` in the cache (None: look)."""
+    ``cached``: whether the caller has just seen every chunk of ``todo`` in the cache (None: look).
+    ``record=False`` leaves out what a load tells the cache's index (the chunks' use, then eviction
+    down to the size limit): the caller does it once it knows the document is current."""
     names = [n for n in todo if todo[n]]
     groups = list(sized_batches(names, lambda name: lay[name][0].nbytes, FETCH_AHEAD_BYTES))
     chunk_groups = [list(dict.fromkeys(p.chunk.id for n in g for p in todo[n])) for g in groups]
@@ -313,7 +315,8 @@ def fill(node: Node, info: VersionInfo, lay: dict, copier: Copier, targets: dict
             # All cached (a warm node): nothing to fetch ahead, and a fetch thread would only take
             # turns with the copies for the interpreter: it made a warm, unchecked load of 1.16 GB
             # about 1.2x as slow. (A chunk evicted meanwhile by another process is refetched by the copier.)
-            node.fetcher.note_used(info.family, needed, info.located, info.tiers)
+            if record:
+                node.fetcher.note_used(info.family, needed, info.located, info.tiers)
             copied = copier.copy_many([(targets[name], todo[name]) for name in names])
         else:
             with contextlib.closing(_fetch_ahead(node.fetcher, info, chunk_groups)) as landed:
@@ -321,7 +324,8 @@ def fill(node: Node, info: VersionInfo, lay: dict, copier: Copier, targets: dict
                     copied += copier.copy_many([(targets[name], todo[name]) for name in groups[k]])
     finally:
         copier.finish()  # also after a failure: no copy may still be queued into tensors being freed
-    node.cache.evict(protect=needed)
+    if record:
+        node.cache.evict(protect=needed)
     return copied
 
 
@@ -347,10 +351,11 @@ def build(node: Node, family: str, version: str, copier: Copier) -> tuple[Versio
     tensors are laid out and filled from it while another thread asks the registry whether it is
     current (a 304, almost always): the round trip overlaps the mapping instead of preceding it,
     and nothing is fetched on the word of a document that may be stale. The tensors are handed out
-    only once the answer has come: another document for the same bytes (tiers moved) is recorded
-    in the cache's index; one for other bytes (the version deleted and pushed again), or any new
-    document after a failed build, has the tensors built again from it; an error (the version is
-    gone, the token refused) is raised instead of the tensors, or of the build's own error."""
+    only once the answer has come, and only then is their use recorded in the cache's index, with
+    the tiers the answer gives (they may have moved). A document for other bytes (the version
+    deleted and pushed again), or any new document after a failed build, has the tensors built
+    again from it; an error (the version is gone, the token refused) is raised instead of the
+    tensors, or of the build's own error."""
     kept = node.fetcher.kept(family, version)
     lay = layout(kept) if kept is not None else None
     if kept is None or not all(node.cache.has(i) for i in chunk_ids(lay)):
@@ -359,25 +364,27 @@ def build(node: Node, family: str, version: str, copier: Copier) -> tuple[Versio
     answer = _in_background(node.fetcher.version, family, version)
     tensors, failure = None, None
     try:
-        tensors = _from(node, kept, lay, copier, cached=True)
+        # what it tells the cache's index waits for the answer: a version since deleted records nothing
+        tensors = _from(node, kept, lay, copier, cached=True, record=False)
     except Exception as exc:  # decided once the answer is in, outside this block: no chained tracebacks
         failure = exc
     current = answer.result()
     if failure is not None:
         if current is kept:  # the same document: the failure is this load's own
             raise failure
-    elif current.digest == kept.digest:  # the same bytes
-        if current is not kept:  # tiers moved: the index learns the new ones (pins follow base)
-            node.fetcher.note_used(family, [i for i in chunk_ids(lay) if i in current.located], current.located,
-                                   current.tiers)
+    elif current.digest == kept.digest:  # the same bytes; their tiers as the registry tells them now
+        ids = chunk_ids(lay)
+        node.fetcher.note_used(family, [i for i in ids if i in current.located], current.located, current.tiers)
+        node.cache.evict(protect=ids)
         return current, tensors
     del tensors
     return current, _from(node, current, layout(current), copier)
 
 
-def _from(node: Node, info: VersionInfo, lay: dict, copier: Copier, cached: bool | None = None) -> dict[str, torch.Tensor]:
+def _from(node: Node, info: VersionInfo, lay: dict, copier: Copier, cached: bool | None = None,
+          record: bool = True) -> dict[str, torch.Tensor]:
     tensors = {name: copier.empty(span) for name, (span, _) in lay.items()}
-    fill(node, info, lay, copier, tensors, {name: pieces for name, (_, pieces) in lay.items()}, cached)
+    fill(node, info, lay, copier, tensors, {name: pieces for name, (_, pieces) in lay.items()}, cached, record)
     return tensors
 
 
