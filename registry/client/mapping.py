@@ -10,8 +10,9 @@ that do not line up with pages are copied into the region instead.
 Why by hand: Python's mmap module cannot map a file at a chosen address, and no library maps many
 files into one contiguous tensor, so this calls libc's mmap through ctypes (POSIX only: elsewhere
 torch_loader copies), and a load that skips the id check maps all its files in one call to a small
-C module where it is built (_mapfiles.c; see map_many). Once checked, a mapped chunk is not checked again: like safetensors' mmap
-loader, the kernel may drop its clean pages and read them again from the cache file.
+C module where it is built (_mapfiles.c; see map_many). Once checked, a mapped chunk is not
+checked again: like safetensors' mmap loader, the kernel may drop its clean pages and read them
+again from the cache file.
 Copying instead costs a page fault and a zeroed page per 4 KiB of fresh tensor memory, which is
 most of the time of a copying loader (see benchmarks/bench_node.py).
 

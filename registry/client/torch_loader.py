@@ -6,8 +6,9 @@ caller passes ``verify=False``, see load_tensors). Chunks that do not line up wi
 into the tensor instead.
 Where chunks are missing, fetching runs ahead on a background thread, batch by batch, so network,
 decode and copy overlap. A load from a version document the node holds already lays the tensors out
-while another thread asks the registry whether that document is current (see build). On a GPU, chunks go through two pinned staging buffers and are copied with non_blocking copies on
-a CUDA stream; a buffer is refilled only after the event of its last copy has completed.
+while another thread asks the registry whether that document is current (see build). On a GPU,
+chunks go through two pinned staging buffers and are copied with non_blocking copies on a CUDA
+stream; a buffer is refilled only after the event of its last copy has completed.
 """
 
 from __future__ import annotations
@@ -151,7 +152,8 @@ class Copier:
                 for p in pieces:
                     self._stage(flat, p)
             return total
-        jobs, maps = [], []  # (placer of one tensor, piece): read (or checked); and (placer, region, piece) mapped unchecked
+        # (placer of one tensor, piece): read, or mapped and checked; (placer, region, piece): mapped unchecked
+        jobs, maps = [], []
         for tensor, pieces in work:
             region = mapping.region_of(tensor) if mapping is not None else None
             place = functools.partial(self._place, _bytes_of(tensor).numpy(), region)
