@@ -60,12 +60,14 @@ except TypeError:
     trusting = False
 cold_loads, cold_files = [], []
 if mode == "cold":
-    import gc, glob, os
+    import gc, glob, importlib.util, os
+    # the working tree's anchors.py by its path (the side's checkout may predate drop_from_page_cache)
+    spec = importlib.util.spec_from_file_location("anchors", sys.argv[10])
+    anchors = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(anchors)
     def _drop():  # the chunk files and the file leave the page cache; gc first: a live mapping keeps pages
         gc.collect()
-        os.sync()  # and so do dirty ones (the chunk files the first load just fetched)
-        for p in [path, *glob.glob(os.path.join(cache_dir, "chunks", "*", "*"))]:
-            fd = os.open(p, os.O_RDONLY); os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED); os.close(fd)
+        anchors.drop_from_page_cache([path, *glob.glob(os.path.join(cache_dir, "chunks", "*", "*"))])
     for _ in range(2):
         _drop(); t0 = time.perf_counter(); t = load_tensors(family, member, node=node); _touch(t); cold_loads.append(time.perf_counter() - t0); del t
         _drop(); t0 = time.perf_counter(); t = load_file(path); _touch(t); cold_files.append(time.perf_counter() - t0); del t
@@ -89,8 +91,8 @@ print(json.dumps({"load_tensors_ready": statistics.median(loads), "load_file_rea
 
 
 def child(root: Path, url: str, token: str, cache: Path, path: Path, cold: bool) -> dict:
-    return child_result(root, CHILD, [url, token, str(cache), str(path), FAMILY, BASE, MEMBER, "cold" if cold else "warm"],
-                        "package")
+    return child_result(root, CHILD, [url, token, str(cache), str(path), FAMILY, BASE, MEMBER, "cold" if cold else "warm",
+                                      anchors.__file__], "package")
 
 
 def main(argv: list[str] | None = None) -> None:

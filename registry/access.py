@@ -55,25 +55,15 @@ def unproven(conn: Connection, who: Principal | None, family: str, stored: Seque
 PROOF_BATCH = 256 << 20  # raw bytes of stored chunks read back at a time to compare an upload with
 
 
-def check_proofs(reg, who: Principal | None, family: str, uploaded: dict[str, bytes]) -> set[str]:
-    """Compare each of ``uploaded`` (id -> raw bytes, already hashed to its id) that ``who`` may not
-    yet use in ``family`` with the bytes stored under that id; raise IntegrityError at the first
-    that differs. The id is an xxh3-128, fast but not built to resist a forged collision: a claim
-    must rest on the bytes themselves, or bytes crafted to hash like another family's chunk would
-    lend that chunk. The error is the one a mismatched hash gets, so it says nothing of what is
-    stored. Returns the ids the push may claim: all of ``uploaded`` but those deleted meanwhile
-    (a prune), which a commit then asks for again. Raises StorageError (a 503 that names nothing)
-    where the stored bytes cannot be read back."""
-    if reads_everything(who) or not uploaded:
-        return set(uploaded)
-    with read_tx(reg.engine) as conn:
-        todo = unproven(conn, who, family, list(uploaded))
-    return set(uploaded) - compare_stored(reg, {i: uploaded[i] for i in todo})
-
-
 def compare_stored(reg, uploaded: dict[str, bytes]) -> set[str]:
-    """check_proofs for ids already known to need a proof (receive_batch finds them in its first
-    read): every one of ``uploaded`` is compared; returns those deleted meanwhile."""
+    """Compare each of ``uploaded`` (id -> raw bytes, already hashed to its id: stored chunks a
+    scoped push must show it holds, see ``unproven``) with the bytes stored under that id; raise
+    IntegrityError at the first that differs. The id is an xxh3-128, fast but not built to resist a
+    forged collision: a claim must rest on the bytes themselves, or bytes crafted to hash like
+    another family's chunk would lend that chunk. The error is the one a mismatched hash gets, so
+    it says nothing of what is stored. Returns the ids deleted meanwhile (a prune), which the push
+    may not claim and a commit then asks for again. Raises StorageError (a 503 that names nothing)
+    where the stored bytes cannot be read back."""
     gone: set[str] = set()
     for batch in sized_batches(sorted(uploaded), lambda i: len(uploaded[i]), PROOF_BATCH):
         stored = _stored_bytes(reg, batch)

@@ -81,7 +81,7 @@ def receive_batch(reg, family: str, body: bytes, who: Principal | None = None) -
     The bases are read from the blob store while the uploaded chunks are verified; memory holds
     the body and the batch's raw bytes (a batch is at most MFSREG_MAX_BODY). Through a token
     scoped to some families (``who``), the batch's chunks are claimed for ``family``; a chunk that
-    was stored already must equal the stored bytes (access.check_proofs, which reads them back in
+    was stored already must equal the stored bytes (access.compare_stored, which reads them back in
     bounded batches), and ``new_bytes`` is the bytes sent, so the answer does not say what other
     families hold."""
     entries = list(parse_batch(body))
@@ -142,7 +142,6 @@ def receive_batch(reg, family: str, body: bytes, who: Principal | None = None) -
                    for v in windowed_map(reg.pool, verify, sent)]
         fetching.result()
     verified = [v for v in checked if v[0].id in todo_ids]
-    # ``proving`` is what check_proofs would look up again: compared straight away
     proved = proving - access.compare_stored(reg, {e.id: raw for e, _, raw in checked if e.id in proving})
     del checked
     ready = list(windowed_map(reg.pool, encode, verified))

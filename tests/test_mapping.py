@@ -95,14 +95,17 @@ def test_aligned_chunks_are_mapped_and_writes_stay_private(cache):
     assert _files_mapped(cache, pieces) == [False, False, False]  # the region and its mappings went with the tensor
 
 
-@pytest.fixture(params=["c", "ctypes"])
+# The C helper's path where it is built (test_mapfiles_module_is_built says whether it must be), and
+# always the ctypes one it falls back to.
+MAPPERS = ["c", "ctypes"] if mapping._mapfiles is not None else ["ctypes"]
+
+
+@pytest.fixture(params=MAPPERS)
 def mapper(request, monkeypatch):
-    """An unchecked load maps its chunk files in one call to the C helper (registry/client/_mapfiles.c),
-    or one at a time through ctypes where it is not built: both, with the same outcomes."""
+    """Chunk files are mapped in one call to the C helper (registry/client/_mapfiles.c), or one at a
+    time through ctypes where it is not built: both, with the same outcomes."""
     if request.param == "ctypes":
         monkeypatch.setattr(mapping, "_mapfiles", None)
-    elif mapping._mapfiles is None:  # no C compiler at install (test_mapfiles_module_is_built says whether that holds)
-        pytest.skip("registry/client/_mapfiles.c is not built")
     return request.param
 
 

@@ -401,11 +401,11 @@ def test_the_servers_batch_upload_stores_plain_what_a_prune_deleted_the_bases_bl
 
 
 def test_a_proof_reads_again_where_a_prune_moved_the_stored_chunks(reg, fam, caplog):
-    """A scoped upload of stored chunks is compared with the stored bytes (access.check_proofs). A
+    """A scoped upload of stored chunks is compared with the stored bytes (access.compare_stored). A
     prune that repacks their pack between the lookup and the read (its blob deleted at once, with a
     grace period of 0) makes the first read fail: the chunks are looked up again, once, and compared
     in their new pack, and the upload passes."""
-    from registry.access import check_proofs
+    from tests.proofs import check_proofs
     from registry.auth import Principal
 
     # lora-chat first: its pack holds the chunks base shares with it, and its own, which die with it

@@ -491,7 +491,7 @@ def test_a_stored_chunk_proves_a_scoped_upload_only_by_equal_bytes(reg, fam):
     token claims a chunk another family stored only if its bytes are the stored ones, plain or
     delta. (Bytes that hash to a stored id but differ cannot be made in a test; they reach this
     check after the re-hash, with the same answer a hash mismatch gets.)"""
-    from registry.access import check_proofs
+    from tests.proofs import check_proofs
     from registry.auth import Principal
     from registry.errors import IntegrityError
 
@@ -523,7 +523,7 @@ def test_a_stored_chunk_proves_a_scoped_upload_only_by_equal_bytes(reg, fam):
 
 def test_a_scoped_upload_is_compared_with_the_stored_chunk(servers, server_env, fam, tmp_path):
     """The server reads back a stored chunk that a scoped token uploads, to compare the bytes
-    (access.check_proofs): with that chunk's pack damaged in storage the comparison cannot be made,
+    (access.compare_stored): with that chunk's pack damaged in storage the comparison cannot be made,
     and the upload is refused with a 503 that names neither the pack nor the chunk's family, and
     claims nothing. (With equal bytes it passes: the tests above.)"""
     (srv,) = servers(1)

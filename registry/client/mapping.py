@@ -46,7 +46,7 @@ _libc.munmap.restype = ctypes.c_int
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.madvise.restype = ctypes.c_int
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-# Linux only (elsewhere None): see Region.map_file
+# Linux only (elsewhere None): see Region._map_one
 _MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)
 
 try:
@@ -113,34 +113,35 @@ class Region:
     def map_file(self, start: int, size: int, path: str) -> memoryview | None:
         """Map ``path`` (exactly ``size`` bytes) over bytes [start, start + size); the bytes as a view,
         or None when the file is missing, has another size, or cannot be mapped (the process holds
-        MAP_BUDGET mappings already): the caller copies instead."""
-        if not self.admits(start):
-            return None
+        MAP_BUDGET mappings already): the caller copies instead. (map_many, for one file.)"""
+        return self.view(start, size) if map_many([(self, start, size, path)])[0] else None
+
+    def _map_one(self, start: int, size: int, path: str) -> bool:
+        """map_many's way through ctypes, one file at a time, where the C helper is not built."""
         try:
             fd = os.open(path, os.O_RDONLY)
         except OSError:
-            return None  # missing (evicted by another process) or unreadable: the caller reads or refetches
+            return False  # missing (evicted by another process) or unreadable: the caller reads or refetches
         try:
             # A short file would raise SIGBUS on first touch, not an error: check its size first.
             # Cache files are written once and renamed into place, never changed in place.
             if os.fstat(fd).st_size != size:
-                return None
+                return False
             addr = _libc.mmap(self.addr + start, size, _PROT, mmap.MAP_PRIVATE | _MAP_FIXED, fd, 0)
         finally:
             os.close(fd)
-        if addr == self.addr + start:
-            if _MADV_HUGEPAGE is not None:
-                # Where the file's pages are not in the page cache (a node's first load after a reboot,
-                # or after memory pressure dropped them), the first touch reads them in whole 2 MiB
-                # folios, mapped by one page-table entry, instead of readahead's smaller ones, which
-                # stay small: measured on a 1.16 GB model dropped from the page cache, every later
-                # load took 0.13 s instead of 0.02 (benchmarks/compare_load.py --cold). Advice only:
-                # a refusal (THP off) changes nothing.
-                _libc.madvise(addr, -(-size // PAGE) * PAGE, _MADV_HUGEPAGE)
-            self._holds(start)
-            return self.view(start, size)
-        self._restore(start, size)
-        return None
+        if addr != self.addr + start:
+            self._restore(start, size)
+            return False
+        if _MADV_HUGEPAGE is not None:
+            # Where the file's pages are not in the page cache (a node's first load after a reboot,
+            # or after memory pressure dropped them), the first touch reads them in whole 2 MiB
+            # folios, mapped by one page-table entry, instead of readahead's smaller ones, which
+            # stay small: measured on a 1.16 GB model dropped from the page cache, every later
+            # load took 0.13 s instead of 0.02 (benchmarks/compare_load.py --cold). Advice only:
+            # a refusal (THP off) changes nothing. (_mapfiles.c advises the same.)
+            _libc.madvise(addr, -(-size // PAGE) * PAGE, _MADV_HUGEPAGE)
+        return True
 
     def _holds(self, start: int) -> None:
         """A file is mapped at ``start`` now: charged once per slot."""
@@ -154,37 +155,45 @@ class Region:
         must not be used.)"""
         back = _libc.mmap(self.addr + start, size, _PROT, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_FIXED, -1, 0)
         if back != self.addr + start:
-            raise MemoryError(f"cannot map a chunk into a tensor, and its memory could not be restored: "
-                              f"{os.strerror(ctypes.get_errno())}; free memory or raise vm.max_map_count and load again")
+            raise _hole(os.strerror(ctypes.get_errno()))
 
     def view(self, start: int, size: int) -> memoryview:
         return memoryview((ctypes.c_ubyte * size).from_address(self.addr + start)).cast("B")
 
 
 def map_many(jobs: list[tuple[Region, int, int, str]]) -> list[bool]:
-    """Region.map_file for each (region, start, size, path), without the views; True where mapped.
-    With the C helper built, every admitted file is mapped in one call with the GIL released (a
-    third of an unchecked load was the interpreter around each file's system calls). As with
-    map_file, the budget is read without the lock: threads mapping at once may pass it by a few
-    files, well inside the other half of vm.max_map_count."""
-    if _mapfiles is None:
-        return [region.map_file(start, size, path) is not None for region, start, size, path in jobs]
+    """Map each (region, start, size, path): the file (exactly ``size`` bytes) over bytes
+    [start, start + size) of its region, advised MADV_HUGEPAGE; True where mapped, False where the
+    file is missing, has another size, cannot be mapped, or the process holds MAP_BUDGET mappings
+    already (the slot then holds fresh memory to copy into). With the C helper built, every admitted
+    file is mapped in one call with the GIL released (a third of an unchecked load was the
+    interpreter around each file's system calls); else one at a time through ctypes. The budget is
+    read without the lock: threads mapping at once may pass it by a few files, well inside the
+    other half of vm.max_map_count."""
     admitted, pending = [], 0
     for k, (region, start, _, _) in enumerate(jobs):
         if region.admits(start, pending):
             admitted.append(k)
             pending += 0 if start in region.slots else _PER_FILE
-    status = _mapfiles.map_files([jobs[k][0].addr + jobs[k][1] for k in admitted], [jobs[k][2] for k in admitted],
-                                 [jobs[k][3] for k in admitted])
+    if _mapfiles is None:
+        mapped, hole = [jobs[k][0]._map_one(*jobs[k][1:]) for k in admitted], False  # _map_one raises at a hole
+    else:
+        status = _mapfiles.map_files([jobs[k][0].addr + jobs[k][1] for k in admitted], [jobs[k][2] for k in admitted],
+                                     [jobs[k][3] for k in admitted])
+        mapped, hole = [st == _MAPPED for st in status], _HOLE in status
     done = [False] * len(jobs)
-    for k, st in zip(admitted, status):
-        if st == _MAPPED:
+    for k, ok in zip(admitted, mapped):
+        if ok:
             jobs[k][0]._holds(jobs[k][1])
             done[k] = True
-    if _HOLE in status:  # a failed mapping whose slot not even fresh memory could fill again
-        raise MemoryError("cannot map a chunk into a tensor, and its memory could not be restored; free memory "
-                          "or raise vm.max_map_count and load again")
+    if hole:  # a failed mapping whose slot not even fresh memory could fill again
+        raise _hole("mmap failed")
     return done
+
+
+def _hole(why: str) -> MemoryError:
+    return MemoryError(f"cannot map a chunk into a tensor, and its memory could not be restored: {why}; free "
+                       "memory or raise vm.max_map_count and load again")
 
 
 def _reserve(length: int) -> int:

@@ -152,17 +152,18 @@ class Copier:
                 for p in pieces:
                     self._stage(flat, p)
             return total
-        # (placer of one tensor, piece): read, or mapped and checked; (placer, region, piece): mapped unchecked
+        # (placer of one tensor, piece): read, or mapped and checked; (placer, bytes, region, piece): mapped unchecked
         jobs, maps = [], []
         for tensor, pieces in work:
             region = mapping.region_of(tensor) if mapping is not None else None
-            place = functools.partial(self._place, _bytes_of(tensor).numpy(), region)
+            arr = _bytes_of(tensor).numpy()
+            place = functools.partial(self._place, arr, region)
             for p in pieces:
                 # Unchecked, a mapped piece is a few system calls: all of them are mapped in one go on
                 # the calling thread (on the pool the threads would mostly hand the GIL back and
                 # forth). Reads stay on the pool.
                 if not self.verify and region is not None and region.can_map(p.start, p.chunk.size):
-                    maps.append((place, region, p))
+                    maps.append((place, arr, region, p))
                 else:
                     jobs.append((place, p))
 
@@ -170,10 +171,11 @@ class Copier:
             return [(place, p) for place, p in run if not place(p)]
 
         mapped = mapping.map_many([(region, p.start, p.chunk.size, self.cache.chunk_file(p.chunk.id))
-                                   for _, region, p in maps]) if maps else []
-        # those not mapped (a file missing or of another size, past the budget) are placed one by one:
-        # mapped or read if they can be now, else fetched again below
-        failed = place_run([(place, p) for (place, _, p), ok in zip(maps, mapped) if not ok])
+                                   for _, _, region, p in maps]) if maps else []
+        # those not mapped (a file missing or of another size, past the budget) are read instead, or
+        # else fetched again below (and then mapped where they can be)
+        failed = [(place, p) for (place, arr, _, p), ok in zip(maps, mapped)
+                  if not ok and not self._place(arr, None, p)]
         if self.pool is not None and len(jobs) > 1:
             runs = [jobs[i : i + PIECES_PER_TASK] for i in range(0, len(jobs), PIECES_PER_TASK)]
             failed += [job for bad in windowed_map(self.pool, place_run, runs) for job in bad]
@@ -359,8 +361,9 @@ def build(node: Node, family: str, version: str, copier: Copier) -> tuple[Versio
     again from it; an error (the version is gone, the token refused) is raised instead of the
     tensors, or of the build's own error."""
     kept = node.fetcher.kept(family, version)
-    lay = layout(kept) if kept is not None else None
-    if kept is None or not all(node.cache.has(i) for i in chunk_ids(lay)):
+    lay = layout(kept) if kept is not None else {}
+    ids = chunk_ids(lay)
+    if kept is None or not all(node.cache.has(i) for i in ids):
         info = node.fetcher.version(family, version)
         return info, _from(node, info, layout(info), copier)
     answer = _in_background(node.fetcher.version, family, version)
@@ -375,7 +378,6 @@ def build(node: Node, family: str, version: str, copier: Copier) -> tuple[Versio
         if current is kept:  # the same document: the failure is this load's own
             raise failure
     elif current.digest == kept.digest:  # the same bytes; their tiers as the registry tells them now
-        ids = chunk_ids(lay)
         node.fetcher.note_used(family, [i for i in ids if i in current.located], current.located, current.tiers)
         node.cache.evict(protect=ids)
         return current, tensors
