@@ -149,6 +149,48 @@ def copy_gbps(path: Path, dest_dir: Path, runs: int = 3) -> dict:
     return {"copy_gbps": size / statistics.median(plain) / 1e9, "copy_fsync_gbps": size / statistics.median(synced) / 1e9}
 
 
+def write_anchors(path: Path, dest_dir: Path) -> dict:
+    """Seconds to write ``path``'s bytes (in the page cache) to a new file beside ``dest_dir`` and
+    sync it, two ways: shutil.copyfile (the kernel copies into the page cache, then writeback), and
+    O_DIRECT from two 8 MiB aligned buffers read in turn (the disk's own pace, no page cache filled).
+    What any pull that writes the file durably costs at least, each way, with no check."""
+    import mmap
+
+    dest = Path(dest_dir) / f".floor-anchor-{os.getpid()}"
+    out = {}
+    try:
+        t0 = time.perf_counter()
+        shutil.copyfile(path, dest)
+        fd = os.open(dest, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        out["copy_fsync_s"] = time.perf_counter() - t0
+        dest.unlink()
+        size, piece = Path(path).stat().st_size, 8 << 20
+        bufs = [mmap.mmap(-1, piece) for _ in range(2)]
+        t0 = time.perf_counter()
+        src = os.open(path, os.O_RDONLY)
+        fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+        try:
+            for i, at in enumerate(range(0, size, piece)):
+                buf = bufs[i % 2]
+                n = os.preadv(src, [buf], at)
+                os.pwrite(fd, memoryview(buf)[: -(-n // 4096) * 4096], at)  # whole blocks; cut below
+            os.ftruncate(fd, size)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+            os.close(src)
+        out["direct_fsync_s"] = time.perf_counter() - t0
+        for b in bufs:
+            b.close()
+    finally:
+        dest.unlink(missing_ok=True)
+    return out
+
+
 def storage_anchors(paths: Iterable[Path], cdc_avg: int = CDC_AVG, compress: bool = True) -> dict:
     paths = [Path(p) for p in paths]
     return {

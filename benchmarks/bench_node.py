@@ -19,6 +19,10 @@ Then each figure is the median of --runs, measured in one process:
   timed pull of lora-chat. Shared fraction = raw bytes of lora-chat's chunks that base also uses /
   lora-chat's logical bytes (from the two version documents' manifests). Gates: fetched bytes <=
   (1 - shared fraction) x logical bytes, and seconds <= 0.3 x the boto3 download of the same file.
+  The pull writes its file around the page cache (O_DIRECT, the default for a pull to a file where
+  the filesystem takes it; params.pull_writes says which way ran). Beside it, in each run, two
+  write anchors from anchors.write_anchors: the local file copied by shutil.copyfile and synced,
+  and its bytes written with O_DIRECT and synced: what writing the file durably costs each way.
 - tensors: registry.client.load_tensors(lora-chat, node=Node(url, token, warm cache dir)) beside
   safetensors.torch.load_file of the local file with its default backend ("mmap": on CPU it maps
   the page cache and reads nothing until the tensors are used) and with backend="pread" (bytes
@@ -212,7 +216,8 @@ class Bench:
             base_ids = shared["base_chunk_ids"]
             covered = sum(1 for i in base_ids if cache.has(i))
             out = self._pull(DUP, cache, verify, "pull with the base cached")
-        return {**out, "warm_seconds": warm_s, "warm_fetched_bytes": warm["fetched_bytes"], "warm_chunks": warm["chunks"],
+        floors = anchors.write_anchors(self.paths[DUP], self.work)
+        return {**out, **floors, "warm_seconds": warm_s, "warm_fetched_bytes": warm["fetched_bytes"], "warm_chunks": warm["chunks"],
                 "base_chunks_cached": covered, "base_chunks": len(base_ids)}
 
     def loads(self, node, dropped: bool = False) -> dict:
@@ -362,7 +367,7 @@ def summarise(raw: dict) -> dict:
         s["cold"][m]["vs_download_and_load"] = s["cold"][m]["seconds"] / s["anchor"][m]["total_s"]
     w = raw["warm_base"]
     sh = raw["shared"]
-    s["warm_base"] = {k: _med(w, k) for k in ("seconds", "warm_seconds")}
+    s["warm_base"] = {k: _med(w, k) for k in ("seconds", "warm_seconds", "copy_fsync_s", "direct_fsync_s")}
     s["warm_base"].update({k: w[0][k] for k in ("fetched_bytes", "cached_bytes", "logical_bytes", "verified", "warm_fetched_bytes",
                                                 "warm_chunks", "base_chunks_cached", "base_chunks")})
     s["warm_base"]["shared_fraction"] = sh["shared_fraction"]
@@ -472,6 +477,10 @@ def report(doc: dict) -> str:
                  f"moved {_pf(g['warm_base_moved_bytes']['pass'])} (<= {w['moved_limit_bytes'] / MB:,.1f} MB); "
                  f"time {_pf(g['warm_base_time_vs_download']['pass'])} / {_pf(g['warm_base_time_vs_get_object']['pass'])} "
                  f"(<= {PULL_GATE}x)"])
+    for key, what in (("copy_fsync_s", "shutil.copyfile + fsync"), ("direct_fsync_s", "O_DIRECT write + fsync")):
+        if w.get(key) is not None:  # (results files from before these anchors lack them)
+            rows.append([f"{DUP}: its local file, {what} (no check)", f"{w['logical_bytes'] / MB:,.1f}", "0",
+                         f"{w[key]:.3f}", f"pull / this: {w['seconds'] / w[key]:.2f}x", ""])
     out += ["### Pulls", "", table(["what", "logical MB", "moved MB", "s", "s / boto3 download", "gate"], rows), ""]
     out += [f"Shared with base: {w['shared_fraction']:.3f} of {DUP}'s logical bytes (version documents); observed in the pull: "
             f"{w['shared_fraction_observed']:.3f}. The base-tier warm-up fetched {w['warm_fetched_bytes'] / MB:,.1f} MB "
@@ -496,6 +505,20 @@ def report(doc: dict) -> str:
     bad = [k for k, v in g.items() if not v["pass"]]
     out += [f"Gates: {'all pass' if not bad else 'FAILED: ' + ', '.join(bad)}", ""]
     return "\n".join(out)
+
+
+def _pull_writes(work: Path) -> str:
+    """How the timed pulls wrote their file: around the page cache where asked and taken, else through it."""
+    from registry.client.assemble import direct_writes
+    from registry.client.direct import DirectFile
+
+    if not direct_writes(default=True):
+        return "page cache (MFSREG_PULL_DIRECT=0)"
+    probe = DirectFile.open(work / "probe", 0)
+    if probe is None:
+        return "page cache (the filesystem refuses O_DIRECT)"
+    probe.close()
+    return "O_DIRECT"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -525,6 +548,7 @@ def main(argv: list[str] | None = None) -> None:
         pushes = bench.push()
         print(f"pushed {', '.join(NODE_MEMBERS)} through the API in {time.perf_counter() - t0:.1f} s", flush=True)
         raw = run_all(bench, args.runs)
+        pull_writes = _pull_writes(work)
     finally:
         stack.close()
         shutil.rmtree(work, ignore_errors=True)
@@ -537,6 +561,7 @@ def main(argv: list[str] | None = None) -> None:
                    "gpu": torch.cuda.get_device_name(0) if cuda else None,
                    "note": ("no GPU on this machine: tensors on CPU" if not cuda else "GPU present"),
                    "s3": "moto server (loopback)", "metadata": "postgres 127.0.0.1", "page_cache": "pre-warmed",
+                   "pull_writes": pull_writes,
                    "members": list(NODE_MEMBERS), "torch": torch.__version__},
         "family": {"shape": Shape.for_scale(args.scale).__dict__, "files": {m: p.stat().st_size for m, p in paths.items()}},
         "pushes": pushes,

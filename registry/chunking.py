@@ -53,6 +53,11 @@ def chunk_id(data) -> str:
     return xxhash.xxh3_128_hexdigest(data)
 
 
+def chunk_hasher():
+    """chunk_id's hash fed piece by piece: ``update(piece)``, then ``hexdigest()`` is the id."""
+    return xxhash.xxh3_128()
+
+
 class MappedFile:
     """A read-only mmap of a file (an empty file maps to an empty buffer)."""
 

@@ -24,10 +24,12 @@ from safetensors.torch import load_file
 from registry.chunking import chunk_id
 from registry.client import ResidentModel, load_tensors
 from registry.client.cache import NodeCache
+from registry.client.direct import DirectFile
 from registry.client.remote import RemoteRegistry
 from registry.manifest import Manifest
 from registry.client.torch_loader import Node, _fetch_ahead, chunk_ids, layout
 from tests.cli_run import MFSREG, mfsreg, mfsreg_json
+from tests.pagecache import resident_fraction
 from tests.server import client_env, servers, server_env, token  # noqa: F401
 
 
@@ -41,6 +43,32 @@ def published(servers, server_env, fam, tmp_path):
     return srv, env
 
 
+@pytest.fixture(params=["direct", "page cache"])
+def writes(request, published, tmp_path) -> str:
+    """Pulls write big files around the page cache (O_DIRECT, the default where the filesystem
+    takes it) or through it (MFSREG_PULL_DIRECT=0): tests that use this run both ways."""
+    _, env = published
+    env["MFSREG_PULL_DIRECT"] = "1" if request.param == "direct" else "0"
+    return request.param if takes_direct(tmp_path) else "page cache"
+
+
+def takes_direct(dirpath: Path) -> bool:
+    """Whether the filesystem under ``dirpath`` takes O_DIRECT writes, probed as a pull probes it."""
+    probe = DirectFile.open(dirpath / "probe", 0)
+    if probe is None:
+        return False
+    probe.close()  # (removes its temp file)
+    return True
+
+
+def assert_written(path: Path, writes: str) -> None:
+    """Call before anything reads ``path``: a file written around the page cache has no page there."""
+    if writes == "direct":
+        assert resident_fraction(path) < 0.01, path
+    else:
+        assert resident_fraction(path) > 0.99, path
+
+
 def needed(env: dict, version: str) -> dict:
     """chunk id -> [encoding, stored bytes, basis, raw bytes, tier], for what the version needs."""
     return Node(env["MFSREG_URL"], env["MFSREG_TOKEN"], env["MFSREG_CACHE_DIR"]).remote.version_doc("fam", version)["chunks"]
@@ -50,7 +78,7 @@ def cached_ids(env: dict) -> list[str]:
     return [p.name for p in (Path(env["MFSREG_CACHE_DIR"]) / "chunks").rglob("*") if p.is_file() and not p.name.startswith(".")]
 
 
-def test_pull_with_base_cached_fetches_only_what_is_not_shared(published, fam, tmp_path):
+def test_pull_with_base_cached_fetches_only_what_is_not_shared(published, writes, fam, tmp_path):
     _, env = published
     warm = mfsreg_json("cache", "warm", "fam", "--tier", "base", env=env)
     assert warm["fetched_bytes"] > 0 and warm["pinned"]
@@ -65,6 +93,7 @@ def test_pull_with_base_cached_fetches_only_what_is_not_shared(published, fam, t
         assert (res["cached_bytes"] > 0) == (member != "full-med")
         assert res["fetched_bytes"] < 0.5 * fam[member].stat().st_size
         assert res["logical_bytes"] == fam[member].stat().st_size
+        assert_written(tmp_path / f"{member}.out", writes)
         assert filecmp.cmp(tmp_path / f"{member}.out", fam[member], shallow=False)
     # with the base tier cached, a LoRA member moves far less than its size
     lora = needed(env, "lora-chat")
@@ -459,11 +488,12 @@ def test_warm_keeps_the_size_limit_and_refuses_a_negative_count(published, fam, 
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "--recent -1" in proc.stderr
 
 
-def test_to_dir_hardlinks_from_the_cache(published, fam, tmp_path):
+def test_to_dir_hardlinks_from_the_cache(published, writes, fam, tmp_path):
     _, env = published
     a = mfsreg_json("pull", "fam", "lora-chat", "--to-dir", tmp_path / "engine-a", env=env)
-    b = mfsreg_json("pull", "fam", "lora-chat", "--to-dir", tmp_path / "engine-b", env=env)
     fa, fb = tmp_path / "engine-a" / fam["lora-chat"].name, tmp_path / "engine-b" / fam["lora-chat"].name
+    assert_written(fa, writes)
+    b = mfsreg_json("pull", "fam", "lora-chat", "--to-dir", tmp_path / "engine-b", env=env)
     assert filecmp.cmp(fa, fam["lora-chat"], shallow=False)
     assert os.stat(fa).st_ino == os.stat(fb).st_ino  # one copy on disk, two engine directories
     assert b["fetched_bytes"] == 0 and a["digest"] == b["digest"]
@@ -510,9 +540,9 @@ def _damage(env: dict, flipped: str, cut: str) -> None:
     _cache_file(env, cut).write_bytes(_cache_file(env, cut).read_bytes()[:-7])
 
 
-def test_a_damaged_cached_chunk_is_fetched_again(published, fam, tmp_path):
-    """Files are copied from the cache and checked where they lie: a cache file with a flipped byte,
-    or cut short, is dropped, fetched again, and the pull still writes the exact file."""
+def test_a_damaged_cached_chunk_is_fetched_again(published, writes, fam, tmp_path):
+    """Every chunk is checked as it is placed: a cache file with a flipped byte, or cut short, is
+    dropped, fetched again, and the pull still writes the exact file."""
     _, env = published
     mfsreg_json("pull", "fam", "lora-chat", "-o", tmp_path / "first.out", env=env)
     doc = Node(env["MFSREG_URL"], env["MFSREG_TOKEN"], env["MFSREG_CACHE_DIR"]).remote.version_doc("fam", "lora-chat")
@@ -520,6 +550,7 @@ def test_a_damaged_cached_chunk_is_fetched_again(published, fam, tmp_path):
     flipped, cut = sorted(i for i in in_file if rows[i][3] > 100)[:2]
     _damage(env, flipped, cut)
     res = mfsreg_json("pull", "fam", "lora-chat", "-o", tmp_path / "again.out", env=env)
+    assert_written(tmp_path / "again.out", writes)
     assert filecmp.cmp(tmp_path / "again.out", fam["lora-chat"], shallow=False)
     assert res["fetched_bytes"] == rows[flipped][1] + rows[cut][1]  # the two chunks' stored bytes, and no more
     # found cached, then fetched again: counted once, as fetched
@@ -582,6 +613,7 @@ def test_pull_copies_by_hand_where_the_kernel_cannot(published, fam, tmp_path, m
         raise OSError(errno.EXDEV, "Invalid cross-device link")
 
     monkeypatch.setattr(os, "copy_file_range", refuse, raising=False)
+    monkeypatch.setenv("MFSREG_PULL_DIRECT", "0")  # the way through the page cache copies with the kernel
     with RemoteRegistry(env["MFSREG_URL"], token=env["MFSREG_TOKEN"]) as remote:
         cache = NodeCache(env["MFSREG_CACHE_DIR"])
         try:
@@ -590,6 +622,42 @@ def test_pull_copies_by_hand_where_the_kernel_cannot(published, fam, tmp_path, m
             cache.close()
     assert filecmp.cmp(tmp_path / "v.out", fam["vocab-ext"], shallow=False)
     assert res.fetched_bytes > 0
+
+
+def test_a_file_pull_writes_around_the_page_cache_and_a_directory_through_it(published, fam, tmp_path):
+    """Unless MFSREG_PULL_DIRECT says otherwise: a pulled file is a copy to keep or ship, so it
+    leaves the node's memory to the chunk cache; a directory is for an engine that loads it next."""
+    _, env = published
+    env.pop("MFSREG_PULL_DIRECT", None)
+    writes = "direct" if takes_direct(tmp_path) else "page cache"
+    mfsreg_json("pull", "fam", "lora-chat", "-o", tmp_path / "file.out", env=env)
+    assert_written(tmp_path / "file.out", writes)
+    mfsreg_json("pull", "fam", "lora-chat", "--to-dir", tmp_path / "engine", env=env)
+    assert_written(tmp_path / "engine" / fam["lora-chat"].name, "page cache")
+
+
+def test_a_pull_writes_through_the_page_cache_where_o_direct_is_refused(published, fam, tmp_path, monkeypatch):
+    """A filesystem that refuses O_DIRECT (at open here; tests/test_direct.py covers a refused
+    first write) gets the file through the page cache instead: the same bytes, no error."""
+    _, env = published
+    real_open = os.open
+
+    def refuse(path, flags, *args, **kwargs):
+        if flags & getattr(os, "O_DIRECT", 0):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", refuse)
+    monkeypatch.setenv("MFSREG_PULL_DIRECT", "1")
+    with RemoteRegistry(env["MFSREG_URL"], token=env["MFSREG_TOKEN"]) as remote:
+        cache = NodeCache(env["MFSREG_CACHE_DIR"])
+        try:
+            remote.pull("fam", "lora-chat", tmp_path / "l.out", cache=cache)
+        finally:
+            cache.close()
+    assert_written(tmp_path / "l.out", "page cache")
+    assert filecmp.cmp(tmp_path / "l.out", fam["lora-chat"], shallow=False)
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".out")] == ["l.out"]
 
 
 def test_a_fetch_that_fails_mid_pull_is_one_line_and_writes_nothing(published, s3_bucket, tmp_path):

@@ -1,12 +1,22 @@
-"""A file assembled from the node cache: chunk files copied by the kernel, then checked where they lie.
+"""A file assembled from the node cache, every chunk checked against its id on the way.
 
 With its chunks cached, a pull is a copy of a gigabyte or more. Read into the process and written
 back, every byte crossed user memory twice, and a whole-file sha256 over the same bytes (about
-1 GB/s here) set the pace. Here each chunk file is copied into its place by copy_file_range (inside
-the kernel: page cache to page cache, or shared blocks where the filesystem clones), and each
-finished stretch is checked where it lies in the new file (registry/filecheck.py) on another core
-while the next is copied. The check reads the bytes as the file holds them, so a cache file
-damaged on disk is caught too: it is dropped from the cache, fetched again and copied again, once.
+1 GB/s here) set the pace. Two ways remain, both checking each chunk by xxh3-128:
+
+- Direct (for files of DIRECT_MIN_BYTES or more where the caller asks, see ``direct_writes``, and
+  the filesystem takes O_DIRECT):
+  each chunk file is read into a staging buffer and checked there, and full buffers go straight to
+  the disk (registry/client/direct.py). No page cache is filled for the new file, so the copy costs
+  one pass through memory and the disk's own time, and the node keeps one copy of the bytes in
+  memory (its chunk files), not two. A later reader of the file reads it from disk.
+- Through the page cache (otherwise: small files, directories for engines, MFSREG_PULL_DIRECT=0,
+  or a filesystem that refuses O_DIRECT): each chunk file is copied into its place by copy_file_range (inside the kernel: page
+  cache to page cache, or shared blocks where the filesystem clones), and each finished stretch is
+  checked where it lies in the new file (registry/filecheck.py) on another core while the next is
+  copied.
+
+A cache file found damaged (or cut short) is dropped from the cache, fetched again and placed again, once.
 """
 
 from __future__ import annotations
@@ -17,14 +27,18 @@ from collections.abc import Callable
 from concurrent.futures import Executor
 from pathlib import Path
 
-from registry.chunking import ChunkRef
+from registry.chunking import ChunkRef, chunk_hasher
 from registry.client.cache import NodeCache
+from registry.client.direct import DirectFile
 from registry.filecheck import BATCH_BYTES, CheckedFile, bad_chunks, check_tiling, write_at
 from registry.manifest import FileEntry
 from registry.parallel import sized_batches
 from registry.progress import Progress
 
 COPY_BUFFER = 1 << 20  # read/write fallback
+# Smaller files (configs, tokenizers) go through the page cache: an engine reads them again at once,
+# and one round trip to the disk per small file would cost more than the copy it saves.
+DIRECT_MIN_BYTES = 256 << 10
 
 # copy_file_range fails with these where it cannot copy between the two files (another
 # filesystem on older kernels, a filesystem without it, a sandbox that forbids it): copy by hand.
@@ -75,15 +89,81 @@ class _Copier:
             os.close(src)
 
 
+def direct_writes(default: bool) -> bool:
+    """Whether a pull writes its big files around the page cache: MFSREG_PULL_DIRECT=1 or 0 where
+    set, else ``default``. A pull to a file defaults to yes (a copy to keep or ship: the node's
+    memory keeps the chunk cache, not a second copy); a directory for an engine, to no (the engine
+    loads it next, and finds it in memory)."""
+    value = os.environ.get("MFSREG_PULL_DIRECT", "").strip().lower()
+    if not value:
+        return default
+    return value not in ("0", "false", "no", "off")
+
+
 def write_file(entry: FileEntry, dest: Path, cache: NodeCache, refetch: Callable[[list[str]], None],
                pool: Executor, progress: Progress, arriving: Callable[[str], None] | None = None,
-               mode: int | None = None) -> None:
-    """Write ``entry`` to ``dest`` atomically from cached chunks, each checked in place against its id.
+               mode: int | None = None, direct: bool = False) -> None:
+    """Write ``entry`` to ``dest`` atomically from cached chunks, each checked against its id.
 
     ``arriving(id)``, when given, waits for a chunk that a fetch running alongside has not landed
     yet. ``refetch(ids)`` drops chunks' cache files and fetches them again (another process
-    evicted them meanwhile, or they failed the check). ``mode``: the file's permissions as it appears."""
+    evicted them meanwhile, or they failed the check). ``mode``: the file's permissions as it
+    appears. ``direct``: write around the page cache if the file is big enough and the filesystem
+    takes it (``direct_writes`` says what the user asked for)."""
     chunks = check_tiling(entry)
+    if direct and entry.size >= DIRECT_MIN_BYTES:
+        out = DirectFile.open(dest, entry.size, mode)
+        if out is not None:
+            with out:
+                _write_direct(out, chunks, cache, refetch, progress, arriving)
+            return
+    _write_buffered(entry, chunks, dest, cache, refetch, pool, progress, arriving, mode)
+
+
+_MISSING, _DAMAGED, _PLACED = range(3)
+
+
+def _stage(out: DirectFile, cache: NodeCache, c: ChunkRef) -> int:
+    """Stage chunk ``c`` from its cache file, checked as it lands; taken back unless it is whole and
+    hashes to its id."""
+    try:
+        src = os.open(cache.chunk_file(c.id), os.O_RDONLY)
+    except FileNotFoundError:
+        return _MISSING
+    try:
+        if os.fstat(src).st_size != c.size:
+            return _DAMAGED  # cache files appear whole (renamed into place): this one was changed
+        mark = out.mark()
+        h = chunk_hasher()
+        if out.stage_from(src, c.size, h.update) == c.size and h.hexdigest() == c.id:
+            return _PLACED
+        out.rollback(mark)
+        return _DAMAGED
+    finally:
+        os.close(src)
+
+
+def _write_direct(out: DirectFile, chunks: list[ChunkRef], cache: NodeCache, refetch: Callable[[list[str]], None],
+                  progress: Progress, arriving: Callable[[str], None] | None) -> None:
+    for c in chunks:
+        got = _stage(out, cache, c)
+        if got == _MISSING and arriving is not None:
+            arriving(c.id)
+            got = _stage(out, cache, c)
+        if got != _PLACED:
+            # Missing (another process evicted it) or damaged: fetched anew, one at a time, as it is
+            # met; nothing of it was written, so the file goes on in order.
+            refetch([c.id])
+            if _stage(out, cache, c) != _PLACED:
+                raise cache.failed_again(c.id)
+        out.settle()
+        progress.advance("write", c.size)
+    out.commit()
+
+
+def _write_buffered(entry: FileEntry, chunks: list[ChunkRef], dest: Path, cache: NodeCache,
+                    refetch: Callable[[list[str]], None], pool: Executor, progress: Progress,
+                    arriving: Callable[[str], None] | None, mode: int | None) -> None:
     with CheckedFile(dest, entry.size, pool, mode) as out:
         copier = _Copier(cache, out.fd)
 

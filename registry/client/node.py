@@ -97,8 +97,9 @@ def pull(fetcher: Fetcher, family: str, version: str, out: Path, progress: Progr
             _materialise_dir(fetcher, info, out, progress, refetch, arrivals.wait)
         else:
             progress.start("write", info.logical_bytes)
+            direct = assemble.direct_writes(default=True)
             for entry, dest in plan:
-                assemble.write_file(entry, dest, cache, refetch, fetcher.remote.pool, progress, arrivals.wait)
+                assemble.write_file(entry, dest, cache, refetch, fetcher.remote.pool, progress, arrivals.wait, direct=direct)
         assembled = True
     finally:
         if not assembled:  # an error or an interrupt: what is still to fetch is not needed now
@@ -145,6 +146,7 @@ def _materialise_dir(fetcher: Fetcher, info: VersionInfo, out: Path, progress: P
     cache = fetcher.cache
     out.mkdir(parents=True, exist_ok=True)
     progress.start("write", info.logical_bytes)
+    direct = assemble.direct_writes(default=False)
     for entry in info.manifest.files:
         dest = out.joinpath(*safe_relpath(entry.path).parts)
         stored = cache.file_path(entry.sha256)
@@ -155,14 +157,15 @@ def _materialise_dir(fetcher: Fetcher, info: VersionInfo, out: Path, progress: P
             # Built under a temp name and renamed over whatever is there, already read-only (engines
             # only read, and an edit through one link would hit all): another process pulling the
             # same file never sees it writable, so never takes it for a changed one and deletes it.
-            assemble.write_file(entry, stored, cache, refetch, fetcher.remote.pool, progress, arriving, mode=0o444)
+            assemble.write_file(entry, stored, cache, refetch, fetcher.remote.pool, progress, arriving, mode=0o444,
+                                direct=direct)
             cache.add_file(entry.sha256, entry.size)
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex}.link")
         try:
             os.link(stored, tmp)
         except OSError:  # another filesystem, or links not allowed: fall back to one verified copy
-            assemble.write_file(entry, dest, cache, refetch, fetcher.remote.pool, progress, arriving)
+            assemble.write_file(entry, dest, cache, refetch, fetcher.remote.pool, progress, arriving, direct=direct)
             continue
         os.replace(tmp, dest)
 

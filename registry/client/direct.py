@@ -1,0 +1,206 @@
+"""A file written around the page cache (O_DIRECT), in order, from aligned staging buffers.
+
+A node's pull of a cached member is a copy of a gigabyte or more. Written through the page cache
+(copy_file_range), every byte is copied into new page-cache pages that the kernel then allocates,
+tracks as dirty and writes back (about 0.5 CPU-seconds for 1.16 GB here, against 0.25 this way),
+and the node keeps a second copy of bytes its chunk cache already holds in memory. Here the chunk files are read into a few
+staging buffers (one copy, which the caller checks there against the chunks' ids), and each full
+buffer goes straight to the disk by O_DIRECT on a writer thread while the next fills. Python's
+os module offers the flag but nothing that stages, aligns and pipelines, hence this module.
+
+O_DIRECT wants the file offset, the length and the memory of each write aligned to the device's
+block: every buffer is a multiple of ALIGN long and page-aligned (an anonymous mmap), every write
+but the last is a full buffer, and the last is padded to ALIGN and the file cut to its size after.
+Bytes are staged a chunk at a time; a chunk that failed its check is taken back (``rollback``)
+before any of it is written, because full buffers go to the writer only at ``settle``.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import uuid
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from pathlib import Path
+
+ALIGN = 4096  # covers 512-byte and 4 KiB logical blocks
+BUFFER_BYTES = 8 << 20  # one write; a few of these are the whole staging memory
+IN_FLIGHT = 2  # writes queued at once: the disk works on one while the next is ready
+
+# open() or the first aligned write fails with these where the filesystem does not take O_DIRECT
+_REFUSED = {errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EPERM}
+
+
+class DirectFile:
+    """A new file under a temp name beside ``dest``, written with O_DIRECT. ``open`` returns None
+    where the filesystem (or the platform) does not take it; the caller then writes through the
+    page cache. Fill in order with ``stage_from``, call ``settle`` after each checked chunk (or
+    ``rollback`` to its ``mark``), then ``commit``; leaving the ``with`` block otherwise removes
+    the file."""
+
+    @classmethod
+    def open(cls, dest: Path, size: int, mode: int | None = None) -> "DirectFile | None":
+        flag = getattr(os, "O_DIRECT", 0)
+        if not flag:
+            return None
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex}.tmp")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | flag, 0o666)
+        except OSError as exc:
+            if exc.errno in _REFUSED:
+                tmp.unlink(missing_ok=True)
+                return None
+            raise
+        f = cls(dest, tmp, fd, size, mode)
+        try:
+            # Some filesystems accept the flag at open and refuse the writes: try one block now,
+            # before any byte of the file is staged (it is written over by the file's first buffer).
+            with mmap.mmap(-1, ALIGN) as probe:
+                os.pwrite(fd, probe, 0)
+        except OSError as exc:
+            f.close()
+            if exc.errno in _REFUSED:
+                return None
+            raise
+        except BaseException:
+            f.close()
+            raise
+        return f
+
+    def __init__(self, dest: Path, tmp: Path, fd: int, size: int, mode: int | None):
+        self.dest, self.tmp, self.fd, self.size, self.mode = dest, tmp, fd, size, mode
+        self.written = 0  # file offset of the first staged buffer
+        self.staged: list[mmap.mmap] = []  # buffers not yet handed to the writer, the last one filling
+        self.fill = 0  # bytes in the last staged buffer
+        self.free: list[mmap.mmap] = []
+        self.made = 0
+        self.flights: deque[tuple[Future, mmap.mmap]] = deque()
+        self.writer = ThreadPoolExecutor(1, thread_name_prefix="mfsreg-direct")
+
+    # -- staging ------------------------------------------------------------------------------
+
+    def _buffer(self) -> mmap.mmap:
+        """A buffer to fill: a free one; else a new one while few exist; else the oldest write's
+        once it is done. A chunk longer than every buffer together makes more, never waits on itself."""
+        if not self.free:
+            if self.made >= IN_FLIGHT + 1 and self.flights:
+                self._land()
+            else:
+                self.free.append(mmap.mmap(-1, BUFFER_BYTES))
+                self.made += 1
+        return self.free.pop()
+
+    def _land(self) -> None:
+        fut, buf = self.flights.popleft()
+        try:
+            fut.result()
+        finally:
+            self.free.append(buf)
+
+    def stage_from(self, src: int, length: int, seen=None) -> int:
+        """Append up to ``length`` bytes read from the start of the open file ``src``; ``seen(view)``
+        is called on each stretch as it lands (the caller's check). Returns the bytes read: fewer
+        than ``length`` when the file is shorter."""
+        done = 0
+        while done < length:
+            if not self.staged or self.fill == BUFFER_BYTES:
+                self.staged.append(self._buffer())
+                self.fill = 0
+            n = min(length - done, BUFFER_BYTES - self.fill)
+            with memoryview(self.staged[-1])[self.fill : self.fill + n] as view:
+                got = os.preadv(src, [view], done)
+                if seen is not None and got:
+                    with view[:got] as landed:
+                        seen(landed)
+            self.fill += got
+            done += got
+            if got < n:
+                break  # the file ended
+        return done
+
+    @property
+    def staged_to(self) -> int:
+        """The file offset the next staged byte lands at."""
+        return self.written + max(len(self.staged) - 1, 0) * BUFFER_BYTES + (self.fill if self.staged else 0)
+
+    def mark(self) -> tuple[int, int]:
+        return len(self.staged), self.fill
+
+    def rollback(self, mark: tuple[int, int]) -> None:
+        """Take back what was staged since ``mark`` (nothing of it was written: see ``settle``)."""
+        count, fill = mark
+        while len(self.staged) > max(count, 1):
+            self.free.append(self.staged.pop())
+        if count == 0:
+            self.free.extend(self.staged)
+            self.staged.clear()
+        self.fill = fill
+
+    def settle(self) -> None:
+        """Hand every full staged buffer to the writer: what they hold has been checked."""
+        full = len(self.staged) if self.fill == BUFFER_BYTES else len(self.staged) - 1
+        for buf in self.staged[:full]:
+            self._send(buf, BUFFER_BYTES)
+        del self.staged[:full]
+        if not self.staged:
+            self.fill = 0
+
+    def _send(self, buf: mmap.mmap, length: int) -> None:
+        self.flights.append((self.writer.submit(self._write, buf, length, self.written), buf))
+        self.written += length
+        while len(self.flights) > IN_FLIGHT:
+            self._land()
+
+    def _write(self, buf: mmap.mmap, length: int, offset: int) -> None:
+        with memoryview(buf) as whole:
+            done = 0
+            while done < length:
+                with whole[done:length] as piece:  # released even if an error's traceback keeps it
+                    done += os.pwrite(self.fd, piece, offset + done)
+
+    # -- the end ------------------------------------------------------------------------------
+
+    def commit(self) -> None:
+        """Write the rest, cut the file to its size, sync it and rename it into place."""
+        if self.staged_to != self.size:  # a caller's bug, not the user's: never renamed into place
+            raise AssertionError(f"staged {self.staged_to} bytes of a {self.size}-byte file")
+        self.settle()
+        if self.staged:  # the tail: padded to a whole block, cut off again below
+            buf = self.staged.pop()
+            pad = -self.fill % ALIGN
+            buf[self.fill : self.fill + pad] = bytes(pad)
+            self._send(buf, self.fill + pad)
+        while self.flights:
+            self._land()
+        os.ftruncate(self.fd, self.size)
+        if self.mode is not None:
+            os.fchmod(self.fd, self.mode)
+        os.fsync(self.fd)
+        os.close(self.fd)
+        self.fd = -1
+        os.replace(self.tmp, self.dest)
+        self.close()
+
+    def close(self) -> None:
+        for fut, _ in self.flights:  # a write still running reads its buffer: wait before unmapping
+            fut.cancel()
+        wait([f for f, _ in self.flights])
+        self.writer.shutdown(wait=True)
+        for buf in (*self.staged, *self.free, *(b for _, b in self.flights)):
+            buf.close()
+        self.staged.clear()
+        self.free.clear()
+        self.flights.clear()
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+            self.tmp.unlink(missing_ok=True)
+
+    def __enter__(self) -> "DirectFile":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
