@@ -1,10 +1,11 @@
 """A written file checked against its chunks where they lie, and its writeback started early.
 
-CheckedFile is the file both pulls write: a temp name beside the target, sized up front, each
-finished stretch handed to writeback and checked on a pool, then synced and renamed into place.
+CheckedFile is the file a pull writes through the page cache: a temp name beside the target, sized
+up front, each finished stretch handed to writeback and checked on a pool, then synced and renamed
+into place.
 
-Both pulls (the embedded one from packs, registry/rebuild.py, and a node's from its cache,
-registry/client/assemble.py) write a file chunk by chunk at the chunks' offsets and then hash each
+Such pulls (the embedded one from packs, registry/rebuild.py, and a node's from its cache where it
+writes through the page cache, registry/client/assemble.py) write a file chunk by chunk at the chunks' offsets and then hash each
 finished stretch, read back from the file, with xxh3-128 against its chunks' ids. The chunks are
 first checked to tile the file (every byte lies in exactly one chunk), so a file whose every chunk
 hashes to its id is the file the manifest describes: what a whole-file sha256 taken from the same

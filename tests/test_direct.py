@@ -23,6 +23,12 @@ def _source(dirpath: Path, name: str, size: int, seed: int) -> tuple[Path, bytes
     return path, data
 
 
+def _open(dest: Path, size: int, mode: int | None = None) -> DirectFile:
+    out = DirectFile.open(dest, size, mode)
+    assert out is not None, "the tests' temp directory should be on a filesystem that takes O_DIRECT"
+    return out
+
+
 def _stage(out: DirectFile, path: Path, length: int | None = None) -> int:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -40,8 +46,7 @@ def test_staged_bytes_land_in_order_across_buffers_and_taken_back_ones_never(tmp
     junk, _ = _source(src, "junk", BUFFER_BYTES + 99, 99)  # crosses an edge wherever it starts
     total = sum(sizes)
     dest = tmp_path / "out" / "file.bin"
-    out = DirectFile.open(dest, total, mode=0o444)
-    assert out is not None, "this test's filesystem should take O_DIRECT"
+    out = _open(dest, total, mode=0o444)
     with out:
         for i, (path, _) in enumerate(parts):
             if i in (2, 4):  # a chunk that failed its check: staged, then taken back
@@ -66,7 +71,7 @@ def test_staged_bytes_land_in_order_across_buffers_and_taken_back_ones_never(tmp
 def test_a_direct_file_bypasses_the_page_cache(tmp_path):
     path, data = _source(tmp_path, "src", 3 * BUFFER_BYTES + 5, 1)
     dest = tmp_path / "out.bin"
-    with DirectFile.open(dest, len(data)) as out:
+    with _open(dest, len(data)) as out:
         _stage(out, path)
         out.settle()
         out.commit()
@@ -77,7 +82,7 @@ def test_a_direct_file_bypasses_the_page_cache(tmp_path):
 def test_a_short_source_and_a_short_file_are_reported(tmp_path):
     path, data = _source(tmp_path, "src", 10_000, 2)
     dest = tmp_path / "out.bin"
-    with DirectFile.open(dest, 20_000) as out:
+    with _open(dest, 20_000) as out:
         assert _stage(out, path, 20_000) == 10_000  # the file ended: fewer bytes than asked for
         with pytest.raises(AssertionError, match="staged 10000 bytes of a 20000-byte file"):
             out.commit()
@@ -89,7 +94,7 @@ def test_a_file_left_uncommitted_leaves_the_old_one_and_no_temp(tmp_path):
     dest = tmp_path / "out.bin"
     dest.write_bytes(b"the old file")
     with pytest.raises(RuntimeError, match="stopped"):
-        with DirectFile.open(dest, len(data)) as out:
+        with _open(dest, len(data)) as out:
             _stage(out, path)
             out.settle()  # two buffers go to the writer
             raise RuntimeError("stopped")
@@ -122,7 +127,7 @@ def test_a_failed_write_is_raised_and_leaves_nothing(tmp_path, monkeypatch):
     """A write the disk refuses (full, failing) after the file opened: its error, and no file."""
     path, data = _source(tmp_path, "src", 3 * BUFFER_BYTES, 4)
     dest = tmp_path / "out.bin"
-    out = DirectFile.open(dest, len(data))
+    out = _open(dest, len(data))
     real_pwrite = os.pwrite
 
     def full(fd, view, offset):
@@ -137,3 +142,46 @@ def test_a_failed_write_is_raised_and_leaves_nothing(tmp_path, monkeypatch):
             out.settle()
             out.commit()
     assert not dest.exists() and list(tmp_path.iterdir()) == [path]
+
+
+def test_a_failed_rename_leaves_no_temp_file(tmp_path):
+    """The last step can fail too (here the name is taken by a directory): the error, and the temp
+    file gone with it."""
+    path, data = _source(tmp_path, "src", BUFFER_BYTES + 1, 5)
+    dest = tmp_path / "taken"
+    (dest / "inside").mkdir(parents=True)
+    with pytest.raises(OSError):
+        with _open(dest, len(data)) as out:
+            _stage(out, path)
+            out.settle()
+            out.commit()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src", "taken"]
+
+
+def test_a_short_write_goes_on_from_the_block_it_ended_in(tmp_path, monkeypatch):
+    """A write the disk takes only in part may end mid-block, where O_DIRECT cannot go on: the
+    writer goes on from that block's start (the bytes come out whole), and where the disk takes
+    less than a block it says so, instead of a misleading EINVAL from the unaligned next write."""
+    path, data = _source(tmp_path, "src", 2 * BUFFER_BYTES + 3, 6)
+    real_pwrite = os.pwrite
+    short = []  # what the next writes past the first buffer report taking, once each
+
+    def partly(fd, view, offset):
+        n = real_pwrite(fd, view, offset)
+        return min(n, short.pop()) if short and offset > 0 else n  # the probe's write at 0 goes through
+
+    monkeypatch.setattr(os, "pwrite", partly)
+    dest = tmp_path / "out.bin"
+    short.append(3 * 4096 + 100)
+    with _open(dest, len(data)) as out:
+        _stage(out, path)
+        out.settle()
+        out.commit()
+    assert not short and dest.read_bytes() == data
+    short.append(100)
+    with pytest.raises(OSError, match="the disk took only 100 bytes"):
+        with _open(tmp_path / "again.bin", len(data)) as out:
+            _stage(out, path)
+            out.settle()
+            out.commit()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.bin", "src"]

@@ -62,7 +62,9 @@ def takes_direct(dirpath: Path) -> bool:
 
 
 def assert_written(path: Path, writes: str) -> None:
-    """Call before anything reads ``path``: a file written around the page cache has no page there."""
+    """Call before anything reads ``path``: a file written around the page cache has no page there.
+    (A filesystem that takes O_DIRECT but buffers anyway, as ZFS before 2.3 does, would fail this:
+    the tests' temp directory is expected on a plain disk filesystem.)"""
     if writes == "direct":
         assert resident_fraction(path) < 0.01, path
     else:
@@ -657,7 +659,7 @@ def test_a_pull_writes_through_the_page_cache_where_o_direct_is_refused(publishe
             cache.close()
     assert_written(tmp_path / "l.out", "page cache")
     assert filecmp.cmp(tmp_path / "l.out", fam["lora-chat"], shallow=False)
-    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".out")] == ["l.out"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp file of either way
 
 
 def test_a_fetch_that_fails_mid_pull_is_one_line_and_writes_nothing(published, s3_bucket, tmp_path):

@@ -72,6 +72,7 @@ class DirectFile:
 
     def __init__(self, dest: Path, tmp: Path, fd: int, size: int, mode: int | None):
         self.dest, self.tmp, self.fd, self.size, self.mode = dest, tmp, fd, size, mode
+        self.renamed = False
         self.written = 0  # file offset of the first staged buffer
         self.staged: list[mmap.mmap] = []  # buffers not yet handed to the writer, the last one filling
         self.fill = 0  # bytes in the last staged buffer
@@ -94,11 +95,13 @@ class DirectFile:
         return self.free.pop()
 
     def _land(self) -> None:
-        fut, buf = self.flights.popleft()
+        fut, buf = self.flights[0]
         try:
             fut.result()
         finally:
-            self.free.append(buf)
+            if fut.done():  # (an interrupt while waiting leaves it in flight, for close to wait on)
+                self.flights.popleft()
+                self.free.append(buf)
 
     def stage_from(self, src: int, length: int, seen=None) -> int:
         """Append up to ``length`` bytes read from the start of the open file ``src``; ``seen(view)``
@@ -159,7 +162,15 @@ class DirectFile:
             done = 0
             while done < length:
                 with whole[done:length] as piece:  # released even if an error's traceback keeps it
-                    done += os.pwrite(self.fd, piece, offset + done)
+                    n = os.pwrite(self.fd, piece, offset + done)
+                if n == length - done:
+                    return
+                # A short write (the disk filling up) may end mid-block, where O_DIRECT cannot go on
+                # (EINVAL would hide the cause): go on from the block's start, so that the next call
+                # either gets further or raises the real error.
+                if n < ALIGN:
+                    raise OSError(errno.EIO, f"the disk took only {n} bytes of a {length - done}-byte write (is it full?)")
+                done += n // ALIGN * ALIGN
 
     # -- the end ------------------------------------------------------------------------------
 
@@ -179,9 +190,8 @@ class DirectFile:
         if self.mode is not None:
             os.fchmod(self.fd, self.mode)
         os.fsync(self.fd)
-        os.close(self.fd)
-        self.fd = -1
         os.replace(self.tmp, self.dest)
+        self.renamed = True
         self.close()
 
     def close(self) -> None:
@@ -197,6 +207,7 @@ class DirectFile:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+        if not self.renamed:
             self.tmp.unlink(missing_ok=True)
 
     def __enter__(self) -> "DirectFile":

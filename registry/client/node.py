@@ -123,7 +123,7 @@ def pull(fetcher: Fetcher, family: str, version: str, out: Path, progress: Progr
 
 def _intact(stored: Path, entry, pool) -> bool:
     """Whether the materialised file ``stored`` is still read-only, of its size, and every chunk of
-    it hashes to its id where it lies (the check a pull makes of a file it writes)."""
+    it hashes to its id where it lies (the check a pull makes of a file it writes through the page cache)."""
     try:
         fd = os.open(stored, os.O_RDONLY)
     except FileNotFoundError:  # not built yet, or evicted by another process
