@@ -1,0 +1,116 @@
+"""A pull to a file, written around the page cache or through it, and a load of that file right after.
+
+    python -m benchmarks.pull_then_load [--scale 1.0] [--runs 4] [--data DIR]
+
+A node pull writes a file around the page cache by default (O_DIRECT, see
+registry/client/direct.py): the pull is faster and the node keeps one copy of the bytes in memory,
+but whoever reads the file next reads it from disk. MFSREG_PULL_DIRECT=0 writes it through the
+page cache instead. This measures both halves for both ways, so the trade is in figures.
+
+Method: one stack as in bench_api.py (moto's S3 server, a scratch Postgres database and `mfsreg
+serve`, on loopback) receives base and lora-chat (parent base) through the API. Each run, for each
+way in turn: a fresh node cache is warmed, untimed, with the base tier (registry.client.warm), then
+RemoteRegistry.pull of lora-chat into a file is timed, then safetensors.torch.load_file of the
+pulled file (default backend, mmap) and a first touch of every page ("ready", as bench_node
+times it). Medians of --runs. Writes results/pull_then_load.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+from safetensors.torch import load_file
+
+from benchmarks import anchors
+from benchmarks.bench_api import Stack
+from benchmarks.bench_node import DUP, Bench, _touch
+from benchmarks.common import FAMILY, MB, finish, machine_info, median, table
+from benchmarks.family import DEFAULT_DIR, MEMBERS, generate
+
+WAYS = {"around the page cache (O_DIRECT, the default for -o)": "1", "through the page cache (MFSREG_PULL_DIRECT=0)": "0"}
+
+
+def one(bench: Bench, setting: str) -> dict:
+    from registry.client.cache import NodeCache
+    from registry.client.warm import warm_cache
+
+    os.environ["MFSREG_PULL_DIRECT"] = setting  # read by each pull
+    cache_dir = bench.fresh_dir("cache")
+    cache = NodeCache(cache_dir)
+    out = bench.work / "pulled.safetensors"
+    try:
+        warm_cache(bench.remote(), FAMILY, "base", cache=cache)  # closes the remote it is given
+        with bench.remote() as r:
+            t0 = time.perf_counter()
+            res = r.pull(FAMILY, DUP, out, cache=cache)
+            t1 = time.perf_counter()
+        tensors = load_file(str(out))
+        _touch(tensors)
+        t2 = time.perf_counter()
+        del tensors
+        return {"pull_s": t1 - t0, "load_ready_s": t2 - t1, "total_s": t2 - t0, "fetched_bytes": res.fetched_bytes,
+                "logical_bytes": res.logical_bytes}
+    finally:
+        out.unlink(missing_ok=True)
+        cache.close()
+        shutil.rmtree(cache_dir, ignore_errors=True)
+
+
+def report(doc: dict) -> str:
+    p, s = doc["params"], doc["summary"]
+    rows = [[way, f"{v['pull_s']:.3f}", f"{v['load_ready_s']:.3f}", f"{v['total_s']:.3f}"] for way, v in s.items()]
+    return "\n".join([
+        f"## Pull of {DUP} with the base cached, then load_file of the pulled file (scale {p['scale']:g}, "
+        f"{s[next(iter(s))]['logical_bytes'] / MB:,.1f} MB, median of {p['runs']} runs, {doc['machine']['cpu_count']} CPUs)", "",
+        table(["the pull's file written", "pull s", "load_file + first touch s", "together s"], rows), ""])
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--scale", type=float, default=1.0)
+    ap.add_argument("--runs", type=int, default=4)
+    ap.add_argument("--data", type=Path, default=DEFAULT_DIR)
+    ap.add_argument("--out", default="pull_then_load.json", help="file name under benchmarks/results/")
+    args = ap.parse_args(argv)
+    t_start = time.perf_counter()
+    family = generate(args.data, args.scale, verbose=True)
+    paths = {m: family[m] for m in ("base", DUP)}
+    anchors.prewarm(paths.values())
+    work = Path(tempfile.mkdtemp(prefix="mfsreg-bench-ptl-", dir=args.data))
+    stack = Stack(work)
+    raw: dict[str, list[dict]] = {way: [] for way in WAYS}
+    before = os.environ.get("MFSREG_PULL_DIRECT")
+    try:
+        url = stack.start_api(f"reg-{uuid.uuid4().hex[:8]}")
+        bench = Bench(stack, url, paths, work, "cpu")
+        with bench.remote() as client:
+            for m in ("base", DUP):
+                client.push(paths[m], FAMILY, m, parent=MEMBERS[m])
+        for i in range(args.runs):
+            for way, setting in WAYS.items():  # alternating, so that both see the same hour
+                raw[way].append(one(bench, setting))
+                r = raw[way][-1]
+                print(f"run {i + 1}: {way}: pull {r['pull_s']:.3f} s, load {r['load_ready_s']:.3f} s", flush=True)
+    finally:
+        if before is None:
+            os.environ.pop("MFSREG_PULL_DIRECT", None)
+        else:
+            os.environ["MFSREG_PULL_DIRECT"] = before
+        stack.close()
+        shutil.rmtree(work, ignore_errors=True)
+    summary = {way: {**{k: median([r[k] for r in rows]) for k in ("pull_s", "load_ready_s", "total_s")},
+                     "logical_bytes": rows[0]["logical_bytes"], "fetched_bytes": rows[0]["fetched_bytes"]}
+               for way, rows in raw.items()}
+    doc = {"machine": machine_info(), "params": {"scale": args.scale, "runs": args.runs, "member": DUP},
+           "summary": summary, "runs": raw}
+    finish(args.out, doc, report, t_start)
+
+
+if __name__ == "__main__":
+    main()
