@@ -19,8 +19,8 @@ Then each figure is the median of --runs, measured in one process:
   timed pull of lora-chat. Shared fraction = raw bytes of lora-chat's chunks that base also uses /
   lora-chat's logical bytes (from the two version documents' manifests). Gates: fetched bytes <=
   (1 - shared fraction) x logical bytes, and seconds <= 0.3 x the boto3 download of the same file.
-  The pull writes its file around the page cache (O_DIRECT, the default for a pull to a file where
-  the filesystem takes it; params.pull_writes says which way ran). Beside it, in each run, two
+  The pull writes its file through the page cache, or around it with MFSREG_PULL_DIRECT=1 set
+  (params.pull_writes says which way ran). Beside it, in each run, two
   write anchors from anchors.write_anchors: the local file copied by shutil.copyfile and synced,
   and its bytes written with O_DIRECT and synced: what writing the file durably costs each way.
 - tensors: registry.client.load_tensors(lora-chat, node=Node(url, token, warm cache dir)) beside
@@ -512,8 +512,8 @@ def _pull_writes(work: Path) -> str:
     from registry.client.assemble import direct_writes
     from registry.client.direct import DirectFile
 
-    if not direct_writes(default=True):
-        return "page cache (MFSREG_PULL_DIRECT=0)"
+    if not direct_writes():
+        return "page cache"
     probe = DirectFile.open(work / "probe", 0)
     if probe is None:
         return "page cache (the filesystem refuses O_DIRECT)"

@@ -2,10 +2,10 @@
 
     python -m benchmarks.pull_then_load [--scale 1.0] [--runs 4] [--data DIR]
 
-A node pull writes a file around the page cache by default (O_DIRECT, see
-registry/client/direct.py): the pull is faster and the node keeps one copy of the bytes in memory,
-but whoever reads the file next reads it from disk. MFSREG_PULL_DIRECT=0 writes it through the
-page cache instead. This measures both halves for both ways, so the trade is in figures.
+A node pull writes its file through the page cache; with MFSREG_PULL_DIRECT=1 it writes around it
+(O_DIRECT, see registry/client/direct.py): the pull is faster and the node keeps one copy of the
+bytes in memory, but whoever reads the file next reads it from disk. This measures both halves for
+both ways, so the trade is in figures.
 
 Method: one stack as in bench_api.py (moto's S3 server, a scratch Postgres database and `mfsreg
 serve`, on loopback) receives base and lora-chat (parent base) through the API. Each run, for each
@@ -33,7 +33,7 @@ from benchmarks.bench_node import DUP, Bench, _touch
 from benchmarks.common import FAMILY, MB, finish, machine_info, median, table
 from benchmarks.family import DEFAULT_DIR, MEMBERS, generate
 
-WAYS = {"around the page cache (O_DIRECT, the default for -o)": "1", "through the page cache (MFSREG_PULL_DIRECT=0)": "0"}
+WAYS = {"around the page cache (MFSREG_PULL_DIRECT=1)": "1", "through the page cache (the default)": "0"}
 
 
 def one(bench: Bench, setting: str) -> dict:

@@ -45,8 +45,8 @@ def published(servers, server_env, fam, tmp_path):
 
 @pytest.fixture(params=["direct", "page cache"])
 def writes(request, published, tmp_path) -> str:
-    """Pulls write big files around the page cache (O_DIRECT, the default where the filesystem
-    takes it) or through it (MFSREG_PULL_DIRECT=0): tests that use this run both ways."""
+    """Pulls write big files through the page cache (the default) or around it (O_DIRECT, with
+    MFSREG_PULL_DIRECT=1, where the filesystem takes it): tests that use this run both ways."""
     _, env = published
     env["MFSREG_PULL_DIRECT"] = "1" if request.param == "direct" else "0"
     return request.param if takes_direct(tmp_path) else "page cache"
@@ -626,16 +626,21 @@ def test_pull_copies_by_hand_where_the_kernel_cannot(published, fam, tmp_path, m
     assert res.fetched_bytes > 0
 
 
-def test_a_file_pull_writes_around_the_page_cache_and_a_directory_through_it(published, fam, tmp_path):
-    """Unless MFSREG_PULL_DIRECT says otherwise: a pulled file is a copy to keep or ship, so it
-    leaves the node's memory to the chunk cache; a directory is for an engine that loads it next."""
+def test_pulls_write_through_the_page_cache_unless_asked_otherwise(published, fam, tmp_path):
+    """Unset, MFSREG_PULL_DIRECT leaves pulled files in the page cache, where whoever reads them next
+    (an engine, a copy) finds them; set to 1, both kinds of pull write around it."""
     _, env = published
     env.pop("MFSREG_PULL_DIRECT", None)
-    writes = "direct" if takes_direct(tmp_path) else "page cache"
     mfsreg_json("pull", "fam", "lora-chat", "-o", tmp_path / "file.out", env=env)
-    assert_written(tmp_path / "file.out", writes)
+    assert_written(tmp_path / "file.out", "page cache")
     mfsreg_json("pull", "fam", "lora-chat", "--to-dir", tmp_path / "engine", env=env)
     assert_written(tmp_path / "engine" / fam["lora-chat"].name, "page cache")
+    env["MFSREG_PULL_DIRECT"] = "yes"
+    expected = "direct" if takes_direct(tmp_path) else "page cache"
+    mfsreg_json("pull", "fam", "last-code", "-o", tmp_path / "direct.out", env=env)
+    assert_written(tmp_path / "direct.out", expected)
+    mfsreg_json("pull", "fam", "last-code", "--to-dir", tmp_path / "engine-2", env=env)
+    assert_written(tmp_path / "engine-2" / fam["last-code"].name, expected)
 
 
 def test_a_pull_writes_through_the_page_cache_where_o_direct_is_refused(published, fam, tmp_path, monkeypatch):

@@ -4,17 +4,18 @@ With its chunks cached, a pull is a copy of a gigabyte or more. Read into the pr
 back, every byte crossed user memory twice, and a whole-file sha256 over the same bytes (about
 1 GB/s here) set the pace. Two ways remain, both checking each chunk by xxh3-128:
 
-- Direct (for files of DIRECT_MIN_BYTES or more where the caller asks, see ``direct_writes``, and
-  the filesystem takes O_DIRECT):
-  each chunk file is read into a staging buffer and checked there, and full buffers go straight to
-  the disk (registry/client/direct.py). No page cache is filled for the new file, so the copy costs
-  one pass through memory and the disk's own time, and the node keeps one copy of the bytes in
-  memory (its chunk files), not two. A later reader of the file reads it from disk.
-- Through the page cache (otherwise: small files, directories for engines, MFSREG_PULL_DIRECT=0,
-  or a filesystem that refuses O_DIRECT): each chunk file is copied into its place by copy_file_range (inside the kernel: page
-  cache to page cache, or shared blocks where the filesystem clones), and each finished stretch is
-  checked where it lies in the new file (registry/filecheck.py) on another core while the next is
-  copied.
+- Through the page cache (the default): each chunk file is copied into its place by
+  copy_file_range (inside the kernel: page cache to page cache, or shared blocks where the
+  filesystem clones), and each finished stretch is checked where it lies in the new file
+  (registry/filecheck.py) on another core while the next is copied. Whoever reads the file next
+  (an engine, a copy to elsewhere) finds it in memory.
+- Direct (MFSREG_PULL_DIRECT=1, for files of DIRECT_MIN_BYTES or more, where the filesystem takes
+  O_DIRECT): each chunk file is read into a staging buffer and checked there, and full buffers go
+  straight to the disk (registry/client/direct.py). No page cache is filled for the new file, so
+  the pull costs one pass through memory (about half the CPU) and the disk's own time, and the
+  node's memory keeps one copy of the bytes (its chunk files), not two; but the file's next reader
+  reads it from disk. benchmarks/pull_then_load.py measured the pull 0.11 s faster and the load
+  after it 0.94 s slower (1.16 GB), so it is for nodes short of memory, or files kept for later.
 
 A cache file found damaged (or cut short) is dropped from the cache, fetched again and placed again, once.
 """
@@ -89,15 +90,11 @@ class _Copier:
             os.close(src)
 
 
-def direct_writes(default: bool) -> bool:
-    """Whether a pull writes its big files around the page cache: MFSREG_PULL_DIRECT=1 or 0 where
-    set, else ``default``. A pull to a file defaults to yes (a copy to keep or ship: the node's
-    memory keeps the chunk cache, not a second copy); a directory for an engine, to no (the engine
-    loads it next, and finds it in memory)."""
+def direct_writes() -> bool:
+    """Whether pulls write their big files around the page cache: MFSREG_PULL_DIRECT set to anything
+    but 0/false/no/off (unset: no)."""
     value = os.environ.get("MFSREG_PULL_DIRECT", "").strip().lower()
-    if not value:
-        return default
-    return value not in ("0", "false", "no", "off")
+    return bool(value) and value not in ("0", "false", "no", "off")
 
 
 def write_file(entry: FileEntry, dest: Path, cache: NodeCache, refetch: Callable[[list[str]], None],

@@ -97,7 +97,7 @@ def pull(fetcher: Fetcher, family: str, version: str, out: Path, progress: Progr
             _materialise_dir(fetcher, info, out, progress, refetch, arrivals.wait)
         else:
             progress.start("write", info.logical_bytes)
-            direct = assemble.direct_writes(default=True)
+            direct = assemble.direct_writes()
             for entry, dest in plan:
                 assemble.write_file(entry, dest, cache, refetch, fetcher.remote.pool, progress, arrivals.wait, direct=direct)
         assembled = True
@@ -146,7 +146,7 @@ def _materialise_dir(fetcher: Fetcher, info: VersionInfo, out: Path, progress: P
     cache = fetcher.cache
     out.mkdir(parents=True, exist_ok=True)
     progress.start("write", info.logical_bytes)
-    direct = assemble.direct_writes(default=False)
+    direct = assemble.direct_writes()
     for entry in info.manifest.files:
         dest = out.joinpath(*safe_relpath(entry.path).parts)
         stored = cache.file_path(entry.sha256)
