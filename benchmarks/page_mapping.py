@@ -1,6 +1,6 @@
 """What it costs to map chunk files into one tensor and touch every page, by chunk size and alignment.
 
-    python -m benchmarks.page_mapping [--scale S] [--runs N] [--member lora-chat] [--sizes 1M,2M]
+    python -m benchmarks.page_mapping [--scale S] [--runs N] [--member lora-chat] [--sizes 1M,2M] [--out F]
 
 load_tensors (registry/client/mapping.py) maps each cached chunk file into its tensor's address
 range; its "ready" time is mostly the page faults of the first touch. This measures that part alone,
@@ -17,7 +17,8 @@ maps with 2 MiB entries) while the last pass is mapped.
 Two more rows read every byte instead of one per page: the aligned chunk files, each hashed with
 xxh3-128 as load_tensors checks a chunk against its id, and the one file, hashed in slices of the
 same size; both on a thread per core, as load_tensors runs its checks. They show what the check
-costs beyond mapping: a pass over the bytes at the memory's speed. Writes results/page_mapping.json.
+costs beyond mapping: a pass over the bytes at the memory's speed. Writes results/page_mapping.json
+(or --out).
 """
 
 from __future__ import annotations
@@ -150,6 +151,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--data", type=Path, default=DEFAULT_DIR)
     ap.add_argument("--member", default="lora-chat")
     ap.add_argument("--sizes", default="1M,2M")
+    ap.add_argument("--out", default="page_mapping.json", help="file name under benchmarks/results/")
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
     path = generate(args.data, args.scale)[args.member]
@@ -176,7 +178,7 @@ def main(argv: list[str] | None = None) -> None:
     doc = {"machine": machine_info(), "params": {"scale": args.scale, "runs": args.runs, "member": args.member,
                                                  "sizes": args.sizes, "kernel": os.uname().release},
            "bytes": path.stat().st_size, "results": results}
-    finish("page_mapping.json", doc, report, t_start)
+    finish(args.out, doc, report, t_start)
 
 
 if __name__ == "__main__":
