@@ -173,6 +173,30 @@ def test_a_load_from_a_kept_document_waits_for_the_registry(published, server_en
         node.close()
 
 
+def test_a_load_from_a_kept_document_fetches_nothing_on_its_word(published, server_env, fam, tmp_path):
+    """A chunk found damaged while tensors are laid out from a kept document is dropped, and fetched
+    again only if the registry's answer still needs it: here lora-chat was deleted and pushed again
+    as last-code's bytes, so a damaged chunk of the old lora-chat is not fetched (a copy of the old
+    lora-chat keeps it in the family, so the stale document's word would have brought it)."""
+    srv, env = published
+    admin = client_env(tmp_path, srv.url, token(server_env, "admin"))
+    node = Node(env["MFSREG_URL"], env["MFSREG_TOKEN"], env["MFSREG_CACHE_DIR"])
+    try:
+        lora, base, code = (set(needed(env, v)) for v in ("lora-chat", "base", "last-code"))
+        mfsreg("push", fam["lora-chat"], "--family", "fam", "--version", "lora-copy", "--parent", "base", env=env)
+        load_tensors("fam", "lora-chat", node=node)  # fetched, and its document kept
+        victim = sorted(lora - base - code)[0]
+        _damage(env, victim, victim)  # a flipped byte, and cut short
+        mfsreg("delete", "fam", "lora-chat", env=admin)
+        mfsreg("push", fam["last-code"], "--family", "fam", "--version", "lora-chat", env=env)
+        _equal_to_file(load_tensors("fam", "lora-chat", node=node), fam["last-code"])
+        assert not _cache_file(env, victim).exists()  # dropped, not fetched again on the stale word
+        _equal_to_file(load_tensors("fam", "lora-copy", node=node), fam["lora-chat"])  # needed: it comes back
+        assert chunk_id(_cache_file(env, victim).read_bytes()) == victim
+    finally:
+        node.close()
+
+
 def _mapped_from(cache_dir: str) -> bool:
     with open("/proc/self/maps") as f:
         return str(Path(cache_dir) / "chunks") in f.read()

@@ -301,18 +301,19 @@ def chunk_ids(lay: dict) -> list[str]:
 
 
 def fill(node: Node, info: VersionInfo, lay: dict, copier: Copier, targets: dict[str, torch.Tensor],
-         todo: dict[str, list[Piece]], cached: bool | None = None, record: bool = True) -> int:
+         todo: dict[str, list[Piece]], cached: bool | None = None, record: bool = True, refetch=None) -> int:
     """Fetch what ``todo`` needs (ahead of the copies) and copy it into ``targets``; returns bytes
     copied. ``lay`` is layout(info), which every caller has already (a few ms for a 1 GB model).
     ``cached``: whether the caller has just seen every chunk of ``todo`` in the cache (None: look).
     ``record=False`` leaves out what a load tells the cache's index (the chunks' use, then eviction
-    down to the size limit): the caller does it once it knows the document is current."""
+    down to the size limit): the caller does it once it knows the document is current. ``refetch``:
+    what the copier calls for chunks to fetch again (default: fetch them, on ``info``'s word)."""
     names = [n for n in todo if todo[n]]
     groups = list(sized_batches(names, lambda name: lay[name][0].nbytes, FETCH_AHEAD_BYTES))
     chunk_groups = [list(dict.fromkeys(p.chunk.id for n in g for p in todo[n])) for g in groups]
     needed = list(dict.fromkeys(i for g in chunk_groups for i in g))
     copied = 0
-    copier.refetch = refetcher(node.fetcher, info)
+    copier.refetch = refetch or refetcher(node.fetcher, info)
     copier.begin()
     try:
         if cached if cached is not None else all(node.cache.has(i) for i in needed):
@@ -354,7 +355,8 @@ def build(node: Node, family: str, version: str, copier: Copier) -> tuple[Versio
     Where this node holds the version's document already and every chunk it names is cached, the
     tensors are laid out and filled from it while another thread asks the registry whether it is
     current (a 304, almost always): the round trip overlaps the mapping instead of preceding it,
-    and nothing is fetched on the word of a document that may be stale. The tensors are handed out
+    and nothing is fetched on the word of a document that may be stale (a chunk found damaged is
+    dropped, and the tensors built again from the answer, which fetches it). The tensors are handed out
     only once the answer has come, and only then is their use recorded in the cache's index, with
     the tiers the answer gives (they may have moved). A document for other bytes (the version
     deleted and pushed again), or any new document after a failed build, has the tensors built
@@ -368,14 +370,22 @@ def build(node: Node, family: str, version: str, copier: Copier) -> tuple[Versio
         return info, _from(node, info, layout(info), copier)
     answer = _in_background(node.fetcher.version, family, version)
     tensors, failure = None, None
+
+    def deferred(chunk_ids: list[str]) -> None:
+        """A chunk to fetch again (damaged, or evicted meanwhile) is dropped now, but fetched only
+        on the answer's word, by the build from the current document below."""
+        for i in chunk_ids:
+            node.cache.discard(i)
+        raise _Deferred(chunk_ids)
+
     try:
         # what it tells the cache's index waits for the answer: a version since deleted records nothing
-        tensors = _from(node, kept, lay, copier, cached=True, record=False)
+        tensors = _from(node, kept, lay, copier, cached=True, record=False, refetch=deferred)
     except Exception as exc:  # decided once the answer is in, outside this block: no chained tracebacks
         failure = exc
     current = answer.result()
     if failure is not None:
-        if current is kept:  # the same document: the failure is this load's own
+        if current is kept and not isinstance(failure, _Deferred):  # the same document: this load's own failure
             raise failure
     elif current.digest == kept.digest:  # the same bytes; their tiers as the registry tells them now
         node.fetcher.note_used(family, [i for i in ids if i in current.located], current.located, current.tiers)
@@ -385,10 +395,15 @@ def build(node: Node, family: str, version: str, copier: Copier) -> tuple[Versio
     return current, _from(node, current, layout(current), copier)
 
 
+class _Deferred(Exception):
+    """Raised by a build from a kept document that met chunks to fetch again: it is built again
+    from the registry's answer, which fetches them."""
+
+
 def _from(node: Node, info: VersionInfo, lay: dict, copier: Copier, cached: bool | None = None,
-          record: bool = True) -> dict[str, torch.Tensor]:
+          record: bool = True, refetch=None) -> dict[str, torch.Tensor]:
     tensors = {name: copier.empty(span) for name, (span, _) in lay.items()}
-    fill(node, info, lay, copier, tensors, {name: pieces for name, (_, pieces) in lay.items()}, cached, record)
+    fill(node, info, lay, copier, tensors, {name: pieces for name, (_, pieces) in lay.items()}, cached, record, refetch)
     return tensors
 
 
