@@ -12,7 +12,8 @@ serve`, on loopback) receives base and lora-chat (parent base) through the API. 
 way in turn: a fresh node cache is warmed, untimed, with the base tier (registry.client.warm), then
 RemoteRegistry.pull of lora-chat into a file is timed, then safetensors.torch.load_file of the
 pulled file (default backend, mmap) and a first touch of every page ("ready", as bench_node
-times it). Medians of --runs. Writes results/pull_then_load.json.
+times it); the pull's CPU-seconds in this process (the node's side) are recorded too. Medians of
+--runs. Writes results/pull_then_load.json.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from safetensors.torch import load_file
 from benchmarks import anchors
 from benchmarks.bench_api import Stack
 from benchmarks.bench_node import DUP, Bench, _touch
-from benchmarks.common import FAMILY, MB, finish, machine_info, median, table
+from benchmarks.common import FAMILY, MB, cpu_seconds, finish, machine_info, median, table
 from benchmarks.family import DEFAULT_DIR, MEMBERS, generate
 
 WAYS = {"around the page cache (MFSREG_PULL_DIRECT=1)": "1", "through the page cache (the default)": "0"}
@@ -47,14 +48,14 @@ def one(bench: Bench, setting: str) -> dict:
     try:
         warm_cache(bench.remote(), FAMILY, "base", cache=cache)  # closes the remote it is given
         with bench.remote() as r:
-            t0 = time.perf_counter()
+            c0, t0 = cpu_seconds(), time.perf_counter()
             res = r.pull(FAMILY, DUP, out, cache=cache)
-            t1 = time.perf_counter()
+            t1, c1 = time.perf_counter(), cpu_seconds()
         tensors = load_file(str(out))
         _touch(tensors)
         t2 = time.perf_counter()
         del tensors
-        return {"pull_s": t1 - t0, "load_ready_s": t2 - t1, "total_s": t2 - t0, "fetched_bytes": res.fetched_bytes,
+        return {"pull_s": t1 - t0, "pull_cpu_s": c1 - c0, "load_ready_s": t2 - t1, "total_s": t2 - t0, "fetched_bytes": res.fetched_bytes,
                 "logical_bytes": res.logical_bytes}
     finally:
         out.unlink(missing_ok=True)
@@ -64,11 +65,13 @@ def one(bench: Bench, setting: str) -> dict:
 
 def report(doc: dict) -> str:
     p, s = doc["params"], doc["summary"]
-    rows = [[way, f"{v['pull_s']:.3f}", f"{v['load_ready_s']:.3f}", f"{v['total_s']:.3f}"] for way, v in s.items()]
+    rows = [[way, f"{v['pull_s']:.3f}", f"{v['pull_cpu_s']:.3f}", f"{v['load_ready_s']:.3f}", f"{v['total_s']:.3f}"]
+            for way, v in s.items()]
     return "\n".join([
         f"## Pull of {DUP} with the base cached, then load_file of the pulled file (scale {p['scale']:g}, "
         f"{s[next(iter(s))]['logical_bytes'] / MB:,.1f} MB, median of {p['runs']} runs, {doc['machine']['cpu_count']} CPUs)", "",
-        table(["the pull's file written", "pull s", "load_file + first touch s", "together s"], rows), ""])
+        table(["the pull's file written", "pull s", "pull CPU s (this process)", "load_file + first touch s", "together s"], rows),
+        "", "The pull's CPU is this process's (user + system, all threads); the server's is not counted.", ""])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -104,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
             os.environ["MFSREG_PULL_DIRECT"] = before
         stack.close()
         shutil.rmtree(work, ignore_errors=True)
-    summary = {way: {**{k: median([r[k] for r in rows]) for k in ("pull_s", "load_ready_s", "total_s")},
+    summary = {way: {**{k: median([r[k] for r in rows]) for k in ("pull_s", "pull_cpu_s", "load_ready_s", "total_s")},
                      "logical_bytes": rows[0]["logical_bytes"], "fetched_bytes": rows[0]["fetched_bytes"]}
                for way, rows in raw.items()}
     doc = {"machine": machine_info(), "params": {"scale": args.scale, "runs": args.runs, "member": DUP},
