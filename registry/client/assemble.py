@@ -12,10 +12,11 @@ back, every byte crossed user memory twice, and a whole-file sha256 over the sam
 - Direct (MFSREG_PULL_DIRECT=1, for files of DIRECT_MIN_BYTES or more, where the filesystem takes
   O_DIRECT): each chunk file is read into a staging buffer and checked there, and full buffers go
   straight to the disk (registry/client/direct.py). No page cache is filled for the new file, so
-  the pull costs one pass through memory (about half the CPU) and the disk's own time, and the
-  node's memory keeps one copy of the bytes (its chunk files), not two; but the file's next reader
-  reads it from disk. benchmarks/pull_then_load.py measured the pull 0.11 s faster and the load
-  after it 0.94 s slower (1.16 GB), so it is for nodes short of memory, or files kept for later.
+  the pull costs one pass through memory and the disk's own time, and the node's memory keeps one
+  copy of the bytes (its chunk files), not two; but the file's next reader reads it from disk.
+  benchmarks/pull_then_load.py measured the pull (1.16 GB) 0.08 to 0.14 s faster and at two thirds
+  of the client's CPU, and the load after it about a second slower, so it is for nodes short of
+  memory, or files kept for later.
 
 A cache file found damaged (or cut short) is dropped from the cache, fetched again and placed again, once.
 """
