@@ -23,6 +23,7 @@ from concurrent.futures import Executor, Future, wait
 from pathlib import Path
 
 from registry.chunking import ChunkRef, chunk_id
+from registry.durable import sync_dir
 from registry.errors import IntegrityError
 from registry.manifest import FileEntry
 
@@ -126,6 +127,7 @@ class CheckedFile:
         os.close(self.fd)
         self.fd = -1
         os.replace(self.tmp, self.dest)
+        sync_dir(self.dest.parent)
 
     def close(self) -> None:
         for f in self.checks:  # on an error, no check may still map the file when its descriptor closes

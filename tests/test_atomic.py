@@ -86,3 +86,29 @@ def test_concurrent_pushes_of_members_sharing_chunks(backend, home_env, tmp_path
     assert stats["tiers"]["base"]["chunks"] == 8 * (2 << 20) // (64 << 10) + 1
     assert stats["tiers"]["group"]["chunks"] == 0
     assert sum(t["bytes"] for t in stats["tiers"].values()) == stats["stored_bytes"]
+
+
+def test_sync_dir_skips_only_filesystems_that_cannot_sync_a_directory(tmp_path, monkeypatch):
+    """The last step of every atomic write (registry/durable.py): a directory the filesystem cannot
+    sync (EINVAL, as on some network and FUSE filesystems) is passed over; any other failure, or a
+    directory that is not there, is raised."""
+    import errno
+    import os
+
+    from registry.durable import sync_dir
+
+    sync_dir(tmp_path)
+    with pytest.raises(FileNotFoundError):
+        sync_dir(tmp_path / "gone")
+    real = os.fsync
+    for err, raised in ((errno.EINVAL, False), (errno.EIO, True)):
+        def failing(fd, err=err):
+            raise OSError(err, os.strerror(err))
+
+        monkeypatch.setattr(os, "fsync", failing)
+        if raised:
+            with pytest.raises(OSError, match=os.strerror(err)):
+                sync_dir(tmp_path)
+        else:
+            sync_dir(tmp_path)
+    monkeypatch.setattr(os, "fsync", real)

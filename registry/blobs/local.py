@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from registry.blobs.base import BlobStore, check_key
+from registry.durable import sync_dir
 from registry.errors import NotFound, StorageError
 
 
@@ -40,11 +41,7 @@ class LocalBlobStore(BlobStore):
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)
-            dirfd = os.open(path.parent, os.O_RDONLY)
-            try:
-                os.fsync(dirfd)
-            finally:
-                os.close(dirfd)
+            sync_dir(path.parent)
         except OSError as exc:
             raise StorageError(f"cannot write blob {key}: {exc.strerror}") from None
         finally:

@@ -25,6 +25,8 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
+from registry.durable import sync_dir
+
 ALIGN = 4096  # covers 512-byte and 4 KiB logical blocks
 BUFFER_BYTES = 8 << 20  # one write; a few of these are the whole staging memory
 IN_FLIGHT = 2  # writes queued at once: the disk works on one while the next is ready
@@ -192,6 +194,7 @@ class DirectFile:
         os.fsync(self.fd)
         os.replace(self.tmp, self.dest)
         self.renamed = True
+        sync_dir(self.dest.parent)
         self.close()
 
     def close(self) -> None:
