@@ -1,16 +1,17 @@
 """A written file checked against its chunks where they lie, and its writeback started early.
 
-CheckedFile is the file a pull writes through the page cache: a temp name beside the target, sized
-up front, each finished stretch handed to writeback and checked on a pool, then synced and renamed
-into place.
+CheckedFile is the file a pull writes: a temp name beside the target, sized up front, its
+finished stretches handed to writeback (and, where the pull asks, checked on a pool), then synced
+and renamed into place.
 
-Such pulls (the embedded one from packs, registry/rebuild.py, and a node's from its cache where it
-writes through the page cache, registry/client/assemble.py) write a file chunk by chunk at the chunks' offsets and then hash each
-finished stretch, read back from the file, with xxh3-128 against its chunks' ids. The chunks are
-first checked to tile the file (every byte lies in exactly one chunk), so a file whose every chunk
-hashes to its id is the file the manifest describes: what a whole-file sha256 taken from the same
-manifest would prove, at about a tenth of the CPU, and of the bytes as the file holds them rather
-than as they were handed to write().
+The embedded pull (from packs, registry/rebuild.py) writes a file chunk by chunk at the chunks'
+offsets and then hashes each finished stretch, read back from the file, with xxh3-128 against its
+chunks' ids (a node's pull checks each chunk in its own buffer before writing it instead,
+registry/client/assemble.py, and checks a stored file with bad_chunks, _intact in
+registry/client/node.py). The chunks are first checked to tile the file (every byte lies in
+exactly one chunk), so a file whose every chunk hashes to its id is the file the manifest
+describes: what a whole-file sha256 taken from the same manifest would prove, at about a tenth of
+the CPU, and of the bytes as the file holds them rather than as they were handed to write().
 """
 
 from __future__ import annotations

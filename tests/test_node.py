@@ -630,26 +630,6 @@ def test_a_pack_lost_behind_the_first_of_a_batch_is_reported_before_the_stream(p
     assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert not (tmp_path / "out").exists()
 
-def test_pull_copies_by_hand_where_the_kernel_cannot(published, fam, tmp_path, monkeypatch):
-    """copy_file_range refuses some pairs of files (another filesystem on older kernels): the pull
-    falls back to reading and writing, with the same checks."""
-    srv, env = published
-
-    def refuse(*args, **kwargs):
-        raise OSError(errno.EXDEV, "Invalid cross-device link")
-
-    monkeypatch.setattr(os, "copy_file_range", refuse, raising=False)
-    monkeypatch.setenv("MFSREG_PULL_DIRECT", "0")  # the way through the page cache copies with the kernel
-    with RemoteRegistry(env["MFSREG_URL"], token=env["MFSREG_TOKEN"]) as remote:
-        cache = NodeCache(env["MFSREG_CACHE_DIR"])
-        try:
-            res = remote.pull("fam", "vocab-ext", tmp_path / "v.out", cache=cache)
-        finally:
-            cache.close()
-    assert filecmp.cmp(tmp_path / "v.out", fam["vocab-ext"], shallow=False)
-    assert res.fetched_bytes > 0
-
-
 def test_pulls_write_through_the_page_cache_unless_asked_otherwise(published, fam, tmp_path):
     """Unset, MFSREG_PULL_DIRECT leaves pulled files in the page cache, where whoever reads them next
     (an engine, a copy) finds them; set to 1, both kinds of pull write around it."""

@@ -1,94 +1,45 @@
 """A file assembled from the node cache, every chunk checked against its id on the way.
 
-With its chunks cached, a pull is a copy of a gigabyte or more. Read into the process and written
-back, every byte crossed user memory twice, and a whole-file sha256 over the same bytes (about
-1 GB/s here) set the pace. Two ways remain, both checking each chunk by xxh3-128:
+With its chunks cached, a pull is a copy of a gigabyte or more. Each chunk file is read into a
+buffer of the process and checked there (xxh3-128 against its id, while the bytes are still in the
+CPU's cache), and the checked bytes are written to the file: one read of the cache's pages and one
+write of the new file's, where copying with copy_file_range and then reading the new file back to
+check it took a third pass through memory (a bare test of the two on 577 cached 2 MiB chunk
+files, nothing fetched: 0.36 CPU-seconds against 0.69, 0.63 to 0.76 s of wall time against 0.85
+to 1.32). Two ways to write remain:
 
-- Through the page cache (the default): each chunk file is copied into its place by
-  copy_file_range (inside the kernel: page cache to page cache, or shared blocks where the
-  filesystem clones), and each finished stretch is checked where it lies in the new file
-  (registry/filecheck.py) on another core while the next is copied. Whoever reads the file next
-  (an engine, a copy to elsewhere) finds it in memory.
+- Through the page cache (the default): at each chunk's offset with pwrite, writeback started per
+  stretch (registry/filecheck.py's CheckedFile: a temp name, synced and renamed). Whoever reads the
+  file next (an engine, a copy to elsewhere) finds it in memory.
 - Direct (MFSREG_PULL_DIRECT=1, for files of DIRECT_MIN_BYTES or more, where the filesystem takes
-  O_DIRECT): each chunk file is read into a staging buffer and checked there, and full buffers go
-  straight to the disk (registry/client/direct.py). No page cache is filled for the new file, so
-  the pull costs one pass through memory and the disk's own time, and the node's memory keeps one
-  copy of the bytes (its chunk files), not two; but the file's next reader reads it from disk.
-  benchmarks/pull_then_load.py measured the pull (1.16 GB) 0.08 to 0.14 s faster and at two thirds
-  of the client's CPU, and the load after it about a second slower, so it is for nodes short of
-  memory, or files kept for later.
+  O_DIRECT): the chunks are read into staging buffers instead, and full buffers go straight to the
+  disk (registry/client/direct.py). No page cache is filled for the new file, so the node's memory
+  keeps one copy of the bytes (its chunk files), not two; but the file's next reader reads it from
+  disk. benchmarks/pull_then_load.py measured the pull (1.16 GB) 0.08 to 0.14 s faster, and the
+  load after it about a second slower, so it is for nodes short of memory, or files kept for later.
 
-A cache file found damaged (or cut short) is dropped from the cache, fetched again and placed again, once.
+A cache file found damaged, cut short or gone is dropped from the cache, fetched again and placed
+again, once; nothing of it is written before it passes.
 """
 
 from __future__ import annotations
 
-import errno
 import os
 from collections.abc import Callable
 from concurrent.futures import Executor
 from pathlib import Path
 
-from registry.chunking import ChunkRef, chunk_hasher
+from registry.chunking import ChunkRef, chunk_hasher, chunk_id
 from registry.client.cache import NodeCache
 from registry.client.direct import DirectFile
-from registry.filecheck import BATCH_BYTES, CheckedFile, bad_chunks, check_tiling, write_at
+from registry.filecheck import BATCH_BYTES, CheckedFile, check_tiling, start_writeback, write_at
 from registry.manifest import FileEntry
 from registry.parallel import sized_batches
 from registry.progress import Progress
 
-COPY_BUFFER = 1 << 20  # read/write fallback
 # Smaller files (configs, tokenizers) go through the page cache: an engine reads them again at once,
 # and one round trip to the disk per small file would cost more than the copy it saves.
 DIRECT_MIN_BYTES = 256 << 10
-
-# copy_file_range fails with these where it cannot copy between the two files (another
-# filesystem on older kernels, a filesystem without it, a sandbox that forbids it): copy by hand.
-_NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EPERM, errno.EBADF}
-
-
-class _Copier:
-    """Copies cache chunk files into one open output file, with the kernel where it can."""
-
-    def __init__(self, cache: NodeCache, fd: int):
-        self.cache = cache
-        self.fd = fd
-        self.kernel = hasattr(os, "copy_file_range")
-        self.buf: bytearray | None = None
-
-    def copy(self, c: ChunkRef) -> bool:
-        """Copy chunk ``c`` to its offset; False if the cache lacks it (or holds a file of another size)."""
-        try:
-            src = os.open(self.cache.chunk_file(c.id), os.O_RDONLY)
-        except FileNotFoundError:
-            return False
-        try:
-            if os.fstat(src).st_size != c.size:
-                return False
-            done = 0
-            if self.kernel:
-                try:
-                    while done < c.size:
-                        n = os.copy_file_range(src, self.fd, c.size - done, done, c.offset + done)
-                        if n == 0:
-                            return False  # the file shrank under us
-                        done += n
-                except OSError as exc:
-                    if exc.errno not in _NO_KERNEL_COPY:
-                        raise
-                    self.kernel = False
-            while done < c.size:
-                if self.buf is None:
-                    self.buf = bytearray(COPY_BUFFER)
-                view = memoryview(self.buf)[: min(COPY_BUFFER, c.size - done)]
-                n = os.preadv(src, [view], done)
-                if n == 0:
-                    return False
-                write_at(self.fd, view[:n], c.offset + done)
-                done += n
-            return True
-        finally:
-            os.close(src)
 
 
 def direct_writes() -> bool:
@@ -113,27 +64,65 @@ def write_file(entry: FileEntry, dest: Path, cache: NodeCache, refetch: Callable
         out = DirectFile.open(dest, entry.size, mode)
         if out is not None:
             with out:
-                _write_direct(out, chunks, cache, refetch, progress, arriving)
+                _place_all(chunks, lambda c: _stage(out, cache, c), cache, refetch, arriving,
+                           lambda batch: None, progress)
+                out.commit()
             return
-    _write_buffered(entry, chunks, dest, cache, refetch, pool, progress, arriving, mode)
+    with CheckedFile(dest, entry.size, pool, mode) as out:
+        buf = bytearray(max((c.size for c in chunks), default=0))  # one chunk at a time: it stays in the CPU's cache
+        with memoryview(buf) as view:
+            _place_all(chunks, lambda c: _read(view, cache, c, out.fd), cache, refetch, arriving,
+                       lambda batch: start_writeback(out.fd, batch), progress)
+        out.commit()
 
 
 _MISSING, _DAMAGED, _PLACED = range(3)
 
 
+def _open(cache: NodeCache, c: ChunkRef) -> int | None:
+    """Chunk ``c``'s cache file, open; None if it is gone. (Check its size: see _whole.)"""
+    try:
+        return os.open(cache.chunk_file(c.id), os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+
+
+def _whole(src: int, c: ChunkRef) -> bool:
+    # cache files appear whole (renamed into place): one of another size was changed since
+    return os.fstat(src).st_size == c.size
+
+
+def _read(view: memoryview, cache: NodeCache, c: ChunkRef, fd: int) -> int:
+    """Read chunk ``c`` from its cache file into ``view``, check it, and write it at its offset in
+    the file open as ``fd`` only if it is whole and hashes to its id."""
+    src = _open(cache, c)
+    if src is None:
+        return _MISSING
+    try:
+        if not _whole(src, c):
+            return _DAMAGED
+        with view[: c.size] as piece:
+            if os.preadv(src, [piece], 0) != c.size or chunk_id(piece) != c.id:
+                return _DAMAGED
+            write_at(fd, piece, c.offset)
+        return _PLACED
+    finally:
+        os.close(src)
+
+
 def _stage(out: DirectFile, cache: NodeCache, c: ChunkRef) -> int:
     """Stage chunk ``c`` from its cache file, checked as it lands; taken back unless it is whole and
     hashes to its id."""
-    try:
-        src = os.open(cache.chunk_file(c.id), os.O_RDONLY)
-    except FileNotFoundError:
+    src = _open(cache, c)
+    if src is None:
         return _MISSING
     try:
-        if os.fstat(src).st_size != c.size:
-            return _DAMAGED  # cache files appear whole (renamed into place): this one was changed
+        if not _whole(src, c):
+            return _DAMAGED
         mark = out.mark()
         h = chunk_hasher()
         if out.stage_from(src, c.size, h.update) == c.size and h.hexdigest() == c.id:
+            out.settle()  # full buffers go to the writer as soon as what they hold is checked
             return _PLACED
         out.rollback(mark)
         return _DAMAGED
@@ -141,50 +130,21 @@ def _stage(out: DirectFile, cache: NodeCache, c: ChunkRef) -> int:
         os.close(src)
 
 
-def _write_direct(out: DirectFile, chunks: list[ChunkRef], cache: NodeCache, refetch: Callable[[list[str]], None],
-                  progress: Progress, arriving: Callable[[str], None] | None) -> None:
-    for c in chunks:
-        got = _stage(out, cache, c)
-        if got == _MISSING and arriving is not None:
-            arriving(c.id)
-            got = _stage(out, cache, c)
-        if got != _PLACED:
-            # Missing (another process evicted it) or damaged: fetched anew, one at a time, as it is
-            # met; nothing of it was written, so the file goes on in order.
-            refetch([c.id])
-            if _stage(out, cache, c) != _PLACED:
-                raise cache.failed_again(c.id)
-        out.settle()
-        progress.advance("write", c.size)
-    out.commit()
-
-
-def _write_buffered(entry: FileEntry, chunks: list[ChunkRef], dest: Path, cache: NodeCache,
-                    refetch: Callable[[list[str]], None], pool: Executor, progress: Progress,
-                    arriving: Callable[[str], None] | None, mode: int | None) -> None:
-    with CheckedFile(dest, entry.size, pool, mode) as out:
-        copier = _Copier(cache, out.fd)
-
-        def place(c: ChunkRef) -> None:
-            if copier.copy(c):
-                return
-            if arriving is not None:
+def _place_all(chunks: list[ChunkRef], place: Callable[[ChunkRef], int], cache: NodeCache,
+               refetch: Callable[[list[str]], None], arriving: Callable[[str], None] | None,
+               finished: Callable[[list[ChunkRef]], None], progress: Progress) -> None:
+    """Every chunk placed in order by ``place``; ``finished(batch)`` after each stretch."""
+    for batch in sized_batches(chunks, lambda c: c.size, BATCH_BYTES):
+        for c in batch:
+            got = place(c)
+            if got == _MISSING and arriving is not None:  # the fetch beside us has not landed it yet
                 arriving(c.id)
-                if copier.copy(c):
-                    return
-            refetch([c.id])  # missing, or a file of the wrong size: either way fetched anew
-            if not copier.copy(c):
-                raise cache.failed_again(c.id)
-
-        for batch in sized_batches(chunks, lambda c: c.size, BATCH_BYTES):
-            for c in batch:
-                place(c)
-            out.finished(batch)
-            progress.advance("write", sum(c.size for c in batch))
-        bad = out.bad()
-        if bad:  # damaged on the node's disk: dropped and fetched again in one go, copied again, once
-            refetch(list(dict.fromkeys(c.id for c in bad)))  # a chunk used twice in the file is fetched once
-            for c in bad:
-                if not copier.copy(c) or bad_chunks(out.fd, [c]):
+                got = place(c)
+            if got != _PLACED:
+                # Gone (another process evicted it) or damaged: fetched anew as it is met, one at a
+                # time; nothing of it was written, so the file goes on in order.
+                refetch([c.id])
+                if place(c) != _PLACED:
                     raise cache.failed_again(c.id)
-        out.commit()
+        finished(batch)
+        progress.advance("write", sum(c.size for c in batch))
