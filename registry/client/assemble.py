@@ -15,8 +15,9 @@ to 1.32). Two ways to write remain:
   O_DIRECT): the chunks are read into staging buffers instead, and full buffers go straight to the
   disk (registry/client/direct.py). No page cache is filled for the new file, so the node's memory
   keeps one copy of the bytes (its chunk files), not two; but the file's next reader reads it from
-  disk. benchmarks/pull_then_load.py measured the pull (1.16 GB) 0.08 to 0.14 s faster, and the
-  load after it about a second slower, so it is for nodes short of memory, or files kept for later.
+  disk. benchmarks/pull_then_load.py measured the pull (1.16 GB) no faster than the default's (0.81
+  s against 0.78, 0.82 CPU-seconds against 0.89) and the load after it a second slower, so it is
+  for nodes short of memory, or files kept for later.
 
 A cache file found damaged, cut short or gone is dropped from the cache, fetched again and placed
 again, once; nothing of it is written before it passes.

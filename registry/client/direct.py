@@ -1,12 +1,12 @@
 """A file written around the page cache (O_DIRECT), in order, from aligned staging buffers.
 
-A node's pull of a cached member is a copy of a gigabyte or more. Written through the page cache
-(copy_file_range), every byte is copied into new page-cache pages that the kernel then allocates,
-tracks as dirty and writes back (a node's whole pull of 1.16 GB took 1.15 CPU-seconds that way
-and 0.76 this way, benchmarks/pull_then_load.py), and the node keeps a second copy of bytes its chunk cache already holds in memory. Here the chunk files are read into a few
-staging buffers (one copy, which the caller checks there against the chunks' ids), and each full
-buffer goes straight to the disk by O_DIRECT on a writer thread while the next fills. Python's
-os module offers the flag but nothing that stages, aligns and pipelines, hence this module.
+A node's pull of a cached member is a copy of a gigabyte or more. Written through the page cache,
+every byte is copied into new page-cache pages that the kernel then allocates, tracks as dirty and
+writes back, and the node keeps a second copy of bytes its chunk cache already holds in memory.
+Here the chunk files are read into a few staging buffers (one copy, which the caller checks there
+against the chunks' ids), and each full buffer goes straight to the disk by O_DIRECT on a writer
+thread while the next fills. Python's os module offers the flag but nothing that stages, aligns
+and pipelines, hence this module.
 
 O_DIRECT wants the file offset, the length and the memory of each write aligned to the device's
 block: every buffer is a multiple of ALIGN long and page-aligned (an anonymous mmap), every write
