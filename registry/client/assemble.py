@@ -65,70 +65,55 @@ def write_file(entry: FileEntry, dest: Path, cache: NodeCache, refetch: Callable
         out = DirectFile.open(dest, entry.size, mode)
         if out is not None:
             with out:
-                _place_all(chunks, lambda c: _stage(out, cache, c), cache, refetch, arriving,
-                           lambda batch: None, progress)
+                _place_all(chunks, lambda c: _from_cache(cache, c, lambda src: _stage_checked(out, c, src)),
+                           cache, refetch, arriving, lambda batch: None, progress)
                 out.commit()
             return
     with CheckedFile(dest, entry.size, pool, mode) as out:
         buf = bytearray(max((c.size for c in chunks), default=0))  # one chunk at a time: it stays in the CPU's cache
         with memoryview(buf) as view:
-            _place_all(chunks, lambda c: _read(view, cache, c, out.fd), cache, refetch, arriving,
-                       lambda batch: start_writeback(out.fd, batch), progress)
+            _place_all(chunks, lambda c: _from_cache(cache, c, lambda src: _write_checked(view, out.fd, c, src)),
+                       cache, refetch, arriving, lambda batch: start_writeback(out.fd, batch), progress)
         out.commit()
 
 
 _MISSING, _DAMAGED, _PLACED = range(3)
 
 
-def _open(cache: NodeCache, c: ChunkRef) -> int | None:
-    """Chunk ``c``'s cache file, open; None if it is gone. (Check its size: see _whole.)"""
+def _from_cache(cache: NodeCache, c: ChunkRef, place: Callable[[int], bool]) -> int:
+    """Chunk ``c``'s cache file, open, handed to ``place(fd)``, which reads, checks and places it
+    and says whether it passed: _PLACED, _DAMAGED, or _MISSING where the file is gone."""
     try:
-        return os.open(cache.chunk_file(c.id), os.O_RDONLY)
+        src = os.open(cache.chunk_file(c.id), os.O_RDONLY)
     except FileNotFoundError:
-        return None
-
-
-def _whole(src: int, c: ChunkRef) -> bool:
-    # cache files appear whole (renamed into place): one of another size was changed since
-    return os.fstat(src).st_size == c.size
-
-
-def _read(view: memoryview, cache: NodeCache, c: ChunkRef, fd: int) -> int:
-    """Read chunk ``c`` from its cache file into ``view``, check it, and write it at its offset in
-    the file open as ``fd`` only if it is whole and hashes to its id."""
-    src = _open(cache, c)
-    if src is None:
         return _MISSING
     try:
-        if not _whole(src, c):
-            return _DAMAGED
-        with view[: c.size] as piece:
-            if os.preadv(src, [piece], 0) != c.size or chunk_id(piece) != c.id:
-                return _DAMAGED
-            write_at(fd, piece, c.offset)
-        return _PLACED
+        if os.fstat(src).st_size != c.size:
+            return _DAMAGED  # cache files appear whole (renamed into place): this one was changed
+        return _PLACED if place(src) else _DAMAGED
     finally:
         os.close(src)
 
 
-def _stage(out: DirectFile, cache: NodeCache, c: ChunkRef) -> int:
-    """Stage chunk ``c`` from its cache file, checked as it lands; taken back unless it is whole and
-    hashes to its id."""
-    src = _open(cache, c)
-    if src is None:
-        return _MISSING
-    try:
-        if not _whole(src, c):
-            return _DAMAGED
-        mark = out.mark()
-        h = chunk_hasher()
-        if out.stage_from(src, c.size, h.update) == c.size and h.hexdigest() == c.id:
-            out.settle()  # full buffers go to the writer as soon as what they hold is checked
-            return _PLACED
-        out.rollback(mark)
-        return _DAMAGED
-    finally:
-        os.close(src)
+def _write_checked(view: memoryview, fd: int, c: ChunkRef, src: int) -> bool:
+    """Read chunk ``c`` into ``view``, and write it at its offset in the file open as ``fd`` only
+    if it hashes to its id."""
+    with view[: c.size] as piece:
+        if os.preadv(src, [piece], 0) != c.size or chunk_id(piece) != c.id:
+            return False
+        write_at(fd, piece, c.offset)
+    return True
+
+
+def _stage_checked(out: DirectFile, c: ChunkRef, src: int) -> bool:
+    """Stage chunk ``c``, checked as it lands; taken back unless it is whole and hashes to its id."""
+    mark = out.mark()
+    h = chunk_hasher()
+    if out.stage_from(src, c.size, h.update) == c.size and h.hexdigest() == c.id:
+        out.settle()  # full buffers go to the writer as soon as what they hold is checked
+        return True
+    out.rollback(mark)
+    return False
 
 
 def _place_all(chunks: list[ChunkRef], place: Callable[[ChunkRef], int], cache: NodeCache,
