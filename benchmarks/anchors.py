@@ -125,6 +125,19 @@ def cdc_ingest_cpu(path: Path, avg_size: int = CDC_AVG) -> dict:
     return {"cpu_seconds": cpu, "bytes": size, "stored_bytes": stored, "mbps_per_cpu_second": size / cpu / 1e6}  # MB as in common.MB
 
 
+def _copy_synced(path: Path, dest: Path) -> tuple[float, float]:
+    """shutil.copyfile of ``path`` to ``dest``, then fsync: seconds to the copy's end and to the sync's."""
+    t0 = time.perf_counter()
+    shutil.copyfile(path, dest)
+    t1 = time.perf_counter()
+    fd = os.open(dest, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return t1 - t0, time.perf_counter() - t0
+
+
 def copy_gbps(path: Path, dest_dir: Path, runs: int = 3) -> dict:
     """shutil.copyfile to ``dest_dir`` (same disk as the registry): GB/s without and with fsync."""
     size = Path(path).stat().st_size
@@ -133,17 +146,9 @@ def copy_gbps(path: Path, dest_dir: Path, runs: int = 3) -> dict:
     try:
         for _ in range(runs):
             dest.unlink(missing_ok=True)
-            t0 = time.perf_counter()
-            shutil.copyfile(path, dest)
-            t1 = time.perf_counter()
-            fd = os.open(dest, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            t2 = time.perf_counter()
-            plain.append(t1 - t0)
-            synced.append(t2 - t0)
+            copied, total = _copy_synced(path, dest)
+            plain.append(copied)
+            synced.append(total)
     finally:
         dest.unlink(missing_ok=True)
     return {"copy_gbps": size / statistics.median(plain) / 1e9, "copy_fsync_gbps": size / statistics.median(synced) / 1e9}
@@ -161,14 +166,7 @@ def write_anchors(path: Path, dest_dir: Path) -> dict:
     dest = Path(dest_dir) / f".write-anchor-{os.getpid()}"
     out = {}
     try:
-        t0 = time.perf_counter()
-        shutil.copyfile(path, dest)
-        fd = os.open(dest, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        out["copy_fsync_s"] = time.perf_counter() - t0
+        out["copy_fsync_s"] = _copy_synced(path, dest)[1]
         dest.unlink()
         size, piece = Path(path).stat().st_size, 8 << 20
         buf = mmap.mmap(-1, piece)

@@ -216,8 +216,8 @@ class Bench:
             base_ids = shared["base_chunk_ids"]
             covered = sum(1 for i in base_ids if cache.has(i))
             out = self._pull(DUP, cache, verify, "pull with the base cached")
-        floors = anchors.write_anchors(self.paths[DUP], self.work)
-        return {**out, **floors, "warm_seconds": warm_s, "warm_fetched_bytes": warm["fetched_bytes"], "warm_chunks": warm["chunks"],
+        written = anchors.write_anchors(self.paths[DUP], self.work)
+        return {**out, **written, "warm_seconds": warm_s, "warm_fetched_bytes": warm["fetched_bytes"], "warm_chunks": warm["chunks"],
                 "base_chunks_cached": covered, "base_chunks": len(base_ids)}
 
     def loads(self, node, dropped: bool = False) -> dict:
@@ -509,16 +509,12 @@ def report(doc: dict) -> str:
 
 def _pull_writes(work: Path) -> str:
     """How the timed pulls wrote their file: around the page cache where asked and taken, else through it."""
+    from registry.client import direct
     from registry.client.assemble import direct_writes
-    from registry.client.direct import DirectFile
 
     if not direct_writes():
         return "page cache"
-    probe = DirectFile.open(work / "probe", 0)
-    if probe is None:
-        return "page cache (the filesystem refuses O_DIRECT)"
-    probe.close()
-    return "O_DIRECT"
+    return "O_DIRECT" if direct.taken(work) else "page cache (the filesystem refuses O_DIRECT)"
 
 
 def main(argv: list[str] | None = None) -> None:

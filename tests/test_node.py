@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 from registry.chunking import chunk_id
 from registry.client import ResidentModel, load_tensors
 from registry.client.cache import NodeCache
-from registry.client.direct import DirectFile
+from registry.client.direct import taken as takes_direct
 from registry.client.remote import RemoteRegistry
 from registry.manifest import Manifest
 from registry.client.torch_loader import Node, _fetch_ahead, chunk_ids, layout
@@ -50,15 +50,6 @@ def writes(request, published, tmp_path) -> str:
     _, env = published
     env["MFSREG_PULL_DIRECT"] = "1" if request.param == "direct" else "0"
     return request.param if takes_direct(tmp_path) else "page cache"
-
-
-def takes_direct(dirpath: Path) -> bool:
-    """Whether the filesystem under ``dirpath`` takes O_DIRECT writes, probed as a pull probes it."""
-    probe = DirectFile.open(dirpath / "probe", 0)
-    if probe is None:
-        return False
-    probe.close()  # (removes its temp file)
-    return True
 
 
 def assert_written(path: Path, writes: str) -> None:

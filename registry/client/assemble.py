@@ -52,16 +52,16 @@ def direct_writes() -> bool:
 
 def write_file(entry: FileEntry, dest: Path, cache: NodeCache, refetch: Callable[[list[str]], None],
                pool: Executor, progress: Progress, arriving: Callable[[str], None] | None = None,
-               mode: int | None = None, direct: bool = False) -> None:
+               mode: int | None = None) -> None:
     """Write ``entry`` to ``dest`` atomically from cached chunks, each checked against its id.
 
     ``arriving(id)``, when given, waits for a chunk that a fetch running alongside has not landed
     yet. ``refetch(ids)`` drops chunks' cache files and fetches them again (another process
     evicted them meanwhile, or they failed the check). ``mode``: the file's permissions as it
-    appears. ``direct``: write around the page cache if the file is big enough and the filesystem
-    takes it (``direct_writes`` says what the user asked for)."""
+    appears. A file of DIRECT_MIN_BYTES or more goes around the page cache where ``direct_writes``
+    says the user asked for it and the filesystem takes it."""
     chunks = check_tiling(entry)
-    if direct and entry.size >= DIRECT_MIN_BYTES:
+    if entry.size >= DIRECT_MIN_BYTES and direct_writes():
         out = DirectFile.open(dest, entry.size, mode)
         if out is not None:
             with out:

@@ -35,6 +35,15 @@ IN_FLIGHT = 2  # writes queued at once: the disk works on one while the next is 
 _REFUSED = {errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EPERM}
 
 
+def taken(dirpath: Path) -> bool:
+    """Whether the filesystem under ``dirpath`` takes O_DIRECT writes, probed as a pull probes it."""
+    probe = DirectFile.open(Path(dirpath) / "probe", 0)
+    if probe is None:
+        return False
+    probe.close()  # (removes its temp file)
+    return True
+
+
 class DirectFile:
     """A new file under a temp name beside ``dest``, written with O_DIRECT. ``open`` returns None
     where the filesystem (or the platform) does not take it; the caller then writes through the
@@ -62,13 +71,10 @@ class DirectFile:
             # before any byte of the file is staged (it is written over by the file's first buffer).
             with mmap.mmap(-1, ALIGN) as probe:
                 os.pwrite(fd, probe, 0)
-        except OSError as exc:
+        except BaseException as exc:
             f.close()
-            if exc.errno in _REFUSED:
+            if isinstance(exc, OSError) and exc.errno in _REFUSED:
                 return None
-            raise
-        except BaseException:
-            f.close()
             raise
         return f
 
@@ -137,11 +143,8 @@ class DirectFile:
     def rollback(self, mark: tuple[int, int]) -> None:
         """Take back what was staged since ``mark`` (nothing of it was written: see ``settle``)."""
         count, fill = mark
-        while len(self.staged) > max(count, 1):
-            self.free.append(self.staged.pop())
-        if count == 0:
-            self.free.extend(self.staged)
-            self.staged.clear()
+        self.free.extend(self.staged[count:])
+        del self.staged[count:]
         self.fill = fill
 
     def settle(self) -> None:

@@ -97,9 +97,8 @@ def pull(fetcher: Fetcher, family: str, version: str, out: Path, progress: Progr
             _materialise_dir(fetcher, info, out, progress, refetch, arrivals.wait)
         else:
             progress.start("write", info.logical_bytes)
-            direct = assemble.direct_writes()
             for entry, dest in plan:
-                assemble.write_file(entry, dest, cache, refetch, fetcher.remote.pool, progress, arrivals.wait, direct=direct)
+                assemble.write_file(entry, dest, cache, refetch, fetcher.remote.pool, progress, arrivals.wait)
         assembled = True
     finally:
         if not assembled:  # an error or an interrupt: what is still to fetch is not needed now
@@ -123,7 +122,7 @@ def pull(fetcher: Fetcher, family: str, version: str, out: Path, progress: Progr
 
 def _intact(stored: Path, entry, pool) -> bool:
     """Whether the materialised file ``stored`` is still read-only, of its size, and every chunk of
-    it hashes to its id where it lies (the check a pull makes of a file it writes through the page cache)."""
+    it hashes to its id where it lies (the check the embedded pull makes of a file it writes)."""
     try:
         fd = os.open(stored, os.O_RDONLY)
     except FileNotFoundError:  # not built yet, or evicted by another process
@@ -146,7 +145,6 @@ def _materialise_dir(fetcher: Fetcher, info: VersionInfo, out: Path, progress: P
     cache = fetcher.cache
     out.mkdir(parents=True, exist_ok=True)
     progress.start("write", info.logical_bytes)
-    direct = assemble.direct_writes()
     for entry in info.manifest.files:
         dest = out.joinpath(*safe_relpath(entry.path).parts)
         stored = cache.file_path(entry.sha256)
@@ -157,15 +155,14 @@ def _materialise_dir(fetcher: Fetcher, info: VersionInfo, out: Path, progress: P
             # Built under a temp name and renamed over whatever is there, already read-only (engines
             # only read, and an edit through one link would hit all): another process pulling the
             # same file never sees it writable, so never takes it for a changed one and deletes it.
-            assemble.write_file(entry, stored, cache, refetch, fetcher.remote.pool, progress, arriving, mode=0o444,
-                                direct=direct)
+            assemble.write_file(entry, stored, cache, refetch, fetcher.remote.pool, progress, arriving, mode=0o444)
             cache.add_file(entry.sha256, entry.size)
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex}.link")
         try:
             os.link(stored, tmp)
         except OSError:  # another filesystem, or links not allowed: fall back to one verified copy
-            assemble.write_file(entry, dest, cache, refetch, fetcher.remote.pool, progress, arriving, direct=direct)
+            assemble.write_file(entry, dest, cache, refetch, fetcher.remote.pool, progress, arriving)
             continue
         os.replace(tmp, dest)
 
