@@ -11,7 +11,6 @@ the tensors cover exactly, with no holes and no overlaps.
 from __future__ import annotations
 
 import json
-import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -99,7 +98,7 @@ def _tensor(name: str, info: object, data_start: int, data_len: int, where: str)
     if not isinstance(info, dict):
         raise InvalidModel(f"{where}: tensor {name!r}: entry is not an object")
     dtype = info.get("dtype")
-    if dtype not in DTYPE_SIZES:
+    if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:  # a list or object is not hashable
         raise InvalidModel(
             f"{where}: tensor {name!r}: unknown dtype {dtype!r} (known: {', '.join(sorted(DTYPE_SIZES))})"
         )
@@ -119,12 +118,30 @@ def _tensor(name: str, info: object, data_start: int, data_len: int, where: str)
         raise InvalidModel(
             f"{where}: tensor {name!r}: offset {end} is past the end of the data ({data_len} bytes): truncated or corrupted file"
         )
-    expected = math.prod(shape) * DTYPE_SIZES[dtype]
+    expected = _nbytes(shape, DTYPE_SIZES[dtype], data_len)
     if expected != end - begin:
+        size = f"{expected} bytes" if expected <= data_len else f"more than the data's {data_len} bytes"
         raise InvalidModel(
-            f"{where}: tensor {name!r}: shape {shape} x {dtype} is {expected} bytes but its offsets span {end - begin}"
+            f"{where}: tensor {name!r}: shape {_brief(shape)} x {dtype} is {size} but its offsets span {end - begin}"
         )
     return TensorSpan(name, dtype, tuple(shape), data_start + begin, data_start + end)
+
+
+def _nbytes(shape: list[int], itemsize: int, most: int) -> int:
+    """The tensor's byte length, or the first partial product past ``most``: a hostile shape (hundreds
+    of huge dimensions) would otherwise make a number too long to compute quickly or to print."""
+    if 0 in shape:
+        return 0
+    n = itemsize
+    for d in shape:
+        n *= d
+        if n > most:
+            break
+    return n
+
+
+def _brief(shape: list[int]) -> str:
+    return str(shape) if len(shape) <= 8 else f"[{', '.join(map(str, shape[:8]))}, ... ({len(shape)} dimensions)]"
 
 
 def _check_layout(spans: list[TensorSpan], data_start: int, file_size: int, where: str) -> None:

@@ -96,6 +96,15 @@ def _header_with_a_huge_integer(tmp):
     return struct.pack("<Q", len(header)) + header + b"\0" * 4  # over Python's digit limit: a ValueError
 
 
+def _dtype_not_a_string(tmp):
+    return st_bytes({"a": {"dtype": ["F32"], "shape": [1], "data_offsets": [0, 4]}}, b"\0" * 4)
+
+
+def _shape_of_huge_dimensions(tmp):
+    # the product has about 6,000 digits: too long to print, and no file holds that many bytes
+    return st_bytes({"a": {"dtype": "F32", "shape": [10**15] * 400, "data_offsets": [0, 4]}}, b"\0" * 4)
+
+
 CASES = {
     "truncated": (_truncated, "truncated"),
     "truncated-prefix": (_truncated_prefix, "truncated"),
@@ -107,6 +116,8 @@ CASES = {
     "shape-mismatch": (_shape_mismatch, "shape"),
     "header-nested-too-deep": (_header_nested_too_deep, "corrupted header"),
     "header-with-a-huge-integer": (_header_with_a_huge_integer, "corrupted header"),
+    "dtype-not-a-string": (_dtype_not_a_string, "unknown dtype"),
+    "shape-of-huge-dimensions": (_shape_of_huge_dimensions, "more than the data's 4 bytes"),
 }
 
 
