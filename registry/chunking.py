@@ -12,6 +12,7 @@ import hashlib
 import mmap
 import os
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,13 +40,19 @@ class Cut:
 
 def plan_cuts(file_size: int, header: SafetensorsHeader | None, chunk_size: int) -> list[Cut]:
     """The byte ranges a file is cut into, in file order, covering it exactly."""
+    return list(iter_cuts(file_size, header, chunk_size))
+
+
+def iter_cuts(file_size: int, header: SafetensorsHeader | None, chunk_size: int) -> Iterator[Cut]:
+    """plan_cuts one cut at a time (in the header's tensor order): a server compares a client's
+    manifest with it and stops at the first cut that differs, whatever size the manifest claims."""
     if header is None:
-        return [Cut(o, min(chunk_size, file_size - o), 1) for o in range(0, file_size, chunk_size)]
-    cuts = [Cut(0, header.header_size, 1)]
+        yield from (Cut(o, min(chunk_size, file_size - o), 1) for o in range(0, file_size, chunk_size))
+        return
+    yield Cut(0, header.header_size, 1)
     for t in header.tensors:
         step = max(t.itemsize, chunk_size - chunk_size % t.itemsize)
-        cuts.extend(Cut(o, min(step, t.end - o), t.itemsize) for o in range(t.start, t.end, step))
-    return cuts
+        yield from (Cut(o, min(step, t.end - o), t.itemsize) for o in range(t.start, t.end, step))
 
 
 def chunk_id(data) -> str:

@@ -10,17 +10,23 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
+import unicodedata
 from dataclasses import dataclass
 
 import zstandard
 
-from registry.chunking import ChunkRef, plan_cuts
+from registry.chunking import ChunkRef, iter_cuts
 from registry.config import MAX_CHUNK_SIZE
 from registry.safetensors import MAX_HEADER_BYTES, TensorSpan
 
 # The largest chunk a manifest may name: a tensor piece, or a safetensors header kept whole. Bounded
 # so that a small document cannot name a huge one (checking its cuts would plan them all).
 MAX_CHUNK_BYTES = max(MAX_CHUNK_SIZE, MAX_HEADER_BYTES + 8)
+
+SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+MAX_PATH_BYTES = 1024  # a file's path in a version, UTF-8; each of its names at most NAME_MAX
+NAME_MAX = 255  # the longest file name Linux filesystems take
 
 SAFETENSORS = "safetensors"
 BLOB = "blob"
@@ -76,9 +82,19 @@ class Manifest:
             if f.kind == SAFETENSORS:
                 if not f.chunks:
                     return False
-                header = _CutHeader(min(f.chunks, key=lambda c: c.offset).size, f.tensors)  # the header is one chunk, whatever its size
-            want = [(c.offset, c.size) for c in plan_cuts(f.size, header, chunk_size)]
-            if sorted((c.offset, c.size) for c in f.chunks) != sorted(want):
+                # the header is one chunk, whatever its size; tensors in file order, as a header lists them
+                header = _CutHeader(min(f.chunks, key=lambda c: c.offset).size,
+                                    tuple(sorted(f.tensors, key=lambda t: (t.start, t.end))))
+            have = sorted((c.offset, c.size) for c in f.chunks)
+            # Compared a cut at a time, stopping at the first difference: a manifest may claim a file
+            # of terabytes in a few kilobytes of JSON (few huge chunks), whose full plan at a small
+            # chunk size would take the server's memory. At most len(have) + 1 cuts are planned.
+            n = 0
+            for c in iter_cuts(f.size, header, chunk_size):
+                if n == len(have) or (c.offset, c.size) != have[n]:
+                    return False
+                n += 1
+            if n != len(have):
                 return False
         return True
 
@@ -167,11 +183,11 @@ def parse_doc(doc: object, draft: bool = False) -> Manifest:
         raise InvalidRequest("malformed manifest: no files, or several files in a single-file version")
     seen = set()
     for f in m.files:
-        p = f.path.split("/")
-        if f.path in seen or not f.path or f.path.startswith("/") or any(x in ("", ".", "..") or x.startswith(".") for x in p):
+        if f.path in seen or unsafe_path(f.path):
             raise InvalidRequest(f"malformed manifest: unsafe or repeated path {f.path!r}")
         seen.add(f.path)
-        digest_ok = (isinstance(f.sha256, str) and len(f.sha256) == 64) or (draft and f.sha256 is None)
+        # a node names files in its cache by this digest: 64 lowercase hex digits and nothing else
+        digest_ok = (isinstance(f.sha256, str) and SHA256_HEX.fullmatch(f.sha256) is not None) or (draft and f.sha256 is None)
         if f.kind not in (SAFETENSORS, BLOB) or not digest_ok:
             raise InvalidRequest(f"malformed manifest: {f.path}: bad kind or sha256")
         pos = 0
@@ -194,6 +210,19 @@ def parse_doc(doc: object, draft: bool = False) -> Manifest:
         if f.kind == SAFETENSORS and not f.chunks:
             raise InvalidRequest(f"malformed manifest: {f.path}: a safetensors file without a header chunk")
     return m
+
+
+def unsafe_path(path: str) -> bool:
+    """Whether a file path of a manifest could not be written under a pull's output directory as it
+    is: absolute, empty, climbing out (``..``), hidden, too long, or holding a control character
+    (NUL, newline: they would also make two manifests hash alike, see Manifest.digest) or a lone
+    surrogate (no UTF-8 for it)."""
+    parts = path.split("/")
+    if not path or path.startswith("/") or any(x in ("", ".", "..") or x.startswith(".") for x in parts):
+        return True
+    if any(unicodedata.category(ch) in ("Cc", "Cs") for ch in path):
+        return True
+    return len(path.encode()) > MAX_PATH_BYTES or any(len(x.encode()) > NAME_MAX for x in parts)
 
 
 @dataclass(frozen=True)

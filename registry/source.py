@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from registry.errors import InvalidModel, InvalidRequest
+from registry.manifest import MAX_PATH_BYTES, unsafe_path
 from registry.safetensors import SafetensorsHeader, read_header
 
 INDEX_SUFFIX = ".safetensors.index.json"
@@ -47,11 +48,20 @@ def open_source(path: Path) -> Source:
 
 
 def _safetensors(path: Path, rel: str) -> SourceFile:
-    return SourceFile(rel, path, path.stat().st_size, read_header(path, where=rel))
+    return SourceFile(_storable(rel), path, path.stat().st_size, read_header(path, where=rel))
 
 
 def _side(path: Path, rel: str) -> SourceFile:
-    return SourceFile(rel, path, path.stat().st_size, None)
+    return SourceFile(_storable(rel), path, path.stat().st_size, None)
+
+
+def _storable(rel: str) -> str:
+    """A file's path as a version holds it; refused here where the server would refuse it, so that
+    no registry (embedded ones included) stores a version a node would refuse to pull."""
+    if unsafe_path(rel):
+        raise InvalidModel(f"{rel!r}: a version cannot hold this file name (control characters, bytes that are not "
+                           f"UTF-8, or over {MAX_PATH_BYTES} bytes): rename the file, or move it out of the model")
+    return rel
 
 
 def _walk(root: Path) -> list[Path]:

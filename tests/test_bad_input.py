@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sqlite3
 import struct
 from pathlib import Path
@@ -166,6 +167,23 @@ def test_directory_without_weights_and_broken_index(seeded, tmp_path):
     (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "model-2.safetensors"}}))
     proc = mfsreg("push", d, "--family", "fam", "--version", "x", env=seeded, check=False)
     assert proc.returncode == 2 and "missing" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("name", [b"notes\nx.txt", b"tab\tname.json", b"latin1-\xe9.txt"])
+def test_a_file_name_a_version_cannot_hold_is_refused(name, seeded, tmp_path):
+    """Control characters and bytes that are not UTF-8 in a model directory's file names: refused
+    at push (a server refuses such a manifest, and a node such a document), nothing stored."""
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "model.safetensors").write_bytes(good_file_bytes())
+    with open(os.path.join(os.fsencode(d), name), "wb") as f:
+        f.write(b"{}")
+    home = Path(seeded["MFSREG_HOME"])
+    before = snapshot(home)
+    proc = mfsreg("push", d, "--family", "fam", "--version", "x", env=seeded, check=False)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "cannot hold this file name" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert snapshot(home) == before
 
 
 def test_unknown_version_and_family(seeded, tmp_path):

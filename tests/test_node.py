@@ -6,12 +6,15 @@ from __future__ import annotations
 import errno
 import filecmp
 import gc
+import http.server
 import json
 import mmap
 import os
+import shutil
 import sqlite3
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -773,3 +776,54 @@ def test_cache_verify_drops_what_is_damaged_and_keeps_the_rest(tmp_path):
     assert again["damaged_chunks"] == [] and again["damaged_files"] == [] and again["chunks"] == 2
     proc = mfsreg("cache", "verify", env=env)  # exits 0: nothing was damaged
     assert "all intact" in proc.stdout
+
+
+class _Answers(http.server.BaseHTTPRequestHandler):
+    """A registry that answers every GET with one document (self.server.doc)."""
+
+    def do_GET(self):
+        body = json.dumps(self.server.doc).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_version_document_that_names_files_outside_the_node_is_refused(published, fam, tmp_path):
+    """A node builds paths from the document a registry sends: a file's digest names its
+    materialised copy in the cache, a chunk id its cache file, a file's path its place under the
+    output. One that would reach outside them (a hostile server, or a push that got such a manifest
+    past an older server) stops the pull, exit 4, before anything is written."""
+    _, env = published
+    mfsreg_json("pull", "fam", "lora-chat", "-o", tmp_path / "first.safetensors", env=env)  # every chunk cached
+    doc = Node(env["MFSREG_URL"], env["MFSREG_TOKEN"], env["MFSREG_CACHE_DIR"]).remote.version_doc("fam", "lora-chat")
+    outside = Path(tempfile.mkdtemp(prefix="e", dir="/tmp"))  # a short name: the digest holds 64 characters
+    target = str(outside / "evil")
+    escape = "/" * (64 - len(target)) + target  # Linux reads "///tmp/..." as "/tmp/..."
+    entry = doc["manifest"]["files"][0]
+    some_id = next(iter(doc["chunks"]))
+    cases = {
+        "digest": {**doc, "manifest": {**doc["manifest"], "files": [{**entry, "sha256": escape}]}},
+        "path": {**doc, "manifest": {**doc["manifest"], "files": [{**entry, "path": "../evil"}]}},
+        "chunk id": {**doc, "chunks": {**doc["chunks"], "../../../evil" + "0" * 19: doc["chunks"][some_id]}},
+    }
+    hostile = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Answers)
+    threading.Thread(target=hostile.serve_forever, daemon=True).start()
+    try:
+        for case, bad in cases.items():
+            hostile.doc = bad
+            there = dict(env, MFSREG_URL=f"http://127.0.0.1:{hostile.server_address[1]}")
+            for how in (["--to-dir", tmp_path / "engine" / "e"], ["-o", tmp_path / "engine" / "e" / "m.safetensors"]):
+                proc = mfsreg("pull", "fam", "lora-chat", *how, env=there, check=False)
+                assert proc.returncode == 4 and proc.stderr.count("\n") == 1, (case, proc.stderr)
+                assert "fails its checks" in proc.stderr and "Traceback" not in proc.stderr, (case, proc.stderr)
+                assert os.listdir(outside) == [] and not (tmp_path / "engine" / "evil").exists(), case
+                assert not (tmp_path / "engine").exists(), case
+    finally:
+        hostile.shutdown()
+        hostile.server_close()
+        shutil.rmtree(outside, ignore_errors=True)

@@ -221,6 +221,48 @@ def test_malformed_requests_get_a_400_and_store_nothing(servers, server_env, fam
     assert len(bucket_keys(server_env)) == 1  # the two tiny chunks' pack; the refused push uploaded nothing
 
 
+def test_hostile_manifests_get_a_400(servers, server_env, fam, tmp_path):
+    """Manifests that once reached a 500, named a node's files outside its cache, or would have
+    planned a file's cuts by the hundred million: refused with a 400 before anything is stored."""
+    (srv,) = servers(1)
+    admin = {"Authorization": f"Bearer {token(server_env, 'admin')}"}
+    good = hash_source(open_source(fam["base"]), 64 << 10, NullProgress()).to_doc()
+
+    def with_file(**changes) -> dict:
+        return {**good, "files": [{**good["files"][0], **changes}, *good["files"][1:]]}
+
+    # a node names a materialised file by its digest: this one would be /tmp/evil on the node
+    escape = "/tmp/" + "./" * 27 + "/evil"
+    assert len(escape) == 64
+    cases = [
+        (with_file(sha256=escape), "bad kind or sha256"),
+        (with_file(sha256="F" * 64), "bad kind or sha256"),
+        (with_file(path="a\ud800.safetensors"), "unsafe or repeated path"),  # a lone surrogate: no UTF-8 for it
+        (with_file(path="a\u0000b.safetensors"), "unsafe or repeated path"),  # NUL: two manifests would hash alike
+        (with_file(path="a\nb.safetensors"), "unsafe or repeated path"),
+        (with_file(path="x" * 256 + ".safetensors"), "unsafe or repeated path"),
+    ]
+    for doc, says in cases:
+        body = json.dumps({"manifest": doc}).encode()  # ASCII escapes: the lone surrogate goes as "\\ud800"
+        for route in ("negotiate", "commit"):
+            r = httpx.post(f"{srv.url}/v1/families/fam/versions/v1/{route}", content=body,
+                           headers={**admin, "Content-Type": "application/json"})
+            assert r.status_code == 400 and says in r.json()["detail"], (route, says, r.text)
+    # 300 chunks at the largest size claim a 75 GiB file in 30 KB of JSON: compared with the cuts at
+    # 4 KiB, it differs at its first chunk (planned whole, 20 million cuts: most of a minute and GBs)
+    from registry.manifest import MAX_CHUNK_BYTES
+
+    n = 300
+    big = {"format": 1, "single_file": False, "files": [{
+        "path": "x.bin", "kind": "blob", "size": n * MAX_CHUNK_BYTES, "sha256": "0" * 64,
+        "chunks": [["0" * 32, i * MAX_CHUNK_BYTES, MAX_CHUNK_BYTES, 1] for i in range(n)], "tensors": []}]}
+    r = httpx.post(f"{srv.url}/v1/families/fam/versions/v1/commit", json={"manifest": big, "chunk_size": 4096},
+                   headers=admin, timeout=20)
+    assert r.status_code == 400 and "not cut at the chunk size it names" in r.json()["detail"], r.text
+    assert bucket_keys(server_env) == []
+    assert httpx.get(f"{srv.url}/v1/families/fam", headers=admin).status_code == 404
+
+
 def test_body_limit(server_env, servers, tmp_path):
     server_env["MFSREG_MAX_BODY"] = str(1 << 20)
     (srv,) = servers(1)

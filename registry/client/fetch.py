@@ -85,7 +85,7 @@ class Fetcher:
         else:
             info = VersionInfo(
                 family=family, version=version, digest=doc["digest"], logical_bytes=doc["logical_bytes"],
-                manifest=Manifest.from_doc(doc["manifest"]), located=self.remote.located(doc),
+                manifest=self.remote.manifest_of(doc), located=self.remote.located(doc),
                 tiers={i: row[4] for i, row in doc["chunks"].items()},
             )
         with self._versions_lock:

@@ -26,12 +26,12 @@ from registry.errors import (
     TooLarge, Unauthorized,
 )
 from registry.hashing import HashJob, encoded_chunks, missing_bytes
-from registry.manifest import Manifest
+from registry.manifest import Manifest, parse_doc
 from registry.names import check_name
 from registry.progress import NullProgress, Progress
 from registry.results import DeleteResult, FamilyRow, PruneResult, PushResult, VersionRow, existing_result
 from registry.source import open_source
-from registry.wire import RAW_PER_BODY, Entry, build_batch, read_stream
+from registry.wire import RAW_PER_BODY, Entry, build_batch, check_id, read_stream
 
 UPLOAD_BATCH = 32 << 20  # bytes of payload per upload request: well under the server's body limit (MFSREG_UPLOAD_BATCH)
 UPLOAD_INFLIGHT = 2  # upload requests at once
@@ -208,10 +208,30 @@ class RemoteRegistry:
 
     def manifest(self, family: str, version: str) -> tuple[VersionRow, Manifest]:
         doc = self.version_doc(family, version)
-        return _version_row(doc), Manifest.from_doc(doc["manifest"])
+        return _version_row(doc), self.manifest_of(doc)
+
+    def manifest_of(self, doc: dict) -> Manifest:
+        """A version document's manifest, checked as the server checks a pushed one: its file paths
+        and digests name files on this machine (a pull's output, the node cache's materialised
+        files), so an answer that is damaged, or from a server that is not to be trusted, must not
+        reach them as they are."""
+        try:
+            return parse_doc(doc["manifest"])
+        except (InvalidRequest, KeyError, TypeError) as exc:
+            raise self._bad_document(exc) from None
 
     def located(self, doc: dict) -> dict[str, StoredChunk]:
-        return {i: StoredChunk(i, row[3], row[0], row[1], "", 0, row[2]) for i, row in doc["chunks"].items()}
+        """Where each chunk of a version or tier document is stored. The ids name files in the node
+        cache: each is checked to be one."""
+        try:
+            return {check_id(i): StoredChunk(i, row[3], row[0], row[1], "", 0, row[2]) for i, row in doc["chunks"].items()}
+        except (InvalidRequest, KeyError, TypeError, IndexError, AttributeError) as exc:
+            raise self._bad_document(exc) from None
+
+    def _bad_document(self, exc: Exception) -> IntegrityError:
+        detail = str(exc) if isinstance(exc, InvalidRequest) else f"{exc.__class__.__name__} {exc}"
+        return IntegrityError(f"{self.url} sent a document that fails its checks ({detail}): nothing was written; "
+                              "check that MFSREG_URL points at an mfsreg server you trust")
 
     def tier_doc(self, family: str, tier: str | None = None) -> dict:
         check_name("family", family)
