@@ -12,6 +12,7 @@ from fastapi import Request
 from starlette._utils import get_route_path
 from starlette.concurrency import run_in_threadpool
 
+from api.posts import role_for
 from registry.auth import Principal, authenticate
 from registry.errors import RegistryError
 
@@ -20,7 +21,8 @@ _KEY = "mfsreg.principal"
 
 class Authenticate:
     """ASGI middleware: a /v1/ request without a valid token is answered 401 (or, where anonymous
-    reads are open, goes on as an anonymous reader) before its body is read."""
+    reads are open, goes on as an anonymous reader), and a POST whose token lacks the role it
+    needs 401 or 403, before its body is read."""
 
     def __init__(self, app):
         self.app = app
@@ -36,6 +38,9 @@ class Authenticate:
         try:
             found = await run_in_threadpool(authenticate, reg.engine, header.decode("latin-1") if header else None,
                                             reg.settings.anonymous_read)
+            need = role_for(scope.get("method", ""), get_route_path(scope))
+            if need is not None:  # before the body is read and parsed (api/posts.py says why)
+                found.require(*need)
         except RegistryError as exc:
             await problem(status_for(exc), exc.code, str(exc))(scope, receive, send)
             return

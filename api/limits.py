@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from fastapi import Request
+from starlette._utils import get_route_path
+
+from api.posts import body_limit
 
 from registry.errors import TooLarge
 
@@ -26,9 +29,10 @@ class BodyLimit:
             return
         headers = dict(scope.get("headers", ()))
         length = headers.get(b"content-length")
+        limit = body_limit(scope.get("method", ""), get_route_path(scope), self.max_body)
         if length is not None:
-            if length.isdigit() and int(length) > self.max_body:
-                await self._refuse(scope, receive, send)
+            if length.isdigit() and int(length) > limit:
+                await self._refuse(scope, receive, send, limit)
                 return
             await self.app(scope, receive, send)
             return
@@ -41,8 +45,8 @@ class BodyLimit:
             if message["type"] != "http.request":
                 break
             body += message.get("body", b"")
-            if len(body) > self.max_body:
-                await self._refuse(scope, receive, send)
+            if len(body) > limit:
+                await self._refuse(scope, receive, send, limit)
                 return
             if not message.get("more_body", False):
                 break
@@ -57,10 +61,10 @@ class BodyLimit:
 
         await self.app(scope, replay, send)
 
-    async def _refuse(self, scope, receive, send):
+    async def _refuse(self, scope, receive, send, limit: int):
         from api.errors import problem
 
-        await problem(413, TooLarge.code, str(_too_large(self.max_body)))(scope, receive, send)
+        await problem(413, TooLarge.code, str(_too_large(limit)))(scope, receive, send)
 
 
 async def read_body(request: Request, limit: int) -> bytes:

@@ -36,8 +36,11 @@ class UploadResponse(BaseModel):
     new_bytes: int
 
 
+MAX_DOWNLOAD_IDS = 100_000
+
+
 class DownloadRequest(BaseModel):
-    ids: list[str] = Field(max_length=100_000)
+    ids: list[str] = Field(max_length=MAX_DOWNLOAD_IDS)
 
 
 class PushResultModel(BaseModel):

@@ -321,6 +321,34 @@ def test_anonymous_reads_when_opened(server_env, servers, fam, tmp_path):
     assert proc.returncode == 3 and "token" in proc.stderr
 
 
+def test_a_post_is_refused_for_its_role_before_its_body_is_parsed(server_env, servers, tmp_path):
+    """A token without the role a POST needs (or no token, where reads are open) gets its 401 or
+    403 before the server reads the body: malformed JSON gets the same answer, not a 422, so no
+    parse happened. A download's list of ids has a body limit of its own."""
+    server_env["MFSREG_ANONYMOUS_READ"] = "1"
+    (srv,) = servers(1)
+    callers = {
+        "read": ({"Authorization": f"Bearer {token(server_env, 'read')}"}, 403, "the operation needs 'push'"),
+        "push elsewhere": ({"Authorization": f"Bearer {token(server_env, 'push', 'other*')}"}, 403, "limited to families"),
+        "anonymous": ({}, 401, "needs a token"),
+    }
+    for who, (auth, status, says) in callers.items():
+        for path in ("fam/versions/v1/negotiate", "fam/versions/v1/commit", "fam/chunks"):
+            r = httpx.post(f"{srv.url}/v1/families/{path}", content=b"{not json" + b"[]," * 1000,
+                           headers={"Content-Type": "application/json", **auth})
+            assert r.status_code == status and says in r.json()["detail"], (who, path, r.text)
+        r = httpx.post(f"{srv.url}/v1/prune", content=b"{not json", headers={"Content-Type": "application/json", **auth})
+        assert r.status_code in (401, 403) and r.json()["status"] == r.status_code, (who, r.text)
+    reader = callers["read"][0]
+    r = httpx.post(f"{srv.url}/v1/families/fam/chunks/download", content=b"{not json", headers=reader)
+    assert r.status_code == 422  # a reader may download: its body is parsed, and refused as JSON
+    from api.posts import MAX_DOWNLOAD_BODY
+
+    for body in (b" " * (MAX_DOWNLOAD_BODY + 1), (b" " * (1 << 20) for _ in range(MAX_DOWNLOAD_BODY // (1 << 20) + 1))):
+        r = httpx.post(f"{srv.url}/v1/families/fam/chunks/download", content=body, headers=reader)
+        assert r.status_code == 413 and f"{MAX_DOWNLOAD_BODY} byte limit" in r.json()["detail"], r.text
+
+
 def test_killed_push_rerun_sends_only_the_rest(servers, server_env, tmp_path):
     (srv,) = servers(1)
     admin = client_env(tmp_path, srv.url, token(server_env, "admin"))

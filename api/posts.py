@@ -1,0 +1,43 @@
+"""What a POST needs, read off its path before its body is read: the role it needs (and for which
+family), and the most bytes its body may hold.
+
+FastAPI reads and parses a route's JSON body before the route runs, so the route's own check of the
+caller's role comes after the parse: without these, a read token (or anyone, where anonymous reads
+are open) could have the server parse a push's manifest of up to MFSREG_MAX_BODY bytes, at about
+20 bytes of memory per byte for a body of empty lists. The middlewares (api/auth.py, api/limits.py)
+check these first; the routes check again, with the names checked too.
+"""
+
+from __future__ import annotations
+
+import re
+
+from api.schemas import MAX_DOWNLOAD_IDS
+
+_DOWNLOAD = re.compile(r"/v1/families/([^/]+)/chunks/download")
+_PUSH = re.compile(r"/v1/families/([^/]+)/(?:chunks|versions/[^/]+/(?:negotiate|commit))")
+_PRUNE = re.compile(r"/v1/prune")
+
+# A download names at most MAX_DOWNLOAD_IDS ids, 35 bytes each in compact JSON (32 hex digits,
+# quotes, a comma): room for twice that and whitespace
+MAX_DOWNLOAD_BODY = 80 * MAX_DOWNLOAD_IDS
+
+
+def role_for(method: str, path: str) -> tuple[str, str | None] | None:
+    """(role, family or None) a POST to ``path`` needs; None for other requests."""
+    if method != "POST":
+        return None
+    if m := _DOWNLOAD.fullmatch(path):
+        return "read", m[1]
+    if m := _PUSH.fullmatch(path):
+        return "push", m[1]
+    if _PRUNE.fullmatch(path):
+        return "admin", None
+    return None
+
+
+def body_limit(method: str, path: str, max_body: int) -> int:
+    """The most bytes a request's body may hold: MFSREG_MAX_BODY, less for a download's list of ids."""
+    if method == "POST" and _DOWNLOAD.fullmatch(path):
+        return min(max_body, MAX_DOWNLOAD_BODY)
+    return max_body
