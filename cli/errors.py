@@ -46,7 +46,7 @@ def run_guarded(fn) -> None:
         fail(str(exc), exit_code(exc))
     except KeyboardInterrupt:
         fail("interrupted; nothing partial was committed, re-run to continue", 130)
-    except (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError) as exc:
+    except (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError, NotADirectoryError) as exc:
         fail(f"{exc.filename or ''}: {exc.strerror}", 2)
     except OSError as exc:
         if os.environ.get("MFSREG_DEBUG"):

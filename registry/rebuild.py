@@ -83,6 +83,14 @@ def targets(manifest: Manifest, out: Path) -> list[tuple[FileEntry, Path]]:
     return [(f, out.joinpath(*safe_relpath(f.path).parts)) for f in manifest.files]
 
 
+def check_dir(out: Path) -> None:
+    """``out`` can be the directory a pull --to-dir fills: an existing directory, or a new name
+    under one."""
+    _check_parent(out)
+    if out.exists() and not out.is_dir():
+        raise InvalidRequest(f"{out} is a file: --to-dir needs a directory (an existing one, or a new name)")
+
+
 def written_path(manifest: Manifest, out: Path) -> Path:
     """Where a pull to ``out`` put the version, once written: the file itself for a single-file
     version pulled into a directory, else ``out``."""

@@ -691,6 +691,16 @@ def test_pull_to_an_impossible_path_is_one_line(published, tmp_path):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and "a-file is a file, not a directory" in proc.stderr, proc.stderr
     assert (tmp_path / "a-file").read_text() == "not a directory"
+    # --to-dir onto a file: refused before anything is fetched
+    proc = mfsreg("pull", "fam", "lora-chat", "--to-dir", tmp_path / "a-file", env=env, check=False)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "--to-dir needs a directory" in proc.stderr, proc.stderr
+    assert cached_ids(env) == [] and (tmp_path / "a-file").read_text() == "not a directory"
+    # a directory where a file of the version goes: one line, and no temp link left beside it
+    engine = tmp_path / "engine"
+    (engine / "lora-chat.safetensors").mkdir(parents=True)
+    proc = mfsreg("pull", "fam", "lora-chat", "--to-dir", engine, env=env, check=False)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert sorted(os.listdir(engine)) == ["lora-chat.safetensors"]
 
 
 

@@ -73,7 +73,8 @@ def pull(fetcher: Fetcher, family: str, version: str, out: Path, progress: Progr
     info = fetcher.version(family, version)
     ids = info.manifest.chunk_ids()
     out = Path(out)
-    plan = None if to_dir else rebuild.targets(info.manifest, out)  # a bad output path fails before any fetch
+    # a bad output path fails before any fetch
+    plan = rebuild.check_dir(out) if to_dir else rebuild.targets(info.manifest, out)
     arrivals = _Arrivals()
     fetched: dict = {}
 
@@ -164,6 +165,10 @@ def _materialise_dir(fetcher: Fetcher, info: VersionInfo, out: Path, progress: P
         except OSError:  # another filesystem, or links not allowed: fall back to one verified copy
             assemble.write_file(entry, dest, cache, refetch, fetcher.remote.pool, progress, arriving)
             continue
-        os.replace(tmp, dest)
+        try:
+            os.replace(tmp, dest)
+        except BaseException:  # say, a directory in the file's place: no stray link is left beside it
+            tmp.unlink(missing_ok=True)
+            raise
 
 
