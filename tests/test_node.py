@@ -508,6 +508,23 @@ def test_warm_keeps_the_size_limit_and_refuses_a_negative_count(published, fam, 
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "--recent -1" in proc.stderr
 
 
+def test_warm_of_recent_members_passes_over_one_deleted_since(published, server_env, fam, tmp_path):
+    """A member pulled, then deleted on the registry: a warm of recent members warms the others and
+    forgets it (it stopped every such warm with 'does not exist' before)."""
+    srv, env = published
+    for member in ("lora-chat", "vocab-ext"):
+        mfsreg_json("pull", "fam", member, "-o", tmp_path / member, env=env)
+    admin = client_env(tmp_path, srv.url, token(server_env, "admin"))
+    mfsreg_json("delete", "fam", "vocab-ext", env=admin)
+    res = mfsreg_json("cache", "warm", "fam", "--recent", "2", env=env)
+    assert res["family"] == "fam" and res["chunks"] >= len(needed(env, "lora-chat"))
+    cache = NodeCache(env["MFSREG_CACHE_DIR"])
+    try:
+        assert cache.recent_pulls("fam", 5) == ["lora-chat"]
+    finally:
+        cache.close()
+
+
 def test_to_dir_hardlinks_from_the_cache(published, writes, fam, tmp_path):
     _, env = published
     a = mfsreg_json("pull", "fam", "lora-chat", "--to-dir", tmp_path / "engine-a", env=env)

@@ -240,6 +240,10 @@ class NodeCache:
             db.execute("INSERT INTO pulls (family, version, last_used) VALUES (?, ?, ?) "
                        "ON CONFLICT(family, version) DO UPDATE SET last_used = excluded.last_used", (family, version, time.time()))
 
+    def forget_pull(self, family: str, version: str) -> None:
+        with self._db() as db:
+            db.execute("DELETE FROM pulls WHERE family = ? AND version = ?", (family, version))
+
     def recent_pulls(self, family: str, n: int) -> list[str]:
         q = "SELECT version FROM pulls WHERE family = ? ORDER BY last_used DESC LIMIT ?"
         return [r[0] for r in self._conn().execute(q, (family, n))]

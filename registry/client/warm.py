@@ -5,7 +5,7 @@ from __future__ import annotations
 from registry.client.cache import NodeCache
 from registry.client.fetch import Fetcher
 from registry.client.remote import RemoteRegistry
-from registry.errors import InvalidRequest
+from registry.errors import InvalidRequest, NotFound
 
 
 def warm_cache(remote: RemoteRegistry, family: str, tier: str | None = "base", recent: int = 0, pin: bool = True,
@@ -27,7 +27,11 @@ def warm_cache(remote: RemoteRegistry, family: str, tier: str | None = "base", r
         cache.set_tiers(tiers, family)  # tiers move as members join: refresh what the cache believes
         warm = list(ids)
         for version in cache.recent_pulls(family, recent) if recent else []:
-            info = fetcher.version(family, version)
+            try:
+                info = fetcher.version(family, version)
+            except NotFound:  # deleted on the registry since it was pulled: no longer one to keep warm
+                cache.forget_pull(family, version)
+                continue
             s = fetcher.ensure(family, info.manifest.chunk_ids(), info.located, info.tiers)
             fetched += s.fetched_bytes
             chunks += s.fetched_chunks + s.cached_chunks
