@@ -563,6 +563,26 @@ def test_cache_commands_need_a_registry_and_sane_sizes(tmp_path):
     NodeCache(tmp_path / "c").close()
 
 
+def test_a_damaged_cache_index_is_one_line_and_a_new_one_recovers_the_chunks(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MFSREG_")}
+    env["MFSREG_CACHE_DIR"] = str(tmp_path / "c")
+    cache = NodeCache(tmp_path / "c")
+    data = os.urandom(5000)
+    cache.put(chunk_id(data), data)
+    cache.close()
+    index = tmp_path / "c" / "index.db"
+    for leftover in index.parent.glob("index.db-*"):  # the WAL's files, checkpointed at close
+        leftover.unlink()
+    index.write_bytes(b"this is not a database, it was overwritten" * 100)
+    for args in (["cache", "stats"], ["cache", "prune"], ["cache", "verify"]):
+        proc = mfsreg(*args, env=env, check=False)
+        assert proc.returncode == 5 and proc.stderr.count("\n") == 1, (args, proc.stderr)
+        assert "index" in proc.stderr and "delete it" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    index.unlink()  # as the message says: the chunk files stay and are recorded again
+    assert mfsreg_json("cache", "prune", "--max-size", "1G", env=env)["unrecorded_files_found"] == 1
+    assert mfsreg_json("cache", "stats", env=env)["chunks"] == 1
+
+
 def _cache_file(env: dict, chunk_id: str) -> Path:
     return Path(env["MFSREG_CACHE_DIR"]) / "chunks" / chunk_id[:2] / chunk_id
 

@@ -74,7 +74,10 @@ class NodeCache:
         self._chunks = str(self.root / "chunks")
         (self.root / "files").mkdir(parents=True, exist_ok=True)
         self._local = threading.local()
-        self._conn().executescript(_SCHEMA)  # idempotent; executescript manages its own transaction
+        try:
+            self._conn().executescript(_SCHEMA)  # idempotent; executescript manages its own transaction
+        except sqlite3.DatabaseError as exc:  # not a database (damaged), or no room to write it
+            raise index_error(self.root / "index.db", exc) from None
         with self._db() as db:
             if db.execute("PRAGMA user_version").fetchone()[0] < 1:
                 # a cache from before family_base: what its rows knew (one family per chunk)
@@ -99,7 +102,7 @@ class NodeCache:
         return conn
 
     def _db(self):
-        return _Tx(self._conn())
+        return _Tx(self._conn(), self.root / "index.db")
 
     def close(self) -> None:
         conn = getattr(self._local, "conn", None)
@@ -365,18 +368,36 @@ def _note_base(db: sqlite3.Connection, items: list[tuple[str, str | None, str | 
                    [(fam, k) for fam, k, t in told if t != "base"])
 
 
-class _Tx:
-    """BEGIN IMMEDIATE ... COMMIT: writers queue for the lock instead of failing halfway."""
+def index_error(path: Path, exc: sqlite3.DatabaseError) -> StorageError:
+    """The one-line error for an index SQLite cannot use: damaged, or on a full disk. The chunk
+    files stand on their own, so a new index loses nothing but bookkeeping."""
+    return StorageError(f"the node cache's index {path} cannot be used ({exc}): free space if the disk is full; "
+                        "if the file is damaged, delete it (the cached chunks stay, and `mfsreg cache prune` "
+                        "records them again)")
 
-    def __init__(self, conn: sqlite3.Connection):
+
+class _Tx:
+    """BEGIN IMMEDIATE ... COMMIT: writers queue for the lock instead of failing halfway. An error
+    of SQLite's own inside (a full disk, a damaged file) leaves as index_error."""
+
+    def __init__(self, conn: sqlite3.Connection, path: Path):
         self.conn = conn
+        self.path = path
 
     def __enter__(self) -> sqlite3.Connection:
-        self.conn.execute("BEGIN IMMEDIATE")
+        try:
+            self.conn.execute("BEGIN IMMEDIATE")
+        except sqlite3.DatabaseError as exc:
+            raise index_error(self.path, exc) from None
         return self.conn
 
-    def __exit__(self, exc_type, *_):
-        self.conn.execute("ROLLBACK" if exc_type else "COMMIT")
+    def __exit__(self, exc_type, exc, tb):
+        try:
+            self.conn.execute("ROLLBACK" if exc_type else "COMMIT")
+        except sqlite3.DatabaseError as end:
+            raise index_error(self.path, end) from exc
+        if isinstance(exc, sqlite3.DatabaseError):
+            raise index_error(self.path, exc) from exc
 
 
 def _use_wal(conn: sqlite3.Connection, path: Path, wait: float = 60.0) -> None:
