@@ -358,6 +358,34 @@ def test_an_unverified_load_trusts_the_cache_and_a_scrub_finds_what_rotted(publi
         node.close()
 
 
+def test_a_resident_model_that_cannot_load_closes_what_it_opened(published):
+    """A failed first load leaves no object to close: the client, its connections and the cache's
+    index go at once, not whenever the garbage collector runs."""
+    _, env = published
+
+    def open_fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    node_env = {"MFSREG_URL": env["MFSREG_URL"], "MFSREG_TOKEN": env["MFSREG_TOKEN"], "MFSREG_CACHE_DIR": env["MFSREG_CACHE_DIR"]}
+    saved = {k: os.environ.get(k) for k in node_env}
+    os.environ.update(node_env)
+    gc.collect()
+    gc.disable()  # what a failed load leaves must go without it
+    try:
+        before = open_fds()
+        for _ in range(5):
+            with pytest.raises(Exception, match="does not exist"):
+                ResidentModel("fam", "nope")
+        assert open_fds() == before
+    finally:
+        gc.enable()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def test_resident_model_switch_copies_only_differing_chunks(published, fam):
     _, env = published
     node = Node(env["MFSREG_URL"], env["MFSREG_TOKEN"], env["MFSREG_CACHE_DIR"])

@@ -20,11 +20,15 @@ class ResidentModel:
                  verify: bool = True):
         self._own = node is None
         self.node = node or Node()
-        self.family = family
-        self.device = torch.device(device)
-        self.copier = Copier(self.node.cache, self.device, self.node.remote.pool, verify)  # see load_tensors
-        self.version = version
-        self.info, self.tensors = build(self.node, family, version, self.copier)
+        try:
+            self.family = family
+            self.device = torch.device(device)
+            self.copier = Copier(self.node.cache, self.device, self.node.remote.pool, verify)  # see load_tensors
+            self.version = version
+            self.info, self.tensors = build(self.node, family, version, self.copier)
+        except BaseException:  # no object to close later: its client, threads and buffers go now
+            self.close()
+            raise
         self.loaded_bytes = sum(t.nbytes for t in self.tensors.values())  # the pieces tile every tensor
 
     def switch(self, version: str) -> int:

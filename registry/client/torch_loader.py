@@ -92,7 +92,11 @@ class Node:
         if not url:
             raise InvalidRequest("no registry to load from: set MFSREG_URL or pass url=")
         self.remote = RemoteRegistry(url, token=token or os.environ.get("MFSREG_TOKEN"))
-        self.cache = NodeCache(cache_dir)
+        try:
+            self.cache = NodeCache(cache_dir)
+        except BaseException:
+            self.remote.close()
+            raise
         self.fetcher = Fetcher(self.remote, self.cache)
 
     def close(self) -> None:
@@ -201,9 +205,9 @@ class Copier:
     def _stage(self, flat: torch.Tensor, p: Piece) -> None:
         """GPU: read one chunk into a pinned staging buffer, check it, and queue its copy."""
         n = p.chunk.size
-        if n > STAGE_BYTES:
-            raise InvalidRequest(f"chunk of {n} bytes is larger than the staging buffer")
-        if self.used + n > STAGE_BYTES:
+        if n > self.stages[0].numel():
+            self._grow_stages(n)
+        if self.used + n > self.stages[self.cur].numel():
             self._next_stage()
         stage = self.stages[self.cur]
         view = memoryview(stage[self.used : self.used + n].numpy())
@@ -231,6 +235,13 @@ class Copier:
             raise IntegrityError(f"chunk {ids[0]} in the node cache is missing or damaged, and this copy has no "
                                  "registry to fetch it from: load through registry.client.load_tensors")
         self.refetch(ids)
+
+    def _grow_stages(self, n: int) -> None:
+        """Staging buffers that each hold a chunk of ``n`` bytes: a family may be cut in chunks up to
+        256 MiB, over STAGE_BYTES. Reallocated once every copy from the old ones has landed."""
+        self.stream.synchronize()
+        self.stages = [torch.empty(n, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+        self.events, self.cur, self.used = [None, None], 0, 0
 
     def _next_stage(self) -> None:
         ev = torch.cuda.Event()
