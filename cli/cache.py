@@ -29,6 +29,29 @@ def warm(
         typer.echo(f"{family}: {result['chunks']} chunks warm, {human_bytes(result['fetched_bytes'])} fetched")
 
 
+@cache_app.command("unpin")
+def unpin(family: str = typer.Argument(...), json_: bool = typer.Option(False, "--json")) -> None:
+    """Let eviction drop a family's base tier again (undoes the pin of `cache warm`); nothing is deleted now."""
+    from registry.client.cache import NodeCache
+    from registry.errors import InvalidRequest
+    from registry.names import check_name
+
+    check_name("family", family)
+    cache = NodeCache()
+    try:
+        if family not in cache.pinned():
+            raise InvalidRequest(f"family {family!r} is not pinned in this cache (pinned: "
+                                 f"{', '.join(cache.pinned()) or 'none'})")
+        cache.unpin(family)
+        pinned = cache.pinned()
+    finally:
+        cache.close()
+    if json_:
+        emit_json({"family": family, "pinned_families": pinned})
+    else:
+        typer.echo(f"{family}: unpinned; its base tier is evicted like any other chunks (`mfsreg cache prune` to shrink now)")
+
+
 @cache_app.command("stats")
 def stats(json_: bool = typer.Option(False, "--json")) -> None:
     """What the cache holds, by tier."""

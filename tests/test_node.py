@@ -500,6 +500,12 @@ def test_pinned_base_survives_prune(published, fam, tmp_path):
     mfsreg_json("cache", "prune", "--max-size", "1", env=env)
     base_tier = {i for i, r in needed(env, "base").items() if r[4] == "base"}
     assert set(cached_ids(env)) == base_tier
+    # unpinned, the base tier goes like the rest; a family that is not pinned is one line, exit 2
+    assert mfsreg_json("cache", "unpin", "fam", env=env)["pinned_families"] == []
+    proc = mfsreg("cache", "unpin", "fam", env=env, check=False)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "is not pinned" in proc.stderr, proc.stderr
+    mfsreg_json("cache", "prune", "--max-size", "1", env=env)
+    assert cached_ids(env) == []
 
 
 def test_a_pin_keeps_base_chunks_another_family_cached_first(published, fam, tmp_path):
