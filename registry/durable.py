@@ -3,7 +3,9 @@
 A file synced and then renamed into place has durable bytes, but its new name lives in the
 directory, which a crash can lose until that directory is synced too: the file would be gone after
 a reboot, though never torn. Every atomic write here (the local blob store's puts, a pull's files)
-renames a synced temp file and then calls ``sync_dir``.
+renames a synced temp file and then calls ``sync_dir``. A directory made for such a file is a name
+in its own parent, lost the same way (and the file with it): the blob store makes them with
+``make_dirs``.
 """
 
 from __future__ import annotations
@@ -25,3 +27,20 @@ def sync_dir(dirpath: str | os.PathLike) -> None:
             raise
     finally:
         os.close(fd)
+
+
+def make_dirs(dirpath: str | os.PathLike) -> None:
+    """``dirpath`` and whichever of its parents are missing, each new one's name made durable (its
+    parent synced once it is made)."""
+    path = Path(dirpath)
+    missing = []
+    while not path.is_dir():
+        missing.append(path)
+        path = path.parent
+    for d in reversed(missing):
+        try:
+            d.mkdir()
+        except FileExistsError:  # made meanwhile by another writer, who syncs its parent too
+            if not d.is_dir():
+                raise
+        sync_dir(d.parent)

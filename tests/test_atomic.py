@@ -112,3 +112,28 @@ def test_sync_dir_skips_only_filesystems_that_cannot_sync_a_directory(tmp_path, 
         else:
             sync_dir(tmp_path)
     monkeypatch.setattr(os, "fsync", real)
+
+
+def test_a_blob_put_makes_the_names_of_new_directories_durable(tmp_path, monkeypatch):
+    """A pack written into directories made for it: the pack's name is synced in its directory, and
+    each new directory's name in its parent (a crash could otherwise lose the directory, and the
+    pack in it, after the commit that needs it)."""
+    import os
+
+    from registry.blobs.local import LocalBlobStore
+
+    synced: set[int] = set()
+    real = os.fsync
+
+    def recording(fd):
+        synced.add(os.fstat(fd).st_ino)
+        return real(fd)
+
+    root = tmp_path / "store" / "blobs"
+    monkeypatch.setattr(os, "fsync", recording)
+    store = LocalBlobStore(root)
+    store.put("packs/ab/abcdef", b"bytes of a pack")
+    monkeypatch.setattr(os, "fsync", real)
+    for d in (tmp_path, tmp_path / "store", root, root / "packs", root / "packs" / "ab"):
+        assert d.stat().st_ino in synced, d
+    assert store.get("packs/ab/abcdef") == b"bytes of a pack"

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from registry.blobs.base import BlobStore, check_key
-from registry.durable import sync_dir
+from registry.durable import make_dirs, sync_dir
 from registry.errors import NotFound, StorageError
 
 
@@ -22,7 +22,7 @@ class LocalBlobStore(BlobStore):
         self.root = Path(root)
         self.url = self.root.as_uri()
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
+            make_dirs(self.root)
         except OSError as exc:
             raise StorageError(f"cannot create blob directory {self.root}: {exc.strerror}") from None
 
@@ -33,9 +33,9 @@ class LocalBlobStore(BlobStore):
         path = self._path(key)
         if path.exists() and path.stat().st_size == len(data):
             return  # a key names one blob for good: same key and size is a retried put
-        path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
         try:
+            make_dirs(path.parent)  # packs/ab/: a directory lost in a crash would lose the pack with it
             with open(tmp, "wb") as f:
                 f.write(data)
                 f.flush()
