@@ -137,3 +137,18 @@ def test_a_blob_put_makes_the_names_of_new_directories_durable(tmp_path, monkeyp
     for d in (tmp_path, tmp_path / "store", root, root / "packs", root / "packs" / "ab"):
         assert d.stat().st_ino in synced, d
     assert store.get("packs/ab/abcdef") == b"bytes of a pack"
+
+
+def test_a_read_transaction_keeps_one_snapshot(reg, fam):
+    """A version deleted while a read transaction runs (a node asking for it as an admin deletes it)
+    is still whole to that transaction: its row and its manifest, not the row and then nothing."""
+    from registry.db import versions as version_db
+    from registry.db.engine import read_tx
+
+    reg.push(fam["lora-chat"], "fam", "v1")
+    with read_tx(reg.engine) as conn:
+        row = version_db.find_version(conn, "fam", "v1")
+        assert row is not None
+        reg.delete("fam", "v1")  # its own transaction, committed meanwhile
+        assert version_db.read_manifest(conn, row.id)
+    assert reg.versions("fam") == []

@@ -85,9 +85,17 @@ def write_tx(engine: Engine) -> Iterator[Connection]:
 
 @contextmanager
 def read_tx(engine: Engine) -> Iterator[Connection]:
+    """A read transaction whose queries all see one snapshot. Postgres's default (read committed)
+    gives each statement its own: a delete or prune committed between two reads (a version, then
+    its manifest; a family's chunks, then where they are stored) made the second miss rows the
+    first found, a 500. A read-only repeatable-read transaction never fails to serialize. SQLite's
+    read transactions (WAL) already keep one snapshot."""
     with _storage_errors(engine):
-        with engine.connect() as conn, conn.begin():
-            yield conn
+        with engine.connect() as conn:
+            if engine.dialect.name == "postgresql":
+                conn.execution_options(isolation_level="REPEATABLE READ")
+            with conn.begin():
+                yield conn
 
 
 @contextmanager
