@@ -176,6 +176,12 @@ def check_cut(manifest: Manifest, family: str, chunk_size: int) -> None:
                        f"again with a client that reads the family's size, or with MFSREG_CHUNK_SIZE={chunk_size}")
 
 
+def check_named_cut(manifest: Manifest, chunk_size: int | None) -> None:
+    """A manifest that names the chunk size it was cut at must be cut at it."""
+    if chunk_size is not None and not manifest.follows_chunk_size(chunk_size):
+        raise InvalidRequest(f"the manifest is not cut at the chunk size it names ({chunk_size:,} bytes)")
+
+
 def commit_version(reg, family: str, version: str, parent: str | None, manifest: Manifest,
                    chunk_size: int | None = None,
                    unproven: Callable[[Connection, list[str]], set[str]] | None = None) -> tuple[int, object | None]:
@@ -188,8 +194,7 @@ def commit_version(reg, family: str, version: str, parent: str | None, manifest:
     Returns (rows that changed tier, None), or (0, existing row) when the same name was committed
     first by someone else (then the caller compares digests).
     """
-    if chunk_size is not None and not manifest.follows_chunk_size(chunk_size):
-        raise InvalidRequest(f"the manifest is not cut at the chunk size it names ({chunk_size:,} bytes)")
+    check_named_cut(manifest, chunk_size)
     cut = chunk_size if chunk_size is not None else manifest.cut_size()  # a size the manifest follows, or None
     if cut is not None and not MIN_CHUNK_SIZE <= cut <= MAX_CHUNK_SIZE:
         cut = None  # a tiny file's cuts say nothing of the size (a 10-byte blob cut 3/3/3/1): not a family's

@@ -25,7 +25,7 @@ from registry.db import versions as version_db
 from registry.db.engine import read_tx, write_tx
 from registry.errors import IntegrityError, InvalidModel, InvalidRequest, NotFound, StorageError, TooLarge
 from registry.deltas import BasisReader, cap_depth
-from registry.ingest import check_cut, check_parent, check_push_names, commit_version, existing_result, plan_deltas, store_chunks
+from registry.ingest import check_cut, check_named_cut, check_parent, check_push_names, commit_version, existing_result, plan_deltas, store_chunks
 from registry.parallel import windowed_map
 from registry.results import PushResult
 from registry.manifest import MAX_CHUNK_BYTES, SAFETENSORS, Manifest, parse_doc
@@ -195,6 +195,9 @@ def commit(reg, family: str, version: str, parent: str | None, doc: object, chun
     _check_headers(reg, manifest, who, family)
     if chunk_size is not None:
         check_chunk_size(chunk_size, "chunk_size")
+    # what commit_version would refuse, refused before the detach below writes anything
+    check_named_cut(manifest, chunk_size)
+    check_parent(reg, family, parent)
     access.detach_foreign_chains(reg, who, family, manifest.chunk_ids())
 
     def unproven(conn, ids):  # checked again in the commit's transaction: what the version would lend

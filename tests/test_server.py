@@ -675,6 +675,18 @@ def test_a_scoped_push_gets_plain_copies_of_chunks_stored_against_another_family
     before = httpx.get(f"{srv.url}/v1/families/secret/versions/med", headers=admin).json()["chunks"]
     deltas = {i for i, row in before.items() if row[2]}
     assert deltas
+    # a commit refused for its parent changes nothing stored: no plain copies are made for it first
+    m = hash_source(open_source(fam["full-med"]), 64 << 10, NullProgress())
+    neg = httpx.post(f"{srv.url}/v1/families/qwen/versions/med/negotiate", json={"manifest": m.to_doc()}, headers=scoped).json()
+    data = fam["full-med"].read_bytes()
+    raw = {c.id: data[c.offset:c.offset + c.size] for f in m.files for c in f.chunks if c.id in set(neg["missing"])}
+    r = httpx.post(f"{srv.url}/v1/families/qwen/chunks", headers=scoped,
+                   content=build_batch([(Entry(i, len(b), "raw", len(b)), b) for i, b in raw.items()]))
+    assert r.status_code == 200, r.text
+    r = httpx.post(f"{srv.url}/v1/families/qwen/versions/med/commit", json={"manifest": m.to_doc(), "parent": "nope"},
+                   headers=scoped)
+    assert r.status_code == 404 and "parent version qwen/nope does not exist" in r.json()["detail"], r.text
+    assert httpx.get(f"{srv.url}/v1/families/secret/versions/med", headers=admin).json()["chunks"] == before
     mfsreg_json("push", fam["full-med"], "--family", "qwen", "--version", "med", env=scoped_env)
     doc = httpx.get(f"{srv.url}/v1/families/qwen/versions/med", headers=scoped).json()
     own = set(Manifest.from_doc(doc["manifest"]).chunk_ids())
