@@ -77,11 +77,22 @@ class Registry:
 
     def pull(self, family: str, version: str, out: Path, progress: Progress | None = None) -> rebuild.PullResult:
         t0 = time.perf_counter()
-        row, manifest = self.manifest(family, version)
-        located = self.locate(manifest.chunk_ids())
+        check_name("family", family)
+        check_name("version", version)
+        with read_tx(self.engine) as conn:  # one snapshot: the version and where its chunks were, together
+            row = version_db.get_version(conn, family, version)
+            manifest = Manifest.from_bytes(version_db.read_manifest(conn, row.id))
+            located = chunk_db.locate_closure(conn, manifest.chunk_ids())
         try:
             rebuild.rebuild(manifest, Path(out), located, self.read_payloads, self.pool, progress)
-        except NotFound as exc:  # a pack the registry records is gone: data loss, said as the server says it
+        except NotFound as exc:
+            with read_tx(self.engine) as conn:
+                now = version_db.find_version(conn, family, version)
+            gone = now is None or now.id != row.id
+            if gone:  # deleted meanwhile, and a prune took its packs: the user's race, not data loss
+                raise NotFound(f"version {family}/{version} was deleted while it was being pulled: "
+                               "nothing was written") from None
+            # a pack the registry records is gone: data loss, said as the server says it
             raise StorageError(f"the registry's storage lost data ({exc}): restore that blob from a backup") from None
         return rebuild.PullResult(
             family=family, version=version, digest=row.digest, path=str(rebuild.written_path(manifest, Path(out))),

@@ -541,3 +541,19 @@ def test_the_postgres_run_lock_leaves_no_transaction_open(pg_database):
         assert states == ["idle"]  # the lock holder, outside any transaction
     finally:
         engine.dispose()
+
+
+def test_a_pull_whose_version_is_deleted_and_pruned_meanwhile_says_so(reg, fam, tmp_path):
+    """Deleted and pruned while its bytes were being read: 'deleted while it was being pulled'
+    (exit 2), not the data-loss error a pack lost under a living version gets; nothing written."""
+
+    class DeleteAndPrune(NullProgress):  # runs as the pull starts writing, after it has located its chunks
+        def start(self, task: str, total: int) -> None:
+            if task == "write":
+                reg.delete("fam", "v1")
+                reg.prune(min_age=0)
+
+    reg.push(fam["lora-chat"], "fam", "v1")
+    with pytest.raises(NotFound, match="fam/v1 was deleted while it was being pulled"):
+        reg.pull("fam", "v1", tmp_path / "out.safetensors", progress=DeleteAndPrune())
+    assert not (tmp_path / "out.safetensors").exists()
