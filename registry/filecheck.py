@@ -20,7 +20,7 @@ import ctypes
 import mmap
 import os
 import uuid
-from concurrent.futures import Executor, Future, wait
+from concurrent.futures import Executor, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
 from registry.chunking import ChunkRef, chunk_id
@@ -106,6 +106,13 @@ class CheckedFile:
         self.tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex}.tmp")
         self.pool = pool
         self.checks: list[Future] = []
+        # sync_file_range starts writeback but blocks while the disk's queue is full: on a thread of
+        # its own, for files of more than one stretch, so that the writes go on meanwhile (an Intel
+        # Xeon VM's node pull of 1.16 GB spent 0.25 of its 1.5 s there; on the thread, the pull took
+        # 1.39 s against 1.55, medians of 8 alternating runs). A pool's thread would delay its
+        # decoding; smaller files start theirs inline.
+        self._writeback = (ThreadPoolExecutor(1, thread_name_prefix="mfsreg-writeback")
+                           if size > BATCH_BYTES and _sync_file_range is not None else None)
         self.fd = os.open(self.tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
         try:
             os.ftruncate(self.fd, size)  # checks map finished stretches while later ones are written
@@ -113,15 +120,29 @@ class CheckedFile:
             self.close()
             raise
 
+    def start_writeback(self, batch: list[ChunkRef]) -> None:
+        """Writeback of a written stretch started, on the file's writeback thread where it has one."""
+        if self._writeback is not None:
+            self._writeback.submit(start_writeback, self.fd, batch)
+        else:
+            start_writeback(self.fd, batch)
+
     def finished(self, batch: list[ChunkRef]) -> None:
-        start_writeback(self.fd, batch)
+        self.start_writeback(batch)
         self.checks.append(self.pool.submit(bad_chunks, self.fd, batch))
+
+    def _stop_writeback(self) -> None:
+        """Wait for the writeback calls queued: none may use the descriptor once it closes."""
+        if self._writeback is not None:
+            self._writeback.shutdown(wait=True)
+            self._writeback = None
 
     def bad(self) -> list[ChunkRef]:
         """The chunks that failed their check, once every check is done."""
         return [c for f in self.checks for c in f.result()]
 
     def commit(self) -> None:
+        self._stop_writeback()
         if self.mode is not None:
             os.fchmod(self.fd, self.mode)
         os.fsync(self.fd)
@@ -134,6 +155,7 @@ class CheckedFile:
         for f in self.checks:  # on an error, no check may still map the file when its descriptor closes
             f.cancel()
         wait(self.checks)
+        self._stop_writeback()
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1

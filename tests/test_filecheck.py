@@ -46,3 +46,33 @@ def test_bad_chunks_reads_the_file_as_it_lies(tmp_path):
     with open(path, "rb") as f:
         assert [c.offset for c in bad_chunks(f.fileno(), chunks)] == [65536, 196608]
         assert bad_chunks(f.fileno(), []) == []
+
+
+@pytest.mark.parametrize("committed", [True, False])
+def test_a_big_file_starts_its_writeback_on_a_thread_that_ends_with_it(tmp_path, committed):
+    """A file of more than one stretch hands its writeback calls to a thread of its own (they block
+    while the disk's queue is full); committed or abandoned, the thread is done before the file's
+    descriptor closes, and the bytes are whole."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from registry.filecheck import BATCH_BYTES, CheckedFile, _sync_file_range
+
+    size = 2 * BATCH_BYTES + 4096
+    data = os.urandom(1 << 20) * (size // (1 << 20)) + os.urandom(size % (1 << 20))
+    stretches = [[ChunkRef("0" * 32, o, min(BATCH_BYTES, size - o))] for o in range(0, size, BATCH_BYTES)]
+    dest = tmp_path / "big.bin"
+    with ThreadPoolExecutor(1) as pool:
+        with CheckedFile(dest, size, pool) as out:
+            for batch in stretches:
+                c = batch[0]
+                os.pwrite(out.fd, data[c.offset:c.offset + c.size], c.offset)
+                out.start_writeback(batch)
+            helpers = [t for t in threading.enumerate() if t.name.startswith("mfsreg-writeback")]
+            assert len(helpers) == (1 if _sync_file_range is not None else 0)
+            if committed:
+                out.commit()
+        assert not any(t.is_alive() for t in helpers)
+    assert dest.exists() == committed and not list(tmp_path.glob(".*.tmp"))
+    if committed:
+        assert dest.read_bytes() == data

@@ -33,7 +33,7 @@ from pathlib import Path
 from registry.chunking import ChunkRef, chunk_hasher, chunk_id
 from registry.client.cache import NodeCache
 from registry.client.direct import DirectFile
-from registry.filecheck import BATCH_BYTES, CheckedFile, check_tiling, start_writeback, write_at
+from registry.filecheck import BATCH_BYTES, CheckedFile, check_tiling, write_at
 from registry.manifest import FileEntry
 from registry.parallel import sized_batches
 from registry.progress import Progress
@@ -73,7 +73,7 @@ def write_file(entry: FileEntry, dest: Path, cache: NodeCache, refetch: Callable
         buf = bytearray(max((c.size for c in chunks), default=0))  # one chunk at a time: it stays in the CPU's cache
         with memoryview(buf) as view:
             _place_all(chunks, lambda c: _from_cache(cache, c, lambda src: _write_checked(view, out.fd, c, src)),
-                       cache, refetch, arriving, lambda batch: start_writeback(out.fd, batch), progress)
+                       cache, refetch, arriving, out.start_writeback, progress)
         out.commit()
 
 
