@@ -559,6 +559,31 @@ def test_warm_of_recent_members_passes_over_one_deleted_since(published, server_
         cache.close()
 
 
+def test_a_node_pull_whose_version_is_deleted_meanwhile_says_so(published, server_env, tmp_path):
+    """Deleted as the node starts fetching: the server then answers that the chunks are not the
+    family's; the pull says what happened instead (exit 2), and writes nothing."""
+    from registry.errors import NotFound
+    from registry.progress import NullProgress
+
+    srv, env = published
+    admin = RemoteRegistry(srv.url, token=token(server_env, "admin"))
+
+    class DeleteAtFetch(NullProgress):
+        def start(self, task: str, total: int) -> None:
+            if task == "fetch":
+                admin.delete("fam", "lora-chat")
+
+    cache = NodeCache(tmp_path / "cold")
+    try:
+        with RemoteRegistry(srv.url, token=env["MFSREG_TOKEN"]) as r:
+            with pytest.raises(NotFound, match="fam/lora-chat was deleted while it was being pulled"):
+                r.pull("fam", "lora-chat", tmp_path / "out.safetensors", progress=DeleteAtFetch(), cache=cache)
+    finally:
+        cache.close()
+        admin.close()
+    assert not (tmp_path / "out.safetensors").exists() and not list(tmp_path.glob(".out.safetensors.*"))
+
+
 def test_to_dir_hardlinks_from_the_cache(published, writes, fam, tmp_path):
     _, env = published
     a = mfsreg_json("pull", "fam", "lora-chat", "--to-dir", tmp_path / "engine-a", env=env)

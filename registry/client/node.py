@@ -13,6 +13,7 @@ from pathlib import Path
 from registry import rebuild
 from registry.client import assemble
 from registry.client.fetch import Fetcher, FetchStats, VersionInfo
+from registry.errors import NotFound
 from registry.filecheck import BATCH_BYTES, bad_chunks, check_tiling
 from registry.parallel import sized_batches, windowed_map
 from registry.progress import NullProgress, Progress
@@ -34,6 +35,23 @@ def refetcher(fetcher: Fetcher, info: VersionInfo, stats: FetchStats | None = No
             stats.chunk_ids.extend(chunk_ids)
 
     return refetch
+
+
+def _gone_meanwhile(fetcher: Fetcher, info: VersionInfo, error: BaseException) -> BaseException:
+    """The error a failed fetch is reported by: a version deleted on the registry while it was
+    being pulled makes its chunks no longer the family's, and the server answers that they are not
+    part of it, which names chunks the user never asked for. So a NotFound is checked against
+    the version itself."""
+    if not isinstance(error, NotFound):
+        return error
+    try:
+        doc = fetcher.remote.version_doc(info.family, info.version)
+    except NotFound:
+        return NotFound(f"version {info.family}/{info.version} was deleted while it was being pulled: nothing was written")
+    if doc.get("digest") != info.digest:
+        return NotFound(f"version {info.family}/{info.version} was pushed again with other bytes while it was being "
+                        "pulled: nothing was written; pull it again")
+    return error
 
 
 class _Arrivals:
@@ -101,12 +119,16 @@ def pull(fetcher: Fetcher, family: str, version: str, out: Path, progress: Progr
             for entry, dest in plan:
                 assemble.write_file(entry, dest, cache, refetch, fetcher.remote.pool, progress, arrivals.wait)
         assembled = True
+    except NotFound as exc:  # the fetch's error, raised where the assembly waited, or a refetch's
+        stop.set()
+        worker.join()
+        raise _gone_meanwhile(fetcher, info, exc) from None
     finally:
         if not assembled:  # an error or an interrupt: what is still to fetch is not needed now
             stop.set()
         worker.join()  # the fetch writes into the cache: let its batches in flight land first
     if arrivals.error is not None:
-        raise arrivals.error
+        raise _gone_meanwhile(fetcher, info, arrivals.error)
     stats = fetched["stats"]
     cache.record_pull(family, version)
     cache.evict(protect=ids)
