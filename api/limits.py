@@ -6,7 +6,6 @@ from fastapi import Request
 from starlette._utils import get_route_path
 
 from api.posts import body_limit
-
 from registry.errors import TooLarge
 
 

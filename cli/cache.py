@@ -39,11 +39,11 @@ def unpin(family: str = typer.Argument(...), json_: bool = typer.Option(False, "
     check_name("family", family)
     cache = NodeCache()
     try:
-        if family not in cache.pinned():
-            raise InvalidRequest(f"family {family!r} is not pinned in this cache (pinned: "
-                                 f"{', '.join(cache.pinned()) or 'none'})")
-        cache.unpin(family)
         pinned = cache.pinned()
+        if family not in pinned:
+            raise InvalidRequest(f"family {family!r} is not pinned in this cache (pinned: {', '.join(pinned) or 'none'})")
+        cache.unpin(family)
+        pinned.remove(family)
     finally:
         cache.close()
     if json_:

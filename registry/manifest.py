@@ -24,7 +24,7 @@ from registry.safetensors import MAX_HEADER_BYTES, TensorSpan
 # so that a small document cannot name a huge one (checking its cuts would plan them all).
 MAX_CHUNK_BYTES = max(MAX_CHUNK_SIZE, MAX_HEADER_BYTES + 8)
 
-SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 MAX_PATH_BYTES = 1024  # a file's path in a version, UTF-8; each of its names at most NAME_MAX
 NAME_MAX = 255  # the longest file name Linux filesystems take
 
@@ -187,7 +187,7 @@ def parse_doc(doc: object, draft: bool = False) -> Manifest:
             raise InvalidRequest(f"malformed manifest: unsafe or repeated path {f.path!r}")
         seen.add(f.path)
         # a node names files in its cache by this digest: 64 lowercase hex digits and nothing else
-        digest_ok = (isinstance(f.sha256, str) and SHA256_HEX.fullmatch(f.sha256) is not None) or (draft and f.sha256 is None)
+        digest_ok = (isinstance(f.sha256, str) and _SHA256.fullmatch(f.sha256) is not None) or (draft and f.sha256 is None)
         if f.kind not in (SAFETENSORS, BLOB) or not digest_ok:
             raise InvalidRequest(f"malformed manifest: {f.path}: bad kind or sha256")
         pos = 0

@@ -60,12 +60,8 @@ class Registry:
         return ingest.push(self, Path(path), family, version, parent, progress)
 
     def manifest(self, family: str, version: str) -> tuple[version_db.VersionRow, Manifest]:
-        check_name("family", family)
-        check_name("version", version)
         with read_tx(self.engine) as conn:
-            row = version_db.get_version(conn, family, version)
-            data = version_db.read_manifest(conn, row.id)
-        return row, Manifest.from_bytes(data)
+            return _manifest_in(conn, family, version)
 
     def locate(self, ids) -> dict[str, StoredChunk]:
         """Where ``ids`` and the bases of their deltas are stored."""
@@ -77,19 +73,15 @@ class Registry:
 
     def pull(self, family: str, version: str, out: Path, progress: Progress | None = None) -> rebuild.PullResult:
         t0 = time.perf_counter()
-        check_name("family", family)
-        check_name("version", version)
         with read_tx(self.engine) as conn:  # one snapshot: the version and where its chunks were, together
-            row = version_db.get_version(conn, family, version)
-            manifest = Manifest.from_bytes(version_db.read_manifest(conn, row.id))
+            row, manifest = _manifest_in(conn, family, version)
             located = chunk_db.locate_closure(conn, manifest.chunk_ids())
         try:
             rebuild.rebuild(manifest, Path(out), located, self.read_payloads, self.pool, progress)
         except NotFound as exc:
             with read_tx(self.engine) as conn:
                 now = version_db.find_version(conn, family, version)
-            gone = now is None or now.id != row.id
-            if gone:  # deleted meanwhile, and a prune took its packs: the user's race, not data loss
+            if now is None or now.id != row.id:  # deleted meanwhile, and a prune took its packs: the user's race
                 raise NotFound(f"version {family}/{version} was deleted while it was being pulled: "
                                "nothing was written") from None
             # a pack the registry records is gone: data loss, said as the server says it
@@ -173,3 +165,10 @@ def upgrade_database(settings: Settings | None = None) -> str:
         return schema.upgrade(engine)
     finally:
         engine.dispose()
+
+
+def _manifest_in(conn, family: str, version: str) -> tuple[version_db.VersionRow, Manifest]:
+    check_name("family", family)
+    check_name("version", version)
+    row = version_db.get_version(conn, family, version)
+    return row, Manifest.from_bytes(version_db.read_manifest(conn, row.id))

@@ -72,12 +72,13 @@ class NodeCache:
         self.max_bytes = max_bytes if max_bytes is not None else default_max_bytes()
         (self.root / "chunks").mkdir(parents=True, exist_ok=True)
         self._chunks = str(self.root / "chunks")
+        self._index = self.root / "index.db"
         (self.root / "files").mkdir(parents=True, exist_ok=True)
         self._local = threading.local()
         try:
             self._conn().executescript(_SCHEMA)  # idempotent; executescript manages its own transaction
         except sqlite3.DatabaseError as exc:  # not a database (damaged), or no room to write it
-            raise index_error(self.root / "index.db", exc) from None
+            raise index_error(self._index, exc) from None
         with self._db() as db:
             if db.execute("PRAGMA user_version").fetchone()[0] < 1:
                 # a cache from before family_base: what its rows knew (one family per chunk)
@@ -90,9 +91,8 @@ class NodeCache:
     def _conn(self) -> sqlite3.Connection:
         conn = getattr(self._local, "conn", None)
         if conn is None:
-            path = self.root / "index.db"
-            conn = sqlite3.connect(path, timeout=60, isolation_level=None)
-            _use_wal(conn, path)
+            conn = sqlite3.connect(self._index, timeout=60, isolation_level=None)
+            _use_wal(conn, self._index)
             # The index is bookkeeping (sizes, tiers, last use) beside files that are written and
             # renamed on their own: with NORMAL a crash may lose the last few updates but never
             # corrupts the database, and a load no longer waits for an fsync per touch.
@@ -102,7 +102,7 @@ class NodeCache:
         return conn
 
     def _db(self):
-        return _Tx(self._conn(), self.root / "index.db")
+        return _Tx(self._conn(), self._index)
 
     def close(self) -> None:
         conn = getattr(self._local, "conn", None)

@@ -110,7 +110,7 @@ def pull(fetcher: Fetcher, family: str, version: str, out: Path, progress: Progr
     refetch = refetcher(fetcher, info, refetched)
     worker = threading.Thread(target=fetch, name="mfsreg-pull-fetch", daemon=True)
     worker.start()
-    assembled = False
+    assembled, failed = False, None
     try:
         if to_dir:
             _materialise_dir(fetcher, info, out, progress, refetch, arrivals.wait)
@@ -120,15 +120,13 @@ def pull(fetcher: Fetcher, family: str, version: str, out: Path, progress: Progr
                 assemble.write_file(entry, dest, cache, refetch, fetcher.remote.pool, progress, arrivals.wait)
         assembled = True
     except NotFound as exc:  # the fetch's error, raised where the assembly waited, or a refetch's
-        stop.set()
-        worker.join()
-        raise _gone_meanwhile(fetcher, info, exc) from None
+        failed = exc
     finally:
         if not assembled:  # an error or an interrupt: what is still to fetch is not needed now
             stop.set()
         worker.join()  # the fetch writes into the cache: let its batches in flight land first
-    if arrivals.error is not None:
-        raise _gone_meanwhile(fetcher, info, arrivals.error)
+    if failed is not None or arrivals.error is not None:
+        raise _gone_meanwhile(fetcher, info, failed or arrivals.error) from None
     stats = fetched["stats"]
     cache.record_pull(family, version)
     cache.evict(protect=ids)
