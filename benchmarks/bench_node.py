@@ -509,7 +509,7 @@ def report(doc: dict) -> str:
 
 def _pull_writes(work: Path) -> str:
     """How the timed pulls wrote their file: around the page cache where asked and taken, else through it."""
-    from registry import direct
+    from registry.client import direct
     from registry.client.assemble import direct_writes
 
     if not direct_writes():

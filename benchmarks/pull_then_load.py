@@ -3,7 +3,7 @@
     python -m benchmarks.pull_then_load [--scale 1.0] [--runs 4] [--data DIR]
 
 A node pull writes its file through the page cache; with MFSREG_PULL_DIRECT=1 it writes around it
-(O_DIRECT, see registry/direct.py): the pull is faster and the node keeps one copy of the
+(O_DIRECT, see registry/client/direct.py): the pull is faster and the node keeps one copy of the
 bytes in memory, but whoever reads the file next reads it from disk. This measures both halves for
 both ways, so the trade is in figures.
 

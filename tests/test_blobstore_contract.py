@@ -1,14 +1,12 @@
 """The BlobStore contract (registry/blobs/base.py), checked on every backend by one shared suite.
 
-``store`` is each backend in turn: a local directory (written around the page cache, as by
-default, and through it, as where the filesystem refuses O_DIRECT), and S3 on a real endpoint on
-loopback (moto's server, see tests/s3server.py). A backend-specific test sits at the end only where a failure mode
+``store`` is each backend in turn: a local directory, and S3 on a real endpoint on loopback (moto's
+server, see tests/s3server.py). A backend-specific test sits at the end only where a failure mode
 exists on that backend alone (unreachable endpoint, missing bucket, multipart).
 """
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import os
 import socket
@@ -20,22 +18,18 @@ import pytest
 
 from registry.blobs import open_blob_store
 from registry.blobs.base import BlobStore
-from registry.blobs.local import LocalBlobStore
 from registry.blobs.packs import PackWriter, StoredChunk, read_payloads
 from registry.blobs.s3 import MULTIPART_CHUNK, MULTIPART_THRESHOLD, S3BlobStore
 from registry.errors import InvalidRequest, NotFound, StorageError
-from tests.pagecache import resident_fraction
 from tests.s3server import s3_bucket, s3_server  # noqa: F401  (fixtures)
 
 DATA = bytes(range(256)) * 40 + b"tail"  # 10244 bytes, every offset distinguishable
 
 
-@pytest.fixture(params=["local", "local-page-cache", "s3"])
+@pytest.fixture(params=["local", "s3"])
 def store(request, tmp_path) -> BlobStore:
     if request.param == "local":
         return open_blob_store((tmp_path / "blobs").as_uri())
-    if request.param == "local-page-cache":
-        return LocalBlobStore(tmp_path / "blobs", direct=False)
     endpoint_url, bucket = request.getfixturevalue("s3_bucket")
     return open_blob_store(f"s3://{bucket}/reg/blobs", endpoint_url)
 
@@ -221,73 +215,6 @@ def test_packs_interop(store):
 
 
 # S3 alone -------------------------------------------------------------------------------------
-
-
-def test_local_puts_go_around_the_page_cache_unless_told_not_to(tmp_path):
-    """A pack is written once and rarely read soon after: by default its bytes go straight to the
-    disk (O_DIRECT), not into the page cache (registry/direct.py says why)."""
-    data = big_data(20)
-    around = LocalBlobStore(tmp_path / "around")
-    through = LocalBlobStore(tmp_path / "through", direct=False)
-    for store in (around, through):
-        store.put("packs/ab/abc", data)
-    assert resident_fraction(tmp_path / "around" / "packs" / "ab" / "abc") < 0.01
-    assert resident_fraction(tmp_path / "through" / "packs" / "ab" / "abc") > 0.5
-    for store in (around, through):
-        assert store.get("packs/ab/abc") == data
-        assert [p.name for p in (store.root / "packs" / "ab").iterdir()] == ["abc"]  # no temp file left
-
-
-@pytest.mark.parametrize("refused_at", ["open", "first write"])
-def test_a_local_store_on_a_filesystem_refusing_o_direct_writes_through_the_page_cache(tmp_path, monkeypatch,
-                                                                                       refused_at):
-    """Some filesystems (tmpfs, some FUSE and network ones) refuse O_DIRECT at open, others at the
-    first write: the put goes through the page cache instead, and later puts do not try again."""
-    real_open, real_pwrite = os.open, os.pwrite
-    tries = []
-
-    def refusing_open(path, flags, *args, **kwargs):
-        if flags & os.O_DIRECT:
-            tries.append(path)
-            if refused_at == "open":
-                raise OSError(errno.EINVAL, "Invalid argument")
-        return real_open(path, flags, *args, **kwargs)
-
-    def refusing_pwrite(fd, data, offset):
-        if refused_at == "first write":
-            raise OSError(errno.EINVAL, "Invalid argument")
-        return real_pwrite(fd, data, offset)
-
-    monkeypatch.setattr(os, "open", refusing_open)
-    monkeypatch.setattr(os, "pwrite", refusing_pwrite)
-    store = LocalBlobStore(tmp_path / "blobs")
-    store.put("packs/ab/one", DATA)
-    store.put("packs/ab/two", DATA[::-1])
-    assert len(tries) == 1  # refused once, remembered
-    monkeypatch.undo()
-    assert store.get("packs/ab/one") == DATA and store.get("packs/ab/two") == DATA[::-1]
-    assert sorted(p.name for p in (tmp_path / "blobs" / "packs" / "ab").iterdir()) == ["one", "two"]
-
-
-def test_a_local_put_the_disk_refuses_midway_is_one_line_and_leaves_nothing(tmp_path, monkeypatch):
-    """A full disk during a direct put: StorageError naming the blob and the cause, no temp file, and
-    the blobs already there as they were."""
-    store = LocalBlobStore(tmp_path / "blobs")
-    store.put("packs/ab/kept", DATA)
-    real_pwrite = os.pwrite
-
-    def full(fd, data, offset):
-        if offset >= 8 << 20:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return real_pwrite(fd, data, offset)
-
-    monkeypatch.setattr(os, "pwrite", full)
-    with pytest.raises(StorageError) as info:
-        store.put("packs/ab/big", big_data(20))
-    monkeypatch.undo()
-    assert _one_line(info.value) == "cannot write blob packs/ab/big: No space left on device"
-    assert [p.name for p in (tmp_path / "blobs" / "packs" / "ab").iterdir()] == ["kept"]
-    assert store.get("packs/ab/kept") == DATA
 
 
 def test_s3_url_and_prefix_isolation(s3_bucket):

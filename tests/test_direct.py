@@ -1,4 +1,4 @@
-"""Files written around the page cache (registry/direct.py): the bytes in order, whatever
+"""Files written around the page cache (registry/client/direct.py): the bytes in order, whatever
 the buffers' edges, a staged chunk taken back before any of it is written, nothing left behind
 on failure, and a filesystem that refuses O_DIRECT reported as such (the pull then writes through
 the page cache)."""
@@ -12,8 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from registry import direct
-from registry.direct import BUFFER_BYTES, IN_FLIGHT, DirectFile
+from registry.client.direct import BUFFER_BYTES, IN_FLIGHT, DirectFile
 from tests.pagecache import resident_fraction
 
 
@@ -186,26 +185,3 @@ def test_a_short_write_goes_on_from_the_block_it_ended_in(tmp_path, monkeypatch)
             out.settle()
             out.commit()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.bin", "src"]
-
-
-def test_staged_bytes_from_memory_land_in_order_and_buffers_are_reused_not_leaked(tmp_path):
-    """stage_bytes (a local store's pack put): any buffer, across the buffers' edges, and a file
-    longer than every buffer together holds no more than IN_FLIGHT + 1 of them. A closed file leaves
-    its buffers for the next, whose tail (padded with zeros, then cut) shows none of their old bytes."""
-    rng = np.random.default_rng(7)
-    first = rng.bytes((IN_FLIGHT + 3) * BUFFER_BYTES + 4099)
-    dest = tmp_path / "first.bin"
-    with _open(dest, len(first)) as out:
-        out.stage_bytes(memoryview(first)[:5])  # a memoryview, then bytes, then a bytearray
-        out.stage_bytes(first[5 : BUFFER_BYTES + 7])
-        out.stage_bytes(bytearray(first[BUFFER_BYTES + 7 :]))
-        assert out.made <= IN_FLIGHT + 1
-        out.commit()
-    assert dest.read_bytes() == first
-    assert len(direct._spare) >= IN_FLIGHT + 1  # left for the next file
-    second = b"short"
-    with _open(tmp_path / "second.bin", len(second)) as out:
-        out.stage_bytes(second)
-        out.commit()
-    assert (tmp_path / "second.bin").read_bytes() == second
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["first.bin", "second.bin"]

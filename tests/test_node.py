@@ -27,7 +27,7 @@ from safetensors.torch import load_file
 from registry.chunking import chunk_id
 from registry.client import ResidentModel, load_tensors
 from registry.client.cache import NodeCache
-from registry.direct import taken as takes_direct
+from registry.client.direct import taken as takes_direct
 from registry.client.remote import RemoteRegistry
 from registry.manifest import Manifest
 from registry.client.torch_loader import Node, _fetch_ahead, chunk_ids, layout

@@ -1,11 +1,8 @@
 """A BlobStore on a local directory: the embedded default.
 
 Atomic put follows the usual recipe: write a uniquely named temp file in the same directory, fsync,
-rename over the final name, fsync the directory; the temp file is removed if anything fails. The
-temp file is written around the page cache (O_DIRECT, registry/direct.py) where the filesystem
-takes it: a pack is written once and rarely read soon after, and through the page cache its bytes
-cost far more CPU to write (see registry/direct.py). Range reads use pread, so concurrent readers
-share one descriptor safely.
+rename over the final name, fsync the directory; the temp file is removed in ``finally`` if anything
+fails. Range reads use pread, so concurrent readers share one descriptor safely.
 """
 
 from __future__ import annotations
@@ -16,17 +13,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from registry.blobs.base import BlobStore, check_key
-from registry.direct import DirectFile
 from registry.durable import make_dirs, sync_dir
 from registry.errors import NotFound, StorageError
 
 
 class LocalBlobStore(BlobStore):
-    def __init__(self, root: str | os.PathLike, direct: bool = True):
-        """``direct``: write blobs with O_DIRECT where the filesystem takes it (False: always
-        through the page cache)."""
+    def __init__(self, root: str | os.PathLike):
         self.root = Path(root)
-        self._direct = direct
         self.url = self.root.as_uri()
         try:
             make_dirs(self.root)
@@ -40,14 +33,9 @@ class LocalBlobStore(BlobStore):
         path = self._path(key)
         if path.exists() and path.stat().st_size == len(data):
             return  # a key names one blob for good: same key and size is a retried put
-        try:
-            make_dirs(path.parent)  # packs/ab/: a directory lost in a crash would lose the pack with it
-            if self._direct and self._put_direct(path, data):
-                return
-        except OSError as exc:
-            raise StorageError(f"cannot write blob {key}: {exc.strerror}") from None
         tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
         try:
+            make_dirs(path.parent)  # packs/ab/: a directory lost in a crash would lose the pack with it
             with open(tmp, "wb") as f:
                 f.write(data)
                 f.flush()
@@ -58,19 +46,6 @@ class LocalBlobStore(BlobStore):
             raise StorageError(f"cannot write blob {key}: {exc.strerror}") from None
         finally:
             tmp.unlink(missing_ok=True)
-
-    def _put_direct(self, path: Path, data: bytes | memoryview) -> bool:
-        """Write ``data`` to ``path`` as put does, with O_DIRECT; False where the filesystem refuses
-        it (remembered: later puts go through the page cache at once). DirectFile writes under a
-        temp name, syncs, renames and syncs the directory, and removes the temp file on failure."""
-        out = DirectFile.open(path, len(data))
-        if out is None:
-            self._direct = False
-            return False
-        with out:
-            out.stage_bytes(data)
-            out.commit()
-        return True
 
     def get(self, key: str, start: int = 0, end: int | None = None) -> bytes:
         return self.get_ranges(key, [(start, end)])[0]

@@ -13,7 +13,7 @@ to 1.32). Two ways to write remain:
   file next (an engine, a copy to elsewhere) finds it in memory.
 - Direct (MFSREG_PULL_DIRECT=1, for files of DIRECT_MIN_BYTES or more, where the filesystem takes
   O_DIRECT): the chunks are read into staging buffers instead, and full buffers go straight to the
-  disk (registry/direct.py). No page cache is filled for the new file, so the node's memory
+  disk (registry/client/direct.py). No page cache is filled for the new file, so the node's memory
   keeps one copy of the bytes (its chunk files), not two; but the file's next reader reads it from
   disk. benchmarks/pull_then_load.py measured the pull (1.16 GB) no faster than the default's (0.81
   s against 0.78, 0.82 CPU-seconds against 0.89) and the load after it a second slower, so it is
@@ -32,7 +32,7 @@ from pathlib import Path
 
 from registry.chunking import ChunkRef, chunk_hasher, chunk_id
 from registry.client.cache import NodeCache
-from registry.direct import DirectFile
+from registry.client.direct import DirectFile
 from registry.filecheck import BATCH_BYTES, CheckedFile, check_tiling, write_at
 from registry.manifest import FileEntry
 from registry.parallel import sized_batches

@@ -1,13 +1,11 @@
 """A file written around the page cache (O_DIRECT), in order, from aligned staging buffers.
 
-Two writers use it. A node's pull of a cached member (registry/client/assemble.py, with
-MFSREG_PULL_DIRECT=1) is a copy of a gigabyte or more: the chunk files are read into a few staging
-buffers (one copy, which the caller checks there against the chunks' ids), and each full buffer
-goes straight to the disk on a writer thread while the next fills. A local blob store's pack
-(registry/blobs/local.py) is tens of MiB written once and rarely read soon after: through the page
-cache, each byte would be copied into pages the kernel must first find, track as dirty and write
-back, which cost 0.2 to 2.1 CPU-seconds per 800 MB of packs on our VMs against 0.01 this way
-(benchmarks/pack_writes.py). Python's os module offers the flag but nothing that stages, aligns
+A node's pull of a cached member is a copy of a gigabyte or more. Written through the page cache,
+every byte is copied into new page-cache pages that the kernel then allocates, tracks as dirty and
+writes back, and the node keeps a second copy of bytes its chunk cache already holds in memory.
+Here the chunk files are read into a few staging buffers (one copy, which the caller checks there
+against the chunks' ids), and each full buffer goes straight to the disk by O_DIRECT on a writer
+thread while the next fills. Python's os module offers the flag but nothing that stages, aligns
 and pipelines, hence this module.
 
 O_DIRECT wants the file offset, the length and the memory of each write aligned to the device's
@@ -22,7 +20,6 @@ from __future__ import annotations
 import errno
 import mmap
 import os
-import threading
 import uuid
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -33,27 +30,6 @@ from registry.durable import sync_dir
 ALIGN = 4096  # covers 512-byte and 4 KiB logical blocks
 BUFFER_BYTES = 8 << 20  # one write; a few of these are the whole staging memory
 IN_FLIGHT = 2  # writes queued at once: the disk works on one while the next is ready
-# Buffers a closed file leaves for the next one. A local store writes a pack every 64 MiB, and fresh
-# buffers for each cost a page fault per 4 KiB (about 75,000 per gigabyte pushed): enough for two
-# files written at once, 48 MiB kept by a process that wrote such files.
-SPARE_MAX = 2 * (IN_FLIGHT + 1)
-_spare: list[mmap.mmap] = []
-_spare_lock = threading.Lock()
-
-
-def _new_buffer() -> mmap.mmap:
-    with _spare_lock:
-        if _spare:
-            return _spare.pop()
-    return mmap.mmap(-1, BUFFER_BYTES)
-
-
-def _give_back(buf: mmap.mmap) -> None:
-    with _spare_lock:
-        if len(_spare) < SPARE_MAX:
-            _spare.append(buf)
-            return
-    buf.close()
 
 # open() or the first aligned write fails with these where the filesystem does not take O_DIRECT
 _REFUSED = {errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EPERM}
@@ -122,7 +98,7 @@ class DirectFile:
             if self.made >= IN_FLIGHT + 1 and self.flights:
                 self._land()
             else:
-                self.free.append(_new_buffer())
+                self.free.append(mmap.mmap(-1, BUFFER_BYTES))
                 self.made += 1
         return self.free.pop()
 
@@ -155,22 +131,6 @@ class DirectFile:
             if got < n:
                 break  # the file ended
         return done
-
-    def stage_bytes(self, data) -> None:
-        """Append the bytes of ``data`` (any buffer), unchecked: full buffers go to the writer as
-        they fill, so a put of a large blob holds IN_FLIGHT + 1 buffers, not a copy of it."""
-        with memoryview(data) as whole, whole.cast("B") as src:
-            done = 0
-            while done < len(src):
-                if not self.staged or self.fill == BUFFER_BYTES:
-                    self.staged.append(self._buffer())
-                    self.fill = 0
-                n = min(len(src) - done, BUFFER_BYTES - self.fill)
-                self.staged[-1][self.fill : self.fill + n] = src[done : done + n]
-                self.fill += n
-                done += n
-                if self.fill == BUFFER_BYTES:
-                    self.settle()
 
     @property
     def staged_to(self) -> int:
@@ -246,7 +206,7 @@ class DirectFile:
         wait([f for f, _ in self.flights])
         self.writer.shutdown(wait=True)
         for buf in (*self.staged, *self.free, *(b for _, b in self.flights)):
-            _give_back(buf)
+            buf.close()
         self.staged.clear()
         self.free.clear()
         self.flights.clear()
