@@ -933,3 +933,41 @@ def test_a_version_document_that_names_files_outside_the_node_is_refused(publish
         hostile.shutdown()
         hostile.server_close()
         shutil.rmtree(outside, ignore_errors=True)
+
+
+def test_a_chunk_table_with_malformed_rows_is_refused(published, tmp_path):
+    """The chunk table of a version or tier document: the fetcher sums its sizes, the cache files a
+    delta's basis under its id and ranks chunks by tier. A row of the wrong shape or types, from a
+    damaged answer or a server not to be trusted, stops a pull and a warm with one line, exit 4,
+    before anything is fetched or written."""
+    _, env = published
+    doc = Node(env["MFSREG_URL"], env["MFSREG_TOKEN"], env["MFSREG_CACHE_DIR"]).remote.version_doc("fam", "lora-chat")
+    some_id, row = next(iter(doc["chunks"].items()))
+    rows = {
+        "tier a list": row[:4] + [["base"]],
+        "unknown tier": row[:4] + ["platinum"],
+        "size a string": row[:3] + ["12"] + row[4:],
+        "negative stored size": [row[0], -1] + row[2:],
+        "encoding a number": [7] + row[1:],
+        "basis a path": row[:2] + ["../../evil" + "0" * 22] + row[3:],
+        "short row": row[:4],
+        "not a list": {"encoding": row[0]},
+    }
+    cache = Path(env["MFSREG_CACHE_DIR"])
+    hostile = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Answers)
+    threading.Thread(target=hostile.serve_forever, daemon=True).start()
+    try:
+        for case, bad in rows.items():
+            hostile.doc = {**doc, "chunks": {**doc["chunks"], some_id: bad}}
+            there = dict(env, MFSREG_URL=f"http://127.0.0.1:{hostile.server_address[1]}")
+            for args in (["pull", "fam", "lora-chat", "-o", tmp_path / "out" / "m.safetensors"],
+                         ["cache", "warm", "fam", "--tier", "base"]):
+                proc = mfsreg(*args, env=there, check=False)
+                assert proc.returncode == 4 and proc.stderr.count("\n") == 1, (case, args[0], proc.stderr)
+                assert "fails its checks" in proc.stderr and "Traceback" not in proc.stderr, (case, proc.stderr)
+                assert not (tmp_path / "out").exists(), case
+        assert not cache.exists() or not any(p.is_file() and p.stat().st_size > 0 and "evil" in p.name
+                                             for p in cache.rglob("*"))
+    finally:
+        hostile.shutdown()
+        hostile.server_close()

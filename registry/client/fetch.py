@@ -86,7 +86,7 @@ class Fetcher:
             info = VersionInfo(
                 family=family, version=version, digest=doc["digest"], logical_bytes=doc["logical_bytes"],
                 manifest=self.remote.manifest_of(doc), located=self.remote.located(doc),
-                tiers={i: row[4] for i, row in doc["chunks"].items()},
+                tiers=self.remote.tiers(doc),
             )
         with self._versions_lock:
             if tag:

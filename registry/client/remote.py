@@ -31,6 +31,7 @@ from registry.names import check_name
 from registry.progress import NullProgress, Progress
 from registry.results import DeleteResult, FamilyRow, PruneResult, PushResult, VersionRow, existing_result
 from registry.source import open_source
+from registry.tiers import TIERS
 from registry.wire import RAW_PER_BODY, Entry, build_batch, check_id, read_stream
 
 UPLOAD_BATCH = 32 << 20  # bytes of payload per upload request: well under the server's body limit (MFSREG_UPLOAD_BATCH)
@@ -44,6 +45,28 @@ _STATUS = {400: InvalidRequest, 401: Unauthorized, 403: Forbidden, 404: NotFound
 # The problem's type names the kind where a status has several: 422 is a chunk that fails its
 # check (IntegrityError) or a request body of the wrong shape (invalid_request, api/errors.py).
 _CODES = {k.code: k for k in (MissingChunks, Pruned, InvalidRequest)}
+
+
+def _count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _chunk_rows(doc: dict) -> Iterator[tuple[str, tuple]]:
+    """(id, (encoding, stored size, basis id or None, size, tier or None)) of each row of a document's
+    chunk table, checked: the fetcher does arithmetic on the sizes, the cache files chunks under
+    their ids and ranks them by tier."""
+    for i, row in doc["chunks"].items():
+        check_id(i)
+        if not isinstance(row, list) or len(row) != 5:
+            raise InvalidRequest(f"chunk {i}'s row is not a list of 5 fields")
+        encoding, stored, basis, size, tier = row
+        if not isinstance(encoding, str) or not _count(stored) or not _count(size):
+            raise InvalidRequest(f"chunk {i}'s row has an encoding that is not a string or a size that is not a count")
+        if basis is not None:
+            check_id(basis)
+        if tier is not None and tier not in TIERS:
+            raise InvalidRequest(f"chunk {i}'s tier is not one of {', '.join(TIERS)}")
+        yield i, (encoding, stored, basis, size, tier)
 
 
 class RemoteRegistry:
@@ -222,10 +245,18 @@ class RemoteRegistry:
 
     def located(self, doc: dict) -> dict[str, StoredChunk]:
         """Where each chunk of a version or tier document is stored. The ids name files in the node
-        cache: each is checked to be one."""
+        cache (a delta's basis too): each is checked to be one, and each row's fields their type."""
         try:
-            return {check_id(i): StoredChunk(i, row[3], row[0], row[1], "", 0, row[2]) for i, row in doc["chunks"].items()}
-        except (InvalidRequest, KeyError, TypeError, IndexError, AttributeError) as exc:
+            return {i: StoredChunk(i, size, encoding, stored, "", 0, basis)
+                    for i, (encoding, stored, basis, size, _) in _chunk_rows(doc)}
+        except (InvalidRequest, KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise self._bad_document(exc) from None
+
+    def tiers(self, doc: dict) -> dict[str, str | None]:
+        """Each chunk's tier in a version or tier document (None: not yet sorted), checked to be one."""
+        try:
+            return {i: row[4] for i, row in _chunk_rows(doc)}
+        except (InvalidRequest, KeyError, TypeError, ValueError, AttributeError) as exc:
             raise self._bad_document(exc) from None
 
     def _bad_document(self, exc: Exception) -> IntegrityError:

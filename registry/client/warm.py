@@ -18,8 +18,8 @@ def warm_cache(remote: RemoteRegistry, family: str, tier: str | None = "base", r
         fetcher = Fetcher(remote, cache)
         doc = remote.tier_doc(family, tier)
         located = remote.located(doc)
-        tiers = {i: row[4] for i, row in doc["chunks"].items()}
-        ids = [i for i, row in doc["chunks"].items() if tier is None or row[4] == tier]
+        tiers = remote.tiers(doc)
+        ids = [i for i, t in tiers.items() if tier is None or t == tier]
         if pin and tier == "base":
             cache.pin(family)
         stats = fetcher.ensure(family, ids, located, tiers)
