@@ -584,6 +584,42 @@ def test_a_node_pull_whose_version_is_deleted_meanwhile_says_so(published, serve
     assert not (tmp_path / "out.safetensors").exists() and not list(tmp_path.glob(".out.safetensors.*"))
 
 
+def test_a_load_or_switch_whose_version_is_deleted_meanwhile_says_so(published, server_env, fam, tmp_path):
+    """Deleted as the node starts fetching its chunks: load_tensors and switch say that the version
+    went, not that chunks the caller never named are 'not part of family'; a resident model so
+    interrupted refills every tensor at its next switch."""
+    from registry.errors import NotFound
+
+    srv, env = published
+    admin = RemoteRegistry(srv.url, token=token(server_env, "admin"))
+    node = Node(srv.url, env["MFSREG_TOKEN"], str(tmp_path / "cold"))
+    ensure = node.fetcher.ensure
+    doomed: list[str] = []
+
+    def delete_first(family, ids, *args, **kwargs):  # the race, made certain: a delete lands as the fetch starts
+        while doomed:
+            admin.delete(family, doomed.pop())
+        return ensure(family, ids, *args, **kwargs)
+
+    node.fetcher.ensure = delete_first
+    try:
+        doomed.append("lora-chat")
+        with pytest.raises(NotFound, match="fam/lora-chat was deleted while it was being loaded: no tensors were handed out"):
+            load_tensors("fam", "lora-chat", node=node)
+        model = ResidentModel("fam", "base", node=node)
+        doomed.append("full-med")
+        with pytest.raises(NotFound, match="fam/full-med was deleted while it was being loaded: the tensors are part "
+                                           "base, part full-med; the next switch refills them"):
+            model.switch("full-med")
+        model.switch("vocab-ext")
+        expected = load_file(str(fam["vocab-ext"]))
+        assert model.tensors.keys() == expected.keys()
+        assert all(torch.equal(model.tensors[k], expected[k]) for k in expected)
+    finally:
+        node.close()
+        admin.close()
+
+
 def test_to_dir_hardlinks_from_the_cache(published, writes, fam, tmp_path):
     _, env = published
     a = mfsreg_json("pull", "fam", "lora-chat", "--to-dir", tmp_path / "engine-a", env=env)

@@ -37,20 +37,21 @@ def refetcher(fetcher: Fetcher, info: VersionInfo, stats: FetchStats | None = No
     return refetch
 
 
-def _gone_meanwhile(fetcher: Fetcher, info: VersionInfo, error: BaseException) -> BaseException:
+def gone_meanwhile(fetcher: Fetcher, info: VersionInfo, error: BaseException, doing: str = "pulled",
+                   outcome: str = "nothing was written") -> BaseException:
     """The error a failed fetch is reported by: a version deleted on the registry while it was
-    being pulled makes its chunks no longer the family's, and the server answers that they are not
-    part of it, which names chunks the user never asked for. So a NotFound is checked against
-    the version itself."""
+    being pulled (or loaded: ``doing``) makes its chunks no longer the family's, and the server
+    answers that they are not part of it, which names chunks the user never asked for. So a
+    NotFound is checked against the version itself. ``outcome``: what the failure left."""
     if not isinstance(error, NotFound):
         return error
     try:
         doc = fetcher.remote.version_doc(info.family, info.version)
     except NotFound:
-        return NotFound(f"version {info.family}/{info.version} was deleted while it was being pulled: nothing was written")
+        return NotFound(f"version {info.family}/{info.version} was deleted while it was being {doing}: {outcome}")
     if doc.get("digest") != info.digest:
         return NotFound(f"version {info.family}/{info.version} was pushed again with other bytes while it was being "
-                        "pulled: nothing was written; pull it again")
+                        f"{doing}: {outcome}; ask for it again")
     return error
 
 
@@ -126,7 +127,7 @@ def pull(fetcher: Fetcher, family: str, version: str, out: Path, progress: Progr
             stop.set()
         worker.join()  # the fetch writes into the cache: let its batches in flight land first
     if failed is not None or arrivals.error is not None:
-        raise _gone_meanwhile(fetcher, info, failed or arrivals.error) from None
+        raise gone_meanwhile(fetcher, info, failed or arrivals.error) from None
     stats = fetched["stats"]
     cache.record_pull(family, version)
     cache.evict(protect=ids)

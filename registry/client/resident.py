@@ -51,7 +51,8 @@ class ResidentModel:
             if name not in new:
                 del self.tensors[name]
         self.info = None  # set again only once every copy has landed
-        copied = fill(self.node, target, new, self.copier, self.tensors, todo)
+        copied = fill(self.node, target, new, self.copier, self.tensors, todo,
+                      outcome=f"the tensors are part {self.version}, part {version}; the next switch refills them")
         self.info, self.version = target, version
         self.node.cache.record_pull(self.family, version)
         return copied

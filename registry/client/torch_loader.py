@@ -27,9 +27,9 @@ import torch
 from registry.chunking import ChunkRef, chunk_id
 from registry.client.cache import NodeCache
 from registry.client.fetch import Fetcher, VersionInfo
-from registry.client.node import refetcher
+from registry.client.node import gone_meanwhile, refetcher
 from registry.client.remote import RemoteRegistry
-from registry.errors import IntegrityError, InvalidRequest
+from registry.errors import IntegrityError, InvalidRequest, NotFound
 from registry.manifest import SAFETENSORS
 from registry.parallel import sized_batches, windowed_map
 from registry.safetensors import TensorSpan
@@ -312,13 +312,15 @@ def chunk_ids(lay: dict) -> list[str]:
 
 
 def fill(node: Node, info: VersionInfo, lay: dict, copier: Copier, targets: dict[str, torch.Tensor],
-         todo: dict[str, list[Piece]], cached: bool | None = None, record: bool = True, refetch=None) -> int:
+         todo: dict[str, list[Piece]], cached: bool | None = None, record: bool = True, refetch=None,
+         outcome: str = "no tensors were handed out") -> int:
     """Fetch what ``todo`` needs (ahead of the copies) and copy it into ``targets``; returns bytes
     copied. ``lay`` is layout(info), which every caller has already (a few ms for a 1 GB model).
     ``cached``: whether the caller has just seen every chunk of ``todo`` in the cache (None: look).
     ``record=False`` leaves out what a load tells the cache's index (the chunks' use, then eviction
     down to the size limit): the caller does it once it knows the document is current. ``refetch``:
-    what the copier calls for chunks to fetch again (default: fetch them, on ``info``'s word)."""
+    what the copier calls for chunks to fetch again (default: fetch them, on ``info``'s word).
+    ``outcome``: what a failure leaves, said where the version was deleted meanwhile."""
     names = [n for n in todo if todo[n]]
     groups = list(sized_batches(names, lambda name: lay[name][0].nbytes, FETCH_AHEAD_BYTES))
     chunk_groups = [list(dict.fromkeys(p.chunk.id for n in g for p in todo[n])) for g in groups]
@@ -338,6 +340,8 @@ def fill(node: Node, info: VersionInfo, lay: dict, copier: Copier, targets: dict
             with contextlib.closing(_fetch_ahead(node.fetcher, info, chunk_groups)) as landed:
                 for k in landed:
                     copied += copier.copy_many([(targets[name], todo[name]) for name in groups[k]])
+    except NotFound as exc:  # the server's "not part of family", where the version went meanwhile
+        raise gone_meanwhile(node.fetcher, info, exc, "loaded", outcome) from None
     finally:
         copier.finish()  # also after a failure: no copy may still be queued into tensors being freed
     if record:
