@@ -15,6 +15,7 @@ import torch
 
 from tests import synth
 from tests.cli_run import MFSREG, mfsreg, mfsreg_json
+from tests.server import servers, server_env, token  # noqa: F401  (fixtures)
 
 
 def big_member(path: Path, seed: int, shared: dict | None = None, tensors: int = 12) -> Path:
@@ -152,3 +153,57 @@ def test_a_read_transaction_keeps_one_snapshot(reg, fam):
         reg.delete("fam", "v1")  # its own transaction, committed meanwhile
         assert version_db.read_manifest(conn, row.id)
     assert reg.versions("fam") == []
+
+
+class _RewriteAtSend:
+    """A progress hook that rewrites a stretch of ``path`` in place as the push starts sending: a
+    trainer still saving the checkpoint, or a copy into it, while it is pushed."""
+
+    def __init__(self, path: Path, offset: int):
+        self.path, self.offset = path, offset
+
+    def start(self, task: str, total: int) -> None:
+        if task == "send":
+            with open(self.path, "r+b") as f:
+                f.seek(self.offset)
+                f.write(b"\x5a" * 1024)
+
+    def advance(self, task: str, n: int) -> None:
+        pass
+
+    def done(self, task: str) -> None:
+        pass
+
+
+def _refused_then_intact(target, fam, tmp_path) -> None:
+    from registry.errors import InvalidModel
+
+    src = tmp_path / "member.safetensors"
+    src.write_bytes(fam["full-med"].read_bytes())
+    intact = src.read_bytes()
+    with pytest.raises(InvalidModel) as info:
+        target.push(src, "fam", "v1", progress=_RewriteAtSend(src, len(intact) // 2))
+    msg = str(info.value)
+    assert "\n" not in msg and str(src) in msg and "changed while it was being pushed" in msg, msg
+    assert [(v.family, v.name) for v in target.versions()] == []  # nothing committed
+    src.write_bytes(intact)
+    target.push(src, "fam", "v1")
+    target.pull("fam", "v1", tmp_path / "out.safetensors")
+    assert (tmp_path / "out.safetensors").read_bytes() == intact
+
+
+def test_a_file_rewritten_while_it_is_pushed_is_refused_and_stores_nothing_false(reg, fam, tmp_path):
+    """Chunks are hashed first and encoded after: a file rewritten in between must not store other
+    bytes under the ids hashed (every version sharing such a chunk would fail its pull, and a push
+    of the intact file would reuse it). The push stops with one line naming the file; pushed
+    again, intact, it pulls back byte for byte."""
+    _refused_then_intact(reg, fam, tmp_path)
+
+
+def test_a_file_rewritten_while_it_is_pushed_to_a_server_is_refused_by_the_client(servers, server_env, fam, tmp_path):
+    """The same through the API: the client checks what it encodes before it sends it."""
+    from registry.client.remote import RemoteRegistry
+
+    (srv,) = servers(1)
+    with RemoteRegistry(srv.url, token=token(server_env, "push"), chunk_size=64 << 10) as remote:
+        _refused_then_intact(remote, fam, tmp_path)
