@@ -66,7 +66,7 @@ def compare_stored(reg, uploaded: dict[str, bytes]) -> set[str]:
     where the stored bytes cannot be read back."""
     gone: set[str] = set()
     for batch in sized_batches(sorted(uploaded), lambda i: len(uploaded[i]), PROOF_BATCH):
-        stored = _stored_bytes(reg, batch)
+        stored = stored_bytes(reg, batch)
         for i in batch:
             if i not in stored:
                 gone.add(i)
@@ -75,20 +75,19 @@ def compare_stored(reg, uploaded: dict[str, bytes]) -> set[str]:
     return gone
 
 
-def _stored_bytes(reg, ids: list[str]) -> dict[str, bytes]:
-    """The raw bytes stored under those of ``ids`` still recorded. A prune may move or delete a
-    pack between the lookup and the read: looked up again once. A second failure is answered
-    without its details (they would name another family's chunks and the storage), which go to
-    the server's log."""
+def stored_bytes(reg, ids: list[str], purpose: str = "compare this upload with") -> dict[str, bytes]:
+    """The raw bytes stored under those of ``ids`` still recorded, deltas decoded against their
+    bases. A prune may move or delete a pack between the lookup and the read: looked up again
+    once. A second failure is answered without its details (they would name another family's
+    chunks and the storage), which go to the server's log; ``purpose`` says what the bytes were for."""
     for attempt in (1, 2):
         with read_tx(reg.engine) as conn:
             located = chunk_db.locate_closure(conn, ids)
         try:
             return decode_batch([i for i in ids if i in located], located, reg.read_payloads, reg.pool)
         except (NotFound, IntegrityError, StorageError) as exc:
-            log.warning("could not read back stored chunks to compare a scoped upload with (attempt %d of 2): %s",
-                        attempt, exc)
-    raise StorageError("the registry could not read back stored chunks to compare this upload with: send it "
+            log.warning("could not read back stored chunks to %s (attempt %d of 2): %s", purpose, attempt, exc)
+    raise StorageError(f"the registry could not read back stored chunks to {purpose}: send it "
                        "again, and tell the registry's operator if this persists")
 
 

@@ -174,11 +174,15 @@ def _check_headers(reg, manifest: Manifest, who: Principal | None = None, family
             files_of.setdefault(f.chunks[0].id, []).append(f)
     with read_tx(reg.engine) as conn:
         # a head ``who`` may not use is not read: its parse errors would describe another family's model
-        located = chunk_db.locate(conn, set(files_of) - access.unproven(conn, who, family, list(files_of)))
-    # a head not stored (or not usable) is left to commit_version, which reports missing chunks
-    for c, payload in reg.read_payloads([located[i] for i in files_of if i in located]):
-        raw = decode_verified(c, payload)
-        for f in files_of[c.id]:
+        usable = set(files_of) - access.unproven(conn, who, family, list(files_of))
+    # a head not stored (or not usable) is left to commit_version, which reports missing chunks.
+    # A head may be stored as a delta (an uploader may name any basis the family uses): decoded
+    # against its bases, one head at a time.
+    for head in [i for i in files_of if i in usable]:
+        raw = access.stored_bytes(reg, [head], "check this manifest's headers against").get(head)
+        if raw is None:
+            continue
+        for f in files_of[head]:
             try:
                 parsed = parse_header(raw, f.size, f.path)
             except InvalidModel as exc:

@@ -477,3 +477,40 @@ def test_a_commit_whose_stored_chunk_lost_its_basis_is_a_storage_error(reg, fam)
     with pytest.raises(StorageError, match="lost the basis of a stored chunk of fam/med-again"):
         reg.push(fam["full-med"], "fam", "med-again")
     assert sorted(v.name for v in reg.versions("fam")) == ["base", "med"]
+
+
+def test_a_header_an_uploader_stored_as_a_delta_still_passes_the_commit_check(reg, fam, tmp_path):
+    """An uploader may name any chunk its family uses as a basis, a header's too. The server then
+    stores that header as a delta when it is smaller; the commit's check of each header against the
+    manifest decodes it against its basis (it read the payload as if plain, and every commit of a
+    model with that header, in any family, failed with 'the stored pack is damaged')."""
+    from registry import service
+    from registry.db import chunks as chunk_db
+    from registry.db.engine import read_tx
+    from registry.hashing import HashJob
+    from registry.progress import NullProgress
+    from registry.source import open_source
+    from registry.wire import Entry, build_batch
+
+    reg.push(fam["base"], "fam", "base")
+    _, base_manifest = reg.manifest("fam", "base")
+    base_head = base_manifest.files[0].chunks[0].id
+    with HashJob(open_source(fam["lora-chat"]), 64 << 10, NullProgress()) as job:
+        manifest = job.manifest()
+        plan = service.negotiate(reg, "fam", "lora", manifest.to_doc(), "base")
+        head = manifest.files[0].chunks[0]
+        items = []
+        for c in manifest.files[0].chunks:
+            if c.id in plan["missing"]:
+                raw = bytes(job.views[0][c.offset : c.offset + c.size])
+                hint = base_head if c.offset == 0 else plan["bases"].get(c.id)
+                items.append((Entry(c.id, c.size, "raw", len(raw), hint, c.itemsize), raw))
+    assert head.id in plan["missing"]
+    service.receive_batch(reg, "fam", build_batch(items))
+    with read_tx(reg.engine) as conn:
+        assert chunk_db.locate(conn, [head.id])[head.id].basis_id == base_head  # the case: a header stored as a delta
+    service.commit(reg, "fam", "lora", "base", manifest.to_doc())
+    reg.push(fam["lora-chat"], "other", "copy")  # another family's model with that header
+    for family, version in (("fam", "lora"), ("other", "copy")):
+        reg.pull(family, version, tmp_path / f"{family}.safetensors")
+        assert filecmp.cmp(tmp_path / f"{family}.safetensors", fam["lora-chat"], shallow=False)
