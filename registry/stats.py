@@ -4,8 +4,8 @@
 - stored_bytes: the encoded bytes of the distinct chunks they use; the tiers add up to it
 - sharing_ratio: logical / stored
 - per version: logical bytes, the stored bytes it needs (its chunks and the bases of its deltas),
-  of those the bytes stored as deltas and as plain chunks, and the stored bytes it alone holds
-  (deleting it makes them unreferenced; registry/prune.py then gives back their space)
+  of those the bytes stored as deltas and as plain chunks, and the stored bytes it alone holds,
+  in any family (deleting it makes them unreferenced; registry/prune.py then gives back their space)
 - per encoding: chunks, raw bytes and stored bytes
 """
 

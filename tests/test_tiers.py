@@ -56,6 +56,24 @@ def test_tiers_add_up_to_stored_bytes_and_match_recompute(reg, fam):
     assert sum(v["unique_bytes"] for v in s["versions"]) == unique
 
 
+def test_unique_bytes_are_what_deleting_a_version_frees_across_families(reg, fam):
+    """Chunks are stored once for the whole registry: a member pushed into two families is
+    neither family's own, so deleting it from one frees nothing, and its unique_bytes say 0;
+    deleting it from the other frees what that one then said it alone holds."""
+    reg.push(fam["base"], "a", "base")
+    reg.push(fam["lora-chat"], "a", "chat")
+    reg.push(fam["lora-chat"], "b", "chat")
+    per = {(v["family"], v["version"]): v["unique_bytes"] for v in reg.stats()["versions"]}
+    assert per[("a", "chat")] == per[("b", "chat")] == 0
+    assert per[("a", "base")] > 0  # the base's chunks the LoRA member does not use are a's alone
+    reg.delete("a", "chat")
+    assert reg.stats()["unreferenced_bytes"] == 0
+    alone = {(v["family"], v["version"]): v["unique_bytes"] for v in reg.stats()["versions"]}[("b", "chat")]
+    assert alone > 0  # now b's chat holds its LoRA chunks alone
+    reg.delete("b", "chat")
+    assert reg.stats()["unreferenced_bytes"] == alone
+
+
 def test_drift_moves_only_affected_chunks_out_of_base(reg, tmp_path):
     base = synth.base_tensors()
     paths = {

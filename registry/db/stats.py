@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sqlalchemy import Connection, case, func, select
+from sqlalchemy import Connection, and_, case, exists, func, select
 
 from registry.db.models import chunks, families, family_chunks as fc, packs, unlisted_packs, version_chunks as vc, versions
 from registry.tiers import BASE, GROUP, TIERS, UNIQUE
@@ -59,9 +59,13 @@ def encodings(conn: Connection, family: str | None) -> dict[str, tuple[int, int,
 
 
 def version_figures(conn: Connection, family: str | None) -> list[tuple[str, str, int, int, int, int, int]]:
-    """(family, version, logical bytes, stored bytes it needs, stored bytes it alone holds,
-    of what it needs: bytes stored as deltas, bytes stored plain)."""
-    alone = case((fc.c.users == 1, chunks.c.stored_size), else_=0)
+    """(family, version, logical bytes, stored bytes it needs, stored bytes it alone holds in the
+    whole registry, of what it needs: bytes stored as deltas, bytes stored plain)."""
+    # alone: its one user in its family, and no other family uses it (chunks are stored once for
+    # the whole registry: a base pushed into two families is neither one's own)
+    other = fc.alias("other_family")
+    elsewhere = exists().where((other.c.chunk_id == fc.c.chunk_id) & (other.c.family_id != fc.c.family_id))
+    alone = case((and_(fc.c.users == 1, ~elsewhere), chunks.c.stored_size), else_=0)
     delta = case((chunks.c.basis_id.is_not(None), chunks.c.stored_size), else_=0)
     per = (
         select(vc.c.version_id, func.sum(chunks.c.stored_size).label("needed"), func.sum(alone).label("alone"),
