@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import hashlib
+import http.server
 import json
 import os
 import sqlite3
 import struct
+import threading
 from pathlib import Path
 
 import pytest
@@ -195,3 +197,66 @@ def test_unknown_version_and_family(seeded, tmp_path):
     ):
         proc = mfsreg(*args, env=seeded, check=False)
         assert proc.returncode == 2 and words in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+class _Impostor(http.server.BaseHTTPRequestHandler):
+    """Not an mfsreg server: every request gets self.server.answer = (status, content type, body)."""
+
+    def _answer(self):
+        length = int(self.headers.get("Content-Length") or 0)
+        if length:
+            self.rfile.read(length)
+        status, ctype, body = self.server.answer
+        self.send_response(status)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    do_GET = do_POST = do_DELETE = do_PUT = _answer
+
+    def log_message(self, *args):
+        pass
+
+
+HTML_404 = (404, "text/html", b"<!DOCTYPE HTML>\n<html><body>\n<h1>Error response</h1>\n<p>Error code: 404</p>\n</body></html>\n")
+ANSWERS = {
+    "an HTML 404": (HTML_404, "not JSON"),
+    "an HTML 502": ((502, "text/html", HTML_404[2]), "not JSON"),
+    "200 with {}": ((200, "application/json", b"{}"), "another shape"),
+    "200 with []": ((200, "application/json", b"[]"), "another shape"),
+    "200 with null": ((200, "application/json", b"null"), "another shape"),
+    "a 400 whose detail has newlines": ((400, "application/json", b'{"detail": "one\\ntwo\\nthree"}'), "one two three"),
+}
+
+
+@pytest.mark.parametrize("answer", sorted(ANSWERS))
+def test_a_server_that_is_not_mfsreg_gets_one_line_for_every_command(answer, fam, tmp_path):
+    """MFSREG_URL pointing at another server, a proxy's error page, or an mfsreg of another shape:
+    every command says so in one line and fails (an empty listing exited 0; a KeyError or the
+    page's HTML reached the user)."""
+    (status, ctype, body), says = ANSWERS[answer]
+    impostor = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Impostor)
+    impostor.answer = (status, ctype, body)
+    threading.Thread(target=impostor.serve_forever, daemon=True).start()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MFSREG_")}
+    env.update(MFSREG_URL=f"http://127.0.0.1:{impostor.server_address[1]}", MFSREG_TOKEN="t",
+               MFSREG_HOME=str(tmp_path / "home"), MFSREG_CACHE_DIR=str(tmp_path / "cache"))
+    commands = [["ls"], ["ls", "fam"], ["show", "fam", "v1"], ["stats"], ["delete", "fam", "v1"],
+                ["prune", "--min-age", "0"], ["push", fam["base"], "--family", "fam", "--version", "v1"],
+                ["pull", "fam", "v1", "-o", tmp_path / "out.safetensors"], ["cache", "warm", "fam"]]
+    try:
+        for args in commands:
+            if body == b"[]" and args[0] == "ls":
+                continue  # a registry without families, or a family without versions, answers just that
+            proc = mfsreg(*args, env=env, check=False)
+            lines = proc.stderr.strip().splitlines()
+            assert proc.returncode != 0 and len(lines) == 1, (args, proc.returncode, proc.stderr)
+            assert "internal error" not in lines[0] and "<" not in lines[0], (args, lines[0])
+            assert says in lines[0] or says == "another shape" and "fails its checks" in lines[0], (args, lines[0])
+            if says != "one two three":
+                assert "MFSREG_URL" in lines[0], (args, lines[0])
+        assert not (tmp_path / "out.safetensors").exists() and not (tmp_path / "home").exists()
+    finally:
+        impostor.shutdown()
+        impostor.server_close()

@@ -113,6 +113,19 @@ class RemoteRegistry:
             raise InvalidRequest(f"{self.url} answered {method} {path} with {resp.status_code} and a body that is not "
                                  "JSON: check that MFSREG_URL points at an mfsreg server") from None
 
+    def _doc(self, method: str, path: str, build, **kw):
+        """``build`` of an answer's JSON. An answer of another shape (another server that answers
+        JSON, a proxy's error, a damaged reply) is one line naming the request, not a KeyError."""
+        return self._built(method, path, build, self._json(method, path, **kw))
+
+    def _built(self, method: str, path: str, build, doc):
+        try:
+            return build(doc)
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError, InvalidRequest) as exc:
+            detail = str(exc) if isinstance(exc, InvalidRequest) else f"{exc.__class__.__name__} {exc}"
+            raise IntegrityError(f"{self.url} answered {method} {path} with a document of another shape ({detail[:200]}): "
+                                 "check that MFSREG_URL points at an mfsreg server of this release") from None
+
     # -- push -------------------------------------------------------------------------------------
 
     def push(self, path: Path, family: str, version: str, parent: str | None = None,
@@ -130,7 +143,7 @@ class RemoteRegistry:
             # Negotiate and upload while the whole-file sha256s (the slowest hash) still run on
             # their own thread; they are needed only by the commit.
             def negotiate(m: Manifest) -> dict:
-                return self._json("POST", f"{base}/negotiate", json={"manifest": m.to_doc(), "parent": parent})
+                return self._doc("POST", f"{base}/negotiate", _negotiation, json={"manifest": m.to_doc(), "parent": parent})
 
             draft = job.draft()
             try:
@@ -152,7 +165,7 @@ class RemoteRegistry:
             manifest = job.manifest()
             commit = {"parent": parent, "manifest": manifest.to_doc(), "chunk_size": chunk_size}
             try:
-                res = self._json("POST", f"{base}/commit", json=commit)
+                res = self._doc("POST", f"{base}/commit", _committed, json=commit)
             except MissingChunks:
                 # A prune deleted chunks this push found stored before the commit could use them:
                 # ask again what is missing, upload it and commit once more.
@@ -160,7 +173,7 @@ class RemoteRegistry:
                 lost = set(neg["missing"])
                 more_sent, more_added = self._upload(family, job, manifest, lost, NullProgress(), neg.get("bases", {}))
                 sent, added, missing = sent + more_sent, added + more_added, missing | lost
-                res = self._json("POST", f"{base}/commit", json=commit)
+                res = self._doc("POST", f"{base}/commit", _committed, json=commit)
         return PushResult(**{**res, "new_bytes": added, "new_chunks": len(missing),
                              "reused_chunks": res["chunks"] - len(missing), "sent_bytes": sent,
                              "seconds": time.perf_counter() - t0})
@@ -176,10 +189,10 @@ class RemoteRegistry:
         inflight: deque = deque()
 
         def post(batch: list[tuple[Entry, bytes]], raw: int) -> tuple[int, int]:
-            r = self._json("POST", f"/v1/families/{family}/chunks", content=build_batch(batch),
-                           headers={"Content-Type": "application/octet-stream"})
+            added = self._doc("POST", f"/v1/families/{family}/chunks", lambda r: _counted(r["new_bytes"]),
+                              content=build_batch(batch), headers={"Content-Type": "application/octet-stream"})
             progress.advance("send", raw)
-            return sum(len(p) for _, p in batch), r["new_bytes"]
+            return sum(len(p) for _, p in batch), added
 
         def collect(keep: int):
             nonlocal sent, added
@@ -224,10 +237,16 @@ class RemoteRegistry:
         check_name("family", family)
         check_name("version", version)
         headers = {"If-None-Match": tag} if tag else None
-        resp = self._request("GET", f"/v1/families/{family}/versions/{version}", headers=headers)
+        path = f"/v1/families/{family}/versions/{version}"
+        resp = self._request("GET", path, headers=headers)
         if resp.status_code == 304:
             return None, resp.headers.get("etag", tag)
-        return resp.json(), resp.headers.get("etag")
+        try:
+            doc = resp.json()
+        except ValueError:
+            raise InvalidRequest(f"{self.url} answered GET {path} with {resp.status_code} and a body that is not "
+                                 "JSON: check that MFSREG_URL points at an mfsreg server") from None
+        return self._built("GET", path, _version_doc, doc), resp.headers.get("etag")
 
     def manifest(self, family: str, version: str) -> tuple[VersionRow, Manifest]:
         doc = self.version_doc(family, version)
@@ -266,7 +285,7 @@ class RemoteRegistry:
 
     def tier_doc(self, family: str, tier: str | None = None) -> dict:
         check_name("family", family)
-        return self._json("GET", f"/v1/families/{family}/chunks", params={"tier": tier} if tier else None)
+        return self._doc("GET", f"/v1/families/{family}/chunks", _dict, params={"tier": tier} if tier else None)
 
     def fetch(self, family: str, chunks: list[StoredChunk]) -> Iterator[tuple[StoredChunk, bytes]]:
         """Payloads of ``chunks`` from the server, in batches of about DOWNLOAD_BATCH stored bytes."""
@@ -317,11 +336,11 @@ class RemoteRegistry:
     # -- listing and changes ----------------------------------------------------------------------
 
     def families(self) -> list[FamilyRow]:
-        return [_family_row(f) for f in self._json("GET", "/v1/families")]
+        return self._doc("GET", "/v1/families", lambda d: [_family_row(f) for f in _list(d)])
 
     def family(self, family: str) -> FamilyRow:
         check_name("family", family)
-        return _family_row(self._json("GET", f"/v1/families/{family}"))
+        return self._doc("GET", f"/v1/families/{family}", _family_row)
 
     def _cut_size(self, family: str) -> int:
         """The size this push cuts at: the family's, so that it dedups against the members already
@@ -339,26 +358,83 @@ class RemoteRegistry:
         if family is None:
             return [v for f in self.families() for v in self.versions(f.name)]
         check_name("family", family)
-        return [_version_row(v) for v in self._json("GET", f"/v1/families/{family}/versions")]
+        return self._doc("GET", f"/v1/families/{family}/versions", lambda d: [_version_row(v) for v in _list(d)])
 
     def stats(self, family: str | None = None) -> dict:
         if family is not None:
             check_name("family", family)
-        return self._json("GET", "/v1/stats", params={"family": family} if family else None)
+        return self._doc("GET", "/v1/stats", _stats, params={"family": family} if family else None)
 
     def delete(self, family: str, version: str) -> DeleteResult:
         check_name("family", family)
         check_name("version", version)
-        return DeleteResult(**self._json("DELETE", f"/v1/families/{family}/versions/{version}"))
+        return self._doc("DELETE", f"/v1/families/{family}/versions/{version}", lambda d: DeleteResult(**_dict(d)))
 
     def prune(self, min_age: float, max_unused: float, dry_run: bool = False, progress: Progress | None = None) -> PruneResult:
         """The server prunes its registry (admin token for every family); ``progress`` is not reported.
         The answer comes when the run ends, however long a repack takes: no read timeout."""
         params = {"min_age": min_age, "max_unused": max_unused, "dry_run": str(dry_run).lower()}
-        return PruneResult(**self._json("POST", "/v1/prune", params=params, timeout=httpx.Timeout(None, connect=10.0)))
+        return self._doc("POST", "/v1/prune", lambda d: PruneResult(**_dict(d)), params=params,
+                         timeout=httpx.Timeout(None, connect=10.0))
 
     def health(self) -> dict:
-        return self._json("GET", "/healthz")
+        return self._doc("GET", "/healthz", _dict)
+
+
+def _dict(d) -> dict:
+    if not isinstance(d, dict):
+        raise TypeError(f"expected an object, got {type(d).__name__}")
+    return d
+
+
+def _list(d) -> list:
+    if not isinstance(d, list):
+        raise TypeError(f"expected a list, got {type(d).__name__}")
+    return d
+
+
+def _counted(n) -> int:
+    if not _count(n):
+        raise TypeError(f"expected a count of bytes, got {n!r}"[:200])
+    return n
+
+
+def _negotiation(d) -> dict:
+    """A negotiate answer: the version exists already (its digest and chunk count), or which chunks
+    the server lacks and the bases it suggests for them."""
+    _dict(d)
+    if d["exists"]:
+        str(d["existing_digest"]), _counted(d["chunks"])
+    else:
+        [check_id(i) for i in _list(d["missing"])]
+        [check_id(i) and check_id(b) for i, b in _dict(d.get("bases", {})).items()]
+    return d
+
+
+def _committed(d) -> dict:
+    _dict(d)
+    _counted(d["chunks"])
+    return d
+
+
+def _stats(d) -> dict:
+    _dict(d)
+    for key in ("logical_bytes", "stored_bytes", "versions_count"):
+        _counted(d[key])
+    _dict(d["tiers"]), _list(d["versions"])
+    return d
+
+
+def _version_doc(d) -> dict:
+    """A version document's fields that a node reads as they come (the manifest and the chunk
+    table get their own, closer checks: manifest_of, located)."""
+    _dict(d)
+    if not isinstance(d["digest"], str):
+        raise TypeError("its digest is not a string")
+    _counted(d["logical_bytes"])
+    _dict(d["manifest"]), _dict(d["chunks"])
+    _version_row(d)
+    return d
 
 
 def _version_row(d: dict) -> VersionRow:
@@ -373,7 +449,12 @@ def _raise_for(resp: httpx.Response) -> None:
         body = resp.json()
         detail = body.get("detail") or resp.reason_phrase
     except (ValueError, AttributeError):
-        body, detail = None, resp.text[:200] or resp.reason_phrase
+        # a proxy's or another server's page (every mfsreg answer is JSON): its HTML says nothing to
+        # the user, and a 404 from it is no "not found" of a family or version
+        kind = StorageError if resp.status_code >= 500 else InvalidRequest
+        raise kind(f"{resp.url.copy_with(query=None)} answered {resp.status_code} {resp.reason_phrase} with a body that "
+                   "is not JSON: check that MFSREG_URL points at an mfsreg server (and any proxy before it)") from None
+    detail = " ".join(str(detail).split())[:500]  # one line, whatever the server put in it
     kind = _STATUS.get(resp.status_code, RegistryError)
     if kind is not RegistryError and isinstance(body, dict):
         # A finer kind the caller acts on, named by the problem's type (api/errors.py); a server
