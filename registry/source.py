@@ -40,6 +40,7 @@ def open_source(path: Path) -> Source:
         raise InvalidRequest(f"{path}: no such file or directory")
     if path.is_dir():
         return _directory(path)
+    _regular(path)
     if path.name.endswith(INDEX_SUFFIX):
         return _index_only(path)
     if path.suffix == ".safetensors":
@@ -47,11 +48,19 @@ def open_source(path: Path) -> Source:
     raise InvalidModel(f"{path}: not a .safetensors file, a {INDEX_SUFFIX} index or a model directory")
 
 
+def _regular(path: Path) -> None:
+    """A pipe, socket or device would be read until it ends (a pipe nobody writes to: never)."""
+    if not path.is_file():
+        raise InvalidModel(f"{path}: not a regular file (a pipe, socket or device): push a file or a model directory")
+
+
 def _safetensors(path: Path, rel: str) -> SourceFile:
+    _regular(path)
     return SourceFile(_storable(rel), path, path.stat().st_size, read_header(path, where=rel))
 
 
 def _side(path: Path, rel: str) -> SourceFile:
+    _regular(path)
     return SourceFile(_storable(rel), path, path.stat().st_size, None)
 
 

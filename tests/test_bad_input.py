@@ -260,3 +260,17 @@ def test_a_server_that_is_not_mfsreg_gets_one_line_for_every_command(answer, fam
     finally:
         impostor.shutdown()
         impostor.server_close()
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "model.safetensors.index.json"])
+def test_a_named_pipe_is_refused_not_read_forever(name, seeded, tmp_path):
+    """A pipe (or socket, or device) given as the model: refused at once, where reading its header
+    waited for a writer that never came."""
+    pipe = tmp_path / name
+    os.mkfifo(pipe)
+    home = Path(seeded["MFSREG_HOME"])
+    before = snapshot(home)
+    proc = mfsreg("push", pipe, "--family", "fam", "--version", "piped", env=seeded, check=False, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "not a regular file" in proc.stderr and str(pipe) in proc.stderr
+    assert snapshot(home) == before
