@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from cli.backend import RegistryOption, open_backend
+from cli.backend import RegistryOption, local_only, open_backend
 from cli.output import emit_json, human_bytes
 from cli.progress import progress_for
 
@@ -16,6 +16,8 @@ family_app = typer.Typer(help="Family settings.", no_args_is_help=True)
 def upgrade(json_: bool = typer.Option(False, "--json")) -> None:
     """Apply pending schema migrations to MFSREG_DATABASE_URL (or the embedded database)."""
     from registry.registry import upgrade_database
+
+    local_only("db upgrade")
 
     rev = upgrade_database()
     if json_:
@@ -32,6 +34,8 @@ def quorum(
 ) -> None:
     """Set a family's base quorum and re-tier its chunks."""
     from registry.registry import Registry
+
+    local_only("family quorum")
 
     with Registry() as reg:
         changed = reg.set_base_quorum(family, value)

@@ -28,3 +28,14 @@ def open_backend(url: str | None = None):
         yield backend
     finally:
         backend.close()
+
+
+def local_only(command: str) -> None:
+    """Refuse a command that acts on the metadata database directly while MFSREG_URL names a
+    server: it would change (or create) a local registry the user did not mean."""
+    url = os.environ.get("MFSREG_URL")
+    if url:
+        from registry.errors import InvalidRequest
+
+        raise InvalidRequest(f"`mfsreg {command}` acts on the registry's database directly, not through a server, and "
+                             f"MFSREG_URL is set ({url}): run it where the database is (MFSREG_DATABASE_URL), without MFSREG_URL")

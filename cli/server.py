@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import typer
 
+from cli.backend import local_only
 from cli.output import emit_json, table
 
 token_app = typer.Typer(help="API tokens (runs against the database, not over HTTP).", no_args_is_help=True)
@@ -23,6 +24,7 @@ def serve(
 
     from registry.registry import Registry
 
+    _check_serve_options(host, port, workers, log_level)
     Registry().close()  # fail fast, with one line, if the database or blob store is unusable
     # The registry's own warnings (a stored chunk it could not read back, say) go out as uvicorn's
     # do, at the same level: otherwise Python prints them bare, and --log-level does not reach them.
@@ -30,6 +32,29 @@ def serve(
     log_config["loggers"]["mfsreg"] = {"handlers": ["default"], "level": log_level.upper(), "propagate": False}
     uvicorn.run("api.app:create_app", factory=True, host=host, port=port, workers=workers, log_level=log_level,
                 log_config=log_config)
+
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's
+
+
+def _check_serve_options(host: str, port: int, workers: int, log_level: str) -> None:
+    """What uvicorn would refuse with a traceback or a screen of log lines (and exit 3, this CLI's
+    code for auth failures), refused first in one line."""
+    import socket
+
+    from registry.errors import InvalidRequest
+
+    if not 1 <= port <= 65535:
+        raise InvalidRequest(f"--port {port}: give a port from 1 to 65535")
+    if workers < 1:
+        raise InvalidRequest(f"--workers {workers}: give 1 or more worker processes")
+    if log_level.lower() not in LOG_LEVELS:
+        raise InvalidRequest(f"--log-level {log_level!r}: use one of {', '.join(LOG_LEVELS)}")
+    try:  # uvicorn binds the same way (SO_REUSEADDR): a port it could take, this takes too
+        socket.create_server((host, port)).close()
+    except OSError as exc:
+        raise InvalidRequest(f"cannot listen on {host}:{port}: {exc.strerror or exc}: pick another --port, "
+                             "or a --host this machine has") from None
 
 
 @token_app.command("create")
@@ -43,6 +68,7 @@ def create(
     from registry.auth import create_token
     from registry.registry import Registry
 
+    local_only("token create")
     with Registry() as reg:
         secret = create_token(reg.engine, scope, family, description)
     if json_:
@@ -57,6 +83,7 @@ def list_(json_: bool = typer.Option(False, "--json")) -> None:
     from registry.auth import list_tokens
     from registry.registry import Registry
 
+    local_only("token list")
     with Registry() as reg:
         rows = [dict(prefix=t.prefix, scope=t.role, family=t.family_pattern, description=t.description,
                      created_at=str(t.created_at)) for t in list_tokens(reg.engine)]
@@ -73,6 +100,7 @@ def revoke(prefix: str = typer.Argument(..., help="The token's prefix, as `mfsre
     from registry.errors import NotFound
     from registry.registry import Registry
 
+    local_only("token revoke")
     with Registry() as reg:
         if revoke_token(reg.engine, prefix) == 0:
             raise NotFound(f"no active token with prefix {prefix!r}: see `mfsreg token list`")

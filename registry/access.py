@@ -75,7 +75,7 @@ def compare_stored(reg, uploaded: dict[str, bytes]) -> set[str]:
     return gone
 
 
-def stored_bytes(reg, ids: list[str], purpose: str = "compare this upload with") -> dict[str, bytes]:
+def stored_bytes(reg, ids: list[str], purpose: str = "compare a scoped upload with") -> dict[str, bytes]:
     """The raw bytes stored under those of ``ids`` still recorded, deltas decoded against their
     bases. A prune may move or delete a pack between the lookup and the read: looked up again
     once. A second failure is answered without its details (they would name another family's

@@ -67,3 +67,41 @@ def test_bad_option_values_are_one_line(home_env, fam):
     env = dict(home_env, MFSREG_DATABASE_URL="postgresql+psycopg://nobody@127.0.0.1:1/none")
     proc = mfsreg("ls", env=env, check=False)
     assert proc.returncode == 5 and "database" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_database_commands_refuse_to_run_while_mfsreg_url_names_a_server(home_env, fam):
+    """`family quorum`, `token ...` and `db upgrade` act on a database, never through a server: with
+    MFSREG_URL set they changed (or created) a local registry the user did not mean to touch."""
+    from pathlib import Path
+
+    mfsreg("push", fam["base"], "--family", "fam", "--version", "base", env=home_env)
+    home = Path(home_env["MFSREG_HOME"])
+    before = (home / "registry.db").read_bytes()
+    env = dict(home_env, MFSREG_URL="http://127.0.0.1:9")  # never reached
+    for args in (["family", "quorum", "fam", "0.5"], ["token", "create", "--scope", "read"], ["token", "list"],
+                 ["token", "revoke", "abc"], ["db", "upgrade"]):
+        proc = mfsreg(*args, env=env, check=False)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, (args, proc.stderr)
+        assert f"`mfsreg {' '.join(args[:2])}` acts on the registry's database directly" in proc.stderr, proc.stderr
+        assert "MFSREG_URL" in proc.stderr
+    assert (home / "registry.db").read_bytes() == before
+    assert mfsreg_json("family", "quorum", "fam", "0.5", env=home_env)["base_quorum"] == 0.5  # without it, as before
+
+
+def test_serve_options_are_checked_before_it_starts(home_env):
+    """A port out of range, no workers, an unknown log level, a port in use: one line, exit 2, where
+    uvicorn printed a traceback or a screen of log lines and exited 3 (this CLI's code for auth)."""
+    import socket
+
+    taken = socket.create_server(("127.0.0.1", 0))
+    try:
+        port = taken.getsockname()[1]
+        for args, says in ((["--port", "-1"], "give a port from 1 to 65535"), (["--port", "99999"], "from 1 to 65535"),
+                           (["--workers", "0"], "1 or more worker"), (["--log-level", "bogus"], "use one of"),
+                           (["--port", str(port)], "cannot listen on 127.0.0.1"),
+                           (["--host", "no such host.invalid"], "cannot listen on no such host.invalid")):
+            proc = mfsreg("serve", *args, env=home_env, check=False, timeout=60)
+            assert proc.returncode == 2 and proc.stderr.count("\n") == 1, (args, proc.stderr)
+            assert says in proc.stderr, (args, proc.stderr)
+    finally:
+        taken.close()
