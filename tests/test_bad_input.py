@@ -274,3 +274,40 @@ def test_a_named_pipe_is_refused_not_read_forever(name, seeded, tmp_path):
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert "not a regular file" in proc.stderr and str(pipe) in proc.stderr
     assert snapshot(home) == before
+
+
+def _pg(query: str = "") -> str:
+    from tests.conftest import _pg_url
+
+    return _pg_url("test") + query
+
+
+@pytest.mark.parametrize("url,code,says", [
+    ("sqlite:///{tmp}/not-a-db", 5, "file is not a database"),
+    ("postgresql+psycopg://u@127.0.0.1:notaport/db", 2, "is not a database URL"),
+    ("postgresql+psycopg2://u@127.0.0.1/db", 2, "names driver 'postgresql+psycopg2', which mfsreg does not use"),
+    ("mysql://a@b/c", 2, "names driver 'mysql'"),
+    ("{pg}?connect_timeout=abc", 5, "bad value for connect_timeout"),
+    ("{pg}?bogus_option=1", 5, 'invalid connection option "bogus_option"'),
+])
+def test_a_database_url_that_cannot_work_is_one_line(url, code, says, tmp_path):
+    """A file that is not a database, a port that is not a number, a driver mfsreg does not use, an
+    option the driver refuses: one line naming it (each was 'internal error: ...', some on two lines)."""
+    (tmp_path / "not-a-db").write_bytes(b"plain text, not SQLite\n" * 100)
+    before = (tmp_path / "not-a-db").read_bytes()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MFSREG_")}
+    env.update(MFSREG_HOME=str(tmp_path / "home"), MFSREG_DATABASE_URL=url.format(tmp=tmp_path, pg=_pg()))
+    proc = mfsreg("ls", env=env, check=False)
+    assert proc.returncode == code and proc.stderr.count("\n") == 1, proc.stderr
+    assert says in proc.stderr and "internal error" not in proc.stderr and "MFSREG_DATABASE_URL" in proc.stderr, proc.stderr
+    assert (tmp_path / "not-a-db").read_bytes() == before
+
+
+def test_a_file_blob_url_with_a_host_is_refused(fam, tmp_path):
+    """file://relative/x reads 'relative' as a host and /x as the path: packs went to /x."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MFSREG_")}
+    env.update(MFSREG_HOME=str(tmp_path / "home"), MFSREG_BLOB_URL="file://mfsreg-test-relative/mfsreg-test-x")
+    proc = mfsreg("push", fam["base"], "--family", "fam", "--version", "v1", env=env, check=False)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "names host 'mfsreg-test-relative'" in proc.stderr and "file:///" in proc.stderr
+    assert not Path("/mfsreg-test-x").exists()

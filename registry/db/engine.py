@@ -16,7 +16,7 @@ from pathlib import Path
 
 from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.engine import make_url
-from sqlalchemy.exc import ArgumentError, OperationalError
+from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError, OperationalError
 from sqlalchemy.pool import NullPool
 
 from registry.errors import InvalidRequest, StorageError
@@ -25,20 +25,35 @@ _WRITE = "mfsreg_write"
 WAL_SWITCH_SECONDS = 60.0  # as long as the busy timeout: how long a new database may take to become WAL
 
 
+SUPPORTED = "sqlite:///path or postgresql://user@host/db (psycopg 3)"
+
+
 def create_db_engine(url: str) -> Engine:
     try:
         parsed = make_url(url)
-    except ArgumentError:
-        raise InvalidRequest(f"MFSREG_DATABASE_URL={url!r} is not a database URL") from None
-    if parsed.get_backend_name() == "sqlite":
-        if parsed.database and parsed.database != ":memory:":
-            Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
-        engine = create_engine(url, poolclass=NullPool, connect_args={"timeout": 60, "check_same_thread": False})
-        _sqlite_events(engine)
-        return engine
-    if parsed.get_backend_name() == "postgresql" and parsed.drivername == "postgresql":
-        url = parsed.set(drivername="postgresql+psycopg").render_as_string(hide_password=False)
-    return create_engine(url, pool_pre_ping=True, pool_size=8, max_overflow=8)
+        parsed.port  # a port that is not a number fails here, not at the first query  # noqa: B018
+    except (ArgumentError, ValueError):
+        raise InvalidRequest(f"MFSREG_DATABASE_URL={_redacted(url)} is not a database URL: use {SUPPORTED}") from None
+    try:
+        if parsed.get_backend_name() == "sqlite":
+            if parsed.database and parsed.database != ":memory:":
+                Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
+            engine = create_engine(url, poolclass=NullPool, connect_args={"timeout": 60, "check_same_thread": False})
+            _sqlite_events(engine)
+            return engine
+        if parsed.get_backend_name() == "postgresql" and parsed.drivername == "postgresql":
+            url = parsed.set(drivername="postgresql+psycopg").render_as_string(hide_password=False)
+        return create_engine(url, pool_pre_ping=True, pool_size=8, max_overflow=8)
+    except (NoSuchModuleError, ImportError):  # another database, or a driver this install lacks
+        raise InvalidRequest(f"MFSREG_DATABASE_URL names driver {parsed.drivername!r}, which mfsreg does not use: "
+                             f"use {SUPPORTED}") from None
+
+
+def _redacted(url: str) -> str:
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except (ArgumentError, ValueError):
+        return "(unparseable)"
 
 
 def _sqlite_events(engine: Engine) -> None:
@@ -79,7 +94,7 @@ def _switch_to_wal(cur) -> None:
 def write_tx(engine: Engine) -> Iterator[Connection]:
     """A transaction that will write; committed on normal exit, rolled back on an exception."""
     with _storage_errors(engine):
-        with engine.connect().execution_options(**{_WRITE: True}) as conn, conn.begin():
+        with _connect(engine).execution_options(**{_WRITE: True}) as conn, conn.begin():
             yield conn
 
 
@@ -91,11 +106,25 @@ def read_tx(engine: Engine) -> Iterator[Connection]:
     first found, a 500. A read-only repeatable-read transaction never fails to serialize. SQLite's
     read transactions (WAL) already keep one snapshot."""
     with _storage_errors(engine):
-        with engine.connect() as conn:
+        with _connect(engine) as conn:
             if engine.dialect.name == "postgresql":
                 conn.execution_options(isolation_level="REPEATABLE READ")
             with conn.begin():
                 yield conn
+
+
+def _connect(engine: Engine) -> Connection:
+    """A connection. Besides an unreachable server (OperationalError, _storage_errors), what fails
+    here is the URL's target or options: a file that is not a database, a connect option the
+    driver refuses. Mid-transaction such errors would be this code's own, and stay as they are."""
+    try:
+        return engine.connect()
+    except OperationalError:
+        raise
+    except DBAPIError as exc:
+        reason = str(exc.orig).strip().splitlines()[0] if exc.orig else exc.__class__.__name__
+        raise StorageError(f"database {engine.url.render_as_string(hide_password=True)}: {reason}; check "
+                           "MFSREG_DATABASE_URL (a database of mfsreg's, with options its driver takes)") from None
 
 
 @contextmanager
