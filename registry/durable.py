@@ -12,7 +12,11 @@ from __future__ import annotations
 
 import errno
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+
+from registry.errors import StorageError
 
 # Some filesystems (network and FUSE ones among them) cannot sync a directory: nothing more to do there.
 _CANNOT = {errno.EINVAL, errno.EBADF, errno.EOPNOTSUPP, errno.ENOTSUP}
@@ -44,3 +48,20 @@ def make_dirs(dirpath: str | os.PathLike) -> None:
             if not d.is_dir():
                 raise
         sync_dir(d.parent)
+
+
+# What the disk, a quota or a limit says when a file cannot grow or be written there.
+_NO_ROOM = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO}
+
+
+@contextmanager
+def writing(dest: Path) -> Iterator[None]:
+    """A full disk, a quota, a file size limit or a failing disk while ``dest`` is written: one line
+    naming it (the OSError names no file, or only the temp one beside it)."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno not in _NO_ROOM:
+            raise
+        raise StorageError(f"cannot write {dest}: {exc.strerror or exc}: make room there (or write elsewhere), "
+                           "then run it again; nothing was renamed into place") from None

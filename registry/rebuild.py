@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from registry import codec, filecheck
+from registry.durable import writing
 from registry.blobs.packs import StoredChunk
 from registry.chunking import chunk_id
 from registry.errors import IntegrityError, InvalidRequest
@@ -179,7 +180,7 @@ def write_file(entry: FileEntry, dest: Path, located: dict[str, StoredChunk], pa
     def decode(batch):
         return decode_batch(list(dict.fromkeys(c.id for c in batch)), located, payloads, pool)
 
-    with filecheck.CheckedFile(dest, entry.size, pool) as out:
+    with writing(dest), filecheck.CheckedFile(dest, entry.size, pool) as out:
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="mfsreg-rebuild") as side:
             nxt = side.submit(decode, batches[0]) if batches else None
             for k, batch in enumerate(batches):

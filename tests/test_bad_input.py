@@ -311,3 +311,24 @@ def test_a_file_blob_url_with_a_host_is_refused(fam, tmp_path):
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert "names host 'mfsreg-test-relative'" in proc.stderr and "file:///" in proc.stderr
     assert not Path("/mfsreg-test-x").exists()
+
+
+def _pull_under_a_file_size_limit(env: dict, out: Path, kib: int = 64):
+    """`mfsreg pull fam base -o OUT` with files capped at ``kib`` KiB (ulimit -f): the writes fail
+    with EFBIG, as on a full disk (ENOSPC), without filling one."""
+    import subprocess
+
+    from tests.cli_run import MFSREG
+
+    return subprocess.run(["bash", "-c", f'ulimit -f {kib}; exec "$0" pull fam base -o "$1"', MFSREG, str(out)],
+                          env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_a_pull_that_cannot_write_its_file_names_it_in_one_line(seeded, tmp_path):
+    """A full disk, a quota or a file size limit during a pull: one line naming the file and what to
+    do, exit 5, and no temp file left (it said 'File too large: ' and nothing else, exit 1)."""
+    out = tmp_path / "out" / "base.safetensors"
+    proc = _pull_under_a_file_size_limit(seeded, out)
+    assert proc.returncode == 5 and proc.stderr.count("\n") == 1, proc.stderr
+    assert f"cannot write {out}: File too large: make room there" in proc.stderr, proc.stderr
+    assert list((tmp_path / "out").iterdir()) == []

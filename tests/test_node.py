@@ -1007,3 +1007,19 @@ def test_a_chunk_table_with_malformed_rows_is_refused(published, tmp_path):
     finally:
         hostile.shutdown()
         hostile.server_close()
+
+
+@pytest.mark.parametrize("direct", ["0", "1"])
+def test_a_node_pull_that_cannot_write_its_file_names_it_in_one_line(direct, published, tmp_path):
+    """As an embedded pull: one line naming the file, exit 5, nothing left beside it, whether the
+    file is written through the page cache or around it."""
+    from tests.test_bad_input import _pull_under_a_file_size_limit
+
+    _, env = published
+    mfsreg("pull", "fam", "base", "-o", tmp_path / "first.safetensors", env=env)  # the cache's files are all there
+    assert (tmp_path / "first.safetensors").stat().st_size > 400 << 10
+    out = tmp_path / "out" / "base.safetensors"
+    proc = _pull_under_a_file_size_limit(dict(env, MFSREG_PULL_DIRECT=direct), out, kib=256)
+    assert proc.returncode == 5 and proc.stderr.count("\n") == 1, proc.stderr
+    assert f"cannot write {out}: " in proc.stderr and "make room there" in proc.stderr, proc.stderr
+    assert list((tmp_path / "out").iterdir()) == []

@@ -33,6 +33,7 @@ from pathlib import Path
 from registry.chunking import ChunkRef, chunk_hasher, chunk_id
 from registry.client.cache import NodeCache
 from registry.client.direct import DirectFile
+from registry.durable import writing
 from registry.filecheck import BATCH_BYTES, CheckedFile, check_tiling, write_at
 from registry.manifest import FileEntry
 from registry.parallel import sized_batches
@@ -60,6 +61,12 @@ def write_file(entry: FileEntry, dest: Path, cache: NodeCache, refetch: Callable
     evicted them meanwhile, or they failed the check). ``mode``: the file's permissions as it
     appears. A file of DIRECT_MIN_BYTES or more goes around the page cache where ``direct_writes``
     says the user asked for it and the filesystem takes it."""
+    with writing(dest):
+        _write_file(entry, dest, cache, refetch, pool, progress, arriving, mode)
+
+
+def _write_file(entry: FileEntry, dest: Path, cache: NodeCache, refetch: Callable[[list[str]], None],
+                pool: Executor, progress: Progress, arriving: Callable[[str], None] | None, mode: int | None) -> None:
     chunks = check_tiling(entry)
     if entry.size >= DIRECT_MIN_BYTES and direct_writes():
         out = DirectFile.open(dest, entry.size, mode)
