@@ -40,8 +40,23 @@ def fail(message: str, code: int) -> None:
 
 def run_guarded(fn) -> None:
     """Run the Typer app, turning every error into one line and an exit code."""
+    import typer
+
+    # Typer carries its own copy of click, whose UsageError it does not export: found through the
+    # BadParameter it does (a subclass of it)
+    usage_error = next(k for k in typer.BadParameter.__mro__ if k.__name__ == "UsageError")
     try:
-        fn()
+        code = fn()
+        if isinstance(code, int) and code:  # click's own exits return their code
+            raise SystemExit(code)
+    except usage_error as exc:
+        if not exc.format_message().strip():  # a bare group (`mfsreg`, `mfsreg cache`): its help is printed
+            raise SystemExit(exc.exit_code) from None
+        ctx = getattr(exc, "ctx", None)
+        where = f"`{ctx.command_path} --help`" if ctx is not None else "`mfsreg --help`"
+        fail(f"{' '.join(exc.format_message().split())} (see {where})", 2)
+    except typer.Abort:
+        fail("interrupted; nothing partial was committed, re-run to continue", 130)
     except e.RegistryError as exc:
         fail(str(exc), exit_code(exc))
     except KeyboardInterrupt:

@@ -29,7 +29,9 @@ app.add_typer(cache.cache_app, name="cache")
 
 
 def main() -> None:
-    run_guarded(app)
+    # standalone_mode=False: a usage error (a missing argument, a value of the wrong type, an unknown
+    # command) reaches run_guarded, which prints it as one line like every other error
+    run_guarded(lambda: app(standalone_mode=False))
 
 
 if __name__ == "__main__":

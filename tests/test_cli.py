@@ -105,3 +105,35 @@ def test_serve_options_are_checked_before_it_starts(home_env):
             assert says in proc.stderr, (args, proc.stderr)
     finally:
         taken.close()
+
+
+def test_usage_errors_are_one_line_and_bare_groups_print_their_help(home_env):
+    """A missing argument, a value of the wrong type, an unknown command or option: one line naming
+    the help to read, exit 2 (they were a five-line box). `mfsreg` and `mfsreg cache` alone print
+    their help, as before."""
+    for args, says in ((["push"], "Missing argument 'path'. (see `mfsreg push --help`)"),
+                       (["prune", "--max-unused", "abc"], "Invalid value for '--max-unused'"),
+                       (["bogus"], "No such command 'bogus'."),
+                       (["ls", "--no-such-option"], "No such option: --no-such-option"),
+                       (["cache", "warm"], "Missing argument 'family'. (see `mfsreg cache warm --help`)")):
+        proc = mfsreg(*args, env=home_env, check=False)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, (args, proc.stderr)
+        assert proc.stderr.startswith("mfsreg: error: ") and says in proc.stderr, (args, proc.stderr)
+    for args in ([], ["cache"]):
+        proc = mfsreg(*args, env=home_env, check=False)
+        assert proc.returncode == 2 and "Usage: mfsreg" in proc.stdout and proc.stderr == "", (args, proc.stderr)
+    assert "Usage: mfsreg push" in mfsreg("push", "--help", env=home_env).stdout
+
+
+def test_a_token_or_endpoint_no_request_can_carry_is_one_line(home_env, fam):
+    """MFSREG_TOKEN with a letter beyond ASCII or a newline (a bad copy) and an S3 endpoint that is
+    not a URL: one line saying which, where they were an internal UnicodeEncodeError, an
+    'unreachable server' or an internal ValueError."""
+    for bad in ("mfs_ä", "mfs_abc\nmore", "mfs_abc def"):
+        proc = mfsreg("ls", env=dict(home_env, MFSREG_URL="http://127.0.0.1:9", MFSREG_TOKEN=bad), check=False)
+        assert proc.returncode == 3 and proc.stderr.count("\n") == 1, (bad, proc.stderr)
+        assert "MFSREG_TOKEN holds characters no token has" in proc.stderr, proc.stderr
+    env = dict(home_env, MFSREG_BLOB_URL="s3://bucket/prefix", MFSREG_S3_ENDPOINT_URL="not a url")
+    proc = mfsreg("ls", env=env, check=False)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "MFSREG_S3_ENDPOINT_URL='not a url'" in proc.stderr and "internal error" not in proc.stderr, proc.stderr

@@ -72,9 +72,13 @@ class S3BlobStore(BlobStore):
         )
         # a private session: boto3's default session is not safe to share between threads
         session = boto3.session.Session()
-        self._s3 = session.client(
-            "s3", endpoint_url=endpoint_url, region_name=session.region_name or "us-east-1", config=config
-        )
+        try:
+            self._s3 = session.client(
+                "s3", endpoint_url=endpoint_url, region_name=session.region_name or "us-east-1", config=config
+            )
+        except ValueError as exc:  # botocore's "Invalid endpoint: ..."
+            raise InvalidRequest(f"MFSREG_S3_ENDPOINT_URL={endpoint_url!r}: {exc}: give a URL such as "
+                                 "http://127.0.0.1:9000") from None
         self.endpoint_url = self._s3.meta.endpoint_url
         self._transfer = TransferConfig(
             multipart_threshold=MULTIPART_THRESHOLD, multipart_chunksize=MULTIPART_CHUNK, max_concurrency=4

@@ -75,6 +75,11 @@ class RemoteRegistry:
         if not url.startswith(("http://", "https://")):
             raise InvalidRequest(f"registry URL {url!r} must start with http:// or https://")
         self.url = url.rstrip("/")
+        if token and not (token.isascii() and token.isprintable() and " " not in token):
+            # an HTTP header cannot carry it (httpx raises UnicodeEncodeError, or a protocol error
+            # that reads like an unreachable server): a copy that took in a newline, a quote, a letter
+            raise Unauthorized("MFSREG_TOKEN holds characters no token has (spaces, control characters or letters "
+                               "beyond ASCII): copy it again from `mfsreg token create`")
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.http = httpx.Client(
             base_url=self.url, headers=headers, timeout=httpx.Timeout(timeout, connect=10.0),
