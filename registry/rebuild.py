@@ -78,18 +78,37 @@ def targets(manifest: Manifest, out: Path) -> list[tuple[FileEntry, Path]]:
     if manifest.single_file:
         f = manifest.files[0]
         dest = out / safe_relpath(f.path).name if out.is_dir() else out
-        return [(f, dest)]
-    if out.exists() and not out.is_dir():
-        raise InvalidRequest(f"{out} is a file, but this version is a directory of {len(manifest.files)} files: give a directory")
-    return [(f, out.joinpath(*safe_relpath(f.path).parts)) for f in manifest.files]
+        plan = [(f, dest)]
+    else:
+        if out.exists() and not out.is_dir():
+            raise InvalidRequest(f"{out} is a file, but this version is a directory of {len(manifest.files)} files: give a directory")
+        plan = [(f, out.joinpath(*safe_relpath(f.path).parts)) for f in manifest.files]
+    _check_dests(plan, out)
+    return plan
 
 
-def check_dir(out: Path) -> None:
-    """``out`` can be the directory a pull --to-dir fills: an existing directory, or a new name
-    under one."""
+def check_dir(out: Path, manifest: Manifest) -> None:
+    """``out`` can be the directory a pull --to-dir fills with ``manifest``'s files: an existing
+    directory, or a new name under one."""
     _check_parent(out)
     if out.exists() and not out.is_dir():
         raise InvalidRequest(f"{out} is a file: --to-dir needs a directory (an existing one, or a new name)")
+    _check_dests([(f, out.joinpath(*safe_relpath(f.path).parts)) for f in manifest.files], out)
+
+
+def _check_dests(plan: list[tuple[FileEntry, Path]], out: Path) -> None:
+    """Before anything is written: no file of the version may land where a directory is, or under a
+    file (the rename, or the folder it needs, would fail after the files before it were written)."""
+    for f, dest in plan:
+        if dest.is_dir():
+            raise InvalidRequest(f"cannot write {dest}: a directory is there, where the version's file {f.path} goes; "
+                                 "move it away or pull elsewhere")
+        for parent in dest.parents:
+            if parent == out or out not in parent.parents:  # at or above ``out``: checked already
+                break
+            if parent.exists() and not parent.is_dir():
+                raise InvalidRequest(f"cannot write {dest}: {parent} is a file, where the version needs a directory; "
+                                     "move it away or pull elsewhere")
 
 
 def written_path(manifest: Manifest, out: Path) -> Path:

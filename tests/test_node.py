@@ -1023,3 +1023,16 @@ def test_a_node_pull_that_cannot_write_its_file_names_it_in_one_line(direct, pub
     assert proc.returncode == 5 and proc.stderr.count("\n") == 1, proc.stderr
     assert f"cannot write {out}: " in proc.stderr and "make room there" in proc.stderr, proc.stderr
     assert list((tmp_path / "out").iterdir()) == []
+
+
+def test_a_to_dir_pull_whose_file_would_land_on_a_directory_fetches_and_writes_nothing(published, fam, tmp_path):
+    """--to-dir where a directory holds the file's name: refused before any fetch, one line naming
+    it, exit 2 (the link's rename failed at the end, naming its temp file)."""
+    _, env = published
+    engine = tmp_path / "engine"
+    (engine / fam["base"].name).mkdir(parents=True)
+    proc = mfsreg("pull", "fam", "base", "--to-dir", engine, env=env, check=False)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert f"cannot write {engine / fam['base'].name}: a directory is there" in proc.stderr, proc.stderr
+    assert [p.name for p in engine.iterdir()] == [fam["base"].name]
+    assert not Path(env["MFSREG_CACHE_DIR"]).exists() or not list(Path(env["MFSREG_CACHE_DIR"]).rglob("chunks/*/*"))

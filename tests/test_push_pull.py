@@ -191,3 +191,30 @@ def test_a_pull_whose_pack_storage_lost_says_so_and_writes_nothing(reg, fam, tmp
     with pytest.raises(StorageError, match="storage lost data .*missing.*restore that blob from a backup"):
         reg.pull("fam", "base", tmp_path / "out" / "base.safetensors")
     assert list((tmp_path / "out").iterdir()) == []  # nor a temp file left behind
+
+
+@pytest.mark.parametrize("blocker", ["a directory where a file goes", "a file where a directory goes"])
+def test_a_pull_whose_file_would_land_on_a_directory_writes_nothing(blocker, reg, tmp_path):
+    """A directory already where one of the version's files goes (or a file where it needs a
+    directory): refused before any file is written, naming the path (the rename failed after the
+    files before it were written, and named its temp file)."""
+    from registry.errors import InvalidRequest
+
+    src = tmp_path / "ckpt"
+    src.mkdir()
+    synth.sharded_dir(src, synth.base_tensors())
+    (src / "tok").mkdir()
+    (src / "tok" / "vocab.txt").write_text("a b c")
+    reg.push(src, "fam", "sharded")
+    out = tmp_path / "pulled"
+    out.mkdir()
+    if blocker == "a directory where a file goes":
+        (out / "tokenizer.json").mkdir()
+        says = f"cannot write {out / 'tokenizer.json'}: a directory is there"
+    else:
+        (out / "tok").write_text("in the way")
+        says = f"cannot write {out / 'tok' / 'vocab.txt'}: {out / 'tok'} is a file"
+    before = sorted(p.name for p in out.iterdir())
+    with pytest.raises(InvalidRequest, match=says.replace("(", r"\(")):
+        reg.pull("fam", "sharded", out)
+    assert sorted(p.name for p in out.iterdir()) == before

@@ -93,7 +93,7 @@ def pull(fetcher: Fetcher, family: str, version: str, out: Path, progress: Progr
     ids = info.manifest.chunk_ids()
     out = Path(out)
     # a bad output path fails before any fetch
-    plan = rebuild.check_dir(out) if to_dir else rebuild.targets(info.manifest, out)
+    plan = rebuild.check_dir(out, info.manifest) if to_dir else rebuild.targets(info.manifest, out)
     arrivals = _Arrivals()
     fetched: dict = {}
 
