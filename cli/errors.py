@@ -26,6 +26,17 @@ EXIT_CODES: list[tuple[type[BaseException], int]] = [
 ]
 
 
+# What to do about a path the user gave (MFSREG_HOME, MFSREG_CACHE_DIR, -o, a model path) that
+# the filesystem refused: the OSError says only what went wrong.
+_HINTS = {
+    FileExistsError: ": a file is where a directory is needed; move it away or give another path",
+    NotADirectoryError: ": a path above it is a file, not a directory; move it away or give another path",
+    IsADirectoryError: ": a directory is where a file is needed; move it away or give another path",
+    PermissionError: ": this user may not use it; change its permissions or give another path",
+    FileNotFoundError: ": check the path",
+}
+
+
 def exit_code(exc: BaseException) -> int:
     for kind, code in EXIT_CODES:
         if isinstance(exc, kind):
@@ -62,7 +73,7 @@ def run_guarded(fn) -> None:
     except KeyboardInterrupt:
         fail("interrupted; nothing partial was committed, re-run to continue", 130)
     except (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError, NotADirectoryError) as exc:
-        fail(f"{exc.filename or ''}: {exc.strerror}", 2)
+        fail(f"{exc.filename or ''}: {exc.strerror}{_HINTS.get(type(exc), '')}", 2)
     except OSError as exc:
         if os.environ.get("MFSREG_DEBUG"):
             raise

@@ -332,3 +332,17 @@ def test_a_pull_that_cannot_write_its_file_names_it_in_one_line(seeded, tmp_path
     assert proc.returncode == 5 and proc.stderr.count("\n") == 1, proc.stderr
     assert f"cannot write {out}: File too large: make room there" in proc.stderr, proc.stderr
     assert list((tmp_path / "out").iterdir()) == []
+
+
+def test_a_home_or_cache_that_is_a_file_says_what_to_do(tmp_path):
+    """MFSREG_HOME, or a folder the node cache needs, that is a file: one line naming it and what to
+    do, exit 2 (it said only 'File exists')."""
+    (tmp_path / "home").write_text("not a directory")
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "chunks").write_text("not a directory")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MFSREG_")}
+    for extra, args, path in (({"MFSREG_HOME": str(tmp_path / "home")}, ["ls"], tmp_path / "home"),
+                              ({"MFSREG_CACHE_DIR": str(tmp_path / "cache")}, ["cache", "stats"], tmp_path / "cache" / "chunks")):
+        proc = mfsreg(*args, env={**env, **extra}, check=False)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+        assert str(path) in proc.stderr and "a file is where a directory is needed; move it away" in proc.stderr, proc.stderr
