@@ -23,6 +23,7 @@ from api.schemas import (
     PruneResultModel, PushResultModel, UploadResponse, VersionModel,
 )
 from registry import prune, service
+from registry.results import timestamp
 from registry.auth import Principal
 from registry.config import Settings
 from registry.errors import Forbidden
@@ -166,4 +167,4 @@ def _family_model(f) -> FamilyModel:
 
 def _version_model(v) -> VersionModel:
     return VersionModel(family=v.family, version=v.name, parent=v.parent, digest=v.digest, logical_bytes=v.logical_bytes,
-                        files=v.file_count, single_file=v.single_file, created_at=str(v.created_at))
+                        files=v.file_count, single_file=v.single_file, created_at=timestamp(v.created_at))

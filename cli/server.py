@@ -81,12 +81,13 @@ def create(
 def list_(json_: bool = typer.Option(False, "--json")) -> None:
     """Tokens that are not revoked (their prefixes, never the secrets)."""
     from registry.auth import list_tokens
+    from registry.results import timestamp
     from registry.registry import Registry
 
     local_only("token list")
     with Registry() as reg:
         rows = [dict(prefix=t.prefix, scope=t.role, family=t.family_pattern, description=t.description,
-                     created_at=str(t.created_at)) for t in list_tokens(reg.engine)]
+                     created_at=timestamp(t.created_at)) for t in list_tokens(reg.engine)]
     if json_:
         emit_json({"tokens": rows})
     else:

@@ -10,6 +10,7 @@ from cli.backend import RegistryOption, open_backend
 from cli.output import emit_json, human_bytes, table
 from cli.progress import progress_for
 from registry.errors import InvalidRequest
+from registry.results import timestamp
 
 JsonOption = typer.Option(False, "--json", help="Print one JSON object (for scripts and CI).")
 
@@ -86,7 +87,7 @@ def ls(
         vers = reg.versions(family)
     rows = [
         dict(family=v.family, version=v.name, parent=v.parent, digest=v.digest, logical_bytes=v.logical_bytes,
-             files=v.file_count, created_at=v.created_at.isoformat() if hasattr(v.created_at, "isoformat") else v.created_at)
+             files=v.file_count, created_at=timestamp(v.created_at))
         for v in vers
     ]
     if json_:
@@ -111,7 +112,7 @@ def show(
     ]
     doc = dict(
         family=row.family, version=row.name, parent=row.parent, digest=row.digest, logical_bytes=row.logical_bytes,
-        created_at=str(row.created_at), chunks=len(manifest.chunk_ids()), files=files,
+        created_at=timestamp(row.created_at), chunks=len(manifest.chunk_ids()), files=files,
     )
     if json_:
         emit_json(doc)

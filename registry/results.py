@@ -92,3 +92,9 @@ def existing_result(digest: str, logical_bytes: int, files: int, new_digest: str
         new_chunks=0, reused_chunks=n_chunks, chunks=n_chunks, files=files, tier_changes=0,
         existed=True, seconds=time.perf_counter() - t0,
     )
+
+
+def timestamp(value) -> str:
+    """A row's time as every --json output and API answer writes it: ISO 8601 (the database hands
+    back a datetime, or a string where it already was one)."""
+    return value.isoformat() if hasattr(value, "isoformat") else str(value)

@@ -27,7 +27,7 @@ from registry.errors import IntegrityError, InvalidModel, InvalidRequest, NotFou
 from registry.deltas import BasisReader, cap_depth
 from registry.ingest import check_cut, check_named_cut, check_parent, check_push_names, commit_version, existing_result, plan_deltas, store_chunks
 from registry.parallel import windowed_map
-from registry.results import PushResult
+from registry.results import PushResult, timestamp
 from registry.manifest import MAX_CHUNK_BYTES, SAFETENSORS, Manifest, parse_doc
 from registry.names import check_name
 from registry.rebuild import decode_verified
@@ -303,7 +303,7 @@ def version_doc(reg, family: str, version: str, if_none_match: str | None = None
     doc = {
         "family": row.family, "version": row.name, "parent": row.parent, "digest": row.digest,
         "logical_bytes": row.logical_bytes, "files": row.file_count, "single_file": row.single_file,
-        "created_at": str(row.created_at), "manifest": manifest,
+        "created_at": timestamp(row.created_at), "manifest": manifest,
         "chunks": table,
     }
     return doc, tag

@@ -1036,3 +1036,22 @@ def test_a_to_dir_pull_whose_file_would_land_on_a_directory_fetches_and_writes_n
     assert f"cannot write {engine / fam['base'].name}: a directory is there" in proc.stderr, proc.stderr
     assert [p.name for p in engine.iterdir()] == [fam["base"].name]
     assert not Path(env["MFSREG_CACHE_DIR"]).exists() or not list(Path(env["MFSREG_CACHE_DIR"]).rglob("chunks/*/*"))
+
+
+def test_json_of_ls_show_and_to_dir_pulls_is_the_same_through_a_server(published, home_env, fam, tmp_path):
+    """`ls F`, `show` and `pull --to-dir` print the same JSON fields, written the same way, through a
+    server as on the embedded default (a server's created_at had a space for the T, and a node's
+    --to-dir pull gave the directory as the path of a one-file version)."""
+    import re
+
+    _, env = published
+    mfsreg("push", fam["lora-chat"], "--family", "fam", "--version", "lora-chat", env=home_env)
+    iso = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?([+-]\d\d:\d\d)?$")
+    for e in (env, home_env):
+        listed = mfsreg_json("ls", "fam", env=e)["versions"]
+        shown = mfsreg_json("show", "fam", "lora-chat", env=e)
+        assert all(iso.match(v["created_at"]) for v in listed) and iso.match(shown["created_at"]), (listed, shown)
+        engine = tmp_path / ("node" if e is env else "embedded")
+        pulled = mfsreg_json("pull", "fam", "lora-chat", "--to-dir", engine, env=e)
+        assert pulled["path"] == str(engine / fam["lora-chat"].name)
+        assert filecmp.cmp(pulled["path"], fam["lora-chat"], shallow=False)

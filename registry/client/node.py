@@ -135,7 +135,7 @@ def pull(fetcher: Fetcher, family: str, version: str, out: Path, progress: Progr
     recounted = stats.cached.intersection(refetched.chunk_ids)
     return PullResult(
         family=family, version=version, digest=info.digest,
-        path=str(out if to_dir else rebuild.written_path(info.manifest, out)), logical_bytes=info.logical_bytes,
+        path=str(rebuild.written_path(info.manifest, out)), logical_bytes=info.logical_bytes,
         files=len(info.manifest.files), seconds=time.perf_counter() - t0,
         fetched_bytes=stats.fetched_bytes + refetched.fetched_bytes,
         cached_bytes=stats.cached_bytes - sum(info.located[i].size for i in recounted),
