@@ -7,7 +7,7 @@ import typer
 from cli.backend import RegistryOption
 from cli.output import emit_json, human_bytes, table
 
-cache_app = typer.Typer(help="The node cache (MFSREG_CACHE_DIR, default ~/.cache/mfsreg).", no_args_is_help=True)
+cache_app = typer.Typer(help="The node cache (MFSREG_CACHE_DIR, default $XDG_CACHE_HOME/mfsreg, else ~/.cache/mfsreg).", no_args_is_help=True)
 
 
 @cache_app.command("warm")

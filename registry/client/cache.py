@@ -1,6 +1,6 @@
 """The node cache: verified raw chunks on local disk, content-addressed and size-bounded.
 
-Layout under MFSREG_CACHE_DIR (default ~/.cache/mfsreg):
+Layout under MFSREG_CACHE_DIR (default $XDG_CACHE_HOME/mfsreg, else ~/.cache/mfsreg):
   chunks/ab/<id>     raw chunk bytes (decoded and checked against the id before they are written),
                      read-only
   files/<sha256>     whole files materialised for engines (`pull --to-dir` hardlinks them)
