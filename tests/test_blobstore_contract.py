@@ -11,7 +11,6 @@ import hashlib
 import os
 import socket
 import threading
-import time
 
 import boto3
 import pytest
@@ -126,27 +125,34 @@ def test_put_replaces_whole_object(store):
 def test_reader_never_sees_part_of_a_put(store):
     data = big_data(4)
     seen: list[int] = []
+    whole: list[bool] = []  # whether the first full read held exactly the bytes put (checked here,
+    errors: list[BaseException] = []  # not in the thread, where a failed assert fails nothing)
     done = threading.Event()
 
     def reader():
-        while not done.is_set():
-            try:
-                got = store.get("atomic")
-            except NotFound:
-                seen.append(0)
-                continue
-            seen.append(len(got))
-            assert got == data
-            return
+        try:
+            while not done.is_set():
+                try:
+                    got = store.get("atomic")
+                except NotFound:
+                    seen.append(0)
+                    continue
+                seen.append(len(got))
+                whole.append(got == data)
+                return
+        except BaseException as exc:
+            errors.append(exc)
 
     t = threading.Thread(target=reader)
     t.start()
     try:
         store.put("atomic", data)
-    finally:
         t.join(timeout=30)
+    finally:
         done.set()
-    assert seen and set(seen) <= {0, len(data)}
+        t.join(timeout=30)
+    assert not t.is_alive() and errors == []
+    assert seen and set(seen) <= {0, len(data)} and whole == [True]
     assert store.get("atomic") == data
 
 
@@ -197,7 +203,8 @@ def test_large_object_by_ranges(store):
     ranges = [(0, 1 << 20), (c - 10, c + 10), (3 * c - 1, 4 * c + 1), (len(data) - 100, len(data))]
     assert store.get_ranges("big/one.pack", ranges) == [data[s:e] for s, e in ranges]
     assert hashlib.sha256(store.get("big/one.pack")).digest() == hashlib.sha256(data).digest()
-    store.put("big/one.pack", data)  # idempotent: nothing is sent again
+    store.put("big/one.pack", data)  # a retried put of the same bytes leaves the object as it was
+    assert store.size("big/one.pack") == len(data) and store.get("big/one.pack", len(data) - 100) == data[-100:]
 
 
 def test_packs_interop(store):
@@ -257,13 +264,11 @@ def test_s3_unreachable_endpoint(monkeypatch):
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
     endpoint = f"http://127.0.0.1:{_closed_port()}"
     store = S3BlobStore("bucket", "p", endpoint_url=endpoint, max_attempts=1, connect_timeout=1)
-    t0 = time.monotonic()
     for call in (lambda: store.put("k", b"x"), lambda: store.get("k"), lambda: store.size("k"), lambda: list(store.list())):
         with pytest.raises(StorageError) as info:
             call()
         msg = _one_line(info.value)
         assert endpoint in msg and "MFSREG_S3_ENDPOINT_URL" in msg
-    assert time.monotonic() - t0 < 10
 
 
 def test_s3_missing_bucket(s3_server):

@@ -52,7 +52,10 @@ def writes(request, published, tmp_path) -> str:
     MFSREG_PULL_DIRECT=1, where the filesystem takes it): tests that use this run both ways."""
     _, env = published
     env["MFSREG_PULL_DIRECT"] = "1" if request.param == "direct" else "0"
-    return request.param if takes_direct(tmp_path) else "page cache"
+    # the tests' temp directory must take O_DIRECT, or the direct case would quietly test the page
+    # cache (test_direct.py asks the same of it)
+    assert request.param != "direct" or takes_direct(tmp_path), "the tests' temp directory should take O_DIRECT"
+    return request.param
 
 
 def assert_written(path: Path, writes: str) -> None:
@@ -766,7 +769,8 @@ def test_pulls_write_through_the_page_cache_unless_asked_otherwise(published, fa
     mfsreg_json("pull", "fam", "lora-chat", "--to-dir", tmp_path / "engine", env=env)
     assert_written(tmp_path / "engine" / fam["lora-chat"].name, "page cache")
     env["MFSREG_PULL_DIRECT"] = "yes"
-    expected = "direct" if takes_direct(tmp_path) else "page cache"
+    assert takes_direct(tmp_path), "the tests' temp directory should take O_DIRECT"
+    expected = "direct"
     mfsreg_json("pull", "fam", "last-code", "-o", tmp_path / "direct.out", env=env)
     assert_written(tmp_path / "direct.out", expected)
     mfsreg_json("pull", "fam", "last-code", "--to-dir", tmp_path / "engine-2", env=env)
