@@ -1,6 +1,6 @@
 """The CPU cost of one push under two revisions of the code, measured as interleaved pairs.
 
-    python -m benchmarks.compare_ingest REV [--against REV2] [--member full-medical] [--pairs 3]
+    python -m benchmarks.compare_ingest REV [--against REV2] [--member full-medical|base|...] [--pairs 3]
 
 This VM's speed swings by up to 1.5x between hours, so two benchmark runs made at different times
 cannot show a 10% change. Here the two versions of the code push the same member one after the
@@ -10,12 +10,12 @@ Method. REV (and REV2, default: the working tree) is checked out with ``git work
 DATA/compare/ and its C module built in place with this interpreter (the working tree's too); each
 child reports which checkout and which C module it imported, and the run stops if either is not
 the side's own. For each side, an embedded
-registry holding the member's parent (the base) is made once as a template. Each push then runs
+registry holding the member's parent (the base; nothing, for the base itself) is made once as a template. Each push then runs
 in a fresh process on a copy of that template: the process first pushes a small two-version
 family (imports, thread pools and scratch buffers warm up, as in a long-lived server), then
 pushes the member, timing user + system CPU of the whole process around that push alone. The
 sides take turns going first. The files are read into the page cache first. Prints the CPU-seconds of each side, pair by pair, and
-their ratio; writes benchmarks/results/compare_ingest.json.
+their ratio; writes benchmarks/results/compare_ingest_MEMBER_REV_REV2.json (or --out).
 """
 
 from __future__ import annotations
@@ -139,9 +139,12 @@ def compare_parser(description: str, out: str) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = compare_parser("CPU of one push under two revisions, interleaved", "compare_ingest.json")
-    ap.add_argument("--member", default="full-medical", choices=[m for m, p in MEMBERS.items() if p is not None])
+    ap = compare_parser("CPU of one push under two revisions, interleaved", None)
+    ap.add_argument("--member", default="full-medical", choices=list(MEMBERS),
+                    help="the member pushed; onto a registry holding its parent, or an empty one for the base")
     args = ap.parse_args(argv)
+    # one file per comparison: a later run must not overwrite the figures an earlier one gave
+    args.out = args.out or f"compare_ingest_{args.member}_{args.rev[:12]}_{(args.against or 'tree')[:12]}.json"
     t_start = time.perf_counter()
     paths = generate(args.data, args.scale, verbose=True)
     parent = MEMBERS[args.member]
@@ -150,10 +153,11 @@ def main(argv: list[str] | None = None) -> None:
     templates = {}
     with two_sides(args.rev, args.against, work) as sides:
         try:
-            anchors.prewarm([paths[args.member], paths[parent]])
+            anchors.prewarm([paths[args.member]] + ([paths[parent]] if parent else []))
             for label, root in sides.items():
                 templates[label] = Path(tempfile.mkdtemp(prefix="template-", dir=work))
-                push(root, templates[label], paths[parent], parent, None, warm=False)
+                if parent:  # the base is pushed onto an empty registry
+                    push(root, templates[label], paths[parent], parent, None, warm=False)
             pairs = []
             for i in range(args.pairs):
                 pair = {}
