@@ -26,6 +26,23 @@ GB = 1e9
 MB = 1e6
 
 
+def _state() -> dict:
+    """What may change while a benchmark runs: the checkout's commit, whether registry/ has edits
+    (a run's processes may have imported either), and how busy the machine is."""
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+        dirty = bool(subprocess.run(["git", "status", "--porcelain", "registry"], cwd=REPO, capture_output=True, text=True).stdout.strip())
+    except OSError:
+        commit, dirty = None, None
+    return {"git_commit": commit, "registry_dirty": dirty, "loadavg_1_5_15": [round(x, 2) for x in os.getloadavg()]}
+
+
+# Taken when a benchmark script imports this module, before it measures anything: machine_info()
+# is called when the results are written, and the commit, the edits and the load it reports are
+# those the run started with (the end's are kept beside them).
+_AT_START = _state()
+
+
 def machine_info() -> dict:
     cpu = "unknown"
     try:
@@ -42,18 +59,15 @@ def machine_info() -> dict:
                 mem = int(line.split()[1]) * 1024
     except OSError:
         pass
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-        dirty = bool(subprocess.run(["git", "status", "--porcelain", "registry"], cwd=REPO, capture_output=True, text=True).stdout.strip())
-    except OSError:
-        commit, dirty = None, None
+    end = _state()
     return {
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "cpu_count": os.cpu_count(), "cpu_model": cpu, "memory_bytes": mem,
         "python": sys.version.split()[0], "platform": platform.platform(),
-        "git_commit": commit, "registry_dirty": dirty,
         # other work on the machine skews timings: the load average says how busy it was
-        "loadavg_1_5_15": [round(x, 2) for x in os.getloadavg()],
+        **_AT_START,
+        "at_end": end,
+        "code_changed_during_run": (end["git_commit"], end["registry_dirty"]) != (_AT_START["git_commit"], _AT_START["registry_dirty"]),
         "libraries": library_versions(),
     }
 
@@ -153,4 +167,6 @@ def finish(name: str, doc: dict, report, t_start: float) -> None:
     path = write_json(name, doc)
     print()
     print(report(doc))
+    if doc.get("machine", {}).get("code_changed_during_run"):
+        print("warning: the commit or registry/'s edits changed while this ran: its processes may have run either code")
     print(f"results: {path} (whole benchmark: {doc['seconds_total']:.0f} s)")
