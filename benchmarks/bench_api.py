@@ -6,9 +6,10 @@ scratch Postgres database, and measures, each as the median of --runs:
 - mfsreg: RemoteRegistry.push of the base into an empty registry (all new), then of members with
   the base stored (mostly-duplicate: lora-chat, vocab-ext; all new: full-medical), and pull of a
   member into a new file through a fresh, empty node cache (every chunk comes over HTTP)
-moto's server answers a whole-object GET slowly (about 12 MB/s here, against about 150 MB/s for
-multipart uploads), so the download anchor flatters mfsreg's pulls, which read packs by range.
-Ratios are mfsreg time / anchor time for the same file in the same run.
+moto's server answers the ranged GETs that boto3's download_file makes slowly (about 12 MB/s
+here, against about 150 MB/s for multipart uploads; one whole-object get_object runs far faster,
+see bench_node.py), so the download anchor flatters mfsreg's pulls. Ratios are the median mfsreg
+time over the median anchor time, both taken over the same runs.
 
     python -m benchmarks.bench_api [--scale 1.0] [--runs 3]
 """

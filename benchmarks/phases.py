@@ -6,10 +6,10 @@ Push phases: upload (encode + packs + chunk rows: ingest.upload_missing), digest
 waiting for the whole-file sha256 after the upload: hashing.HashJob.manifest, where the digest runs
 beside the encoding; older trees hash first, in ingest.hash_source, reported as "hash"), commit
 (version row + tiers: ingest.commit_version), and the rest (chunk ids, checks, the missing-id
-query). Pull phases: the final re-read sha256 of the written file (rebuild._file_sha256) and
-everything else (read packs, decode, verify, pwrite, fsync).
+query). A pull is one phase (read packs, decode, verify, pwrite, fsync): it no longer re-reads the
+written file for a sha256, the phase this script once split out.
 
-The wrappers are installed on the module attributes that push and pull look up at call time; if the
+The wrappers are installed on the module attributes that push looks up at call time; if the
 registry is refactored and a name moves, that phase reads 0 and a warning is printed. Measurement
 only: nothing in registry/ is changed on disk. Prints a table; writes results/phases.json.
 """
@@ -54,7 +54,6 @@ def install() -> None:
         _wrap(hashing.HashJob, "manifest", "digest_wait")
     _wrap(ingest, "upload_missing", "upload")
     _wrap(ingest, "commit_version", "commit")
-    # the pull no longer re-reads the written file: its sha256 is computed while writing
 
 
 def measure(reg, label: str, fn) -> dict:
@@ -66,7 +65,7 @@ def measure(reg, label: str, fn) -> dict:
     if label.startswith("push"):
         out["other"] = wall - sum(CLOCK.get(k, 0.0) for k in ("hash", "digest_wait", "upload", "commit"))
     else:
-        out["other"] = wall - CLOCK.get("pull_sha256", 0.0)
+        out["other"] = wall
     return out
 
 
@@ -91,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
             ]
             for label, fn in ops:
                 results[label].append(measure(reg, label, fn))
-    cols = ["hash", "upload", "digest_wait", "commit", "pull_sha256", "other"]
+    cols = ["hash", "upload", "digest_wait", "commit", "other"]
     rows, doc = [], {}
     for label, rs in results.items():
         med = {k: median([r.get(k, 0.0) for r in rs]) for k in ["wall", *cols]}
@@ -99,7 +98,7 @@ def main(argv: list[str] | None = None) -> None:
         rows.append([label, f"{med['wall']:.2f}", f"{size / med['wall'] / GB:.2f}",
                      *(f"{med[k]:.2f}" if med[k] else "" for k in cols)])
     print(f"\n## Phases (scale {args.scale:g}, {size / GB:.2f} GB file, median of {args.runs}; seconds)\n")
-    print(table(["op", "wall s", "GB/s", "hash", "upload", "digest wait", "commit", "pull: final sha256", "other"], rows))
+    print(table(["op", "wall s", "GB/s", "hash", "upload", "digest wait", "commit", "other"], rows))
     path = write_json("phases.json", {"machine": machine_info(), "scale": args.scale, "runs": args.runs, "ops": doc})
     print(f"results: {path}")
 

@@ -1,6 +1,6 @@
 """A pull to a file, written around the page cache or through it, and a load of that file right after.
 
-    python -m benchmarks.pull_then_load [--scale 1.0] [--runs 4] [--data DIR]
+    python -m benchmarks.pull_then_load [--scale 1.0] [--runs 5] [--data DIR]
 
 A node pull writes its file through the page cache; with MFSREG_PULL_DIRECT=1 it writes around it
 (O_DIRECT, see registry/client/direct.py): the pull is faster and the node keeps one copy of the
@@ -8,12 +8,15 @@ bytes in memory, but whoever reads the file next reads it from disk. This measur
 both ways, so the trade is in figures.
 
 Method: one stack as in bench_api.py (moto's S3 server, a scratch Postgres database and `mfsreg
-serve`, on loopback) receives base and lora-chat (parent base) through the API. Each run, for each
-way in turn: a fresh node cache is warmed, untimed, with the base tier (registry.client.warm), then
+serve`, on loopback) receives base and lora-chat (parent base) through the API, and lora-chat is
+also uploaded as one plain object. Each run first times the anchor, one boto3 get_object of that
+object streamed to a file (as bench_node's), then, for each way in turn (the order swapped every
+run): a fresh node cache is warmed, untimed, with the base tier (registry.client.warm), then
 RemoteRegistry.pull of lora-chat into a file is timed, then safetensors.torch.load_file of the
 pulled file (default backend, mmap) and a first touch of every page ("ready", as bench_node
 times it); the pull's CPU-seconds in this process (the node's side) are recorded too. Medians of
---runs. Writes results/pull_then_load.json.
+--runs (each column its own median, the totals' too), and the median of each run's pull time over
+that run's get_object. Writes results/pull_then_load.json.
 """
 
 from __future__ import annotations
@@ -63,21 +66,36 @@ def one(bench: Bench, setting: str) -> dict:
         shutil.rmtree(cache_dir, ignore_errors=True)
 
 
+def get_object_s(stack: Stack, bucket: str, work: Path) -> float:
+    """The anchor: one whole-object GET of the member streamed to a new file (moto's fast path)."""
+    dest = work / "plain.safetensors"
+    try:
+        t0 = time.perf_counter()
+        body = stack.s3.get_object(Bucket=bucket, Key=DUP)["Body"]
+        with open(dest, "wb") as f:
+            shutil.copyfileobj(body, f, 8 << 20)
+        return time.perf_counter() - t0
+    finally:
+        dest.unlink(missing_ok=True)
+
+
 def report(doc: dict) -> str:
     p, s = doc["params"], doc["summary"]
-    rows = [[way, f"{v['pull_s']:.3f}", f"{v['pull_cpu_s']:.3f}", f"{v['load_ready_s']:.3f}", f"{v['total_s']:.3f}"]
-            for way, v in s.items()]
+    rows = [[way, f"{v['pull_s']:.3f}", f"{v['pull_over_get_object']:.2f}x", f"{v['pull_cpu_s']:.3f}",
+             f"{v['load_ready_s']:.3f}", f"{v['total_s']:.3f}"] for way, v in s.items()]
     return "\n".join([
         f"## Pull of {DUP} with the base cached, then load_file of the pulled file (scale {p['scale']:g}, "
         f"{s[next(iter(s))]['logical_bytes'] / MB:,.1f} MB, median of {p['runs']} runs, {doc['machine']['cpu_count']} CPUs)", "",
-        table(["the pull's file written", "pull s", "pull CPU s (this process)", "load_file + first touch s", "together s"], rows),
-        "", "The pull's CPU is this process's (user + system, all threads); the server's is not counted.", ""])
+        table(["the pull's file written", "pull s", "pull / get_object (per run)", "pull CPU s (this process)",
+               "load_file + first touch s", "together s (median of the totals)"], rows),
+        "", f"Anchor: one get_object of the same file streamed to a file, {doc['summary_anchor']['get_object_s']:.3f} s "
+        "(median). The pull's CPU is this process's (user + system, all threads); the server's is not counted.", ""])
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--scale", type=float, default=1.0)
-    ap.add_argument("--runs", type=int, default=4)
+    ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--data", type=Path, default=DEFAULT_DIR)
     ap.add_argument("--out", default="pull_then_load.json", help="file name under benchmarks/results/")
     args = ap.parse_args(argv)
@@ -88,6 +106,7 @@ def main(argv: list[str] | None = None) -> None:
     work = Path(tempfile.mkdtemp(prefix="mfsreg-bench-ptl-", dir=args.data))
     stack = Stack(work)
     raw: dict[str, list[dict]] = {way: [] for way in WAYS}
+    anchor: list[float] = []
     before = os.environ.get("MFSREG_PULL_DIRECT")
     try:
         url = stack.start_api(f"reg-{uuid.uuid4().hex[:8]}")
@@ -95,11 +114,17 @@ def main(argv: list[str] | None = None) -> None:
         with bench.remote() as client:
             for m in ("base", DUP):
                 client.push(paths[m], FAMILY, m, parent=MEMBERS[m])
+        bucket = f"plain-{uuid.uuid4().hex[:8]}"
+        stack.s3.create_bucket(Bucket=bucket)
+        stack.s3.upload_file(str(paths[DUP]), bucket, DUP)
         for i in range(args.runs):
-            for way, setting in WAYS.items():  # alternating, so that both see the same hour
-                raw[way].append(one(bench, setting))
+            anchor.append(get_object_s(stack, bucket, work))
+            ways = list(WAYS) if i % 2 == 0 else list(WAYS)[::-1]  # alternating, so that both see the same hour
+            for way in ways:
+                raw[way].append({**one(bench, WAYS[way]), "get_object_s": anchor[-1]})
                 r = raw[way][-1]
-                print(f"run {i + 1}: {way}: pull {r['pull_s']:.3f} s, load {r['load_ready_s']:.3f} s", flush=True)
+                print(f"run {i + 1}: {way}: pull {r['pull_s']:.3f} s, load {r['load_ready_s']:.3f} s "
+                      f"(get_object {anchor[-1]:.3f} s)", flush=True)
     finally:
         if before is None:
             os.environ.pop("MFSREG_PULL_DIRECT", None)
@@ -108,10 +133,11 @@ def main(argv: list[str] | None = None) -> None:
         stack.close()
         shutil.rmtree(work, ignore_errors=True)
     summary = {way: {**{k: median([r[k] for r in rows]) for k in ("pull_s", "pull_cpu_s", "load_ready_s", "total_s")},
+                     "pull_over_get_object": median([r["pull_s"] / r["get_object_s"] for r in rows]),
                      "logical_bytes": rows[0]["logical_bytes"], "fetched_bytes": rows[0]["fetched_bytes"]}
                for way, rows in raw.items()}
     doc = {"machine": machine_info(), "params": {"scale": args.scale, "runs": args.runs, "member": DUP},
-           "summary": summary, "runs": raw}
+           "summary": summary, "summary_anchor": {"get_object_s": median(anchor), "all": anchor}, "runs": raw}
     finish(args.out, doc, report, t_start)
 
 
