@@ -1059,3 +1059,110 @@ def test_json_of_ls_show_and_to_dir_pulls_is_the_same_through_a_server(published
         pulled = mfsreg_json("pull", "fam", "lora-chat", "--to-dir", engine, env=e)
         assert pulled["path"] == str(engine / fam["lora-chat"].name)
         assert filecmp.cmp(pulled["path"], fam["lora-chat"], shallow=False)
+
+
+def test_pulling_to_the_same_directory_again_leaves_no_hidden_links(published, fam, tmp_path):
+    """A --to-dir pull into a directory that already holds the file links it again: a rename
+    between two links of one inode does nothing and left the temp link behind, holding the old
+    file's space after the cache let it go, one more per pull."""
+    _, env = published
+    engine = tmp_path / "current"
+    for version in ("lora-chat", "lora-chat", "base"):
+        mfsreg("pull", "fam", version, "--to-dir", engine, env=env)
+    assert sorted(p.name for p in engine.iterdir()) == sorted({fam["lora-chat"].name, fam["base"].name})
+
+
+def test_a_to_dir_pull_over_the_limit_keeps_its_file_and_reuses_it(published, fam, tmp_path):
+    """Materialised files go first when the cache must shrink, but not the ones the pull itself made
+    (they were, and every --to-dir pull rebuilt its file instead of linking it); a file reused is
+    marked used, so that eviction takes the one used longest ago."""
+    _, env = published
+    size = fam["lora-chat"].stat().st_size
+    env = dict(env, MFSREG_CACHE_MAX=str(size + size // 2))
+    first = mfsreg_json("pull", "fam", "lora-chat", "--to-dir", tmp_path / "a", env=env)
+    second = mfsreg_json("pull", "fam", "lora-chat", "--to-dir", tmp_path / "b", env=env)
+    assert os.stat(first["path"]).st_ino == os.stat(second["path"]).st_ino  # one file, linked twice
+    cache = NodeCache(Path(env["MFSREG_CACHE_DIR"]))
+    try:
+        def used(path: str) -> float:
+            sha = next(k for k in cache._conn().execute("SELECT key FROM entries WHERE key LIKE 'file:%'").fetchall()
+                       if os.path.samefile(cache.file_path(k[0][5:]), path))[0]
+            return cache._conn().execute("SELECT last_used FROM entries WHERE key = ?", (sha,)).fetchone()[0]
+
+        before = used(first["path"])
+        time.sleep(0.01)
+        mfsreg_json("pull", "fam", "lora-chat", "--to-dir", tmp_path / "c", env=env)
+        assert used(first["path"]) > before  # reused, and recorded as used
+    finally:
+        cache.close()
+
+
+def test_a_failed_pull_still_holds_the_cache_to_its_limit(published, server_env, fam, tmp_path):
+    """A pull that fails (here its version is deleted as its fetch starts) evicts down to the limit
+    as a finished one does; the cache stayed over it until some later pull succeeded."""
+    from registry.errors import NotFound
+    from registry.progress import NullProgress
+
+    srv, env = published
+    mfsreg("pull", "fam", "base", "-o", tmp_path / "base.out", env=env)  # fills the cache
+    held = NodeCache(Path(env["MFSREG_CACHE_DIR"])).total_bytes()
+    limit = held // 2
+    admin = RemoteRegistry(srv.url, token=token(server_env, "admin"))
+
+    class DeleteAtFetch(NullProgress):
+        def start(self, task: str, total: int) -> None:
+            if task == "fetch":
+                admin.delete("fam", "full-med")
+
+    cache = NodeCache(Path(env["MFSREG_CACHE_DIR"]), max_bytes=limit)
+    try:
+        with RemoteRegistry(srv.url, token=env["MFSREG_TOKEN"]) as r:
+            with pytest.raises(NotFound, match="was deleted while it was being pulled"):
+                r.pull("fam", "full-med", tmp_path / "out.safetensors", progress=DeleteAtFetch(), cache=cache)
+        assert cache.total_bytes() <= limit < held
+    finally:
+        cache.close()
+        admin.close()
+
+
+def test_a_refetch_writes_over_the_cached_file_and_never_removes_it_first(published, fam, tmp_path):
+    """Fetching a chunk again (found damaged, or missing) renames the checked bytes over whatever is
+    there: the file is never absent meanwhile. It was deleted first, and another process that had
+    just fetched and was placing the same chunk found it gone and failed ('keeps leaving the node
+    cache'); a damaged file is dropped only if it is still the one found damaged."""
+    from registry.client.node import refetcher
+
+    _, env = published
+    node = Node(env["MFSREG_URL"], env["MFSREG_TOKEN"], env["MFSREG_CACHE_DIR"])
+    try:
+        info = node.fetcher.version("fam", "lora-chat")
+        ids = info.manifest.chunk_ids()[:40]
+        node.fetcher.ensure("fam", ids, info.located, info.tiers)
+        paths = [node.cache.chunk_file(i) for i in ids]
+        seen_missing, stop = [], threading.Event()
+
+        def watch():
+            while not stop.is_set():
+                seen_missing.extend(p for p in paths if not os.path.exists(p))
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        try:
+            refetch = refetcher(node.fetcher, info)
+            for _ in range(5):
+                refetch(ids)
+        finally:
+            stop.set()
+            watcher.join()
+        assert seen_missing == []
+        assert all(chunk_id(Path(p).read_bytes()) == i for p, i in zip(paths, ids))
+        # a damaged file is dropped only while it is still that file
+        victim, path = ids[0], Path(paths[0])
+        seen = os.stat(path)
+        node.cache.put_many([(victim, Path(path).read_bytes(), None, "fam")], replace=True)  # another process's copy
+        node.cache.discard(victim, seen)
+        assert path.exists() and chunk_id(path.read_bytes()) == victim
+        node.cache.discard(victim, os.stat(path))
+        assert not path.exists()
+    finally:
+        node.close()

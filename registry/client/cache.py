@@ -66,6 +66,15 @@ CREATE TABLE IF NOT EXISTS pulls (family TEXT, version TEXT, last_used REAL, PRI
 """
 
 
+def _same_file(path: Path, seen: os.stat_result) -> bool:
+    """Whether ``path`` is still the file ``seen`` was taken of (or is gone)."""
+    try:
+        now = os.stat(path)
+    except FileNotFoundError:
+        return True
+    return (now.st_dev, now.st_ino) == (seen.st_dev, seen.st_ino)
+
+
 class NodeCache:
     def __init__(self, root: Path | None = None, max_bytes: int | None = None):
         self.root = Path(root) if root is not None else default_cache_dir()
@@ -136,9 +145,14 @@ class NodeCache:
         """A cached chunk's bytes if they hash to its id; a damaged or cut-short file is dropped (and
         None returned) so that it is fetched again. For bases of deltas: a bad basis would otherwise
         make every decode against it fail, pull after pull, blamed on the registry's packs."""
-        data = self.get(chunk_id)
-        if data is not None and chunk_id_of(data) != chunk_id:
-            self.discard(chunk_id)
+        try:
+            with open(self.chunk_file(chunk_id), "rb", buffering=0) as f:
+                seen = os.fstat(f.fileno())
+                data = f.read()
+        except FileNotFoundError:
+            return None
+        if chunk_id_of(data) != chunk_id:
+            self.discard(chunk_id, seen)
             return None
         return data
 
@@ -158,37 +172,52 @@ class NodeCache:
         """Store verified raw bytes (the caller checked them against the id)."""
         self.put_many([(chunk_id, raw, tier, family)])
 
-    def put_many(self, items: Iterable[tuple[str, bytes, str | None, str | None]]) -> None:
-        """Store many verified chunks: each file written atomically, then one index transaction."""
+    def put_many(self, items: Iterable[tuple[str, bytes, str | None, str | None]], replace: bool = False) -> None:
+        """Store many verified chunks: each file written atomically, then one index transaction.
+        ``replace``: write over a file already there (one found missing, cut short or damaged, and
+        fetched again): renamed over it, so a reader sees the old file or the new, and a good copy
+        another process wrote meanwhile is only replaced by the same bytes."""
         rows = []
         for chunk_id, raw, tier, family in items:
             path = self.chunk_file(chunk_id)
-            if not os.path.exists(path):
+            if replace or not os.path.exists(path):
                 # read-only: CPU tensors map these files (registry/client/mapping.py), so an edit in
                 # place would change live weights under a model that was checked once
                 atomic_write(path, raw, mode=0o444)
             rows.append((chunk_id, len(raw), tier, family))
         self.record(rows)
 
-    def discard(self, chunk_id: str) -> None:
-        """Drop one chunk (found damaged or cut short on disk): its rows, then its file."""
+    def discard(self, chunk_id: str, seen: os.stat_result | None = None) -> None:
+        """Drop one chunk (found damaged or cut short on disk): its rows, then its file. ``seen``:
+        the stat of the file found damaged; if another file is there now (another process fetched
+        the chunk again meanwhile), that one stays."""
+        path = self.chunk_path(chunk_id)
+        if seen is not None and not _same_file(path, seen):
+            return
         with self._db() as db:
             db.execute("DELETE FROM entries WHERE key = ?", (chunk_id,))
             db.execute("DELETE FROM family_base WHERE key = ?", (chunk_id,))
-        self.chunk_path(chunk_id).unlink(missing_ok=True)
+        path.unlink(missing_ok=True)
 
     def failed_again(self, chunk_id: str) -> IntegrityError:
         """The error for a chunk that is missing or damaged even after it was fetched again."""
         if not self.has(chunk_id):  # evicted again meanwhile by another process
+            if self.max_bytes is None:
+                return IntegrityError(f"chunk {chunk_id} left the node cache again while it was being placed (another "
+                                      "process's `cache verify` or `cache prune` dropped it): run it again")
             return IntegrityError(f"chunk {chunk_id} keeps leaving the node cache: raise MFSREG_CACHE_MAX")
         return IntegrityError(f"chunk {chunk_id} does not match its id even after fetching it again: "
                               "check this node's disk and memory, then retry")
 
-    def discard_file(self, sha256: str) -> None:
-        """Drop one materialised file (found damaged): its row, then the file (links elsewhere keep theirs)."""
+    def discard_file(self, sha256: str, seen: os.stat_result | None = None) -> None:
+        """Drop one materialised file (found damaged): its row, then the file (links elsewhere keep
+        theirs). ``seen``: as for discard."""
+        path = self.file_path(sha256)
+        if seen is not None and not _same_file(path, seen):
+            return
         with self._db() as db:
             db.execute("DELETE FROM entries WHERE key = ?", (f"file:{sha256}",))
-        self.file_path(sha256).unlink(missing_ok=True)
+        path.unlink(missing_ok=True)
 
     def record(self, items: Iterable[tuple[str, int, str | None, str | None]]) -> None:
         """Rows for entries on disk (key, size, tier, family), used now. A row that exists keeps its
@@ -221,9 +250,12 @@ class NodeCache:
     # -- files ------------------------------------------------------------------------------------
 
     def add_file(self, sha256: str, size: int) -> None:
-        self.record([(f"file:{sha256}", size, None, None)])
+        """A materialised file's row, used now (made if its writer died before it): one statement,
+        so that no eviction ever sees it ranked as anything but a file."""
         with self._db() as db:
-            db.execute("UPDATE entries SET rank = ? WHERE key = ?", (FILE_RANK, f"file:{sha256}"))
+            db.execute("INSERT INTO entries (key, size, rank, family, last_used) VALUES (?, ?, ?, NULL, ?) "
+                       "ON CONFLICT(key) DO UPDATE SET size = excluded.size, rank = excluded.rank, "
+                       "last_used = excluded.last_used", (f"file:{sha256}", size, FILE_RANK, time.time()))
 
     # -- pins, recent pulls -------------------------------------------------------------------------
 

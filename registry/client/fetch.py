@@ -100,15 +100,18 @@ class Fetcher:
 
     def ensure(self, family: str, ids: list[str], located: dict[str, StoredChunk], tiers: dict[str, str | None],
                progress: Progress | None = None, landed: Callable[[Iterable[str]], None] | None = None,
-               cancel: threading.Event | None = None) -> FetchStats:
+               cancel: threading.Event | None = None, again: bool = False) -> FetchStats:
         """Make ``ids`` present in the cache; returns what came from the network and from the cache.
         ``landed(ids)`` is called (on a fetch thread) as each batch of chunks is written to the cache.
-        Once ``cancel`` is set, batches not yet started are dropped and FetchCancelled is raised."""
+        Once ``cancel`` is set, batches not yet started are dropped and FetchCancelled is raised.
+        ``again``: fetch every one of ``ids``, cached or not, and write it over what is there (files
+        found missing, cut short or damaged: nothing is deleted by name first, which could delete a
+        good copy another process has just written)."""
         progress = progress or NullProgress()
         stats = FetchStats(chunk_ids=list(ids))
         missing = []
         for i in dict.fromkeys(ids):
-            if self.cache.has(i):
+            if not again and self.cache.has(i):
                 stats.cached_bytes += located[i].size
                 stats.cached_chunks += 1
                 stats.cached.add(i)
@@ -120,7 +123,8 @@ class Fetcher:
             return stats
         batches = list(sized_batches(missing, lambda i: located[i].size, BATCH_BYTES))
         with ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix="mfsreg-fetch") as requests:
-            results = requests.map(lambda b: (self._fetch_batch(family, b, located, tiers, landed, cancel), b), batches)
+            results = requests.map(lambda b: (self._fetch_batch(family, b, located, tiers, landed, cancel, again), b),
+                                   batches)
             for (received, got), batch in results:
                 stats.fetched_bytes += received
                 stats.fetched_chunks += got
@@ -134,7 +138,8 @@ class Fetcher:
         died before its row was written gets one, so that the size limit counts it."""
         self.cache.record((i, located[i].size, tiers.get(i), family) for i in ids)
 
-    def _fetch_batch(self, family: str, batch: list[str], located, tiers, landed=None, cancel=None) -> tuple[int, int]:
+    def _fetch_batch(self, family: str, batch: list[str], located, tiers, landed=None, cancel=None,
+                     replace: bool = False) -> tuple[int, int]:
         if cancel is not None and cancel.is_set():
             raise FetchCancelled("the fetch was called off")
         received = 0
@@ -146,7 +151,7 @@ class Fetcher:
                 yield c, p
 
         raw = decode_batch(batch, located, payloads, self.remote.pool, known=self.cache.get_verified)
-        self.cache.put_many((i, data, tiers.get(i), family) for i, data in raw.items())
+        self.cache.put_many(((i, data, tiers.get(i), family) for i, data in raw.items()), replace=replace)
         if landed is not None:
             landed(raw.keys())
         return received, len(raw)

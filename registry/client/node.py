@@ -21,14 +21,12 @@ from registry.rebuild import PullResult, safe_relpath
 
 
 def refetcher(fetcher: Fetcher, info: VersionInfo, stats: FetchStats | None = None):
-    """Drops chunks' cache files (missing, cut short or found damaged) and fetches them again, in
-    one go; what crosses the network is added to ``stats``. Call it from a thread outside the
-    remote's pool: the fetch decodes on that pool."""
+    """Fetches chunks again (their cache files missing, cut short or found damaged), in one go, and
+    writes them over what is there; what crosses the network is added to ``stats``. Call it from a
+    thread outside the remote's pool: the fetch decodes on that pool."""
 
     def refetch(chunk_ids: list[str]) -> None:
-        for i in chunk_ids:
-            fetcher.cache.discard(i)
-        got = fetcher.ensure(info.family, chunk_ids, info.located, info.tiers)
+        got = fetcher.ensure(info.family, chunk_ids, info.located, info.tiers, again=True)
         if stats is not None:
             stats.fetched_bytes += got.fetched_bytes
             stats.fetched_chunks += got.fetched_chunks
@@ -109,6 +107,9 @@ def pull(fetcher: Fetcher, family: str, version: str, out: Path, progress: Progr
 
     refetched = FetchStats()
     refetch = refetcher(fetcher, info, refetched)
+    # what a pull brought stays, over the limit if need be: its chunks, and the files it materialised
+    # (evicted first otherwise, they would be rebuilt by every --to-dir pull, never shared by links)
+    protect = ids + ([f"file:{f.sha256}" for f in info.manifest.files] if to_dir else [])
     worker = threading.Thread(target=fetch, name="mfsreg-pull-fetch", daemon=True)
     worker.start()
     assembled, failed = False, None
@@ -126,11 +127,13 @@ def pull(fetcher: Fetcher, family: str, version: str, out: Path, progress: Progr
         if not assembled:  # an error or an interrupt: what is still to fetch is not needed now
             stop.set()
         worker.join()  # the fetch writes into the cache: let its batches in flight land first
+        if not assembled or arrivals.error is not None:
+            evict_quietly(cache, protect)  # the limit holds after a failed pull too (what it fetched stays)
     if failed is not None or arrivals.error is not None:
         raise gone_meanwhile(fetcher, info, failed or arrivals.error) from None
     stats = fetched["stats"]
     cache.record_pull(family, version)
-    cache.evict(protect=ids)
+    cache.evict(protect=protect)
     # a chunk found cached and then fetched again (damaged, or evicted by another process) counts as fetched only
     recounted = stats.cached.intersection(refetched.chunk_ids)
     return PullResult(
@@ -140,6 +143,14 @@ def pull(fetcher: Fetcher, family: str, version: str, out: Path, progress: Progr
         fetched_bytes=stats.fetched_bytes + refetched.fetched_bytes,
         cached_bytes=stats.cached_bytes - sum(info.located[i].size for i in recounted),
     )
+
+
+def evict_quietly(cache, protect) -> None:
+    """Evict down to the limit on the way out of a failure, which is the error to report."""
+    try:
+        cache.evict(protect=protect)
+    except Exception:  # noqa: BLE001  (say, the disk that failed the pull fails this too)
+        pass
 
 
 def _intact(stored: Path, entry, pool) -> bool:
@@ -173,7 +184,9 @@ def _materialise_dir(fetcher: Fetcher, info: VersionInfo, out: Path, progress: P
         # A materialised file is shared by hardlinks and kept read-only; one that is writable again,
         # has another size or fails its chunks' check (root writes through a read-only mode) was
         # changed in place, and is rebuilt rather than handed on.
-        if not _intact(stored, entry, fetcher.remote.pool):
+        if _intact(stored, entry, fetcher.remote.pool):
+            cache.add_file(entry.sha256, entry.size)  # used now (and recorded, if its writer died before it)
+        else:
             # Built under a temp name and renamed over whatever is there, already read-only (engines
             # only read, and an edit through one link would hit all): another process pulling the
             # same file never sees it writable, so never takes it for a changed one and deletes it.
@@ -188,8 +201,10 @@ def _materialise_dir(fetcher: Fetcher, info: VersionInfo, out: Path, progress: P
             continue
         try:
             os.replace(tmp, dest)
-        except BaseException:  # say, a directory in the file's place: no stray link is left beside it
+        finally:
+            # after a failure (say, a directory in the file's place), and after a rename between two
+            # links of one inode (a pull into the same directory again), which does nothing and leaves
+            # ``tmp``: no stray link stays beside the file, holding old files' space
             tmp.unlink(missing_ok=True)
-            raise
 
 

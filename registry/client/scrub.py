@@ -5,6 +5,8 @@ a load does, and tells an operator that a node's disk is losing bytes."""
 
 from __future__ import annotations
 
+import os
+
 from pathlib import Path
 
 from registry.chunking import MappedFile, chunk_id, file_sha256
@@ -27,13 +29,16 @@ def verify_cache(cache: NodeCache, progress: Progress | None = None) -> dict:
     damaged: dict[str, list[str]] = {"chunk": [], "file": []}
     for kind, e, size in found:
         try:
+            seen = os.stat(e.path)
             with MappedFile(Path(e.path)) as mf:
                 ok = (chunk_id(mf.view) if kind == "chunk" else file_sha256(mf.view)) == e.name
         except FileNotFoundError:
             continue  # evicted meanwhile
         if not ok:
-            (cache.discard if kind == "chunk" else cache.discard_file)(e.name)
-            Path(e.path).unlink(missing_ok=True)  # a stray file in another subdirectory than its name's goes too
+            # only the file found damaged: a good copy another process fetched meanwhile stays
+            (cache.discard if kind == "chunk" else cache.discard_file)(e.name, seen)
+            if e.path not in (str(cache.chunk_path(e.name)), str(cache.file_path(e.name))):
+                Path(e.path).unlink(missing_ok=True)  # a stray file in another subdirectory than its name's
             damaged[kind].append(e.name)
         progress.advance("verify", size)
     return {"chunks": sum(k == "chunk" for k, _, _ in found), "files": sum(k == "file" for k, _, _ in found),

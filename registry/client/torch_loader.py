@@ -27,7 +27,7 @@ import torch
 from registry.chunking import ChunkRef, chunk_id
 from registry.client.cache import NodeCache
 from registry.client.fetch import Fetcher, VersionInfo
-from registry.client.node import gone_meanwhile, refetcher
+from registry.client.node import evict_quietly, gone_meanwhile, refetcher
 from registry.client.remote import RemoteRegistry
 from registry.errors import IntegrityError, InvalidRequest, NotFound
 from registry.manifest import SAFETENSORS
@@ -328,6 +328,7 @@ def fill(node: Node, info: VersionInfo, lay: dict, copier: Copier, targets: dict
     copied = 0
     copier.refetch = refetch or refetcher(node.fetcher, info)
     copier.begin()
+    done = False
     try:
         if cached if cached is not None else all(node.cache.has(i) for i in needed):
             # All cached (a warm node): nothing to fetch ahead, and a fetch thread would only take
@@ -340,10 +341,13 @@ def fill(node: Node, info: VersionInfo, lay: dict, copier: Copier, targets: dict
             with contextlib.closing(_fetch_ahead(node.fetcher, info, chunk_groups)) as landed:
                 for k in landed:
                     copied += copier.copy_many([(targets[name], todo[name]) for name in groups[k]])
+        done = True
     except NotFound as exc:  # the server's "not part of family", where the version went meanwhile
         raise gone_meanwhile(node.fetcher, info, exc, "loaded", outcome) from None
     finally:
         copier.finish()  # also after a failure: no copy may still be queued into tensors being freed
+        if record and not done:
+            evict_quietly(node.cache, needed)  # the limit holds after a failed load too
     if record:
         node.cache.evict(protect=needed)
     return copied
@@ -387,10 +391,11 @@ def build(node: Node, family: str, version: str, copier: Copier) -> tuple[Versio
     tensors, failure = None, None
 
     def deferred(chunk_ids: list[str]) -> None:
-        """A chunk to fetch again (damaged, or evicted meanwhile) is dropped now, but fetched only
-        on the answer's word, by the build from the current document below."""
+        """A chunk to fetch again (damaged, or evicted meanwhile) is dropped now if its file is
+        damaged (a good copy another process wrote meanwhile stays: get_verified checks which file
+        it drops), but fetched only on the answer's word, by the build from the current document below."""
         for i in chunk_ids:
-            node.cache.discard(i)
+            node.cache.get_verified(i)
         raise _Deferred(chunk_ids)
 
     try:

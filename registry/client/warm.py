@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from registry.client.cache import NodeCache
 from registry.client.fetch import Fetcher
+from registry.client.node import evict_quietly
 from registry.client.remote import RemoteRegistry
 from registry.errors import InvalidRequest, NotFound
 
@@ -22,20 +23,24 @@ def warm_cache(remote: RemoteRegistry, family: str, tier: str | None = "base", r
         ids = [i for i, t in tiers.items() if tier is None or t == tier]
         if pin and tier == "base":
             cache.pin(family)
-        stats = fetcher.ensure(family, ids, located, tiers)
-        fetched, chunks = stats.fetched_bytes, len(ids)
-        cache.set_tiers(tiers, family)  # tiers move as members join: refresh what the cache believes
-        warm = list(ids)
-        for version in cache.recent_pulls(family, recent) if recent else []:
-            try:
-                info = fetcher.version(family, version)
-            except NotFound:  # deleted on the registry since it was pulled: no longer one to keep warm
-                cache.forget_pull(family, version)
-                continue
-            s = fetcher.ensure(family, info.manifest.chunk_ids(), info.located, info.tiers)
-            fetched += s.fetched_bytes
-            chunks += s.fetched_chunks + s.cached_chunks
-            warm += s.chunk_ids
+        warm = list(ids)  # what the warm brings: kept over the limit if need be
+        try:
+            stats = fetcher.ensure(family, ids, located, tiers)
+            fetched, chunks = stats.fetched_bytes, len(ids)
+            cache.set_tiers(tiers, family)  # tiers move as members join: refresh what the cache believes
+            for version in cache.recent_pulls(family, recent) if recent else []:
+                try:
+                    info = fetcher.version(family, version)
+                except NotFound:  # deleted on the registry since it was pulled: no longer one to keep warm
+                    cache.forget_pull(family, version)
+                    continue
+                s = fetcher.ensure(family, info.manifest.chunk_ids(), info.located, info.tiers)
+                fetched += s.fetched_bytes
+                chunks += s.fetched_chunks + s.cached_chunks
+                warm += s.chunk_ids
+        except BaseException:
+            evict_quietly(cache, warm)  # the limit holds after a failed warm too
+            raise
         # the size limit holds after a warm as after a pull: older entries make room for what it
         # brought (more than the limit can hold keeps all of it, as a pull keeps its own chunks)
         cache.evict(protect=warm)
