@@ -1166,3 +1166,45 @@ def test_a_refetch_writes_over_the_cached_file_and_never_removes_it_first(publis
         assert not path.exists()
     finally:
         node.close()
+
+
+def _ranked_cache(tmp_path) -> tuple[NodeCache, dict[str, bytes]]:
+    """A cache holding three 4 KiB chunks, each a distinct pattern, by id."""
+    cache = NodeCache(tmp_path / "ranked")
+    chunks = {}
+    for k in range(3):
+        data = bytes([k + 1]) * 4096
+        chunks[chunk_id(data)] = data
+    return cache, chunks
+
+
+def test_a_chunk_two_families_tier_differently_is_evicted_as_its_highest_tier(tmp_path):
+    """Each family's word on a cached chunk is kept: a chunk one family holds as base and another
+    as unique goes after a group chunk (a warm of the second family's unique tier ranked it unique,
+    and eviction took it first)."""
+    cache, chunks = _ranked_cache(tmp_path)
+    x, y, z = chunks
+    try:
+        cache.put_many([(x, chunks[x], "base", "f"), (y, chunks[y], "group", "f"), (z, chunks[z], "group", "f")])
+        cache.set_tiers({x: "unique"}, "g")  # what `cache warm g --tier unique` tells of the same chunk
+        cache.touch([y, z])  # x is the least recently used
+        cache.evict(max_bytes=4096)
+        assert cache.has(x) and not cache.has(y) and not cache.has(z)
+    finally:
+        cache.close()
+
+
+def test_a_tier_that_moves_down_lowers_the_chunks_rank(tmp_path):
+    """A chunk its family once held as base and now as group (a member drifted) is evicted as group:
+    its rank only ever rose."""
+    cache, chunks = _ranked_cache(tmp_path)
+    x, y, z = chunks
+    try:
+        cache.put_many([(x, chunks[x], "base", "f"), (y, chunks[y], "unique", "f")])
+        cache.record([(x, 4096, "group", "f")])  # the family's current document, as a pull notes it
+        cache.put_many([(z, chunks[z], "group", "f")])  # newer, same tier
+        cache.touch([y])
+        cache.evict(max_bytes=4096)  # unique y first, then the older group chunk: x
+        assert cache.has(z) and not cache.has(x) and not cache.has(y)
+    finally:
+        cache.close()

@@ -62,6 +62,11 @@ CREATE TABLE IF NOT EXISTS pins (family TEXT PRIMARY KEY);
 -- a pin of either (entries.family names only the first family that cached it)
 CREATE TABLE IF NOT EXISTS family_base (family TEXT, key TEXT, PRIMARY KEY (family, key));
 CREATE INDEX IF NOT EXISTS family_base_key ON family_base (key);
+-- each family's word on a cached chunk's tier (as a rank): entries.rank is the highest of them, so a
+-- chunk one family holds as base and another as unique is evicted as base, and a tier that moves
+-- down in a family lowers it
+CREATE TABLE IF NOT EXISTS family_rank (family TEXT, key TEXT, rank INTEGER NOT NULL, PRIMARY KEY (family, key));
+CREATE INDEX IF NOT EXISTS family_rank_key ON family_rank (key);
 CREATE TABLE IF NOT EXISTS pulls (family TEXT, version TEXT, last_used REAL, PRIMARY KEY (family, version));
 """
 
@@ -197,6 +202,7 @@ class NodeCache:
         with self._db() as db:
             db.execute("DELETE FROM entries WHERE key = ?", (chunk_id,))
             db.execute("DELETE FROM family_base WHERE key = ?", (chunk_id,))
+            db.execute("DELETE FROM family_rank WHERE key = ?", (chunk_id,))
         path.unlink(missing_ok=True)
 
     def failed_again(self, chunk_id: str) -> IntegrityError:
@@ -220,8 +226,9 @@ class NodeCache:
         path.unlink(missing_ok=True)
 
     def record(self, items: Iterable[tuple[str, int, str | None, str | None]]) -> None:
-        """Rows for entries on disk (key, size, tier, family), used now. A row that exists keeps its
-        highest tier of any family; a file without one (its writer died before recording it) gets one."""
+        """Rows for entries on disk (key, size, tier, family), used now; a file without one (its
+        writer died before recording it) gets one. A chunk's rank is the highest its families give
+        it, each as it told last (an entry no family has told keeps the highest it was given)."""
         now = time.time()
         items = list(items)
         rows = [(k, n, RANK.get(t, UNKNOWN_RANK) if t else UNKNOWN_RANK, fam, now) for k, n, t, fam in items]
@@ -232,6 +239,7 @@ class NodeCache:
                 "family = COALESCE(entries.family, excluded.family)",
                 rows,
             )
+            _rerank(db, [(fam, k, r) for k, _, r, fam, _ in rows if fam is not None])
             _note_base(db, [(k, t, fam) for k, _, t, fam in items])
 
     def touch(self, chunk_ids: Iterable[str]) -> None:
@@ -240,12 +248,15 @@ class NodeCache:
             db.executemany("UPDATE entries SET last_used = ? WHERE key = ?", [(now, i) for i in chunk_ids])
 
     def set_tiers(self, tiers: dict[str, str | None], family: str | None = None) -> None:
-        """What the registry says now of these chunks' tiers (in ``family``): tiers move as members join."""
+        """What the registry says now of these chunks' tiers (in ``family``): tiers move as members
+        join. Without a family, the ranks are set as told."""
+        ranks = [(i, RANK.get(t, UNKNOWN_RANK) if t else UNKNOWN_RANK) for i, t in tiers.items()]
         with self._db() as db:
-            db.executemany("UPDATE entries SET rank = ? WHERE key = ?",
-                           [(RANK.get(t, UNKNOWN_RANK) if t else UNKNOWN_RANK, i) for i, t in tiers.items()])
-            if family is not None:
-                _note_base(db, [(i, t, family) for i, t in tiers.items()])
+            if family is None:
+                db.executemany("UPDATE entries SET rank = ? WHERE key = ?", [(r, i) for i, r in ranks])
+                return
+            _rerank(db, [(family, i, r) for i, r in ranks], only_cached=True)
+            _note_base(db, [(i, t, family) for i, t in tiers.items()])
 
     # -- files ------------------------------------------------------------------------------------
 
@@ -319,6 +330,7 @@ class NodeCache:
                 freed += size
             db.executemany("DELETE FROM entries WHERE key = ?", [(k,) for k in victims])
             db.executemany("DELETE FROM family_base WHERE key = ?", [(k,) for k in victims])
+            db.executemany("DELETE FROM family_rank WHERE key = ?", [(k,) for k in victims])
         for key in victims:
             (self.file_path(key[5:]) if key.startswith("file:") else self.chunk_path(key)).unlink(missing_ok=True)
         return removed, freed
@@ -388,6 +400,35 @@ class NodeCache:
             "path": str(self.root), "max_bytes": self.max_bytes, "bytes": sum(b for _, _, b in rows),
             "chunks": sum(n for r, n, _ in rows if r != FILE_RANK), "by_tier": by, "pinned_families": self.pinned(),
         }
+
+
+def _rerank(db: sqlite3.Connection, told: list[tuple[str, str, int]], only_cached: bool = False) -> None:
+    """Record what each family told of each chunk's rank (family, key, rank), and set the entries
+    whose word changed to the highest rank any family gives them. Loads tell the same ranks again
+    and again: only the changes are written (one read of the current word first). ``only_cached``:
+    ignore chunks without an entry (a warm tells the ranks of a whole tier)."""
+    if not told:
+        return
+    keys = list(dict.fromkeys(k for _, k, _ in told))
+    now: dict[tuple[str, str], int] = {}
+    for i in range(0, len(keys), 900):
+        part = keys[i : i + 900]
+        marks = ",".join("?" * len(part))
+        now.update(((f, k), r) for f, k, r in db.execute(
+            f"SELECT family, key, rank FROM family_rank WHERE key IN ({marks})", part))
+    changed = [(f, k, r) for f, k, r in told if now.get((f, k)) != r]
+    if not changed:
+        return
+    if only_cached:
+        cached = set()
+        for i in range(0, len(keys), 900):
+            part = keys[i : i + 900]
+            cached.update(r[0] for r in db.execute(f"SELECT key FROM entries WHERE key IN ({','.join('?' * len(part))})", part))
+        changed = [(f, k, r) for f, k, r in changed if k in cached]
+    db.executemany("INSERT INTO family_rank (family, key, rank) VALUES (?, ?, ?) "
+                   "ON CONFLICT(family, key) DO UPDATE SET rank = excluded.rank", changed)
+    db.executemany("UPDATE entries SET rank = (SELECT MAX(rank) FROM family_rank WHERE family_rank.key = entries.key) "
+                   "WHERE key = ?", [(k,) for k in dict.fromkeys(k for _, k, _ in changed)])
 
 
 def _note_base(db: sqlite3.Connection, items: list[tuple[str, str | None, str | None]]) -> None:
