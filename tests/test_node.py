@@ -1208,3 +1208,55 @@ def test_a_tier_that_moves_down_lowers_the_chunks_rank(tmp_path):
         assert cache.has(z) and not cache.has(x) and not cache.has(y)
     finally:
         cache.close()
+
+
+def test_a_cached_chunk_evicted_during_a_pull_is_fetched_at_once_not_after_the_fetch(published, fam, tmp_path):
+    """A chunk the pull found cached, then evicted by another process before the assembly reached
+    it, is fetched again at once: the assembly waited for the whole background fetch to end first,
+    as if the chunk were still to come from it."""
+    from registry.client import node as node_pull
+    from registry.client.fetch import Fetcher
+    from registry.progress import NullProgress
+
+    _, env = published
+    cache_dir = tmp_path / "cache"
+    mfsreg("cache", "warm", "fam", "--tier", "base", env=dict(env, MFSREG_CACHE_DIR=str(cache_dir)))
+    cache = NodeCache(cache_dir)
+    remote = RemoteRegistry(env["MFSREG_URL"], token=env["MFSREG_TOKEN"])
+    try:
+        info = Fetcher(remote, cache).version("fam", "lora-chat")
+        entry = info.manifest.files[0]
+        victim = next(c.id for c in entry.chunks[1:] if cache.has(c.id))  # early in the file, cached
+
+        real_fetch = remote.fetch
+
+        def slow_fetch(family, chunks):  # the fetch of lora-chat's own chunks takes a while
+            time.sleep(0.5)
+            yield from real_fetch(family, chunks)
+
+        remote.fetch = slow_fetch
+        events: list[tuple[str, bool]] = []
+        fetcher = Fetcher(remote, cache)
+        real_ensure = fetcher.ensure
+
+        def logged_ensure(*args, again=False, **kwargs):
+            events.append(("start", again))
+            try:
+                return real_ensure(*args, again=again, **kwargs)
+            finally:
+                events.append(("end", again))
+
+        fetcher.ensure = logged_ensure
+
+        class EvictAtFetch(NullProgress):  # another process's eviction, after the fetch looked
+            def start(self, task: str, total: int) -> None:
+                if task == "fetch":
+                    os.unlink(cache.chunk_file(victim))
+
+        out = tmp_path / "out.safetensors"
+        node_pull.pull(fetcher, "fam", "lora-chat", out, EvictAtFetch())
+        assert filecmp.cmp(out, fam["lora-chat"], shallow=False)
+        assert events.index(("start", True)) < events.index(("end", False)), events
+    finally:
+        remote.close()
+        cache.close()

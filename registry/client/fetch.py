@@ -100,13 +100,15 @@ class Fetcher:
 
     def ensure(self, family: str, ids: list[str], located: dict[str, StoredChunk], tiers: dict[str, str | None],
                progress: Progress | None = None, landed: Callable[[Iterable[str]], None] | None = None,
-               cancel: threading.Event | None = None, again: bool = False) -> FetchStats:
+               cancel: threading.Event | None = None, again: bool = False,
+               planned: Callable[[list[str]], None] | None = None) -> FetchStats:
         """Make ``ids`` present in the cache; returns what came from the network and from the cache.
         ``landed(ids)`` is called (on a fetch thread) as each batch of chunks is written to the cache.
         Once ``cancel`` is set, batches not yet started are dropped and FetchCancelled is raised.
         ``again``: fetch every one of ``ids``, cached or not, and write it over what is there (files
         found missing, cut short or damaged: nothing is deleted by name first, which could delete a
-        good copy another process has just written)."""
+        good copy another process has just written). ``planned(ids)`` is told which chunks it will
+        fetch, before it fetches any."""
         progress = progress or NullProgress()
         stats = FetchStats(chunk_ids=list(ids))
         missing = []
@@ -118,6 +120,8 @@ class Fetcher:
             else:
                 missing.append(i)
         self.note_used(family, stats.cached, located, tiers)
+        if planned is not None:
+            planned(missing)
         progress.start("fetch", sum(located[i].size for i in missing))
         if not missing:
             return stats

@@ -60,8 +60,16 @@ class _Arrivals:
     def __init__(self):
         self._cond = threading.Condition()
         self._landed: set[str] = set()
+        self._coming: set[str] | None = None  # what the fetch will bring, once it has looked
         self._over = False
         self.error: BaseException | None = None
+
+    def plan(self, ids) -> None:
+        """The chunks the fetch found missing and will bring: a chunk it will not bring (cached when
+        it looked, evicted by another process since) is not waited for, but fetched again at once."""
+        with self._cond:
+            self._coming = set(ids)
+            self._cond.notify_all()
 
     def land(self, ids) -> None:
         with self._cond:
@@ -76,7 +84,8 @@ class _Arrivals:
     def wait(self, chunk_id: str) -> None:
         """Until ``chunk_id`` has landed or the fetch is over; a failed fetch raises its error here."""
         with self._cond:
-            self._cond.wait_for(lambda: chunk_id in self._landed or self._over)
+            self._cond.wait_for(lambda: chunk_id in self._landed or self._over
+                                or self._coming is not None and chunk_id not in self._coming)
             if self.error is not None:
                 raise self.error
 
@@ -99,7 +108,8 @@ def pull(fetcher: Fetcher, family: str, version: str, out: Path, progress: Progr
 
     def fetch() -> None:
         try:
-            fetched["stats"] = fetcher.ensure(family, ids, info.located, info.tiers, progress, landed=arrivals.land, cancel=stop)
+            fetched["stats"] = fetcher.ensure(family, ids, info.located, info.tiers, progress, landed=arrivals.land,
+                                              cancel=stop, planned=arrivals.plan)
         except BaseException as exc:  # handed to the assembly, which raises it
             arrivals.finish(exc)
         else:
