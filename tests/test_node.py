@@ -1224,25 +1224,24 @@ def test_a_cached_chunk_evicted_during_a_pull_is_fetched_at_once_not_after_the_f
     cache = NodeCache(cache_dir)
     remote = RemoteRegistry(env["MFSREG_URL"], token=env["MFSREG_TOKEN"])
     try:
-        info = Fetcher(remote, cache).version("fam", "lora-chat")
-        entry = info.manifest.files[0]
-        victim = next(c.id for c in entry.chunks[1:] if cache.has(c.id))  # early in the file, cached
-
-        real_fetch = remote.fetch
-
-        def slow_fetch(family, chunks):  # the fetch of lora-chat's own chunks takes a while
-            time.sleep(0.5)
-            yield from real_fetch(family, chunks)
-
-        remote.fetch = slow_fetch
-        events: list[tuple[str, bool]] = []
         fetcher = Fetcher(remote, cache)
+        info = fetcher.version("fam", "lora-chat")
+        entry = info.manifest.files[0]
+        # the assembly waits at the header (this member's own, fetched) until the fetch lands it; the
+        # victim comes after it, cached when the fetch looks and evicted as the fetch starts
+        assert not cache.has(entry.chunks[0].id)
+        victim = next(c.id for c in entry.chunks[1:] if cache.has(c.id))
+        events: list[tuple[str, bool]] = []
         real_ensure = fetcher.ensure
 
-        def logged_ensure(*args, again=False, **kwargs):
+        def logged_ensure(*args, again=False, landed=None, **kwargs):
+            def landed_then_linger(ids):  # the fetch goes on a while after its batch lands
+                landed(ids)
+                time.sleep(1.0)
+
             events.append(("start", again))
             try:
-                return real_ensure(*args, again=again, **kwargs)
+                return real_ensure(*args, again=again, landed=landed_then_linger if landed else None, **kwargs)
             finally:
                 events.append(("end", again))
 
