@@ -66,11 +66,9 @@ def run_guarded(fn) -> None:
         ctx = getattr(exc, "ctx", None)
         where = f"`{ctx.command_path} --help`" if ctx is not None else "`mfsreg --help`"
         fail(f"{' '.join(exc.format_message().split())} (see {where})", 2)
-    except typer.Abort:
-        fail("interrupted; nothing partial was committed, re-run to continue", 130)
     except e.RegistryError as exc:
         fail(str(exc), exit_code(exc))
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, typer.Abort):  # Ctrl-C, seen by Python or by click first
         fail("interrupted; nothing partial was committed, re-run to continue", 130)
     except (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError, NotADirectoryError) as exc:
         fail(f"{exc.filename or ''}: {exc.strerror}{_HINTS.get(type(exc), '')}", 2)

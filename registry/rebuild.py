@@ -82,9 +82,14 @@ def targets(manifest: Manifest, out: Path) -> list[tuple[FileEntry, Path]]:
     else:
         if out.exists() and not out.is_dir():
             raise InvalidRequest(f"{out} is a file, but this version is a directory of {len(manifest.files)} files: give a directory")
-        plan = [(f, out.joinpath(*safe_relpath(f.path).parts)) for f in manifest.files]
+        plan = _under(manifest, out)
     _check_dests(plan, out)
     return plan
+
+
+def _under(manifest: Manifest, out: Path) -> list[tuple[FileEntry, Path]]:
+    """Each file of the version at its path under the directory ``out``."""
+    return [(f, out.joinpath(*safe_relpath(f.path).parts)) for f in manifest.files]
 
 
 def check_dir(out: Path, manifest: Manifest) -> None:
@@ -93,7 +98,7 @@ def check_dir(out: Path, manifest: Manifest) -> None:
     _check_parent(out)
     if out.exists() and not out.is_dir():
         raise InvalidRequest(f"{out} is a file: --to-dir needs a directory (an existing one, or a new name)")
-    _check_dests([(f, out.joinpath(*safe_relpath(f.path).parts)) for f in manifest.files], out)
+    _check_dests(_under(manifest, out), out)
 
 
 def _check_dests(plan: list[tuple[FileEntry, Path]], out: Path) -> None:

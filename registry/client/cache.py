@@ -369,12 +369,8 @@ class NodeCache:
         like any other entry from now on. Returns how many."""
         found = {(f"file:{e.name}" if kind == "file" else e.name): e
                  for kind, e in self.disk_files() if not is_temp(e.name)}
-        keys, known = list(found), set()
-        conn = self._conn()
-        for i in range(0, len(keys), 900):
-            batch = keys[i:i + 900]
-            known.update(r[0] for r in conn.execute(
-                f"SELECT key FROM entries WHERE key IN ({','.join('?' * len(batch))})", batch))
+        keys = list(found)
+        known = {r[0] for r in _rows_in(self._conn(), "SELECT key FROM entries WHERE key IN ({})", keys)}
         chunks, files = [], []
         for key in keys:
             if key in known:
@@ -402,6 +398,14 @@ class NodeCache:
         }
 
 
+def _rows_in(db: sqlite3.Connection, query: str, keys: list[str]) -> Iterator[tuple]:
+    """Rows of ``query`` (its ``{}`` the placeholders of an IN list) over ``keys``, in batches that
+    stay under SQLite's limit on bound parameters."""
+    for i in range(0, len(keys), 900):
+        part = keys[i : i + 900]
+        yield from db.execute(query.format(",".join("?" * len(part))), part)
+
+
 def _rerank(db: sqlite3.Connection, told: list[tuple[str, str, int]], only_cached: bool = False) -> None:
     """Record what each family told of each chunk's rank (family, key, rank), and set the entries
     whose word changed to the highest rank any family gives them. Loads tell the same ranks again
@@ -410,20 +414,12 @@ def _rerank(db: sqlite3.Connection, told: list[tuple[str, str, int]], only_cache
     if not told:
         return
     keys = list(dict.fromkeys(k for _, k, _ in told))
-    now: dict[tuple[str, str], int] = {}
-    for i in range(0, len(keys), 900):
-        part = keys[i : i + 900]
-        marks = ",".join("?" * len(part))
-        now.update(((f, k), r) for f, k, r in db.execute(
-            f"SELECT family, key, rank FROM family_rank WHERE key IN ({marks})", part))
+    now = {(f, k): r for f, k, r in _rows_in(db, "SELECT family, key, rank FROM family_rank WHERE key IN ({})", keys)}
     changed = [(f, k, r) for f, k, r in told if now.get((f, k)) != r]
     if not changed:
         return
     if only_cached:
-        cached = set()
-        for i in range(0, len(keys), 900):
-            part = keys[i : i + 900]
-            cached.update(r[0] for r in db.execute(f"SELECT key FROM entries WHERE key IN ({','.join('?' * len(part))})", part))
+        cached = {r[0] for r in _rows_in(db, "SELECT key FROM entries WHERE key IN ({})", keys)}
         changed = [(f, k, r) for f, k, r in changed if k in cached]
     db.executemany("INSERT INTO family_rank (family, key, rank) VALUES (?, ?, ?) "
                    "ON CONFLICT(family, key) DO UPDATE SET rank = excluded.rank", changed)

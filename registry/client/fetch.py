@@ -83,10 +83,10 @@ class Fetcher:
                                    "check the proxy in front of the registry")
             info = kept[1]
         else:
+            located, tiers = self.remote.chunk_table(doc)
             info = VersionInfo(
                 family=family, version=version, digest=doc["digest"], logical_bytes=doc["logical_bytes"],
-                manifest=self.remote.manifest_of(doc), located=self.remote.located(doc),
-                tiers=self.remote.tiers(doc),
+                manifest=self.remote.manifest_of(doc), located=located, tiers=tiers,
             )
         with self._versions_lock:
             if tag:

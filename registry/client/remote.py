@@ -111,7 +111,9 @@ class RemoteRegistry:
         return resp
 
     def _json(self, method: str, path: str, **kw):
-        resp = self._request(method, path, **kw)
+        return self._parsed(self._request(method, path, **kw), method, path)
+
+    def _parsed(self, resp: httpx.Response, method: str, path: str):
         try:
             return resp.json()
         except ValueError:  # a proxy's or another server's page: every mfsreg answer is JSON
@@ -246,12 +248,7 @@ class RemoteRegistry:
         resp = self._request("GET", path, headers=headers)
         if resp.status_code == 304:
             return None, resp.headers.get("etag", tag)
-        try:
-            doc = resp.json()
-        except ValueError:
-            raise InvalidRequest(f"{self.url} answered GET {path} with {resp.status_code} and a body that is not "
-                                 "JSON: check that MFSREG_URL points at an mfsreg server") from None
-        return self._built("GET", path, _version_doc, doc), resp.headers.get("etag")
+        return self._built("GET", path, _version_doc, self._parsed(resp, "GET", path)), resp.headers.get("etag")
 
     def manifest(self, family: str, version: str) -> tuple[VersionRow, Manifest]:
         doc = self.version_doc(family, version)
@@ -267,21 +264,18 @@ class RemoteRegistry:
         except (InvalidRequest, KeyError, TypeError) as exc:
             raise self._bad_document(exc) from None
 
-    def located(self, doc: dict) -> dict[str, StoredChunk]:
-        """Where each chunk of a version or tier document is stored. The ids name files in the node
-        cache (a delta's basis too): each is checked to be one, and each row's fields their type."""
+    def chunk_table(self, doc: dict) -> tuple[dict[str, StoredChunk], dict[str, str | None]]:
+        """Where each chunk of a version or tier document is stored, and its tier (None: not yet
+        sorted), in one pass over the rows. The ids name files in the node cache (a delta's basis
+        too): each is checked to be one, and each row's fields their type."""
+        located, tiers = {}, {}
         try:
-            return {i: StoredChunk(i, size, encoding, stored, "", 0, basis)
-                    for i, (encoding, stored, basis, size, _) in _chunk_rows(doc)}
+            for i, (encoding, stored, basis, size, tier) in _chunk_rows(doc):
+                located[i] = StoredChunk(i, size, encoding, stored, "", 0, basis)
+                tiers[i] = tier
         except (InvalidRequest, KeyError, TypeError, ValueError, AttributeError) as exc:
             raise self._bad_document(exc) from None
-
-    def tiers(self, doc: dict) -> dict[str, str | None]:
-        """Each chunk's tier in a version or tier document (None: not yet sorted), checked to be one."""
-        try:
-            return {i: row[4] for i, row in _chunk_rows(doc)}
-        except (InvalidRequest, KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise self._bad_document(exc) from None
+        return located, tiers
 
     def _bad_document(self, exc: Exception) -> IntegrityError:
         detail = str(exc) if isinstance(exc, InvalidRequest) else f"{exc.__class__.__name__} {exc}"

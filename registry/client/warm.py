@@ -18,8 +18,7 @@ def warm_cache(remote: RemoteRegistry, family: str, tier: str | None = "base", r
     try:
         fetcher = Fetcher(remote, cache)
         doc = remote.tier_doc(family, tier)
-        located = remote.located(doc)
-        tiers = remote.tiers(doc)
+        located, tiers = remote.chunk_table(doc)
         ids = [i for i, t in tiers.items() if tier is None or t == tier]
         if pin and tier == "base":
             cache.pin(family)
