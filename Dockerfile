@@ -6,11 +6,12 @@ COPY registry ./registry
 COPY api ./api
 COPY cli ./cli
 COPY migrations ./migrations
-# gcc builds registry/_grouping.c (grouped deltas; setup.py builds it optionally, so the import
-# check fails the image instead of letting it write slower, larger deltas); gcc goes in the same layer
+# gcc builds registry/_grouping.c (grouped deltas) and registry/_busguard.c (a pushed file cut short
+# is refused in one line); setup.py builds them optionally, so the import check fails the image
+# instead of letting it write slower, larger deltas; gcc goes in the same layer
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
     && pip install --no-cache-dir ".[server]" \
-    && python -c "import registry._grouping" \
+    && python -c "import registry._grouping, registry._busguard" \
     && apt-get purge -y gcc libc6-dev && apt-get autoremove -y && rm -rf /var/lib/apt/lists/*
 ENV MFSREG_HOME=/var/lib/mfsreg
 EXPOSE 8700

@@ -20,6 +20,11 @@ import xxhash
 
 from registry.safetensors import SafetensorsHeader
 
+try:
+    from registry import _busguard  # C, built by setup.py where a compiler is at hand
+except ImportError:  # without it, a file cut short while it is pushed ends the push with SIGBUS
+    _busguard = None
+
 
 @dataclass(frozen=True)
 class ChunkRef:
@@ -66,16 +71,41 @@ def chunk_hasher():
 
 
 class MappedFile:
-    """A read-only mmap of a file (an empty file maps to an empty buffer)."""
+    """A read-only mmap of a file (an empty file maps to an empty buffer), and whether the file has
+    changed since it was opened (``changed``): a push reads a file that something else may still be
+    writing (a trainer saving its checkpoint)."""
 
     def __init__(self, path: Path):
         self.path = path
-        self.size = path.stat().st_size
         self._fd = os.open(path, os.O_RDONLY)
-        self._mm = mmap.mmap(self._fd, self.size, access=mmap.ACCESS_READ) if self.size else None
+        try:
+            self._opened = os.fstat(self._fd)
+            self.size = self._opened.st_size
+            self._mm = mmap.mmap(self._fd, self.size, access=mmap.ACCESS_READ) if self.size else None
+        except BaseException:
+            os.close(self._fd)
+            raise
         if self._mm is not None:
             self._mm.madvise(mmap.MADV_SEQUENTIAL)
+        # a read past the end of a file cut short raises SIGBUS, which would end the process:
+        # registry/_busguard.c answers such reads of this map with zeros and remembers it
+        self._guard = _busguard.guard(self._mm) if _busguard is not None and self._mm is not None else -1
         self.view = memoryview(self._mm) if self._mm is not None else memoryview(b"")
+
+    def changed(self) -> str | None:
+        """Why the bytes read through the map may not be the file's as it was opened, or None: it
+        was cut short while it was read, or its size or times moved since (a write changes its
+        mtime; a write that puts the mtime back changes its ctime). Timestamps are as fine as the
+        filesystem keeps them: a write in the same tick as the opening may not show here (the
+        re-hash of each encoded chunk still catches what it changed in a new chunk)."""
+        if self._guard >= 0 and _busguard.hit(self._guard):
+            return "it was cut short while it was read"
+        now = os.fstat(self._fd)
+        if now.st_size != self._opened.st_size:
+            return f"its size went from {self._opened.st_size} to {now.st_size} bytes"
+        if (now.st_mtime_ns, now.st_ctime_ns) != (self._opened.st_mtime_ns, self._opened.st_ctime_ns):
+            return "it was written to"
+        return None
 
     def close(self, failing: bool = False) -> None:
         """Unmap and close. ``failing``: an error is on its way out, and the frames it keeps (of a
@@ -83,6 +113,11 @@ class MappedFile:
         error, so the map is left to be unmapped when its last slice goes. Otherwise a slice still
         alive is a leak, and raises BufferError."""
         self.view.release()
+        if self._guard >= 0:
+            # dropped even where the map outlives this call (below): a span left noted could
+            # later answer a real fault of another map at the same addresses with zeros
+            _busguard.release(self._guard)
+            self._guard = -1
         if self._mm is not None:
             try:
                 self._mm.close()

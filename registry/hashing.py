@@ -69,8 +69,14 @@ class HashJob:
         return sum(f.size for f in self.source.files)
 
     def manifest(self) -> Manifest:
-        """The manifest; waits for the file digests."""
-        return self._manifest([fut.result() for fut in self._futures])
+        """The manifest; waits for the file digests, then checks that no file changed while it was
+        read (what a commit needs: the ids, digests and encoded chunks all read the same bytes)."""
+        digests = [fut.result() for fut in self._futures]
+        for mf in self._maps:
+            why = mf.changed()
+            if why is not None:
+                raise changed_while_pushed(mf.path, why)
+        return self._manifest(digests)
 
     def draft(self) -> Manifest:
         """The manifest without waiting: file digests not yet computed are None (enough to ask which
@@ -102,6 +108,11 @@ class HashJob:
 
     def __exit__(self, exc_type, *exc) -> None:
         self.close(failing=exc_type is not None)
+
+
+def changed_while_pushed(path, why: str) -> InvalidModel:
+    return InvalidModel(f"{path} changed while it was being pushed ({why}): nothing was committed; push it "
+                        "again once whatever writes it has finished")
 
 
 def hash_source(source: Source, chunk_size: int, progress: Progress) -> Manifest:
@@ -148,9 +159,7 @@ def encoded_chunks(job: HashJob, wanted: set[str], pool: ThreadPoolExecutor,
             data = view[c.offset : c.offset + c.size]
             encoding, payload, is_delta = codec.best_encoding(data, c.itemsize, basis)
             if chunk_id(data) != c.id:
-                raise InvalidModel(f"{path} changed while it was being pushed (the bytes at offset {c.offset} are not "
-                                   "those hashed first): nothing was committed; push it again once whatever writes it "
-                                   "has finished")
+                raise changed_while_pushed(path, f"the bytes at offset {c.offset} are not those hashed first")
             return c, encoding, payload, basis_id if is_delta else None
 
         yield from windowed_map(pool, encode_one, chosen, ENCODE_WINDOW)

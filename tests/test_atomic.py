@@ -207,3 +207,93 @@ def test_a_file_rewritten_while_it_is_pushed_to_a_server_is_refused_by_the_clien
     (srv,) = servers(1)
     with RemoteRegistry(srv.url, token=token(server_env, "push"), chunk_size=64 << 10) as remote:
         _refused_then_intact(remote, fam, tmp_path)
+
+
+
+# A push, in a process of its own, whose file is cut to a tenth as the hash reaches its first chunk:
+# a trainer reopening its checkpoint with O_TRUNC. Every later read of the map past the new end
+# raises SIGBUS, which (unguarded) ends the process with no message.
+_CUT_SHORT_PUSH = r"""
+import os, sys
+from pathlib import Path
+from cli.backend import open_backend
+from registry.errors import InvalidModel
+from registry.progress import NullProgress
+
+src = Path(sys.argv[1])
+
+class CutShort(NullProgress):
+    cut = False
+    def advance(self, task, n):
+        if task == "hash" and not self.cut:
+            self.cut = True
+            os.truncate(src, src.stat().st_size // 10)
+
+with open_backend(os.environ.get("MFSREG_URL")) as backend:
+    try:
+        backend.push(src, "fam", "v1", progress=CutShort())
+    except InvalidModel as exc:
+        print(exc)
+        sys.exit(2)
+print("committed")
+"""
+
+
+def _cut_short_then_intact(env: dict, fam, tmp_path) -> None:
+    import sys
+
+    src = tmp_path / "member.safetensors"
+    intact = fam["full-med"].read_bytes()
+    src.write_bytes(intact)
+    proc = subprocess.run([sys.executable, "-c", _CUT_SHORT_PUSH, str(src)], env=env, capture_output=True,
+                          text=True, timeout=300, cwd=Path(__file__).resolve().parents[1])
+    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)  # -7 (SIGBUS) unguarded
+    msg = proc.stdout.strip()
+    assert "\n" not in msg and str(src) in msg and "changed while it was being pushed" in msg, msg
+    assert "cut short" in msg, msg
+    listed = mfsreg("ls", "fam", "--json", env=env, check=False)  # nothing committed: no family, or no v1
+    assert listed.returncode == 2 and "does not exist" in listed.stderr or "v1" not in listed.stdout, listed
+    src.write_bytes(intact)
+    mfsreg("push", str(src), "--family", "fam", "--version", "v1", env=env)
+    out = tmp_path / "out.safetensors"
+    mfsreg("pull", "fam", "v1", "-o", str(out), env=env)
+    assert out.read_bytes() == intact
+
+
+def test_a_file_cut_short_while_it_is_pushed_is_refused_in_one_line(home_env, fam, tmp_path):
+    """The reads past the new end are answered with zeros (registry/_busguard.c) instead of ending
+    the process; the push then refuses to commit what it read, in one line, and stores no version.
+    Pushed again, intact, it pulls back byte for byte."""
+    _cut_short_then_intact(home_env, fam, tmp_path)
+
+
+def test_a_file_cut_short_while_it_is_pushed_to_a_server_is_refused_by_the_client(servers, server_env, fam, tmp_path):
+    from tests.server import client_env
+
+    (srv,) = servers(1)
+    _cut_short_then_intact(client_env(tmp_path, srv.url, token(server_env, "push")), fam, tmp_path)
+
+
+class _RewriteStoredAtSkip(_RewriteAtSend):
+    """Rewrites a stretch in place once the push knows which chunks are stored: one of those, which
+    it reuses without reading them again, so that no re-hash of an encoded chunk can notice."""
+
+    def start(self, task: str, total: int) -> None:
+        if task == "skip":
+            super().start("send", total)
+
+
+def test_a_stored_chunk_rewritten_while_it_is_pushed_is_refused(reg, fam, tmp_path):
+    """A push that finds every chunk stored encodes nothing: a rewrite of the file meanwhile shows
+    only in the file's own times, which the push checks before it commits."""
+    from registry.errors import InvalidModel
+
+    src = tmp_path / "member.safetensors"
+    intact = fam["full-med"].read_bytes()
+    src.write_bytes(intact)
+    reg.push(src, "fam", "v1")
+    with pytest.raises(InvalidModel) as info:
+        reg.push(src, "fam", "v2", progress=_RewriteStoredAtSkip(src, len(intact) // 2))
+    msg = str(info.value)
+    assert "\n" not in msg and str(src) in msg and "changed while it was being pushed" in msg, msg
+    assert [v.name for v in reg.versions("fam")] == ["v1"]
