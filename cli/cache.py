@@ -65,7 +65,7 @@ def stats(json_: bool = typer.Option(False, "--json")) -> None:
     table(None, ["tier", "entries", "bytes"], [[t, v["entries"], human_bytes(v["bytes"])] for t, v in s["by_tier"].items()])
 
 
-@cache_app.command("prune")
+@cache_app.command("prune", short_help="Evict down to the size limit, and remove temp files that killed writers left.")
 def prune(
     max_size: str = typer.Option(None, "--max-size", help="Shrink to this size (e.g. 20G); default MFSREG_CACHE_MAX."),
     json_: bool = typer.Option(False, "--json"),
@@ -95,7 +95,7 @@ def prune(
                    + (f", and {temps} temp files left by killed writers" if temps else ""))
 
 
-@cache_app.command("verify")
+@cache_app.command("verify", short_help="Hash every cached chunk and file against its name; drop what is damaged.")
 def verify(json_: bool = typer.Option(False, "--json")) -> None:
     """Hash every cached chunk and materialised file against its name; drop what is damaged
     (it is fetched again when next needed). Exits 4, the code of integrity errors, when it dropped

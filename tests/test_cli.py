@@ -125,6 +125,18 @@ def test_usage_errors_are_one_line_and_bare_groups_print_their_help(home_env):
     assert "Usage: mfsreg push" in mfsreg("push", "--help", env=home_env).stdout
 
 
+def test_each_command_is_listed_in_one_line(home_env):
+    """In every group's list of commands, each command's summary is one line on a wide terminal:
+    the list showed a docstring's first paragraph with its source line breaks (prune's, cache
+    prune's and cache verify's ran over three lines, cut mid-sentence)."""
+    env = dict(home_env, COLUMNS="200")
+    for group in ([], ["cache"], ["token"], ["db"], ["family"]):
+        out = mfsreg(*group, "--help", env=env).stdout
+        box = out[out.index("─ Commands"):].splitlines()[1:]
+        rows = [line for line in box[: next(i for i, line in enumerate(box) if line.startswith("╰"))]]
+        assert rows and all(line[2] != " " for line in rows), (group, rows)  # no continuation lines
+
+
 def test_a_token_or_endpoint_no_request_can_carry_is_one_line(home_env, fam):
     """MFSREG_TOKEN with a letter beyond ASCII or a newline (a bad copy) and an S3 endpoint that is
     not a URL: one line saying which, where they were an internal UnicodeEncodeError, an
