@@ -28,7 +28,7 @@ from registry.blobs.packs import StoredChunk
 from registry.db import chunks as chunk_db
 from registry.db import claims as claim_db
 from registry.db import versions as version_db
-from registry.db.engine import read_tx, write_tx
+from registry.db.engine import read_tx
 from registry.errors import IntegrityError, NotFound, StorageError
 from registry.parallel import sized_batches
 from registry.ingest import RecordedPacks
@@ -149,6 +149,5 @@ def detach_foreign_chains(reg, who: Principal | None, family: str, ids: Sequence
 class _PlainCopies(RecordedPacks):
     """Packs of plain copies of stored chunks, recorded by pointing the chunks' rows at them."""
 
-    def _record(self, pack_id: str, size: int, stored: list[StoredChunk]) -> None:
-        with write_tx(self._engine) as conn:
-            chunk_db.repoint_plain(conn, pack_id, size, stored)
+    def _write_rows(self, conn, pack_id: str, size: int, stored: list[StoredChunk]) -> None:
+        chunk_db.repoint_plain(conn, pack_id, size, stored)

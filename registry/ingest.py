@@ -84,13 +84,18 @@ class RecordedPacks(PackWriter):
     def _record(self, pack_id: str, size: int, stored: list[StoredChunk]) -> None:
         try:
             with write_tx(self._engine) as conn:
-                self.added += chunk_db.record_pack(conn, pack_id, size, stored)
+                self._write_rows(conn, pack_id, size, stored)
         except Pruned:
             with read_tx(self._engine) as conn:
                 claimed = not prune_db.is_announced(conn, pack_id)
             if claimed:  # prune took the pack for abandoned before its blob was written: nobody else deletes it
                 self.store.delete(pack_key(pack_id))
             raise
+
+    def _write_rows(self, conn, pack_id: str, size: int, stored: list[StoredChunk]) -> None:
+        """The rows of a durable pack, in the transaction that lists it (db/prune.list_pack, which
+        raises Pruned for a pack a prune took for abandoned). Writers of other rows override this."""
+        self.added += chunk_db.record_pack(conn, pack_id, size, stored)
 
 
 ChunkItem = tuple  # (id, size, encoding, payload, basis id or None, depth): what RecordedPacks.add takes

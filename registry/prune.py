@@ -135,9 +135,8 @@ class _MovedPacks(RecordedPacks):
         super().__init__(reg)
         self.old_pack = old_pack
 
-    def _record(self, pack_id: str, size: int, stored: list[StoredChunk]) -> None:
-        with write_tx(self._engine) as conn:
-            q.record_moved(conn, pack_id, size, [(c.id, self.old_pack[c.id], c.offset) for c in stored])
+    def _write_rows(self, conn, pack_id: str, size: int, stored: list[StoredChunk]) -> None:
+        q.record_moved(conn, pack_id, size, [(c.id, self.old_pack[c.id], c.offset) for c in stored])
 
 
 def _repack(reg, pack_ids: list[str], progress: Progress) -> None:

@@ -325,6 +325,28 @@ def test_a_push_whose_pack_a_prune_took_for_abandoned_writes_it_again(reg, fam, 
     pulls_whole(reg, fam, tmp_path, "full-med", "base")
 
 
+def test_a_plain_copy_whose_pack_a_prune_took_for_abandoned_leaves_no_blob(reg, fam):
+    """The plain copies a scoped push makes of chunks whose delta chains pass through another
+    family's (registry/access.py) are written in announced packs too: one that a prune claims
+    before its blob is written is refused, and its writer deletes the blob (it was left in the
+    store, listed nowhere, for good)."""
+    from registry.access import _PlainCopies
+    from registry.errors import Pruned
+
+    reg.push(fam["base"], "fam", "base")
+    _, manifest = reg.manifest("fam", "base")
+    c = manifest.files[0].chunks[-1]
+    raw = fam["base"].read_bytes()[c.offset : c.offset + c.size]
+    before = table_packs(reg)
+    reg.blobs = OnFirst(reg.blobs, "put", lambda: reg.prune(min_age=0))
+    writer = _PlainCopies(reg)
+    writer.add(c.id, c.size, "raw", raw)
+    with pytest.raises(Pruned):
+        writer.flush()
+    assert reg.blobs.calls == 1
+    assert pack_blobs(reg) == table_packs(reg) == before  # no blob of the refused pack is left
+
+
 def test_the_servers_batch_upload_stores_plain_what_a_prune_took_the_basis_of(reg, fam, tmp_path):
     """receive_batch, as the API calls it: the first pack it writes holds deltas against base's
     chunks, and a prune deletes them while that pack is written."""
