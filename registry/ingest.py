@@ -187,6 +187,31 @@ def check_named_cut(manifest: Manifest, chunk_size: int | None) -> None:
         raise InvalidRequest(f"the manifest is not cut at the chunk size it names ({chunk_size:,} bytes)")
 
 
+def stored_for(conn: Connection, family: str, version: str, manifest: Manifest,
+               unproven: Callable[[Connection, list[str]], set[str]] | None = None) -> dict[str, StoredChunk]:
+    """Where the chunks a version uses are stored: its own and, to rebuild them, the bases of its
+    deltas (tiers count both). Refuses a manifest that names chunks not stored, or (``unproven``)
+    that the pusher has not shown it holds, or gives a chunk another size than the stored one."""
+    ids = manifest.chunk_ids()
+    located = chunk_db.locate_closure(conn, ids)
+    # Chunks not stored and chunks the pusher has not shown it holds get one answer, counted
+    # together: told apart, they would say which ids some family this token may not read stores.
+    absent = {i for i in ids if i not in located}
+    absent |= unproven(conn, [i for i in ids if i in located]) if unproven is not None else set()
+    if absent:
+        raise MissingChunks(f"{len(absent)} chunks of {family}/{version} are not stored for this family (first: "
+                            f"{min(absent)}): upload them, then commit again")
+    if any(c.basis_id and c.basis_id not in located for c in located.values()):
+        # A delta whose basis has no row: prune never leaves one (it keeps every basis in use),
+        # so the records are damaged, and no upload of the version's own chunks can mend that.
+        raise StorageError(f"the registry's records lost the basis of a stored chunk of {family}/{version}: "
+                           "tell the registry's operator (`mfsreg prune` does not do this; a restore might have)")
+    wrong = [c.id for f in manifest.files for c in f.chunks if located[c.id].size != c.size]
+    if wrong:
+        raise InvalidRequest(f"manifest gives chunk {wrong[0]} a size other than the stored one: it cannot rebuild")
+    return located
+
+
 def commit_version(reg, family: str, version: str, parent: str | None, manifest: Manifest,
                    chunk_size: int | None = None,
                    unproven: Callable[[Connection, list[str]], set[str]] | None = None) -> tuple[int, object | None]:
@@ -217,26 +242,10 @@ def commit_version(reg, family: str, version: str, parent: str | None, manifest:
             if prow is None:
                 raise NotFound(f"parent version {family}/{parent} does not exist: push it first or drop --parent")
             parent_id = prow.id
-        # The version uses its chunks and, to rebuild them, the bases of its deltas: tiers count both.
         ids = manifest.chunk_ids()
-        located = chunk_db.locate_closure(conn, ids)
-        # Chunks not stored and chunks the pusher has not shown it holds get one answer, counted
-        # together: told apart, they would say which ids some family this token may not read stores.
-        absent = {i for i in ids if i not in located}
-        absent |= unproven(conn, [i for i in ids if i in located]) if unproven is not None else set()
-        if absent:
-            raise MissingChunks(f"{len(absent)} chunks of {family}/{version} are not stored for this family (first: "
-                                f"{min(absent)}): upload them, then commit again")
-        if any(c.basis_id and c.basis_id not in located for c in located.values()):
-            # A delta whose basis has no row: prune never leaves one (it keeps every basis in use),
-            # so the records are damaged, and no upload of the version's own chunks can mend that.
-            raise StorageError(f"the registry's records lost the basis of a stored chunk of {family}/{version}: "
-                               "tell the registry's operator (`mfsreg prune` does not do this; a restore might have)")
+        located = stored_for(conn, family, version, manifest, unproven)
         if unproven is not None:  # only pushes through the server claim chunks
             claim_db.forget(conn, family, ids)  # the family uses them from now on
-        wrong = [c.id for f in manifest.files for c in f.chunks if located[c.id].size != c.size]
-        if wrong:
-            raise InvalidRequest(f"manifest gives chunk {wrong[0]} a size other than the stored one: it cannot rebuild")
         version_db.insert_version(
             conn, fam.id, version, parent_id, manifest.digest, manifest.logical_bytes, len(manifest.files),
             manifest.single_file, manifest.to_bytes(), list(located),

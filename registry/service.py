@@ -25,7 +25,8 @@ from registry.db import versions as version_db
 from registry.db.engine import read_tx, write_tx
 from registry.errors import IntegrityError, InvalidModel, InvalidRequest, NotFound, StorageError, TooLarge
 from registry.deltas import BasisReader, cap_depth
-from registry.ingest import check_cut, check_named_cut, check_parent, check_push_names, commit_version, existing_result, plan_deltas, store_chunks
+from registry.ingest import (check_cut, check_named_cut, check_parent, check_push_names, commit_version, existing_result,
+                             plan_deltas, store_chunks, stored_for)
 from registry.parallel import windowed_map
 from registry.results import PushResult, timestamp
 from registry.manifest import MAX_CHUNK_BYTES, SAFETENSORS, Manifest, parse_doc
@@ -202,7 +203,15 @@ def commit(reg, family: str, version: str, parent: str | None, doc: object, chun
     # what commit_version would refuse, refused before the detach below writes anything
     check_named_cut(manifest, chunk_size)
     check_parent(reg, family, parent)
-    access.detach_foreign_chains(reg, who, family, manifest.chunk_ids())
+    with read_tx(reg.engine) as conn:
+        fam = version_db.find_family(conn, family)
+        exists = fam is not None and version_db.find_version(conn, family, version) is not None
+        if not exists:
+            if fam is not None:
+                check_cut(manifest, family, fam.chunk_size)
+            stored_for(conn, family, version, manifest, lambda c, ids: access.unproven(c, who, family, ids))
+    if not exists:  # a version of that name that exists is compared by digest below; nothing to copy
+        access.detach_foreign_chains(reg, who, family, manifest.chunk_ids())
 
     def unproven(conn, ids):  # checked again in the commit's transaction: what the version would lend
         return access.unproven(conn, who, family, ids) | set(access.foreign_chains(conn, who, family, ids))

@@ -680,9 +680,19 @@ def test_a_scoped_push_gets_plain_copies_of_chunks_stored_against_another_family
     neg = httpx.post(f"{srv.url}/v1/families/qwen/versions/med/negotiate", json={"manifest": m.to_doc()}, headers=scoped).json()
     data = fam["full-med"].read_bytes()
     raw = {c.id: data[c.offset:c.offset + c.size] for f in m.files for c in f.chunks if c.id in set(neg["missing"])}
-    r = httpx.post(f"{srv.url}/v1/families/qwen/chunks", headers=scoped,
-                   content=build_batch([(Entry(i, len(b), "raw", len(b)), b) for i, b in raw.items()]))
-    assert r.status_code == 200, r.text
+
+    def upload(ids):
+        r = httpx.post(f"{srv.url}/v1/families/qwen/chunks", headers=scoped,
+                       content=build_batch([(Entry(i, len(raw[i]), "raw", len(raw[i])), raw[i]) for i in ids]))
+        assert r.status_code == 200, r.text
+
+    # nor does a commit refused for a chunk it has not uploaded (the copies were made first)
+    held_back = min(set(raw) - deltas)
+    upload(sorted(set(raw) - {held_back}))
+    r = httpx.post(f"{srv.url}/v1/families/qwen/versions/med/commit", json={"manifest": m.to_doc()}, headers=scoped)
+    assert r.status_code == 404 and "upload them, then commit again" in r.json()["detail"], r.text
+    assert httpx.get(f"{srv.url}/v1/families/secret/versions/med", headers=admin).json()["chunks"] == before
+    upload([held_back])
     r = httpx.post(f"{srv.url}/v1/families/qwen/versions/med/commit", json={"manifest": m.to_doc(), "parent": "nope"},
                    headers=scoped)
     assert r.status_code == 404 and "parent version qwen/nope does not exist" in r.json()["detail"], r.text
