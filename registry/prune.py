@@ -16,9 +16,6 @@ quick and a push of the same bytes can reuse them. Prune is the step that frees 
   never recorded (it died): an unlisted pack's blob is deleted once it has been unlisted for
   ``min_age``, since a pull that located chunks in a retired pack just before may still be reading
   it. With ``min_age`` 0, in the same run.
-- A pack blob that no row names at all, written more than ``min_age`` ago, is deleted too: what a
-  writer left that died after a prune had claimed its announced pack and before it could delete
-  the blob itself (restic's prune likewise deletes packs its index does not know).
 
 Concurrency: prune decides what to delete in one transaction that commits and pack records wait
 for, and that waits for them (db/locks.py). A version committed before it keeps its chunks; one
@@ -32,7 +29,6 @@ decision: upgrade every writer before the first prune.
 
 from __future__ import annotations
 
-import re
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -115,14 +111,9 @@ def prune(reg, min_age: float = DEFAULT_MIN_AGE, max_unused: float = DEFAULT_MAX
             # as the real run counts: blobs that exist (a writer that died before its put left none)
             due = [r for r in due if reg.blobs.exists(pack_key(r[0]))] + (retiring if min_age == 0 else [])
             waiting = [r for r in waiting if r not in due]
-            due += _orphans(reg, min_age)
         else:
             _repack(reg, plan.repack, progress)
             due = _delete_blobs(reg, grace)
-            orphans = _orphans(reg, min_age)
-            for pack_id, _ in orphans:
-                reg.blobs.delete(pack_key(pack_id))
-            due += orphans
             with read_tx(reg.engine) as conn:
                 waiting = q.unlisted(conn)
     return PruneResult(
@@ -170,26 +161,6 @@ def _repack(reg, pack_ids: list[str], progress: Progress) -> None:
     writer.flush()
     with write_tx(reg.engine) as conn:
         q.retire_packs(conn, pack_ids)  # each once no chunk row points into it
-
-
-_PACK_KEY = re.compile(r"packs/[0-9a-f]{2}/([0-9a-f]+)\.pack")
-
-
-def _orphans(reg, min_age: float) -> list[tuple[str, int]]:
-    """(id, size) of the pack blobs that no row names, last written more than ``min_age`` seconds
-    ago. The store is listed before the rows are read: a writer announces its pack (a row) before
-    it writes the blob, so a blob seen in the listing has its row by then, unless a prune claimed
-    and forgot it, and then no writer can record it any more (db/prune.list_pack). The age spares
-    the packs of a writer of an earlier release, which wrote them unannounced before recording them."""
-    cutoff = time.time() - min_age
-    seen = []
-    for key, size, modified in reg.blobs.list_entries("packs/"):
-        m = _PACK_KEY.fullmatch(key)
-        if m and key == pack_key(m.group(1)) and modified <= cutoff:
-            seen.append((m.group(1), size))
-    with read_tx(reg.engine) as conn:
-        known = q.known_pack_ids(conn)
-    return [(p, size) for p, size in seen if p not in known]
 
 
 def _delete_blobs(reg, grace: timedelta) -> list[tuple[str, int]]:

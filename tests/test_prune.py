@@ -478,52 +478,6 @@ def test_a_pack_whose_writer_died_is_deleted_after_the_grace_period(reg):
     assert reg.prune(min_age=HOUR).deleted_packs == 1 and pack_blobs(reg) == set()
 
 
-def test_a_pack_whose_writer_died_after_a_prune_claimed_it_is_deleted_after_the_grace_period(reg):
-    """A writer slower than --min-age: a prune claims its announced pack before the blob is
-    written (and, finding no blob, forgets the row); the writer then writes the blob and dies
-    before it can record it or delete it. No row names that blob: a later prune deletes it once
-    it is older than the grace period (it stayed for good), and never a younger one."""
-    import os
-
-    class Dies(RecordedPacks):
-        def _record(self, pack_id, size, stored):
-            raise RuntimeError("killed before recording its pack")
-
-    real = reg.blobs
-    reg.blobs = OnFirst(real, "put", lambda: reg.prune(min_age=0))
-    writer = Dies(reg)
-    writer.add("c" * 32, 100, "raw", b"x" * 100)
-    with pytest.raises(RuntimeError):
-        writer.flush()
-    reg.blobs = real
-    (leftover,) = pack_blobs(reg)
-    with read_tx(reg.engine) as conn:  # no row names it
-        assert table_packs(reg) == set() and conn.execute(select(unlisted_packs.c.id)).all() == []
-    assert reg.prune(min_age=HOUR).deleted_packs == 0 and pack_blobs(reg) == {leftover}  # too young
-    two_hours_ago = time.time() - 2 * HOUR
-    os.utime(real.root / leftover, (two_hours_ago, two_hours_ago))
-    assert reg.prune(min_age=HOUR, dry_run=True).deleted_packs == 1 and pack_blobs(reg) == {leftover}
-    res = reg.prune(min_age=HOUR)
-    assert (res.deleted_packs, res.freed_bytes) == (1, 100) and pack_blobs(reg) == set()
-
-
-def test_prune_keeps_the_packs_of_every_version_and_of_pushes_in_flight(reg, fam, tmp_path):
-    """Blobs that rows name stay, however old: those of stored versions, and those of a push that
-    uploaded its chunks and has not committed."""
-    import os
-
-    reg.push(fam["base"], "fam", "base")
-    push = InFlightPush(reg, fam["lora-chat"], "chat").plan()
-    push.upload()
-    long_ago = time.time() - 10 * HOUR
-    for key in pack_blobs(reg):
-        os.utime(reg.blobs.root / key, (long_ago, long_ago))
-    kept = pack_blobs(reg)
-    assert reg.prune(min_age=HOUR).deleted_packs == 0 and pack_blobs(reg) == kept
-    push.commit()
-    pulls_whole(reg, {**fam, "chat": fam["lora-chat"]}, tmp_path, "chat", "base")
-
-
 def test_a_commit_waits_while_prune_decides(reg, fam):
     """Prune's decision and a commit never interleave (Postgres: advisory lock; SQLite: the write lock)."""
     reg.push(fam["base"], "fam", "base")

@@ -9,8 +9,6 @@ Rules every backend keeps (tests/test_blobstore_contract.py checks them on each 
   silently corrupt a chunk.
 - ``size(key)`` and ``exists(key)`` never download the object.
 - ``delete(key)`` of a missing key succeeds.
-- ``list_entries(prefix)`` names every object under ``prefix`` with its size and the time it was
-  last written (seconds since the epoch, by the store's clock); ``list(prefix)`` only the keys.
 - Keys are relative paths of letters, digits, '.', '_', '-' and '/', without '..'.
 """
 
@@ -49,10 +47,7 @@ class BlobStore(abc.ABC):
     def delete(self, key: str) -> None: ...
 
     @abc.abstractmethod
-    def list_entries(self, prefix: str = "") -> Iterator[tuple[str, int, float]]: ...
-
-    def list(self, prefix: str = "") -> Iterator[str]:
-        return (key for key, _size, _modified in self.list_entries(prefix))
+    def list(self, prefix: str = "") -> Iterator[str]: ...
 
     def exists(self, key: str) -> bool:
         from registry.errors import NotFound

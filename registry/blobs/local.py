@@ -80,13 +80,9 @@ class LocalBlobStore(BlobStore):
     def delete(self, key: str) -> None:
         self._path(key).unlink(missing_ok=True)
 
-    def list_entries(self, prefix: str = "") -> Iterator[tuple[str, int, float]]:
+    def list(self, prefix: str = "") -> Iterator[str]:
         for p in sorted(self.root.rglob("*")):
             if p.is_file() and not p.name.startswith("."):
                 key = p.relative_to(self.root).as_posix()
                 if key.startswith(prefix):
-                    try:
-                        st = p.stat()
-                    except FileNotFoundError:  # deleted since the walk saw it
-                        continue
-                    yield key, st.st_size, st.st_mtime
+                    yield key

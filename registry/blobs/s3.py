@@ -206,11 +206,11 @@ class S3BlobStore(BlobStore):
         with self._errors("delete", key):
             self._s3.delete_object(Bucket=self.bucket, Key=self._key(key))  # a missing key is a 204
 
-    def list_entries(self, prefix: str = "") -> Iterator[tuple[str, int, float]]:
+    def list(self, prefix: str = "") -> Iterator[str]:
         # the trailing '/' keeps a store at 'p' from listing the keys of a sibling store at 'p2'
         base = f"{self.prefix}/" if self.prefix else ""
         pages = self._s3.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=base + prefix)
         with self._errors("list", prefix):
             for page in pages:
                 for obj in page.get("Contents", []):
-                    yield obj["Key"][len(base):], int(obj["Size"]), obj["LastModified"].timestamp()
+                    yield obj["Key"][len(base):]

@@ -122,11 +122,6 @@ def unlisted(conn: Connection, before: datetime | None = None) -> list[tuple[str
     return [(i, int(s)) for i, s in conn.execute(q)]
 
 
-def known_pack_ids(conn: Connection) -> set[str]:
-    """Every pack a row names: recorded, or unlisted (announced, retired, or claimed for deletion)."""
-    return set(conn.execute(select(packs.c.id)).scalars()) | set(conn.execute(select(unlisted_packs.c.id)).scalars())
-
-
 def forget_relisted(conn: Connection) -> None:
     """Drop unlisted rows of packs that are listed again (see ``unlisted``): their blobs are in use."""
     conn.execute(delete(unlisted_packs).where(unlisted_packs.c.id.in_(select(packs.c.id))))
