@@ -8,6 +8,7 @@ exists on that backend alone (unreachable endpoint, missing bucket, multipart).
 from __future__ import annotations
 
 import hashlib
+import http.server
 import os
 import socket
 import threading
@@ -238,13 +239,27 @@ def test_s3_url_and_prefix_isolation(s3_bucket):
 
 def test_s3_large_put_is_multipart(s3_bucket):
     endpoint_url, bucket = s3_bucket
-    store = S3BlobStore(bucket, "m", endpoint_url=endpoint_url)
-    data = big_data(MULTIPART_THRESHOLD // (1 << 20) + 1)
+    store = S3BlobStore(bucket, "m", endpoint_url=endpoint_url, multipart_threshold=2 * MULTIPART_CHUNK)
+    data = big_data(2 * MULTIPART_CHUNK // (1 << 20) + 1)
     store.put("big", data)
     raw = boto3.session.Session().client("s3", endpoint_url=endpoint_url)
     etag = raw.head_object(Bucket=bucket, Key="m/big")["ETag"].strip('"')
     assert etag.endswith(f"-{-(-len(data) // MULTIPART_CHUNK)}")  # "<md5>-<parts>" marks multipart
     assert store.get("big", 1, len(data) - 1) == data[1:-1]
+
+
+def test_s3_a_full_pack_is_one_put(s3_bucket):
+    """A pack is flushed once it holds the pack size (64 MiB by default), so it runs past it by up
+    to a chunk: with the threshold at the pack size every full pack went multipart, and a writer
+    killed mid-upload left an invisible, billed upload in the bucket. One PUT leaves nothing."""
+    endpoint_url, bucket = s3_bucket
+    store = S3BlobStore(bucket, "one", endpoint_url=endpoint_url)
+    data = big_data(64 + 2)  # a default pack plus a 2 MiB chunk
+    assert len(data) < MULTIPART_THRESHOLD
+    store.put("pack", data)
+    raw = boto3.session.Session().client("s3", endpoint_url=endpoint_url)
+    assert "-" not in raw.head_object(Bucket=bucket, Key="one/pack")["ETag"].strip('"')
+    assert store.get("pack", len(data) - 10) == data[-10:]
 
 
 def _closed_port() -> int:
@@ -292,6 +307,57 @@ def test_s3_no_credentials(s3_bucket, monkeypatch, tmp_path):
     with pytest.raises(StorageError) as info:
         store.get("k")
     assert "AWS_ACCESS_KEY_ID" in _one_line(info.value)
+
+
+def test_s3_an_aws_profile_that_does_not_exist_is_one_line(monkeypatch, tmp_path):
+    monkeypatch.setenv("AWS_PROFILE", "no-such-profile-mfsreg")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    with pytest.raises(InvalidRequest) as info:  # was botocore's ProfileNotFound: an internal error
+        S3BlobStore("bucket", "p", endpoint_url="http://127.0.0.1:9")
+    msg = _one_line(info.value)
+    assert "no-such-profile-mfsreg" in msg and "AWS_PROFILE" in msg
+
+
+class _NotS3(http.server.BaseHTTPRequestHandler):
+    """Another web server where the S3 endpoint should be: an HTML 404 to every request."""
+
+    def _answer(self) -> None:
+        length = int(self.headers.get("Content-Length") or 0)
+        if length:
+            self.rfile.read(length)
+        body = b"<html><body><h1>404 Not Found</h1></body></html>"
+        self.send_response(404)
+        self.send_header("Content-Type", "text/html")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _answer
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+def test_s3_a_404_from_what_is_not_s3_is_not_a_missing_blob(monkeypatch):
+    """A put, delete or list answered 404 names no missing blob (it said 'blob k is missing', exit
+    2, even for a put): the endpoint is not the bucket's S3, and the message says what to check."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _NotS3)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        endpoint = f"http://127.0.0.1:{server.server_address[1]}"
+        store = S3BlobStore("bucket", "p", endpoint_url=endpoint, max_attempts=1)
+        for call in (lambda: store.put("k", b"x"), lambda: store.delete("k"), lambda: list(store.list())):
+            with pytest.raises(StorageError) as info:
+                call()
+            msg = _one_line(info.value)
+            assert endpoint in msg and "MFSREG_S3_ENDPOINT_URL" in msg, msg
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def test_s3_bad_url():

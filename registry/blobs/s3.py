@@ -2,9 +2,9 @@
 
 Atomicity comes from S3 itself: an object becomes visible only once its PUT (or the completion of a
 multipart upload) succeeds, so readers never see a part. A key names one blob for good (packs get
-fresh random ids and are written once), so a put that finds an object of the same size already
-there (a retry) skips the upload. Every botocore failure is turned
-into NotFound or a one-line StorageError here; no botocore exception leaves this module.
+fresh random ids and are written once), so a retried put of the same bytes replaces the object
+atomically. Every botocore failure is turned into NotFound, InvalidRequest or a one-line
+StorageError here; no botocore exception leaves this module.
 """
 
 from __future__ import annotations
@@ -34,9 +34,13 @@ from registry.blobs.base import BlobStore, check_key
 from registry.errors import InvalidRequest, NotFound, StorageError
 
 MiB = 1 << 20
-# Packs are tens of MiB, so most are one PUT; bigger objects go multipart, where a failed part is
-# retried alone instead of re-sending the whole object.
-MULTIPART_THRESHOLD = 64 * MiB
+# Every pack is one PUT: a pack is flushed once it holds MFSREG_PACK_SIZE (64 MiB by default), so it
+# runs up to one chunk (256 MiB at most) past that, and with the threshold at the pack size every
+# full pack went multipart. A multipart upload that its writer dies in (kill -9, OOM, an evicted
+# pod) stays in the bucket, billed and invisible to listings, until something aborts it; one PUT
+# leaves nothing. A single PUT may hold 5 GiB; only bigger objects (none that mfsreg writes at its
+# defaults) go multipart, where a failed part is retried alone.
+MULTIPART_THRESHOLD = 512 * MiB
 MULTIPART_CHUNK = 16 * MiB
 # botocore retries whole requests, but not a body stream that breaks half-way; re-read those.
 _STREAM_ERRORS = (IncompleteReadError, ResponseStreamingError, ReadTimeoutError)
@@ -54,6 +58,7 @@ class S3BlobStore(BlobStore):
         connect_timeout: float = 5.0,
         read_timeout: float = 60.0,
         max_workers: int = 8,
+        multipart_threshold: int = MULTIPART_THRESHOLD,
     ):
         if not bucket:
             raise InvalidRequest("s3 blob URL without a bucket: use s3://bucket/prefix")
@@ -65,23 +70,29 @@ class S3BlobStore(BlobStore):
             retries={"mode": "standard", "max_attempts": max_attempts},
             connect_timeout=connect_timeout,
             read_timeout=read_timeout,
-            # range readers and multipart parts share the pool; keep them from queueing on it
-            max_pool_connections=max(10, max_workers + 4),
+            # range readers (max_workers per get_ranges, several at once in a server) and multipart
+            # parts share the pool: past its size each request opens a connection of its own, and
+            # urllib3 warns on stderr for every one
+            max_pool_connections=max(32, 4 * max_workers),
             # MinIO and most self-hosted servers only serve path-style requests
             s3={"addressing_style": "path"} if endpoint_url else None,
         )
-        # a private session: boto3's default session is not safe to share between threads
-        session = boto3.session.Session()
         try:
+            # a private session: boto3's default session is not safe to share between threads
+            session = boto3.session.Session()
             self._s3 = session.client(
                 "s3", endpoint_url=endpoint_url, region_name=session.region_name or "us-east-1", config=config
             )
         except ValueError as exc:  # botocore's "Invalid endpoint: ..."
             raise InvalidRequest(f"MFSREG_S3_ENDPOINT_URL={endpoint_url!r}: {exc}: give a URL such as "
                                  "http://127.0.0.1:9000") from None
+        except BotoCoreError as exc:  # an AWS_PROFILE that does not exist, an AWS config file that does not parse
+            raise InvalidRequest(f"the AWS configuration for {self.url} cannot be used: {exc}: fix AWS_PROFILE or "
+                                 "the AWS config files (~/.aws/config, ~/.aws/credentials)") from None
         self.endpoint_url = self._s3.meta.endpoint_url
+        self.multipart_threshold = multipart_threshold
         self._transfer = TransferConfig(
-            multipart_threshold=MULTIPART_THRESHOLD, multipart_chunksize=MULTIPART_CHUNK, max_concurrency=4
+            multipart_threshold=multipart_threshold, multipart_chunksize=MULTIPART_CHUNK, max_concurrency=4
         )
         self._bucket_seen = False
 
@@ -100,8 +111,15 @@ class S3BlobStore(BlobStore):
             status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
             if code == "NoSuchBucket":
                 raise self._no_bucket() from None
-            if code in ("NoSuchKey", "NotFound") or status == 404:
+            if op == "delete" and code == "NoSuchKey":
+                return  # a store that answers a delete of a missing key with 404: deleted all the same
+            if (code in ("NoSuchKey", "NotFound") or status == 404) and op in ("get", "head", "head_bucket"):
                 raise NotFound(f"blob {key} is missing from {self.url}") from None
+            if status == 404:
+                # a 404 to a put, delete or list names no missing blob: whatever answered is not
+                # the bucket's S3 (another server's page, a proxy's path)
+                raise StorageError(f"S3 {op} of {key or self.url} was answered 404 ({code or 'no S3 error code'}) by "
+                                   f"{self.endpoint_url}: check MFSREG_S3_ENDPOINT_URL and MFSREG_BLOB_URL") from None
             if code == "InvalidRange" or status == 416:
                 raise NotFound(f"blob {key}: requested range is outside the object") from None
             if code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch") or status == 403:
@@ -150,7 +168,7 @@ class S3BlobStore(BlobStore):
         # No HEAD first: pack ids are random, so the key is new, and a retried put of the same
         # bytes simply replaces the object atomically (S3 has no partial objects).
         with self._errors("put", key):
-            if n < MULTIPART_THRESHOLD:
+            if n < self.multipart_threshold:
                 # botocore sends a CRC32 checksum with the body, so the server rejects damaged bytes
                 self._s3.put_object(Bucket=self.bucket, Key=k, Body=bytes(data))
             else:
