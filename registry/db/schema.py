@@ -16,7 +16,8 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import Engine
+from alembic.util.exc import CommandError
+from sqlalchemy import Engine, text
 from sqlalchemy.exc import OperationalError
 
 from registry.errors import StorageError
@@ -41,23 +42,53 @@ def current_revision(engine: Engine) -> str | None:
 
 
 def upgrade(engine: Engine) -> str:
-    """Apply every pending migration; returns the revision now in force."""
-    command.upgrade(_config(engine), "head")
-    return head_revision(engine)
+    """Apply every pending migration; returns the revision now in force. Processes that upgrade
+    one database at once take turns (two API processes starting, `db upgrade` beside an embedded
+    command): the second finds the work done. A migration that fails leaves the database at the
+    revision before it (each runs in a transaction) and is one line naming both revisions."""
+    with _migration_lock(engine):
+        current = current_revision(engine)
+        head = _known(engine, current)
+        if current == head:
+            return head
+        try:
+            command.upgrade(_config(engine), "head")
+        except OperationalError:
+            raise  # the database itself (unreachable, locked, full): the caller says which
+        except Exception as exc:  # a migration's own error: which one failed, and where the database stays
+            first = (str(getattr(exc, "orig", None) or exc).splitlines() or [""])[0]
+            raise StorageError(f"the schema migration from revision {current or 'none'} to {head} failed "
+                               f"({type(exc).__name__}: {first}); the database stays at revision "
+                               f"{current_revision(engine) or 'none'}: set MFSREG_DEBUG=1 for the traceback "
+                               "and tell mfsreg's developers") from exc
+    return head
+
+
+def _known(engine: Engine, current: str | None) -> str:
+    """The head revision, after checking that ``current`` is one this code knows: a database that
+    a newer mfsreg upgraded has revisions this one cannot read (Alembic: "Can't locate revision")."""
+    script = ScriptDirectory.from_config(_config(engine))
+    head = script.get_current_head()
+    if current is not None:
+        try:
+            script.get_revision(current)
+        except CommandError:
+            where = engine.url.render_as_string(hide_password=True)
+            raise StorageError(f"database {where} is at schema revision {current}, newer than this mfsreg knows "
+                               f"(up to {head}): upgrade mfsreg to the release that wrote it, or later") from None
+    return head
 
 
 def ensure_current(engine: Engine, auto_upgrade: bool) -> None:
-    head = head_revision(engine)
     current = current_revision(engine)
+    head = _known(engine, current)
     if current == head:
         return
     if auto_upgrade:
-        with _migration_lock(engine):
-            if current_revision(engine) != head:  # another process may have just done it
-                try:
-                    upgrade(engine)
-                except OperationalError as exc:
-                    raise StorageError(f"cannot upgrade the embedded database: {str(exc.orig).splitlines()[0]}") from None
+        try:
+            upgrade(engine)
+        except OperationalError as exc:
+            raise StorageError(f"cannot upgrade the embedded database: {str(exc.orig).splitlines()[0]}") from None
         return
     where = engine.url.render_as_string(hide_password=True)
     raise StorageError(
@@ -65,10 +96,26 @@ def ensure_current(engine: Engine, auto_upgrade: bool) -> None:
     )
 
 
+_MIGRATING = 0x6D667303  # Postgres advisory lock key: a schema upgrade is running (db/locks.py, db/prune.py have others)
+
+
 @contextmanager
 def _migration_lock(engine: Engine) -> Iterator[None]:
-    """Processes that open a fresh embedded registry at once take turns to create its schema
-    (SQLite's own locks would make all but one fail halfway through the DDL)."""
+    """One schema upgrade of a database at a time. SQLite: a lock file beside the database (SQLite's
+    own locks would make all but one fail halfway through the DDL); Postgres: a session advisory
+    lock on a connection of its own, held while the migrations run on another (two at once failed
+    on Postgres' catalog, 'duplicate key value violates unique constraint')."""
+    if engine.dialect.name == "postgresql":
+        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            conn.execute(text("SELECT pg_advisory_lock(:k)"), {"k": _MIGRATING})
+            try:
+                yield
+            finally:
+                try:
+                    conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": _MIGRATING})
+                except OperationalError:
+                    pass  # the session is gone, and its lock with it
+        return
     db = engine.url.database
     if engine.dialect.name != "sqlite" or not db or db == ":memory:":
         yield
