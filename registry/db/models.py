@@ -102,6 +102,7 @@ chunks = Table(
     Column("depth", Integer, nullable=False, server_default="0"),  # delta chain length down to a plain chunk
     Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
     Index(None, "basis_id"),
+    Index(None, "pack_id"),  # prune's per-pack lookups, and Postgres' foreign-key check on deleting a pack
 )
 
 version_chunks = Table(
