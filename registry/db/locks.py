@@ -1,4 +1,5 @@
-"""The lock that keeps prune's decisions apart from the writes that make chunks needed.
+"""The lock that keeps prune's decisions apart from the writes that make chunks needed, and the
+session locks held for a whole operation (one prune at a time, one schema upgrade at a time).
 
 Prune (registry/prune.py) decides in one transaction which chunk rows and packs nothing needs and
 deletes them, and claims the unlisted packs whose blobs it deletes. A transaction that relies on
@@ -9,7 +10,11 @@ decision the exclusive one; on SQLite nothing is needed, since writers take turn
 
 from __future__ import annotations
 
-from sqlalchemy import Connection, text
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from sqlalchemy import Connection, Engine, text
+from sqlalchemy.exc import OperationalError
 
 _DECIDING = 0x6D667301  # an arbitrary key, mfsreg's own
 
@@ -25,3 +30,24 @@ def exclude_writers(conn: Connection) -> None:
     """Prune's side of exclude_prune: no such transaction runs until this one ends."""
     if conn.dialect.name == "postgresql":
         conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _DECIDING})
+
+
+@contextmanager
+def session_lock(engine: Engine, key: int, wait: bool = True) -> Iterator[bool]:
+    """A Postgres session advisory lock on ``key``, held on a connection of its own for the whole
+    block; yields whether it was taken (always, with ``wait``; without, False if another session
+    holds it). The connection is in autocommit, so that holding the lock never leaves it idle in a
+    transaction, which a server's idle_in_transaction_session_timeout would end (and the lock with it)."""
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        if wait:
+            conn.execute(text("SELECT pg_advisory_lock(:k)"), {"k": key})
+        elif not conn.execute(text("SELECT pg_try_advisory_lock(:k)"), {"k": key}).scalar_one():
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            try:
+                conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": key})
+            except OperationalError:
+                pass  # the session is gone, and its lock with it

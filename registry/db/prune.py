@@ -10,10 +10,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
 
-from sqlalchemy import Connection, Engine, bindparam, delete, exists, func, select, text, update
-from sqlalchemy.exc import OperationalError
+from sqlalchemy import Connection, Engine, bindparam, delete, exists, func, select, update
 
 from registry.db.dialect import batches, insert
+from registry.db.locks import session_lock
 from registry.db.models import chunks, packs, unlisted_packs, version_chunks
 from registry.errors import Conflict, Pruned
 
@@ -27,18 +27,10 @@ def one_prune_at_a_time(engine: Engine) -> Iterator[None]:
     lock file beside the database."""
     busy = Conflict("another prune is running on this registry: wait for it to finish")
     if engine.dialect.name == "postgresql":
-        # autocommit: the connection holds the lock without sitting idle in a transaction, which a
-        # server's idle_in_transaction_session_timeout would end (and the lock with it)
-        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-            if not conn.execute(text("SELECT pg_try_advisory_lock(:k)"), {"k": _RUNNING}).scalar_one():
+        with session_lock(engine, _RUNNING, wait=False) as taken:
+            if not taken:
                 raise busy
-            try:
-                yield
-            finally:
-                try:
-                    conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": _RUNNING})
-                except OperationalError:
-                    pass  # the session is gone, and its lock with it
+            yield
         return
     with open(f"{engine.url.database}.prune.lock", "a+") as fh:
         try:

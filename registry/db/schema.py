@@ -17,9 +17,10 @@ from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from alembic.util.exc import CommandError
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine
 from sqlalchemy.exc import OperationalError
 
+from registry.db.locks import session_lock
 from registry.errors import StorageError
 
 MIGRATIONS = Path(__file__).resolve().parents[2] / "migrations"
@@ -106,15 +107,8 @@ def _migration_lock(engine: Engine) -> Iterator[None]:
     lock on a connection of its own, held while the migrations run on another (two at once failed
     on Postgres' catalog, 'duplicate key value violates unique constraint')."""
     if engine.dialect.name == "postgresql":
-        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-            conn.execute(text("SELECT pg_advisory_lock(:k)"), {"k": _MIGRATING})
-            try:
-                yield
-            finally:
-                try:
-                    conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": _MIGRATING})
-                except OperationalError:
-                    pass  # the session is gone, and its lock with it
+        with session_lock(engine, _MIGRATING):
+            yield
         return
     db = engine.url.database
     if engine.dialect.name != "sqlite" or not db or db == ":memory:":
