@@ -328,9 +328,9 @@ def tier_doc(reg, family: str, tier: str | None) -> dict:
     """A family's chunks of one tier (or all), with what a node needs to fetch them."""
     if tier is not None and tier not in TIERS:
         raise InvalidRequest(f"unknown tier {tier!r}: use one of {', '.join(TIERS)}")
-    tiers = reg.chunk_tiers(family, tier)
-    located = reg.locate(list(tiers))
-    return {"family": family, "tier": tier,
-            "chunks": {i: [c.encoding, c.stored_size, c.basis_id, c.size, tiers.get(i, (None,))[0]] for i, c in located.items()}}
+    check_name("family", family)
+    with read_tx(reg.engine) as conn:
+        fam = version_db.get_family(conn, family)
+        return {"family": family, "tier": tier, "chunks": chunk_db.family_chunk_table(conn, fam.id, tier)}
 
 

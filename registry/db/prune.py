@@ -108,7 +108,8 @@ def unlisted(conn: Connection, before: datetime | None = None) -> list[tuple[str
     later than that, or claimed by a prune that did not finish. A pack that is listed again is left
     out: a writer of the previous release, which named packs by their bytes and did not announce
     them, recorded the same bytes under the same name."""
-    q = select(unlisted_packs.c.id, unlisted_packs.c.size).where(~unlisted_packs.c.id.in_(select(packs.c.id)))
+    # NOT EXISTS: a NOT IN subquery past work_mem is scanned again per row on Postgres (stats.storage_totals)
+    q = select(unlisted_packs.c.id, unlisted_packs.c.size).where(~exists().where(packs.c.id == unlisted_packs.c.id))
     if before is not None:
         q = q.where((unlisted_packs.c.since <= before) | unlisted_packs.c.claimed_at.is_not(None))
     return [(i, int(s)) for i, s in conn.execute(q)]
