@@ -360,6 +360,42 @@ def test_s3_a_404_from_what_is_not_s3_is_not_a_missing_blob(monkeypatch):
         server.server_close()
 
 
+class _DropsFirstStream(http.server.BaseHTTPRequestHandler):
+    """An S3 endpoint whose first answer to a GET breaks off halfway through its body."""
+
+    body = bytes(range(256)) * 64
+    gets = 0
+
+    def do_GET(self) -> None:
+        cls = type(self)
+        cls.gets += 1
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(cls.body)))
+        self.send_header("Content-Type", "application/octet-stream")
+        self.end_headers()
+        self.wfile.write(cls.body if cls.gets > 1 else cls.body[: len(cls.body) // 2])
+        self.close_connection = True
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+def test_s3_a_stream_that_breaks_off_is_read_again(monkeypatch):
+    """botocore retries a request that fails, not a body that breaks off once the answer began:
+    the store asks again (after a moment) and returns the whole object, never the part it got."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    _DropsFirstStream.gets = 0
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _DropsFirstStream)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        store = S3BlobStore("bucket", "p", endpoint_url=f"http://127.0.0.1:{server.server_address[1]}", max_attempts=1)
+        assert store.get("k") == _DropsFirstStream.body and _DropsFirstStream.gets == 2
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def test_s3_bad_url():
     with pytest.raises(InvalidRequest):
         open_blob_store("s3:///prefix-only")

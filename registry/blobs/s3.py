@@ -10,6 +10,7 @@ StorageError here; no botocore exception leaves this module.
 from __future__ import annotations
 
 import io
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -45,6 +46,7 @@ MULTIPART_CHUNK = 16 * MiB
 # botocore retries whole requests, but not a body stream that breaks half-way; re-read those.
 _STREAM_ERRORS = (IncompleteReadError, ResponseStreamingError, ReadTimeoutError)
 _STREAM_TRIES = 3
+_STREAM_BACKOFF = 0.2  # seconds before the second read, doubled for each one after
 
 
 class S3BlobStore(BlobStore):
@@ -213,6 +215,9 @@ class S3BlobStore(BlobStore):
                 except _STREAM_ERRORS:
                     if attempt == _STREAM_TRIES - 1:
                         raise
+                    # a moment before asking again, as botocore's own retries wait: an endpoint
+                    # that drops streams under load is asked again at once otherwise
+                    time.sleep(_STREAM_BACKOFF * 2**attempt)
         want = int(resp["ContentLength"]) if end is None else end - start
         if len(data) != want:
             # S3 answers a range that runs past the end with the bytes it has: a short read would
