@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import boto3
+import httpx
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -531,6 +532,21 @@ def test_a_single_file_pulled_into_a_directory_reports_the_file(published, fam, 
     res = mfsreg_json("pull", "fam", "lora-chat", "-o", tmp_path / "engine", env=env)
     assert res["path"] == str(tmp_path / "engine" / fam["lora-chat"].name)
     assert filecmp.cmp(res["path"], fam["lora-chat"], shallow=False)
+
+
+def test_warm_of_the_unique_tier_into_an_empty_cache_fetches_the_bases_of_its_deltas(published, fam, tmp_path):
+    """Unique chunks stored as deltas decode against base chunks: the tier document lists those
+    bases beside the tier's own chunks (one join over the tier alone left them out, and the warm
+    failed, 'its basis ... is missing from the registry')."""
+    srv, env = published
+    headers = {"Authorization": f"Bearer {env['MFSREG_TOKEN']}"}
+    doc = httpx.get(f"{srv.url}/v1/families/fam/chunks", params={"tier": "unique"}, headers=headers).json()["chunks"]
+    own = {i for i, row in doc.items() if row[4] == "unique"}
+    bases = {row[2] for i, row in doc.items() if i in own and row[2]}
+    assert own and bases and bases <= set(doc) and not bases & own  # deltas of unique chunks, their bases listed
+    warm = mfsreg_json("cache", "warm", "fam", "--tier", "unique", "--no-pin", env=env)
+    assert warm["fetched_bytes"] > 0
+    assert own <= set(cached_ids(env))
 
 
 def test_warm_keeps_the_size_limit_and_refuses_a_negative_count(published, fam, tmp_path):
