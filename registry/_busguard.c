@@ -36,6 +36,7 @@ typedef struct {
 static span_t spans[SPANS];
 static struct sigaction previous;
 static uintptr_t page_size, page_mask;
+static _Atomic int handed_back; /* a SIGBUS not ours was handed to the previous handler */
 
 static void on_sigbus(int sig, siginfo_t *info, void *context)
 {
@@ -55,9 +56,20 @@ static void on_sigbus(int sig, siginfo_t *info, void *context)
         }
     }
     /* Not ours: put back the handler that was there and let the fault (which happens again as
-     * this returns) or a sent signal (raised again, delivered once this returns) reach it. */
+     * this returns) or a sent signal (raised again, delivered once this returns) reach it. Back
+     * here a second time, that handler handed it on to this one (faulthandler, enabled over ours,
+     * keeps ours as the handler it restores and raises again): the default action ends it then,
+     * as in a process without this module, instead of the two passing it back and forth. */
     (void)context;
-    sigaction(SIGBUS, &previous, NULL);
+    if (atomic_exchange(&handed_back, 1)) {
+        struct sigaction dfl;
+        memset(&dfl, 0, sizeof dfl);
+        dfl.sa_handler = SIG_DFL;
+        sigemptyset(&dfl.sa_mask);
+        sigaction(SIGBUS, &dfl, NULL);
+    } else {
+        sigaction(SIGBUS, &previous, NULL);
+    }
     if (info->si_code <= 0)
         raise(sig);
 }
@@ -76,6 +88,7 @@ static int install(void)
     ours.sa_flags = SA_SIGINFO | SA_RESTART;
     sigemptyset(&ours.sa_mask);
     previous = current;
+    atomic_store(&handed_back, 0);
     return sigaction(SIGBUS, &ours, NULL);
 }
 

@@ -93,17 +93,22 @@ class MappedFile:
         self.view = memoryview(self._mm) if self._mm is not None else memoryview(b"")
 
     def changed(self) -> str | None:
-        """Why the bytes read through the map may not be the file's as it was opened, or None: it
-        was cut short while it was read, or its size or times moved since (a write changes its
-        mtime; a write that puts the mtime back changes its ctime). Timestamps are as fine as the
-        filesystem keeps them: a write in the same tick as the opening may not show here (the
-        re-hash of each encoded chunk still catches what it changed in a new chunk)."""
-        if self._guard >= 0 and _busguard.hit(self._guard):
-            return "it was cut short while it was read"
+        """Why the bytes read through the map may not be the file's as it was opened, or None: a
+        read past its end (it was cut short while it was read) or a read that failed, or its size or
+        modification time moved since. Not its ctime: a rename over the file (the safe way to save
+        a checkpoint), a chmod or a hard link move that, and none of them changes the bytes mapped.
+        Timestamps are as fine as the filesystem keeps them: a write in the same tick as the
+        opening may not show here (the re-hash of each encoded chunk still catches what it changed
+        in a new chunk)."""
         now = os.fstat(self._fd)
+        if self._guard >= 0 and _busguard.hit(self._guard):
+            if now.st_size < self.size:
+                return "it was cut short while it was read"
+            # a read error of a page (a failing disk, a network filesystem's EIO) also ends in SIGBUS
+            return "a read of it failed, or it was cut short and written again, while it was read"
         if now.st_size != self._opened.st_size:
             return f"its size went from {self._opened.st_size} to {now.st_size} bytes"
-        if (now.st_mtime_ns, now.st_ctime_ns) != (self._opened.st_mtime_ns, self._opened.st_ctime_ns):
+        if now.st_mtime_ns != self._opened.st_mtime_ns:
             return "it was written to"
         return None
 

@@ -382,7 +382,7 @@ class _DropsFirstStream(http.server.BaseHTTPRequestHandler):
 
 def test_s3_a_stream_that_breaks_off_is_read_again(monkeypatch):
     """botocore retries a request that fails, not a body that breaks off once the answer began:
-    the store asks again (after a moment) and returns the whole object, never the part it got."""
+    the store asks again and returns the whole object, never the part it got."""
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
     _DropsFirstStream.gets = 0
