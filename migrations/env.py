@@ -13,7 +13,10 @@ if engine is None:  # plain `alembic` command line: take the URL from the ini fi
     engine = create_engine(os.environ.get("MFSREG_DATABASE_URL") or config.get_main_option("sqlalchemy.url"))
 
 with engine.connect() as connection:
-    context.configure(connection=connection, target_metadata=metadata, render_as_batch=True)
+    # one transaction per migration: one that fails leaves the database at the revision before it
+    # (registry/db/schema.py says which), with every migration before it kept
+    context.configure(connection=connection, target_metadata=metadata, render_as_batch=True,
+                      transaction_per_migration=True)
     with context.begin_transaction():
         context.run_migrations()
     connection.commit()

@@ -58,11 +58,20 @@ def upgrade(engine: Engine) -> str:
             raise  # the database itself (unreachable, locked, full): the caller says which
         except Exception as exc:  # a migration's own error: which one failed, and where the database stays
             first = (str(getattr(exc, "orig", None) or exc).splitlines() or [""])[0]
-            raise StorageError(f"the schema migration from revision {current or 'none'} to {head} failed "
-                               f"({type(exc).__name__}: {first}); the database stays at revision "
-                               f"{current_revision(engine) or 'none'}: set MFSREG_DEBUG=1 for the traceback "
-                               "and tell mfsreg's developers") from exc
+            stays = current_revision(engine)
+            failed = _next_revision(engine, stays)
+            raise StorageError(f"schema migration {failed} failed ({type(exc).__name__}: {first}); the database "
+                               f"stays at revision {stays or 'none'}, with the migrations before it: set "
+                               "MFSREG_DEBUG=1 for the traceback and tell mfsreg's developers") from exc
     return head
+
+
+def _next_revision(engine: Engine, current: str | None) -> str:
+    """The migration that follows ``current`` (each runs in its own transaction: migrations/env.py)."""
+    for rev in ScriptDirectory.from_config(_config(engine)).walk_revisions():
+        if rev.down_revision == current:
+            return rev.revision
+    return "?"
 
 
 def _known(engine: Engine, current: str | None) -> str:
