@@ -170,3 +170,29 @@ def finish(name: str, doc: dict, report, t_start: float) -> None:
     if doc.get("machine", {}).get("code_changed_during_run"):
         print("warning: the commit or registry/'s edits changed while this ran: its processes may have run either code")
     print(f"results: {path} (whole benchmark: {doc['seconds_total']:.0f} s)")
+
+
+POSTGRES = "postgresql+psycopg://postgres@127.0.0.1:5432"  # the tests' server: trust auth
+
+
+@contextmanager
+def scratch_postgres(prefix: str):
+    """A new, empty Postgres database on the local server as a registry engine, dropped afterwards."""
+    import uuid
+
+    from sqlalchemy import create_engine, text
+
+    from registry.db.engine import create_db_engine
+
+    admin = create_engine(f"{POSTGRES}/postgres", isolation_level="AUTOCOMMIT")
+    name = f"{prefix}_{uuid.uuid4().hex[:8]}"
+    with admin.connect() as c:
+        c.execute(text(f"CREATE DATABASE {name}"))
+    engine = create_db_engine(f"{POSTGRES}/{name}")
+    try:
+        yield engine
+    finally:
+        engine.dispose()
+        with admin.connect() as c:
+            c.execute(text(f"DROP DATABASE {name} WITH (FORCE)"))
+        admin.dispose()

@@ -21,19 +21,17 @@ import argparse
 import re
 import statistics
 import time
-import uuid
 
-from sqlalchemy import create_engine, text
+from sqlalchemy import text
 
-from benchmarks.common import finish, machine_info, table
+from benchmarks.common import finish, machine_info, scratch_postgres, table
 from registry.db import chunks as chunk_db
 from registry.db import prune as prune_db
 from registry.db import stats as stats_db
 from registry.db import versions as version_db
-from registry.db.engine import create_db_engine, read_tx
+from registry.db.engine import read_tx
 from registry.db.schema import upgrade
 
-SERVER = "postgresql+psycopg://postgres@127.0.0.1:5432"
 BASE, OWN = 5000, 2000  # chunks every member of a family uses, chunks each member alone uses
 FILL = [
     "INSERT INTO families (id, name, base_quorum, member_count, chunk_size) "
@@ -71,12 +69,7 @@ def _sql(statement: str, **values: int):
 
 
 def measure(families: int, versions: int, runs: int) -> dict:
-    admin = create_engine(f"{SERVER}/postgres", isolation_level="AUTOCOMMIT")
-    name = f"mfsreg_metadata_scale_{uuid.uuid4().hex[:8]}"
-    with admin.connect() as c:
-        c.execute(text(f"CREATE DATABASE {name}"))
-    engine = create_db_engine(f"{SERVER}/{name}")
-    try:
+    with scratch_postgres("mfsreg_metadata_scale") as engine:
         upgrade(engine)
         with engine.begin() as c:
             for statement in FILL:
@@ -109,11 +102,6 @@ def measure(families: int, versions: int, runs: int) -> dict:
                     tx.rollback()
             seconds[label] = statistics.median(times)
         return {"versions_per_family": versions, "rows": rows, "seconds": seconds}
-    finally:
-        engine.dispose()
-        with admin.connect() as c:
-            c.execute(text(f"DROP DATABASE {name} WITH (FORCE)"))
-        admin.dispose()
 
 
 def report(doc: dict) -> str:

@@ -19,23 +19,15 @@ import time
 import uuid
 
 from alembic import command
-from sqlalchemy import create_engine, text
+from sqlalchemy import text
 
-from benchmarks.common import finish, machine_info, median, table
+from benchmarks.common import finish, machine_info, median, scratch_postgres, table
 from registry.db import prune as q
-from registry.db.engine import create_db_engine
 from registry.db.schema import _config
-
-SERVER = "postgresql+psycopg://postgres@127.0.0.1:5432"
 
 
 def one(revision: str, n_chunks: int, n_packs: int) -> dict:
-    admin = create_engine(f"{SERVER}/postgres", isolation_level="AUTOCOMMIT")
-    name = f"mfsreg_prune_index_{uuid.uuid4().hex[:8]}"
-    with admin.connect() as c:
-        c.execute(text(f"CREATE DATABASE {name}"))
-    engine = create_db_engine(f"{SERVER}/{name}")
-    try:
+    with scratch_postgres("mfsreg_prune_index") as engine:
         command.upgrade(_config(engine), revision)
         packs = [uuid.uuid4().hex for _ in range(n_packs)]
         with engine.begin() as conn:
@@ -60,11 +52,6 @@ def one(revision: str, n_chunks: int, n_packs: int) -> dict:
             q.retire_packs(conn, emptied)
         t2 = time.perf_counter()
         return {"chunks_in_s": t1 - t0, "retire_s": t2 - t1, "packs_asked": len(asked), "packs_retired": len(emptied)}
-    finally:
-        engine.dispose()
-        with admin.connect() as c:
-            c.execute(text(f"DROP DATABASE {name}"))
-        admin.dispose()
 
 
 def report(doc: dict) -> str:
