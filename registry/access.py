@@ -18,7 +18,7 @@ A token for every family (pattern ``*``), and an embedded push, may use every st
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from sqlalchemy import Connection
 
@@ -123,18 +123,23 @@ def _foreign_chains(conn: Connection, who: Principal | None, family: str,
     return [i for i in dict.fromkeys(ids) if i in located and reaches(i)], located
 
 
-def detach_foreign_chains(reg, who: Principal | None, family: str, ids: Sequence[str]) -> int:
+def detach_foreign_chains(reg, who: Principal | None, family: str, ids: Sequence[str],
+                          go_on: Callable[[Connection], bool] | None = None) -> int:
     """Store a plain copy of each of ``ids`` whose delta chain passes through a chunk ``who`` may not
     use, and point its row there, so that a version of ``family`` needs only chunks it proved it
     holds. The registry decodes them itself (their bytes equal what the push uploaded, by id).
     Another family that used the delta now reads the plain copy: the same bytes, a little more
-    storage. Returns how many were detached."""
+    storage. ``go_on(conn)``, asked only when there is something to copy, in the same read
+    transaction, may refuse (raise) or skip (False) the copies first: a commit's checks, which a
+    commit needing no copy leaves to its own transaction. Returns how many were detached."""
     if reads_everything(who):
         return 0
     with read_tx(reg.engine) as conn:
         # only chunks the push has shown it holds: naming ids must not make the registry copy them
         shown = set(ids) - unproven(conn, who, family, list(ids))
         todo, located = _foreign_chains(conn, who, family, [i for i in ids if i in shown])
+        if todo and go_on is not None and not go_on(conn):
+            return 0
     if not todo:
         return 0
     raw = decode_batch(todo, located, reg.read_payloads, reg.pool)

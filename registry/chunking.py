@@ -79,8 +79,8 @@ class MappedFile:
         self.path = path
         self._fd = os.open(path, os.O_RDONLY)
         try:
-            self._opened = os.fstat(self._fd)
-            self.size = self._opened.st_size
+            self.opened = os.fstat(self._fd)  # the file mapped, as it was when opened
+            self.size = self.opened.st_size
             self._mm = mmap.mmap(self._fd, self.size, access=mmap.ACCESS_READ) if self.size else None
         except BaseException:
             os.close(self._fd)
@@ -106,9 +106,9 @@ class MappedFile:
                 return "it was cut short while it was read"
             # a read error of a page (a failing disk, a network filesystem's EIO) also ends in SIGBUS
             return "a read of it failed, or it was cut short and written again, while it was read"
-        if now.st_size != self._opened.st_size:
-            return f"its size went from {self._opened.st_size} to {now.st_size} bytes"
-        if now.st_mtime_ns != self._opened.st_mtime_ns:
+        if now.st_size != self.opened.st_size:
+            return f"its size went from {self.opened.st_size} to {now.st_size} bytes"
+        if now.st_mtime_ns != self.opened.st_mtime_ns:
             return "it was written to"
         return None
 

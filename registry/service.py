@@ -203,15 +203,19 @@ def commit(reg, family: str, version: str, parent: str | None, doc: object, chun
     # what commit_version would refuse, refused before the detach below writes anything
     check_named_cut(manifest, chunk_size)
     check_parent(reg, family, parent)
-    with read_tx(reg.engine) as conn:
+
+    def refused_first(conn) -> bool:
+        """What the commit's transaction would refuse, refused before any copy is made; a version of
+        that name that exists needs none (it is compared by digest below)."""
         fam = version_db.find_family(conn, family)
-        exists = fam is not None and version_db.find_version(conn, family, version) is not None
-        if not exists:
-            if fam is not None:
-                check_cut(manifest, family, fam.chunk_size)
-            stored_for(conn, family, version, manifest, lambda c, ids: access.unproven(c, who, family, ids))
-    if not exists:  # a version of that name that exists is compared by digest below; nothing to copy
-        access.detach_foreign_chains(reg, who, family, manifest.chunk_ids())
+        if fam is not None and version_db.find_version(conn, family, version) is not None:
+            return False
+        if fam is not None:
+            check_cut(manifest, family, fam.chunk_size)
+        stored_for(conn, family, version, manifest, lambda c, ids: access.unproven(c, who, family, ids))
+        return True
+
+    access.detach_foreign_chains(reg, who, family, manifest.chunk_ids(), refused_first)
 
     def unproven(conn, ids):  # checked again in the commit's transaction: what the version would lend
         return access.unproven(conn, who, family, ids) | set(access.foreign_chains(conn, who, family, ids))

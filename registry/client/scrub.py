@@ -5,8 +5,6 @@ a load does, and tells an operator that a node's disk is losing bytes."""
 
 from __future__ import annotations
 
-import os
-
 from pathlib import Path
 
 from registry.chunking import MappedFile, chunk_id, file_sha256
@@ -29,9 +27,9 @@ def verify_cache(cache: NodeCache, progress: Progress | None = None) -> dict:
     damaged: dict[str, list[str]] = {"chunk": [], "file": []}
     for kind, e, size in found:
         try:
-            seen = os.stat(e.path)
             with MappedFile(Path(e.path)) as mf:
                 ok = (chunk_id(mf.view) if kind == "chunk" else file_sha256(mf.view)) == e.name
+                seen = mf.opened  # the file hashed (a stat before the open could name another)
         except FileNotFoundError:
             continue  # evicted meanwhile
         if not ok:

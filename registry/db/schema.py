@@ -46,7 +46,7 @@ def upgrade(engine: Engine) -> str:
     """Apply every pending migration; returns the revision now in force. Processes that upgrade
     one database at once take turns (two API processes starting, `db upgrade` beside an embedded
     command): the second finds the work done. A migration that fails leaves the database at the
-    revision before it (each runs in a transaction) and is one line naming both revisions."""
+    revision before it (each runs in a transaction of its own) and is one line naming it."""
     with _migration_lock(engine):
         current = current_revision(engine)
         head = _known(engine, current)
