@@ -1,6 +1,6 @@
 """How the registry's metadata reads grow with the registry, on Postgres.
 
-    python -m benchmarks.metadata_scale [--families 5] [--sizes 10,50] [--runs 3]
+    python -m benchmarks.metadata_scale [--families 5] [--sizes 10,50] [--runs 3] [--out F]
 
 Method. For each size (versions per family) a scratch Postgres database (127.0.0.1:5432, trust
 auth, as the tests use) is migrated to head and filled by SQL with the rows of a synthetic registry
@@ -8,8 +8,9 @@ auth, as the tests use) is migrated to head and filled by SQL with the rows of a
 own (a third of them deltas against a base chunk), and 1% chunks no version uses; at 50 versions a
 family, 530,000 chunk rows and 1.75M version_chunks rows (a 7B member at 2 MiB chunks is about
 7,000 rows). Timed, through the registry's own query functions, median of --runs: the version
-document's chunk table (what a node reads before each pull or load), a family's tier table (cache
-warm), one family's stats and the whole registry's storage totals (stats), and prune's unlisted
+document's chunk table (what a node reads before each pull or load), the member sharing the most
+of a version's chunks (a push without --parent looks it up for its deltas' bases), a family's tier
+table (cache warm), one family's stats and the whole registry's storage totals (stats), and prune's unlisted
 packs. Anchor, in the same database and run: one full scan of version_chunks (count(*)), the cost
 of reading the registry's biggest table once. A read that grows with its own work stays flat
 between sizes; one that grows with the registry follows the anchor. Writes results/metadata_scale.json.
@@ -81,9 +82,12 @@ def measure(families: int, versions: int, runs: int) -> dict:
         with read_tx(engine) as c:
             fam = version_db.get_family(c, "fam1")
             one = [r.id for r in version_db.list_versions(c, "fam1")][versions // 2]
+            one_ids = version_db.version_chunk_ids(c, one)
         reads = {
             "anchor: count(*) of version_chunks": lambda c: c.execute(text("SELECT count(*) FROM version_chunks")).scalar(),
             "version document's chunk table": lambda c: chunk_db.version_chunk_table(c, one),
+            "push: the member sharing most of a version's chunks": lambda c: version_db.most_shared_version(
+                c, fam.id, one_ids, fam.member_count),
             "a family's tier table (all tiers)": lambda c: chunk_db.family_chunk_table(c, fam.id),
             "stats of one family: per-version figures": lambda c: stats_db.version_figures(c, "fam1"),
             "stats of the registry: storage totals": lambda c: stats_db.storage_totals(c),
@@ -124,12 +128,13 @@ def main() -> None:
     ap.add_argument("--families", type=int, default=5)
     ap.add_argument("--sizes", default="10,50", help="versions per family, smallest first")
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--out", default="metadata_scale.json", help="file name under benchmarks/results/")
     args = ap.parse_args()
     t_start = time.perf_counter()
     sizes = [int(s) for s in args.sizes.split(",")]
     doc = {"families": args.families, "runs": args.runs, "machine": machine_info(),
            "sizes": [measure(args.families, v, args.runs) for v in sizes]}
-    finish("metadata_scale.json", doc, report, t_start)
+    finish(args.out, doc, report, t_start)
 
 
 if __name__ == "__main__":

@@ -52,7 +52,7 @@ def plan_deltas(reg, family: str, parent: str | None, new_files: list, ids: list
         if parent is not None:
             row = version_db.find_version(conn, family, parent)
             vid = row.id if row else None
-        vid = vid or version_db.most_shared_version(conn, fam.id, present) or version_db.first_version(conn, fam.id)
+        vid = vid or version_db.most_shared_version(conn, fam.id, present, fam.member_count) or version_db.first_version(conn, fam.id)
         if vid is None:
             return {}, None
         basis_manifest = Manifest.from_bytes(version_db.read_manifest(conn, vid))

@@ -514,3 +514,30 @@ def test_a_header_an_uploader_stored_as_a_delta_still_passes_the_commit_check(re
     for family, version in (("fam", "lora"), ("other", "copy")):
         reg.pull(family, version, tmp_path / f"{family}.safetensors")
         assert filecmp.cmp(tmp_path / f"{family}.safetensors", fam["lora-chat"], shallow=False)
+
+
+def test_the_most_shared_member_is_the_one_a_full_count_names(reg, fam):
+    """most_shared_version leaves out the chunks every member uses (they add the same to every
+    count, at one row per member); it names the member a count of every shared chunk names, and
+    when only such chunks are shared, none, so that the push falls back to the first version,
+    the oldest of the tie."""
+    from registry.db import versions as version_db
+    from registry.db.engine import read_tx
+
+    for name in ("base", "lora-chat", "last-code", "vocab-ext"):
+        reg.push(fam[name], "fam", name)
+    with read_tx(reg.engine) as conn:
+        family = version_db.get_family(conn, "fam")
+        uses = {}
+        for name in ("base", "lora-chat", "last-code", "vocab-ext"):
+            vid = version_db.find_version(conn, "fam", name).id
+            uses[vid] = set(version_db.version_chunk_ids(conn, vid))
+        everyone = set.intersection(*uses.values())
+        assert everyone and all(u - everyone for u in uses.values())
+        probes = [*uses.values(), everyone] + [everyone | {c} for u in uses.values() for c in sorted(u - everyone)[:1]]
+        for ids in probes:
+            counts = {vid: len(ids & u) for vid, u in uses.items()}
+            full = max(counts, key=lambda v: (counts[v], -v))
+            named = version_db.most_shared_version(conn, family.id, sorted(ids), family.member_count)
+            assert (named or version_db.first_version(conn, family.id)) == full
+            assert (named is None) == (ids <= everyone)

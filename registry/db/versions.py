@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from sqlalchemy import Connection, delete, func, select, update
 
 from registry.db.dialect import batches, insert
-from registry.db.models import families, version_chunks, versions
+from registry.db.models import families, family_chunks, version_chunks, versions
 from registry.errors import NotFound
 from registry.results import FamilyRow, VersionRow
 
@@ -134,14 +134,20 @@ def count_versions(conn: Connection, family_id: int) -> int:
     return conn.execute(select(func.count()).select_from(versions).where(versions.c.family_id == family_id)).scalar_one()
 
 
-def most_shared_version(conn: Connection, family_id: int, ids: Sequence[str]) -> int | None:
-    """The member of the family that uses the most of ``ids`` (ties: the oldest)."""
+def most_shared_version(conn: Connection, family_id: int, ids: Sequence[str], member_count: int) -> int | None:
+    """The member of the family that uses the most of ``ids`` (ties: the oldest); None if no
+    member uses more of them than every other."""
+    # A chunk every member uses adds one to every member's count and changes neither the winner nor
+    # the ties, yet it costs one version_chunks row per member: a family's base tier would make
+    # this lookup grow with the family. Only the chunks some members lack are counted.
     counts: dict[int, int] = {}
     for batch in batches(list(ids)):
+        lacked = select(family_chunks.c.chunk_id).where(
+            family_chunks.c.family_id == family_id, family_chunks.c.chunk_id.in_(batch), family_chunks.c.users < member_count)
         q = (
             select(version_chunks.c.version_id, func.count())
             .join(versions, versions.c.id == version_chunks.c.version_id)
-            .where(versions.c.family_id == family_id, version_chunks.c.chunk_id.in_(batch))
+            .where(versions.c.family_id == family_id, version_chunks.c.chunk_id.in_(lacked))
             .group_by(version_chunks.c.version_id)
         )
         for vid, n in conn.execute(q):
