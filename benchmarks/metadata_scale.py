@@ -10,10 +10,12 @@ family, 530,000 chunk rows and 1.75M version_chunks rows (a 7B member at 2 MiB c
 7,000 rows). Timed, through the registry's own query functions, median of --runs: the version
 document's chunk table (what a node reads before each pull or load), the member sharing the most
 of a version's chunks (a push without --parent looks it up for its deltas' bases), a family's tier
-table (cache warm), one family's stats and the whole registry's storage totals (stats), and prune's unlisted
-packs. Anchor, in the same database and run: one full scan of version_chunks (count(*)), the cost
+table (cache warm), one family's stats and the whole registry's storage totals (stats), prune's
+unlisted packs, and prune's decision (which chunks it keeps, which packs it retires or repacks:
+the step during which commits wait). Anchor, in the same database and run: one full scan of version_chunks (count(*)), the cost
 of reading the registry's biggest table once. A read that grows with its own work stays flat
-between sizes; one that grows with the registry follows the anchor. Writes results/metadata_scale.json.
+between sizes; one that grows with the registry follows the anchor (prune's decision must: it
+reads every chunk row). Writes results/metadata_scale.json (or --out).
 """
 
 from __future__ import annotations
@@ -22,11 +24,13 @@ import argparse
 import re
 import statistics
 import time
+from datetime import timedelta
 
 from sqlalchemy import text
 
 from benchmarks.common import finish, machine_info, scratch_postgres, table
 from registry.db import chunks as chunk_db
+from registry import prune
 from registry.db import prune as prune_db
 from registry.db import stats as stats_db
 from registry.db import versions as version_db
@@ -92,6 +96,8 @@ def measure(families: int, versions: int, runs: int) -> dict:
             "stats of one family: per-version figures": lambda c: stats_db.version_figures(c, "fam1"),
             "stats of the registry: storage totals": lambda c: stats_db.storage_totals(c),
             "prune: unlisted packs": lambda c: prune_db.unlisted(c),
+            "prune: the decision (chunks kept, packs to retire and repack)": lambda c: prune.decide(
+                c, prune_db.db_now(c) - timedelta(hours=1), prune_db.pack_sizes(c), prune.DEFAULT_MAX_UNUSED),
         }
         seconds = {}
         for label, read in reads.items():
