@@ -11,8 +11,8 @@ family, 530,000 chunk rows and 1.75M version_chunks rows (a 7B member at 2 MiB c
 document's chunk table (what a node reads before each pull or load), the member sharing the most
 of a version's chunks (a push without --parent looks it up for its deltas' bases), a family's tier
 table (cache warm), one family's stats and the whole registry's storage totals (stats), prune's
-unlisted packs, and prune's decision (which chunks it keeps, which packs it retires or repacks:
-the step during which commits wait). Anchor, in the same database and run: one full scan of version_chunks (count(*)), the cost
+unlisted packs, and the read at the heart of prune's decision (which chunks it keeps, which packs
+it retires or repacks; commits wait while the decision runs, this read and the deletes after it). Anchor, in the same database and run: one full scan of version_chunks (count(*)), the cost
 of reading the registry's biggest table once. A read that grows with its own work stays flat
 between sizes; one that grows with the registry follows the anchor (prune's decision must: it
 reads every chunk row). Writes results/metadata_scale.json (or --out).

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datetime import datetime
+
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
@@ -51,10 +53,9 @@ def test_chunk_rows_of_the_previous_release_and_this_one_live_side_by_side(db_ur
     """Migration 0004 stops writing chunks.sha256 but keeps the column (nullable) for one release:
     during a rolling upgrade, processes of the previous release still insert rows with a digest and
     select the column, beside this release's rows without one. Both kinds must be readable by both,
-    and a downgrade must leave a schema the previous release accepts (no NULL digests). Migration
-    0010 drops the column and keeps every row."""
+    and a downgrade must leave a schema the previous release accepts (no NULL digests)."""
     from alembic import command
-    from sqlalchemy import inspect, text
+    from sqlalchemy import text
 
     from registry.blobs.packs import StoredChunk
     from registry.db import chunks as chunk_db
@@ -69,7 +70,7 @@ def test_chunk_rows_of_the_previous_release_and_this_one_live_side_by_side(db_ur
         with engine.begin() as conn:
             conn.execute(text("INSERT INTO packs (id, size) VALUES ('p1', 8)"))
             conn.execute(old_insert, {"id": "a" * 32, "sha": "1" * 64})  # written before the upgrade
-        command.upgrade(_config(engine), "0009")
+        command.upgrade(_config(engine), "head")
         with engine.begin() as conn:
             conn.execute(old_insert, {"id": "b" * 32, "sha": "2" * 64})  # a previous-release process, after it
             prune_db.announce_pack(conn, "p2", 8)  # as a writer does before it writes the blob
@@ -80,10 +81,6 @@ def test_chunk_rows_of_the_previous_release_and_this_one_live_side_by_side(db_ur
             digests = dict(conn.execute(text("SELECT id, sha256 FROM chunks ORDER BY id")).all())
         assert set(found) == {"a" * 32, "b" * 32, "c" * 32} and found["c" * 32].offset == 4
         assert digests == {"a" * 32: "1" * 64, "b" * 32: "2" * 64, "c" * 32: None}
-        command.upgrade(_config(engine), "head")
-        with engine.connect() as conn:
-            assert "sha256" not in {c["name"] for c in inspect(conn).get_columns("chunks")}
-            assert set(chunk_db.locate(conn, ["a" * 32, "b" * 32, "c" * 32])) == {"a" * 32, "b" * 32, "c" * 32}
         command.downgrade(_config(engine), "0003")
         with engine.connect() as conn:
             assert conn.execute(text("SELECT sha256 FROM chunks WHERE id = :id"), {"id": "c" * 32}).scalar() == ""
@@ -219,45 +216,54 @@ def test_databases_built_by_pre_release_migrations_are_repaired(db_url, tmp_path
     """Migrations 0004 and 0006 changed after they were first committed: a database that the first
     texts upgraded is at revision 0009 with no chunks.sha256 and a retired_packs table (58d9a58) or
     an unlisted_packs table without claimed_at (d5c4a01), and every push or prune failed on it.
-    Migration 0010 brings it to the schema the code declares, keeps the retired packs as unlisted
-    ones (their blobs still go after the grace period), and a push, delete and prune then work."""
+    Migration 0010 brings it to the schema the code declares and keeps the retired packs as
+    unlisted ones, each unlisted since it was retired: a prune deletes the blob of one retired
+    longer ago than its grace period and keeps that of one retired just now. A push, delete and
+    prune then work."""
     from alembic import command
     from sqlalchemy import text
 
+    from registry.blobs.packs import pack_key
     from registry.db.schema import _config
     from tests import synth
 
     engine = create_db_engine(db_url)
+    retired = {"old": "2020-01-01 00:00:00+00:00", "new": None}  # None: retired now (the column's default)
     try:
         command.upgrade(_config(engine), "0009")
         with engine.begin() as conn:
-            drop_column = "ALTER TABLE {} DROP COLUMN {}"
-            conn.execute(text(drop_column.format("chunks", "sha256")))  # 0004 as first committed
+            conn.execute(text("ALTER TABLE chunks DROP COLUMN sha256"))  # 0004 as first committed
             if history == "retired_packs":  # 0006 as first committed
                 conn.execute(text("DROP TABLE unlisted_packs"))
                 conn.execute(text("CREATE TABLE retired_packs (id VARCHAR(32) NOT NULL PRIMARY KEY, size BIGINT NOT NULL, "
                                   "retired_at TIMESTAMP WITH TIME ZONE NOT NULL DEFAULT CURRENT_TIMESTAMP)"))
-                conn.execute(text("INSERT INTO retired_packs (id, size, retired_at) VALUES ('old', 5, '2020-01-01 00:00:00+00')"))
+                conn.execute(text("INSERT INTO retired_packs (id, size, retired_at) VALUES ('old', 5, :t)"),
+                             {"t": datetime.fromisoformat(retired["old"])})
+                conn.execute(text("INSERT INTO retired_packs (id, size) VALUES ('new', 5)"))
             else:  # 0006 as committed in between
-                conn.execute(text(drop_column.format("unlisted_packs", "claimed_at")))
+                conn.execute(text("ALTER TABLE unlisted_packs DROP COLUMN claimed_at"))
         assert current_revision(engine) == "0009"
         settings = Settings.from_env({"MFSREG_HOME": str(tmp_path / "home")}, database_url=db_url,
                                      chunk_size=64 << 10, pack_size=1 << 20)
         upgrade_database(settings)
         with engine.connect() as conn:
             assert compare_metadata(MigrationContext.configure(conn), metadata) == []
-            moved = conn.execute(text("SELECT id, size, claimed_at FROM unlisted_packs")).all()
-        assert [tuple(r) for r in moved] == ([("old", 5, None)] if history == "retired_packs" else [])
+            moved = {i: (s, c) for i, s, c in conn.execute(text("SELECT id, size, claimed_at FROM unlisted_packs"))}
+        assert moved == ({"old": (5, None), "new": (5, None)} if history == "retired_packs" else {})
 
-        base = synth.write(tmp_path / "base.safetensors", synth.base_tensors())
         with Registry(settings) as reg:
+            if history == "retired_packs":
+                for pack_id in retired:
+                    reg.blobs.put(pack_key(pack_id), b"12345")
+                report = reg.prune(min_age=3600)
+                assert (report.deleted_packs, report.waiting_packs) == (1, 1), report
+                assert not reg.blobs.exists(pack_key("old")) and reg.blobs.exists(pack_key("new"))
+            base = synth.write(tmp_path / "base.safetensors", synth.base_tensors())
             reg.push(base, "fam", "v1")
             reg.delete("fam", "v1")
             report = reg.prune(min_age=0)
             after = reg.stats()
-        assert after["stored_bytes"] == 0 and after["pack_bytes"] == 0, after
         assert report.deleted_chunks > 0
-        with engine.connect() as conn:  # the retired pack's row went with the rest (no blob: nothing to delete)
-            assert conn.execute(text("SELECT count(*) FROM unlisted_packs")).scalar() == 0
+        assert after["stored_bytes"] == 0 and after["pack_bytes"] == 0 and after["unlisted_pack_bytes"] == 0, after
     finally:
         engine.dispose()

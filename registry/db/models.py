@@ -91,6 +91,10 @@ chunks = Table(
     "chunks", metadata,
     Column("id", CHUNK_ID, primary_key=True),
     Column("size", BigInteger, nullable=False),
+    # No longer written (migration 0004); kept, nullable, while processes of the release before it
+    # may still write and select it during a rolling upgrade. A migration of a later release, one
+    # that no such process can meet, drops it.
+    Column("sha256", String(64), nullable=True),
     Column("encoding", String(16), nullable=False),
     Column("stored_size", BigInteger, nullable=False),
     Column("pack_id", String(32), ForeignKey("packs.id"), nullable=False),

@@ -135,8 +135,8 @@ def count_versions(conn: Connection, family_id: int) -> int:
 
 
 def most_shared_version(conn: Connection, family_id: int, ids: Sequence[str], member_count: int) -> int | None:
-    """The member of the family that uses the most of ``ids`` (ties: the oldest); None if no
-    member uses more of them than every other."""
+    """The member of the family that uses the most of ``ids`` (ties: the oldest); None if every one
+    of ``ids`` that the family uses, every member uses (then all tie: the caller takes the oldest)."""
     # A chunk every member uses adds one to every member's count and changes neither the winner nor
     # the ties, yet it costs one version_chunks row per member: a family's base tier would make
     # this lookup grow with the family. Only the chunks some members lack are counted.
