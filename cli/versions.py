@@ -16,7 +16,7 @@ JsonOption = typer.Option(False, "--json", help="Print one JSON object (for scri
 
 
 def push(
-    path: Path = typer.Argument(..., help="A .safetensors file, a sharded checkpoint's index, or a model directory."),
+    path: str = typer.Argument(..., help="A .safetensors file, a sharded checkpoint's index, or a model directory."),
     family: str = typer.Option(..., "--family", "-f", help="Family name, e.g. qwen7b."),
     version: str = typer.Option(..., "--version", "-v", help="Version name, e.g. medical-v3."),
     parent: str = typer.Option(None, "--parent", help="The version this one was fine-tuned from."),
@@ -24,8 +24,9 @@ def push(
     registry: str = RegistryOption,
 ) -> None:
     """Store one version of a family; only chunks the registry lacks are written."""
+    source = _given_path(path, "PATH")
     with open_backend(registry) as reg, progress_for(json_) as progress:
-        result = reg.push(path, family, version, parent=parent, progress=progress)
+        result = reg.push(source, family, version, parent=parent, progress=progress)
     if json_:
         emit_json(result.to_dict())
         return
@@ -40,8 +41,8 @@ def push(
 def pull(
     family: str = typer.Argument(...),
     version: str = typer.Argument(...),
-    out: Path = typer.Option(None, "--out", "-o", help="A file for a single-file version, a directory otherwise."),
-    to_dir: Path = typer.Option(None, "--to-dir", help="A directory an engine (vLLM, transformers) loads: every file "
+    out: str = typer.Option(None, "--out", "-o", help="A file for a single-file version, a directory otherwise."),
+    to_dir: str = typer.Option(None, "--to-dir", help="A directory an engine (vLLM, transformers) loads: every file "
                                 "of the version, hardlinked from the node cache where the filesystem allows it."),
     json_: bool = JsonOption,
     registry: str = RegistryOption,
@@ -49,6 +50,8 @@ def pull(
     """Rebuild a version byte for byte, verified against its digests (through the node cache on a server)."""
     if (out is None) == (to_dir is None):
         raise InvalidRequest("give exactly one of --out/-o FILE_OR_DIR and --to-dir DIR")
+    out = _given_path(out, "--out/-o") if out is not None else None
+    to_dir = _given_path(to_dir, "--to-dir") if to_dir is not None else None
     with open_backend(registry) as reg, progress_for(json_) as progress:
         if to_dir is not None:
             if hasattr(reg, "fetch"):  # remote: through the node cache, with hardlinks
@@ -65,6 +68,14 @@ def pull(
     if result.fetched_bytes or result.cached_bytes:
         extra = f" ({human_bytes(result.fetched_bytes)} fetched, {human_bytes(result.cached_bytes)} from the node cache)"
     typer.echo(f"pulled {family}/{version} to {result.path}: {human_bytes(result.logical_bytes)} in {result.seconds:.2f}s, verified{extra}")
+
+
+def _given_path(value: str, what: str) -> Path:
+    """An empty path (an unset shell variable, most likely) is refused: Path('') is the current
+    directory, and a pull there would write over what it holds, a push store all of it."""
+    if not value.strip():
+        raise InvalidRequest(f"{what} is empty: give a path ('.' for the current directory)")
+    return Path(value)
 
 
 def ls(

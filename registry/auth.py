@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import fnmatch
 import hashlib
+import re
 import secrets
 from dataclasses import dataclass
 
@@ -50,9 +51,15 @@ def hash_token(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
+# What a family name may hold (registry/names.py), with shell wildcards: '*', '?' and [classes]. A
+# pattern of other characters (a space, an unclosed '[') matches no family a push can create.
+_PATTERN = re.compile(r"(?:[A-Za-z0-9._\-*?]|\[!?[A-Za-z0-9._-]+\])+")
+
+
 def check_pattern(pattern: str) -> str:
-    if not pattern or len(pattern) > 128 or any(c in pattern for c in "/\\\0"):
-        raise InvalidRequest(f"invalid family pattern {pattern!r}: use a family name or a shell pattern like 'qwen*'")
+    if not pattern or len(pattern) > 128 or not _PATTERN.fullmatch(pattern):
+        raise InvalidRequest(f"invalid family pattern {pattern!r}: use a family name's characters (letters, digits, "
+                             "'.', '_', '-') with the wildcards '*', '?' or [abc], e.g. 'qwen*'")
     return pattern
 
 

@@ -103,12 +103,26 @@ class Settings:
             s3_endpoint_url=env.get("MFSREG_S3_ENDPOINT_URL") or None,
             chunk_size=chunk_size,
             pack_size=_size(env, "MFSREG_PACK_SIZE", DEFAULT_PACK_SIZE),
-            delta=env.get("MFSREG_DELTA", "1").lower() not in ("0", "false", "no", "off"),
-            anonymous_read=env.get("MFSREG_ANONYMOUS_READ", "").lower() in ("1", "true", "yes", "on"),
+            delta=_flag(env, "MFSREG_DELTA", True),
+            anonymous_read=_flag(env, "MFSREG_ANONYMOUS_READ", False),
             max_body=_size(env, "MFSREG_MAX_BODY", DEFAULT_MAX_BODY),
         )
         values.update(overrides)
         return cls(**values)
+
+
+_YES, _NO = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def _flag(env: dict, name: str, default: bool) -> bool:
+    """A yes/no setting; unset or empty: ``default``. Another value is refused rather than read
+    as one of the two (MFSREG_DELTA=maybe turned deltas on, MFSREG_ANONYMOUS_READ=maybe off)."""
+    raw = env.get(name, "").strip().lower()
+    if not raw:
+        return default
+    if raw in _YES or raw in _NO:
+        return raw in _YES
+    raise InvalidRequest(f"{name}={env[name]!r} is not a yes/no setting: use 1 or 0 (true/false, yes/no, on/off)")
 
 
 def size_from_env(name: str, default: int | None, env: dict | None = None) -> int | None:

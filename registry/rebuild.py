@@ -8,6 +8,8 @@ chunk's xxh3-128 must equal its id; once written, each is checked again where it
 
 from __future__ import annotations
 
+import stat
+
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -108,6 +110,15 @@ def _check_dests(plan: list[tuple[FileEntry, Path]], out: Path) -> None:
         if dest.is_dir():
             raise InvalidRequest(f"cannot write {dest}: a directory is there, where the version's file {f.path} goes; "
                                  "move it away or pull elsewhere")
+        try:
+            mode = dest.lstat().st_mode
+        except FileNotFoundError:
+            mode = None
+        if mode is not None and not (stat.S_ISREG(mode) or stat.S_ISLNK(mode)):
+            # the file is built under a temp name and renamed over its place: that would put a file
+            # where the device or pipe was (with root's rights, over /dev/full), not write into it
+            raise InvalidRequest(f"cannot write {dest}: it is a pipe, socket or device, which a pull would replace with "
+                                 "a file; give the path of a file or a directory")
         for parent in dest.parents:
             if parent == out or out not in parent.parents:  # at or above ``out``: checked already
                 break

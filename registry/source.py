@@ -9,6 +9,7 @@ and come back on pull. Hidden files and folders (``.git``, ``.cache``) are skipp
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
@@ -74,14 +75,34 @@ def _storable(rel: str) -> str:
 
 
 def _walk(root: Path) -> list[Path]:
+    """Every file a push of the directory ``root`` stores, in path order; hidden files and folders
+    are skipped. Anything else that is not a file to store (a broken link, a link to a folder, a
+    pipe, a folder it may not list) is refused, naming it: rglob passed over them without a word,
+    and the version was stored without them."""
     out = []
-    for p in sorted(root.rglob("*")):
-        rel = p.relative_to(root)
-        if any(part.startswith(".") for part in rel.parts):
-            continue
-        if p.is_file():
-            out.append(p)
-    return out
+
+    def unlistable(err: OSError) -> None:
+        raise InvalidModel(f"{err.filename}: cannot list this folder ({err.strerror}): give read access to it, or move it "
+                           "out of the model directory") from None
+
+    for folder, subfolders, names in os.walk(root, onerror=unlistable):
+        here = Path(folder)
+        subfolders[:] = sorted(d for d in subfolders if not d.startswith("."))
+        for d in subfolders:
+            if (here / d).is_symlink():  # os.walk lists it and does not go in
+                raise InvalidModel(f"{here / d}: a link to a folder, which a push does not follow: put the folder's "
+                                   "files there instead, or move the link out of the model directory")
+        for name in sorted(n for n in names if not n.startswith(".")):
+            p = here / name
+            if p.is_file():  # a file, or a link to one (a Hugging Face snapshot's files are links)
+                out.append(p)
+            elif p.is_symlink():
+                raise InvalidModel(f"{p}: a link to {os.readlink(p)!r}, which does not exist: restore what it points "
+                                   "to, or remove the link")
+            else:
+                raise InvalidModel(f"{p}: not a regular file (a pipe, socket or device): remove it from the model "
+                                   "directory")
+    return sorted(out)
 
 
 def _directory(root: Path) -> Source:

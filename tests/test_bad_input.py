@@ -227,6 +227,8 @@ ANSWERS = {
     "200 with []": ((200, "application/json", b"[]"), "another shape"),
     "200 with null": ((200, "application/json", b"null"), "another shape"),
     "a 400 whose detail has newlines": ((400, "application/json", b'{"detail": "one\\ntwo\\nthree"}'), "one two three"),
+    # a route the server lacks (FastAPI's own 404, or a wrong path in MFSREG_URL): not a missing version
+    "a JSON 404 that is not mfsreg's": ((404, "application/json", b'{"detail": "Not Found"}'), "no mfsreg API there"),
 }
 
 
@@ -348,3 +350,143 @@ def test_a_home_or_cache_that_is_a_file_says_what_to_do(tmp_path):
         proc = mfsreg(*args, env={**env, **extra}, check=False)
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
         assert str(path) in proc.stderr and "a file is where a directory is needed; move it away" in proc.stderr, proc.stderr
+
+
+def _model_with(tmp_path, odd: str) -> Path:
+    """A model directory with one entry a push cannot store as a file."""
+    d = tmp_path / f"model-{odd}"
+    d.mkdir()
+    (d / "model-a.safetensors").write_bytes(good_file_bytes())
+    if odd == "broken-link":
+        (d / "model-b.safetensors").symlink_to(tmp_path / "nonexistent")
+    elif odd == "link-to-folder":
+        (tmp_path / "elsewhere").mkdir()
+        (tmp_path / "elsewhere" / "config.json").write_text("{}")
+        (d / "extra").symlink_to(tmp_path / "elsewhere")
+    elif odd == "pipe":
+        os.mkfifo(d / "tokenizer.json")
+    return d
+
+
+@pytest.mark.parametrize("odd,says", [("broken-link", "which does not exist"), ("link-to-folder", "a link to a folder"),
+                                      ("pipe", "not a regular file")])
+def test_a_model_directory_entry_that_is_no_file_is_refused_not_left_out(odd, says, seeded, tmp_path):
+    """A broken link, a link to a folder or a pipe in a model directory: refused, naming it. The
+    push passed over them and stored a version without them, exit 0. A link to a file (as in a
+    Hugging Face snapshot) is followed, as before."""
+    d = _model_with(tmp_path, odd)
+    home = Path(seeded["MFSREG_HOME"])
+    before = snapshot(home)
+    proc = mfsreg("push", d, "--family", "fam", "--version", "odd", env=seeded, check=False, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert says in proc.stderr and str(d) in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert snapshot(home) == before
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    (linked / "model.safetensors").symlink_to(d / "model-a.safetensors")
+    mfsreg("push", linked, "--family", "fam", "--version", "linked", env=seeded)
+    files = [f["path"] for f in json.loads(mfsreg("show", "fam", "linked", "--json", env=seeded).stdout)["files"]]
+    assert files == ["model.safetensors"]
+
+
+def test_a_model_folder_the_push_may_not_list_is_refused_not_left_out(seeded, tmp_path):
+    """A subfolder without read access: refused, naming it (it was left out of the version).
+    As root, permissions do not stop reads: the push runs without the capabilities that let root
+    past them."""
+    d = _model_with(tmp_path, "locked")
+    (d / "sub").mkdir()
+    (d / "sub" / "config.json").write_text("{}")
+    os.chmod(d / "sub", 0)
+    home = Path(seeded["MFSREG_HOME"])
+    before = snapshot(home)
+    args = ["push", d, "--family", "fam", "--version", "locked"]
+    try:
+        if os.geteuid() == 0:
+            caps = "-dac_override,-dac_read_search,-fowner"
+            import subprocess
+
+            from tests.cli_run import MFSREG
+            proc = subprocess.run(["setpriv", f"--bounding-set={caps}", f"--inh-caps={caps}", "--", MFSREG, *map(str, args)],
+                                  env=seeded, capture_output=True, text=True, timeout=120)
+        else:
+            proc = mfsreg(*args, env=seeded, check=False)
+    finally:
+        os.chmod(d / "sub", 0o755)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "cannot list this folder" in proc.stderr and str(d / "sub") in proc.stderr, proc.stderr
+    assert snapshot(home) == before
+
+
+def test_a_pull_onto_a_pipe_refuses_instead_of_replacing_it(seeded, tmp_path):
+    """A pull builds its file under a temp name and renames it into place: over a pipe or a device
+    (as root, /dev/full) that put a regular file where it was, exit 0."""
+    pipe = tmp_path / "out"
+    os.mkfifo(pipe)
+    proc = mfsreg("pull", "fam", "base", "-o", pipe, env=seeded, check=False, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "pipe, socket or device" in proc.stderr and str(pipe) in proc.stderr, proc.stderr
+    assert pipe.is_fifo()
+
+
+@pytest.mark.parametrize("args", [["pull", "fam", "base", "-o", ""], ["pull", "fam", "base", "--to-dir", " "],
+                                  ["push", "", "--family", "fam", "--version", "cwd"]])
+def test_an_empty_path_is_refused_not_taken_for_the_current_directory(args, seeded, tmp_path):
+    """An empty path (an unset variable in a script) was the current directory: a pull wrote the
+    version there, over a file of the same name; a push stored whatever the directory held."""
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    (cwd / "base.safetensors").write_bytes(b"mine")
+    (cwd / "model.safetensors").write_bytes(good_file_bytes())
+    home = Path(seeded["MFSREG_HOME"])
+    before = snapshot(home)
+    import subprocess
+
+    from tests.cli_run import MFSREG
+    proc = subprocess.run([MFSREG, *args], env=seeded, cwd=cwd, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "is empty: give a path" in proc.stderr, proc.stderr
+    assert sorted(p.name for p in cwd.iterdir()) == ["base.safetensors", "model.safetensors"]
+    assert (cwd / "base.safetensors").read_bytes() == b"mine" and snapshot(home) == before
+
+
+@pytest.mark.parametrize("url,says", [
+    ("http://[::1", "cannot be read"),
+    ("http://256.1.1.1:80", "cannot be read"),
+    ("http://", "names no host"),
+    ("http://127.0.0.1:99999", "beyond 65535"),
+    ("http://user:secret@127.0.0.1:1", "carries a user name or password"),
+])
+def test_a_registry_url_that_cannot_work_is_one_line(url, says, tmp_path):
+    """MFSREG_URL that httpx cannot parse was an internal error (exit 1); one with a user name and
+    password sent them as Basic credentials, which the server called a malformed token."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MFSREG_")}
+    env.update(MFSREG_URL=url, MFSREG_TOKEN="t", MFSREG_HOME=str(tmp_path / "home"), MFSREG_CACHE_DIR=str(tmp_path / "c"))
+    for args in (["ls"], ["pull", "fam", "v1", "-o", tmp_path / "o"]):
+        proc = mfsreg(*args, env=env, check=False, timeout=60)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, (args, proc.stderr)
+        assert says in proc.stderr and "MFSREG_URL" in proc.stderr and "internal error" not in proc.stderr, proc.stderr
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("pattern", ["bad name", "[abc", "fam/x", "x]"])
+def test_a_token_family_pattern_that_matches_no_family_is_refused(pattern, seeded):
+    """A pattern with characters no family name holds (a space, an unclosed '[') made a token that
+    could never be used; it was created and printed, exit 0."""
+    listed = mfsreg("token", "list", "--json", env=seeded).stdout
+    proc = mfsreg("token", "create", "--scope", "push", "--family", pattern, env=seeded, check=False)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "invalid family pattern" in proc.stderr, proc.stderr
+    assert mfsreg("token", "list", "--json", env=seeded).stdout == listed
+    for good in ("qwen*", "[ab]x?"):
+        mfsreg("token", "create", "--family", good, env=seeded)
+
+
+@pytest.mark.parametrize("name", ["MFSREG_DELTA", "MFSREG_ANONYMOUS_READ"])
+def test_a_yes_no_setting_of_another_value_is_refused(name, seeded, fam):
+    """MFSREG_DELTA=maybe was read as on, MFSREG_ANONYMOUS_READ=maybe as off, without a word."""
+    home = Path(seeded["MFSREG_HOME"])
+    before = snapshot(home)
+    proc = mfsreg("push", fam["lora-chat"], "--family", "fam", "--version", "chat", env={**seeded, name: "maybe"}, check=False)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert f"{name}='maybe' is not a yes/no setting" in proc.stderr, proc.stderr
+    assert snapshot(home) == before

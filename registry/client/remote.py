@@ -74,6 +74,7 @@ class RemoteRegistry:
                  timeout: float = 300.0):
         if not url.startswith(("http://", "https://")):
             raise InvalidRequest(f"registry URL {url!r} must start with http:// or https://")
+        _check_url(url)
         self.url = url.rstrip("/")
         if token and not (token.isascii() and token.isprintable() and " " not in token):
             # an HTTP header cannot carry it (httpx raises UnicodeEncodeError, or a protocol error
@@ -347,7 +348,7 @@ class RemoteRegistry:
         try:
             return self.family(family).chunk_size
         except NotFound as exc:
-            if "does not exist" in str(exc):
+            if not isinstance(exc, NoRoute):
                 return self.chunk_size  # a new family: this client's size starts it
             # A server older than family chunk sizes has no such route; its families were cut at
             # its clients' default then, 1 MiB.
@@ -441,6 +442,28 @@ def _version_row(d: dict) -> VersionRow:
                       bool(d["single_file"]), d["created_at"])
 
 
+class NoRoute(NotFound):
+    """A 404 that is not mfsreg's: no such route on that server (another server, a wrong path in
+    MFSREG_URL, or a server of an older release without this route)."""
+
+
+def _check_url(url: str) -> None:
+    """A registry URL httpx can use, refused in one line otherwise: httpx raises InvalidURL at the
+    first request (an internal error to the user), and sends a URL's user name and password as Basic
+    credentials in place of the token, which the server then calls a malformed header."""
+    try:
+        parsed = httpx.URL(url)
+    except httpx.InvalidURL as exc:
+        raise InvalidRequest(f"registry URL {url!r} cannot be read ({exc}): fix MFSREG_URL, e.g. http://host:8700") from None
+    if not parsed.host:
+        raise InvalidRequest(f"registry URL {url!r} names no host: fix MFSREG_URL, e.g. http://host:8700")
+    if parsed.port is not None and not 0 < parsed.port < 65536:
+        raise InvalidRequest(f"registry URL {url!r} names port {parsed.port}, beyond 65535: fix MFSREG_URL")
+    if parsed.userinfo:
+        raise InvalidRequest(f"registry URL {url!r} carries a user name or password, which mfsreg does not send: "
+                             "remove it from MFSREG_URL and put the token in MFSREG_TOKEN")
+
+
 def _raise_for(resp: httpx.Response) -> None:
     if resp.status_code < 400:
         return
@@ -454,6 +477,12 @@ def _raise_for(resp: httpx.Response) -> None:
         raise kind(f"{resp.url.copy_with(query=None)} answered {resp.status_code} {resp.reason_phrase} with a body that "
                    "is not JSON: check that MFSREG_URL points at an mfsreg server (and any proxy before it)") from None
     detail = " ".join(str(detail).split())[:500]  # one line, whatever the server put in it
+    if resp.status_code == 404 and not (isinstance(body, dict) and str(body.get("type", "")).startswith("urn:mfsreg:")):
+        # not mfsreg's "no such family or version" (a problem with its type) but the server's
+        # "no such route": MFSREG_URL names another server, or a path the API is not mounted at
+        raise NoRoute(f"{resp.url.copy_with(query=None)} answered 404 {resp.reason_phrase}: no mfsreg API there; "
+                             "check that MFSREG_URL is the server's address (http://host:port, with a path only "
+                             "where a proxy mounts the API under one)")
     kind = _STATUS.get(resp.status_code, RegistryError)
     if kind is not RegistryError and isinstance(body, dict):
         # A finer kind the caller acts on, named by the problem's type (api/errors.py); a server
