@@ -85,7 +85,8 @@ class Registry:
                 raise NotFound(f"version {family}/{version} was deleted while it was being pulled: "
                                "nothing was written") from None
             # a pack the registry records is gone: data loss, said as the server says it
-            raise StorageError(f"the registry's storage lost data ({exc}): restore that blob from a backup") from None
+            raise StorageError(f"the registry's storage lost data ({exc}): check that MFSREG_BLOB_URL names this "
+                               "registry's blob store, else restore that blob from a backup") from None
         return rebuild.PullResult(
             family=family, version=version, digest=row.digest, path=str(rebuild.written_path(manifest, Path(out))),
             logical_bytes=row.logical_bytes,

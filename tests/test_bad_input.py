@@ -288,6 +288,7 @@ def _pg(query: str = "") -> str:
 
 @pytest.mark.parametrize("url,code,says", [
     ("sqlite:///{tmp}/not-a-db", 5, "file is not a database"),
+    ("sqlite:///{tmp}", 5, "unable to open database file"),  # a directory
     ("postgresql+psycopg://u@127.0.0.1:notaport/db", 2, "is not a database URL"),
     ("postgresql+psycopg2://u@127.0.0.1/db", 2, "names driver 'postgresql+psycopg2', which mfsreg does not use"),
     ("mysql://a@b/c", 2, "names driver 'mysql'"),
@@ -304,6 +305,8 @@ def test_a_database_url_that_cannot_work_is_one_line(url, code, says, tmp_path):
     proc = mfsreg("ls", env=env, check=False)
     assert proc.returncode == code and proc.stderr.count("\n") == 1, proc.stderr
     assert says in proc.stderr and "internal error" not in proc.stderr and "MFSREG_DATABASE_URL" in proc.stderr, proc.stderr
+    if url.startswith("sqlite"):
+        assert "server" not in proc.stderr, proc.stderr  # a file has no server to run
     assert (tmp_path / "not-a-db").read_bytes() == before
 
 

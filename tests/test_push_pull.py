@@ -188,7 +188,7 @@ def test_a_pull_whose_pack_storage_lost_says_so_and_writes_nothing(reg, fam, tmp
     for key in reg.blobs.list("packs/"):
         (reg.blobs.root / key).unlink()
     (tmp_path / "out").mkdir()
-    with pytest.raises(StorageError, match="storage lost data .*missing.*restore that blob from a backup"):
+    with pytest.raises(StorageError, match="storage lost data .*missing.*MFSREG_BLOB_URL.*restore that blob from a backup"):
         reg.pull("fam", "base", tmp_path / "out" / "base.safetensors")
     assert list((tmp_path / "out").iterdir()) == []  # nor a temp file left behind
 

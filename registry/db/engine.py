@@ -134,4 +134,6 @@ def _storage_errors(engine: Engine) -> Iterator[None]:
     except OperationalError as exc:
         where = engine.url.render_as_string(hide_password=True)
         reason = str(exc.orig).strip().splitlines()[0] if exc.orig else "unknown error"
-        raise StorageError(f"database {where}: {reason}; check MFSREG_DATABASE_URL and that the server runs") from None
+        check = ("that this process may read and write the file" if engine.dialect.name == "sqlite"
+                 else "that the server runs")
+        raise StorageError(f"database {where}: {reason}; check MFSREG_DATABASE_URL and {check}") from None
