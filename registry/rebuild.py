@@ -112,7 +112,7 @@ def _check_dests(plan: list[tuple[FileEntry, Path]], out: Path) -> None:
                                  "move it away or pull elsewhere")
         try:
             mode = dest.lstat().st_mode
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # nothing there, or a file above it (refused below)
             mode = None
         if mode is not None and not (stat.S_ISREG(mode) or stat.S_ISLNK(mode)):
             # the file is built under a temp name and renamed over its place: that would put a file
