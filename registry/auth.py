@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from registry.db import tokens as token_db
 from registry.db.engine import read_tx, write_tx
 from registry.errors import Forbidden, InvalidRequest, Unauthorized
+from registry.names import NAME_CHARS
 
 ROLES = ("read", "push", "admin")
 TOKEN_PREFIX = "mfs_"
@@ -53,7 +54,7 @@ def hash_token(token: str) -> str:
 
 # What a family name may hold (registry/names.py), with shell wildcards: '*', '?' and [classes]. A
 # pattern of other characters (a space, an unclosed '[') matches no family a push can create.
-_PATTERN = re.compile(r"(?:[A-Za-z0-9._\-*?]|\[!?[A-Za-z0-9._-]+\])+")
+_PATTERN = re.compile(rf"(?:[*?{NAME_CHARS}]|\[!?[{NAME_CHARS}]+\])+")  # NAME_CHARS ends in '-': keep it last
 
 
 def check_pattern(pattern: str) -> str:

@@ -10,7 +10,8 @@ import re
 
 from registry.errors import InvalidName
 
-_NAME = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}$")
+NAME_CHARS = "A-Za-z0-9._-"  # a regex character class's body: what a name may hold
+_NAME = re.compile(rf"^[A-Za-z0-9_-][{NAME_CHARS}]{{0,127}}$")
 
 
 def check_name(kind: str, name: str) -> str:

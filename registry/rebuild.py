@@ -9,7 +9,6 @@ chunk's xxh3-128 must equal its id; once written, each is checked again where it
 from __future__ import annotations
 
 import stat
-
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass

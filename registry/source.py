@@ -52,7 +52,8 @@ def open_source(path: Path) -> Source:
 def _regular(path: Path) -> None:
     """A pipe, socket or device would be read until it ends (a pipe nobody writes to: never)."""
     if not path.is_file():
-        raise InvalidModel(f"{path}: not a regular file (a pipe, socket or device): push a file or a model directory")
+        raise InvalidModel(f"{path}: not a regular file (a pipe, socket or device): push regular files only (a file, or "
+                           "a model directory of them)")
 
 
 def _safetensors(path: Path, rel: str) -> SourceFile:
@@ -87,21 +88,19 @@ def _walk(root: Path) -> list[Path]:
 
     for folder, subfolders, names in os.walk(root, onerror=unlistable):
         here = Path(folder)
-        subfolders[:] = sorted(d for d in subfolders if not d.startswith("."))
+        subfolders[:] = [d for d in subfolders if not d.startswith(".")]
         for d in subfolders:
             if (here / d).is_symlink():  # os.walk lists it and does not go in
                 raise InvalidModel(f"{here / d}: a link to a folder, which a push does not follow: put the folder's "
                                    "files there instead, or move the link out of the model directory")
-        for name in sorted(n for n in names if not n.startswith(".")):
+        for name in names:
             p = here / name
-            if p.is_file():  # a file, or a link to one (a Hugging Face snapshot's files are links)
-                out.append(p)
-            elif p.is_symlink():
+            if name.startswith("."):
+                continue
+            if p.is_symlink() and not p.exists():
                 raise InvalidModel(f"{p}: a link to {os.readlink(p)!r}, which does not exist: restore what it points "
                                    "to, or remove the link")
-            else:
-                raise InvalidModel(f"{p}: not a regular file (a pipe, socket or device): remove it from the model "
-                                   "directory")
+            out.append(p)  # a file, a link to one (a Hugging Face snapshot's), or what _regular refuses
     return sorted(out)
 
 
