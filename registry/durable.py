@@ -65,3 +65,50 @@ def writing(dest: Path) -> Iterator[None]:
             raise
         raise StorageError(f"cannot write {dest}: {exc.strerror or exc}: make room there (or write elsewhere), "
                            "then run it again; nothing was renamed into place") from None
+
+
+class Placing:
+    """The files of one pull, each written and synced under a temp name, renamed into place together
+    once every one of them has passed its check: a pull that fails on its third file leaves the
+    first two as they were (say, the files of the version pulled there before), not a mix of two
+    versions. Use as a ``with`` block: leaving it on an error removes the temp files instead.
+
+    The renames themselves can still fail partway (a disk that fails between two of them): they are
+    the last step, after every byte is written and synced, and each is atomic for its own file."""
+
+    def __init__(self):
+        self.pending: list[tuple[Path, Path]] = []
+
+    def add(self, tmp: Path, dest: Path) -> None:
+        """``tmp``, written and synced, goes to ``dest`` when the block ends without an error."""
+        self.pending.append((Path(tmp), Path(dest)))
+
+    def place(self) -> None:
+        folders: dict[Path, None] = {}
+        while self.pending:
+            tmp, dest = self.pending[0]
+            os.replace(tmp, dest)
+            # a rename between two links of one inode (a pull into the same directory again) does
+            # nothing and leaves ``tmp``: no stray link stays beside the file, holding old files' space
+            tmp.unlink(missing_ok=True)
+            self.pending.pop(0)
+            folders[dest.parent] = None
+        for folder in folders:  # each folder once, however many of the files it holds
+            sync_dir(folder)
+
+    def discard(self) -> None:
+        for tmp, _ in self.pending:
+            tmp.unlink(missing_ok=True)
+        self.pending.clear()
+
+    def __enter__(self) -> "Placing":
+        return self
+
+    def __exit__(self, kind, *exc) -> None:
+        if kind is None:
+            try:
+                self.place()
+            finally:
+                self.discard()  # what a failed rename left unplaced
+        else:
+            self.discard()

@@ -24,7 +24,7 @@ from concurrent.futures import Executor, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
 from registry.chunking import ChunkRef, chunk_id
-from registry.durable import sync_dir
+from registry.durable import Placing, sync_dir
 from registry.errors import IntegrityError
 from registry.manifest import FileEntry
 
@@ -96,8 +96,8 @@ def start_writeback(fd: int, batch: list[ChunkRef]) -> None:
 class CheckedFile:
     """A file written at its chunks' offsets under a temp name beside ``dest``, sized up front.
     Each finished stretch goes to writeback and to a check on ``pool`` (``finished``); ``commit``
-    syncs the file and renames it into place; leaving the ``with`` block otherwise removes it, once
-    no check still reads it."""
+    syncs the file and renames it into place (or hands it to a ``Placing`` to be renamed with the
+    pull's other files); leaving the ``with`` block otherwise removes it, once no check still reads it."""
 
     def __init__(self, dest: Path, size: int, pool: Executor, mode: int | None = None):
         dest.parent.mkdir(parents=True, exist_ok=True)
@@ -106,6 +106,7 @@ class CheckedFile:
         self.tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex}.tmp")
         self.pool = pool
         self.checks: list[Future] = []
+        self.handed = False
         # sync_file_range starts writeback but blocks while the disk's queue is full: on a thread of
         # its own, for files of more than one stretch, so that the writes go on meanwhile (an Intel
         # Xeon VM's node pull of 1.16 GB spent 0.25 of its 1.5 s there; on the thread, the pull took
@@ -141,13 +142,17 @@ class CheckedFile:
         """The chunks that failed their check, once every check is done."""
         return [c for f in self.checks for c in f.result()]
 
-    def commit(self) -> None:
+    def commit(self, placing: Placing | None = None) -> None:
         self._stop_writeback()
         if self.mode is not None:
             os.fchmod(self.fd, self.mode)
         os.fsync(self.fd)
         os.close(self.fd)
         self.fd = -1
+        if placing is not None:
+            placing.add(self.tmp, self.dest)
+            self.handed = True
+            return
         os.replace(self.tmp, self.dest)
         sync_dir(self.dest.parent)
 
@@ -159,7 +164,8 @@ class CheckedFile:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
-        self.tmp.unlink(missing_ok=True)
+        if not self.handed:  # a Placing renames it, or removes it
+            self.tmp.unlink(missing_ok=True)
 
     def __enter__(self) -> "CheckedFile":
         return self

@@ -3,7 +3,8 @@
 Each file is written to a temp name beside its target, chunk by chunk at its offsets (a chunk used
 twice in a file is fetched once). Chunk payloads are decoded on a thread pool, and each decoded
 chunk's xxh3-128 must equal its id; once written, each is checked again where it lies in the file
-(registry/filecheck.py), and only then is the file synced and renamed into place.
+(registry/filecheck.py), and only then is the file synced. The files of a version are renamed into
+place together once all of them are written and checked (registry/durable.py's Placing).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from registry import codec, filecheck
-from registry.durable import writing
+from registry.durable import Placing, writing
 from registry.blobs.packs import StoredChunk
 from registry.chunking import chunk_id
 from registry.errors import IntegrityError, InvalidRequest
@@ -201,9 +202,10 @@ def decode_batch(ids: list[str], located: dict[str, StoredChunk], payloads: Payl
 
 
 def write_file(entry: FileEntry, dest: Path, located: dict[str, StoredChunk], payloads: PayloadSource,
-               pool: ThreadPoolExecutor, progress: Progress) -> None:
+               pool: ThreadPoolExecutor, progress: Progress, placing: Placing | None = None) -> None:
     """Write one file atomically from its chunks, each decoded and checked against its id, then
-    checked again where it lies in the written file (registry/filecheck.py).
+    checked again where it lies in the written file (registry/filecheck.py); renamed into place at
+    once, or by ``placing`` with the version's other files.
 
     The file is written in batches at the chunks' offsets; while one batch is written, the next is
     fetched and decoded on a second thread, and the one before is checked on the pool (file
@@ -228,7 +230,7 @@ def write_file(entry: FileEntry, dest: Path, located: dict[str, StoredChunk], pa
         if bad:  # each was checked when decoded: what reads back differs from what was written
             raise IntegrityError(f"{entry.path}: chunk {bad[0].id} does not read back from {out.tmp} as it was written: "
                                  "check this machine's disk and memory, then pull again")
-        out.commit()
+        out.commit(placing)
 
 
 def rebuild(manifest: Manifest, out: Path, located: dict[str, StoredChunk], payloads: PayloadSource,
@@ -240,8 +242,9 @@ def rebuild(manifest: Manifest, out: Path, located: dict[str, StoredChunk], payl
         raise IntegrityError(f"{len(missing)} chunks of this version are missing from the registry (first: {missing[0]})")
     plan = targets(manifest, out)
     progress.start("write", manifest.logical_bytes)
-    for entry, dest in plan:
-        write_file(entry, dest, located, payloads, pool, progress)
+    with Placing() as placing:
+        for entry, dest in plan:
+            write_file(entry, dest, located, payloads, pool, progress, placing)
     return [d for _, d in plan]
 
 

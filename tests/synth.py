@@ -94,3 +94,29 @@ def sharded_dir(dirpath: Path, tensors: dict, shards: int = 2, side_files: bool 
         (dirpath / "config.json").write_text(json.dumps({"hidden_size": HIDDEN, "vocab_size": VOCAB}))
         (dirpath / "tokenizer.json").write_text(json.dumps({"vocab": {f"t{i}": i for i in range(2000)}}))
     return dirpath
+
+
+def two_directory_versions(dirpath: Path) -> tuple[Path, Path]:
+    """v1 and v2 of a sharded checkpoint whose every file differs (every weight moved, a new config):
+    a pull of v2 over v1 that fails partway shows whether it replaced any file before failing."""
+    base = base_tensors()
+    for name in ("v1", "v2"):
+        (dirpath / name).mkdir(parents=True)
+    v1 = sharded_dir(dirpath / "v1", base)
+    v2 = sharded_dir(dirpath / "v2", dense_update(base))
+    (v2 / "config.json").write_text(json.dumps({"hidden_size": HIDDEN, "vocab_size": VOCAB, "tuned": True}))
+    return v1, v2
+
+
+def last_file_victim(old, new) -> tuple[str, str]:
+    """(path, chunk id): a chunk of the last file of manifest ``new`` that uses one no other file of
+    ``new`` or ``old`` uses, where a file ``new`` writes before it differs from ``old``'s: the chunk
+    to lose so that a pull of ``new`` over ``old`` fails after it wrote a file that shows it."""
+    old_files = {f.path: f.sha256 for f in old.files}
+    for k in range(len(new.files) - 1, 0, -1):
+        before, last = new.files[:k], new.files[k]
+        elsewhere = {c.id for f in (*old.files, *before, *new.files[k + 1:]) for c in f.chunks}
+        own = [c.id for c in last.chunks if c.id not in elsewhere]
+        if own and any(old_files.get(f.path) != f.sha256 for f in before):
+            return last.path, own[0]
+    raise AssertionError("no file of the new version fails late enough to show a replacement")

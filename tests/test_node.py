@@ -32,6 +32,7 @@ from registry.client.direct import taken as takes_direct
 from registry.client.remote import RemoteRegistry
 from registry.manifest import Manifest
 from registry.client.torch_loader import Node, _fetch_ahead, chunk_ids, layout
+from tests import synth
 from tests.cli_run import MFSREG, mfsreg, mfsreg_json
 from tests.pagecache import resident_fraction
 from tests.server import client_env, servers, server_env, token  # noqa: F401
@@ -1275,3 +1276,36 @@ def test_a_cached_chunk_evicted_during_a_pull_is_fetched_at_once_not_after_the_f
     finally:
         remote.close()
         cache.close()
+
+@pytest.mark.parametrize("how, writes_to", [("-o", "direct"), ("-o", "page cache"), ("--to-dir", "page cache")])
+def test_a_node_pull_that_fails_partway_leaves_the_files_there_as_they_were(how, writes_to, published, server_env, tmp_path):
+    """A directory version's files are renamed into place together: a node pull of v2 over v1 whose
+    last big file needs a chunk the server has lost fails in one line and leaves v1's files, every
+    one, with no temp file or link beside them (before, the files before it had replaced v1's)."""
+    from registry.blobs.packs import pack_key
+    from registry.config import Settings
+    from registry.registry import Registry
+
+    _, env = published
+    env["MFSREG_PULL_DIRECT"] = "1" if writes_to == "direct" else "0"
+    v1, v2 = synth.two_directory_versions(tmp_path / "src")
+    mfsreg_json("push", v1, "--family", "dirs", "--version", "v1", env=env)
+    mfsreg_json("push", v2, "--family", "dirs", "--version", "v2", "--parent", "v1", env=env)
+    out = tmp_path / "engine"
+    mfsreg_json("pull", "dirs", "v1", how, out, env=env)
+    mfsreg_json("pull", "dirs", "v2", "-o", tmp_path / "scratch", env=env)  # the cache holds every chunk of v2
+    reg = Registry(Settings.from_env(server_env))
+    try:
+        path, victim = synth.last_file_victim(reg.manifest("dirs", "v1")[1], reg.manifest("dirs", "v2")[1])
+        pack_id = reg.locate([victim])[victim].pack_id
+        reg.blobs.delete(pack_key(pack_id))  # lost by the server, and dropped from the node's cache
+    finally:
+        reg.close()
+    _cache_file(env, victim).unlink()
+
+    proc = mfsreg("pull", "dirs", "v2", how, out, env=env, check=False)
+    assert proc.returncode == 5 and "storage lost data" in proc.stderr and pack_id in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in v1.iterdir())  # nothing stayed beside them
+    for f in v1.iterdir():
+        assert filecmp.cmp(out / f.name, f, shallow=False), f.name

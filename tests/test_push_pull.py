@@ -218,3 +218,30 @@ def test_a_pull_whose_file_would_land_on_a_directory_writes_nothing(blocker, reg
     with pytest.raises(InvalidRequest, match=says.replace("(", r"\(")):
         reg.pull("fam", "sharded", out)
     assert sorted(p.name for p in out.iterdir()) == before
+
+
+def test_a_directory_pull_that_fails_partway_leaves_the_files_there_as_they_were(reg, tmp_path):
+    """The version's files are renamed into place together, once all are written and checked: a
+    pull of v2 over v1 whose last big file meets a damaged chunk leaves v1's files, every one, and
+    no temp file beside them (before, the files written before it had been renamed over v1's)."""
+    from registry.blobs.packs import pack_key
+    from registry.errors import IntegrityError
+
+    v1, v2 = synth.two_directory_versions(tmp_path / "src")
+    reg.push(v1, "fam", "v1")
+    reg.push(v2, "fam", "v2", parent="v1")
+    out = tmp_path / "engine"
+    reg.pull("fam", "v1", out)
+    path, victim = synth.last_file_victim(reg.manifest("fam", "v1")[1], reg.manifest("fam", "v2")[1])
+    stored = reg.locate([victim])[victim]
+    pack = reg.blobs.root / pack_key(stored.pack_id)
+    pack.chmod(0o644)
+    data = bytearray(pack.read_bytes())
+    data[stored.offset + stored.stored_size // 2] ^= 0x40
+    pack.write_bytes(data)
+
+    with pytest.raises(IntegrityError, match=victim):
+        reg.pull("fam", "v2", out)
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in v1.iterdir())  # no temp file stayed
+    for f in v1.iterdir():
+        assert filecmp.cmp(out / f.name, f, shallow=False), f.name

@@ -33,7 +33,7 @@ from pathlib import Path
 from registry.chunking import ChunkRef, chunk_hasher, chunk_id
 from registry.client.cache import NodeCache
 from registry.client.direct import DirectFile
-from registry.durable import writing
+from registry.durable import Placing, writing
 from registry.filecheck import BATCH_BYTES, CheckedFile, check_tiling, write_at
 from registry.manifest import FileEntry
 from registry.parallel import sized_batches
@@ -53,20 +53,22 @@ def direct_writes() -> bool:
 
 def write_file(entry: FileEntry, dest: Path, cache: NodeCache, refetch: Callable[[list[str]], None],
                pool: Executor, progress: Progress, arriving: Callable[[str], None] | None = None,
-               mode: int | None = None) -> None:
+               mode: int | None = None, placing: Placing | None = None) -> None:
     """Write ``entry`` to ``dest`` atomically from cached chunks, each checked against its id.
 
     ``arriving(id)``, when given, waits for a chunk that a fetch running alongside has not landed
     yet. ``refetch(ids)`` drops chunks' cache files and fetches them again (another process
     evicted them meanwhile, or they failed the check). ``mode``: the file's permissions as it
-    appears. A file of DIRECT_MIN_BYTES or more goes around the page cache where ``direct_writes``
+    appears. ``placing``: renames it with the pull's other files, once all are written (else it is
+    renamed at once). A file of DIRECT_MIN_BYTES or more goes around the page cache where ``direct_writes``
     says the user asked for it and the filesystem takes it."""
     with writing(dest):
-        _write_file(entry, dest, cache, refetch, pool, progress, arriving, mode)
+        _write_file(entry, dest, cache, refetch, pool, progress, arriving, mode, placing)
 
 
 def _write_file(entry: FileEntry, dest: Path, cache: NodeCache, refetch: Callable[[list[str]], None],
-                pool: Executor, progress: Progress, arriving: Callable[[str], None] | None, mode: int | None) -> None:
+                pool: Executor, progress: Progress, arriving: Callable[[str], None] | None, mode: int | None,
+                placing: Placing | None) -> None:
     chunks = check_tiling(entry)
     if entry.size >= DIRECT_MIN_BYTES and direct_writes():
         out = DirectFile.open(dest, entry.size, mode)
@@ -74,14 +76,14 @@ def _write_file(entry: FileEntry, dest: Path, cache: NodeCache, refetch: Callabl
             with out:
                 _place_all(chunks, lambda c: _from_cache(cache, c, lambda src: _stage_checked(out, c, src)),
                            cache, refetch, arriving, lambda batch: None, progress)
-                out.commit()
+                out.commit(placing)
             return
     with CheckedFile(dest, entry.size, pool, mode) as out:
         buf = bytearray(max((c.size for c in chunks), default=0))  # one chunk at a time: it stays in the CPU's cache
         with memoryview(buf) as view:
             _place_all(chunks, lambda c: _from_cache(cache, c, lambda src: _write_checked(view, out.fd, c, src)),
                        cache, refetch, arriving, out.start_writeback, progress)
-        out.commit()
+        out.commit(placing)
 
 
 _MISSING, _DAMAGED, _PLACED = range(3)

@@ -25,7 +25,7 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
-from registry.durable import sync_dir
+from registry.durable import Placing, sync_dir
 
 ALIGN = 4096  # covers 512-byte and 4 KiB logical blocks
 BUFFER_BYTES = 8 << 20  # one write; a few of these are the whole staging memory
@@ -179,8 +179,9 @@ class DirectFile:
 
     # -- the end ------------------------------------------------------------------------------
 
-    def commit(self) -> None:
-        """Write the rest, cut the file to its size, sync it and rename it into place."""
+    def commit(self, placing: Placing | None = None) -> None:
+        """Write the rest, cut the file to its size, sync it and rename it into place (or hand it to
+        ``placing``, which renames it with the pull's other files)."""
         if self.staged_to != self.size:  # a caller's bug, not the user's: never renamed into place
             raise AssertionError(f"staged {self.staged_to} bytes of a {self.size}-byte file")
         self.settle()
@@ -195,9 +196,12 @@ class DirectFile:
         if self.mode is not None:
             os.fchmod(self.fd, self.mode)
         os.fsync(self.fd)
-        os.replace(self.tmp, self.dest)
-        self.renamed = True
-        sync_dir(self.dest.parent)
+        if placing is not None:
+            placing.add(self.tmp, self.dest)
+        else:
+            os.replace(self.tmp, self.dest)
+            sync_dir(self.dest.parent)
+        self.renamed = True  # or handed on: either way no longer this object's to remove
         self.close()
 
     def close(self) -> None:

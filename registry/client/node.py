@@ -13,6 +13,7 @@ from pathlib import Path
 from registry import rebuild
 from registry.client import assemble
 from registry.client.fetch import Fetcher, FetchStats, VersionInfo
+from registry.durable import Placing
 from registry.errors import NotFound
 from registry.filecheck import BATCH_BYTES, bad_chunks, check_tiling
 from registry.parallel import sized_batches, windowed_map
@@ -124,12 +125,14 @@ def pull(fetcher: Fetcher, family: str, version: str, out: Path, progress: Progr
     worker.start()
     assembled, failed = False, None
     try:
-        if to_dir:
-            _materialise_dir(fetcher, info, out, progress, refetch, arrivals.wait)
-        else:
-            progress.start("write", info.logical_bytes)
-            for entry, dest in plan:
-                assemble.write_file(entry, dest, cache, refetch, fetcher.remote.pool, progress, arrivals.wait)
+        with Placing() as placing:  # the version's files appear together, once all are written
+            if to_dir:
+                _materialise_dir(fetcher, info, out, progress, refetch, arrivals.wait, placing)
+            else:
+                progress.start("write", info.logical_bytes)
+                for entry, dest in plan:
+                    assemble.write_file(entry, dest, cache, refetch, fetcher.remote.pool, progress, arrivals.wait,
+                                        placing=placing)
         assembled = True
     except NotFound as exc:  # the fetch's error, raised where the assembly waited, or a refetch's
         failed = exc
@@ -182,9 +185,11 @@ def _intact(stored: Path, entry, pool) -> bool:
         os.close(fd)
 
 
-def _materialise_dir(fetcher: Fetcher, info: VersionInfo, out: Path, progress: Progress, refetch, arriving) -> None:
+def _materialise_dir(fetcher: Fetcher, info: VersionInfo, out: Path, progress: Progress, refetch, arriving,
+                     placing: Placing) -> None:
     """Every file of the version under ``out`` (a single-file version keeps its file name), each
-    built once in the cache's files/ store and hardlinked into place; copied where links fail."""
+    built once in the cache's files/ store and hardlinked into place; copied where links fail. The
+    links and copies are renamed into place by ``placing``, together, once all are made."""
     cache = fetcher.cache
     out.mkdir(parents=True, exist_ok=True)
     progress.start("write", info.logical_bytes)
@@ -207,14 +212,6 @@ def _materialise_dir(fetcher: Fetcher, info: VersionInfo, out: Path, progress: P
         try:
             os.link(stored, tmp)
         except OSError:  # another filesystem, or links not allowed: fall back to one verified copy
-            assemble.write_file(entry, dest, cache, refetch, fetcher.remote.pool, progress, arriving)
+            assemble.write_file(entry, dest, cache, refetch, fetcher.remote.pool, progress, arriving, placing=placing)
             continue
-        try:
-            os.replace(tmp, dest)
-        finally:
-            # after a failure (say, a directory in the file's place), and after a rename between two
-            # links of one inode (a pull into the same directory again), which does nothing and leaves
-            # ``tmp``: no stray link stays beside the file, holding old files' space
-            tmp.unlink(missing_ok=True)
-
-
+        placing.add(tmp, dest)
