@@ -26,7 +26,8 @@ def upgrade(json_: bool = typer.Option(False, "--json")) -> None:
         typer.echo(f"database schema at revision {rev}")
 
 
-@family_app.command("quorum")
+# A negative value (a user's mistake, refused by its range check) would read as an unknown option.
+@family_app.command("quorum", context_settings={"ignore_unknown_options": True})
 def quorum(
     family: str = typer.Argument(...),
     value: float = typer.Argument(..., help="Fraction of members that must use a chunk for it to be base, in (0, 1]."),

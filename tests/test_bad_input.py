@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.cli_run import mfsreg
+from tests import synth
+from tests.cli_run import mfsreg, mfsreg_json
 
 
 def st_bytes(header: dict, data: bytes, claimed_len: int | None = None) -> bytes:
@@ -493,3 +494,53 @@ def test_a_yes_no_setting_of_another_value_is_refused(name, seeded, fam):
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert f"{name}='maybe' is not a yes/no setting" in proc.stderr, proc.stderr
     assert snapshot(home) == before
+
+
+def test_a_command_that_only_reads_leaves_a_missing_blob_directory_missing(seeded, tmp_path):
+    """MFSREG_BLOB_URL naming a directory that is not there (mistyped): ls, stats and pull make
+    nothing there (each made an empty store, where the next push would quietly start a second
+    one); the pull says what is missing and names MFSREG_BLOB_URL. A push makes it."""
+    missing = tmp_path / "no-such" / "blobs"
+    env = dict(seeded, MFSREG_BLOB_URL=missing.as_uri())
+    mfsreg("ls", env=env)
+    mfsreg("stats", env=env)
+    proc = mfsreg("pull", "fam", "base", "-o", tmp_path / "out", env=env, check=False)
+    assert proc.returncode == 5 and "MFSREG_BLOB_URL" in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
+    assert not (tmp_path / "no-such").exists() and not (tmp_path / "out").exists()
+    mfsreg("push", synth.write(tmp_path / "m.safetensors", synth.base_tensors(seed=9)), "--family", "other",
+           "--version", "v1", env=env)
+    assert any(missing.rglob("*.pack"))
+
+
+def test_a_blob_url_naming_a_file_is_refused(seeded, fam, tmp_path):
+    (tmp_path / "a-file").write_text("not a directory\n")
+    env = dict(seeded, MFSREG_BLOB_URL=(tmp_path / "a-file").as_uri())
+    proc = mfsreg("push", fam["lora-chat"], "--family", "fam", "--version", "chat", env=env, check=False)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "which is a file: give a directory" in proc.stderr and "MFSREG_BLOB_URL" in proc.stderr, proc.stderr
+    assert (tmp_path / "a-file").read_text() == "not a directory\n"
+    assert [v["version"] for v in mfsreg_json("ls", "fam", env=seeded)["versions"]] == ["base"]
+
+
+@pytest.mark.parametrize("url, says", [
+    ("sqlite:///rel/registry.db", "'rel/registry.db', a path relative to the current directory"),
+    ("sqlite://", "names no database file"),
+    ("sqlite:///:memory:", "names no database file"),
+])
+def test_a_sqlite_url_without_an_absolute_path_is_refused(url, says, fam, tmp_path):
+    """With three slashes SQLAlchemy reads the path as relative to the current directory: each
+    directory a command ran from got a registry of its own, quietly; an in-memory database kept
+    nothing past the command (a push 'succeeded' and its packs were never listed)."""
+    import subprocess
+
+    from tests.cli_run import MFSREG
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MFSREG_")}
+    env.update(MFSREG_HOME=str(tmp_path / "home"), MFSREG_DATABASE_URL=url)
+    (tmp_path / "cwd").mkdir()
+    proc = subprocess.run([MFSREG, "push", str(fam["base"]), "--family", "fam", "--version", "v1"], env=env,
+                          cwd=tmp_path / "cwd", capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert says in proc.stderr and "sqlite:////" in proc.stderr and "MFSREG_DATABASE_URL" in proc.stderr, proc.stderr
+    assert list((tmp_path / "cwd").iterdir()) == []
+    assert not (tmp_path / "home" / "blobs").exists() or not any((tmp_path / "home" / "blobs").rglob("*.pack"))

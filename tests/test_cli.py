@@ -59,8 +59,9 @@ def test_human_output_and_db_upgrade(home_env, fam, tmp_path):
 
 
 def test_bad_option_values_are_one_line(home_env, fam):
-    proc = mfsreg("family", "quorum", "nofam", "2.0", env=home_env, check=False)
-    assert proc.returncode == 2 and "out of range" in proc.stderr
+    for value in ("2.0", "-0.1"):  # a negative one was read as an unknown option: 'No such option: -0'
+        proc = mfsreg("family", "quorum", "nofam", value, env=home_env, check=False)
+        assert proc.returncode == 2 and f"base_quorum {float(value)} is out of range" in proc.stderr, proc.stderr
     env = dict(home_env, MFSREG_CHUNK_SIZE="lots")
     proc = mfsreg("push", fam["base"], "--family", "f", "--version", "v", env=env, check=False)
     assert proc.returncode == 2 and "MFSREG_CHUNK_SIZE" in proc.stderr and "Traceback" not in proc.stderr

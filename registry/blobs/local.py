@@ -14,17 +14,18 @@ from pathlib import Path
 
 from registry.blobs.base import BlobStore, check_key
 from registry.durable import make_dirs, sync_dir
-from registry.errors import NotFound, StorageError
+from registry.errors import InvalidRequest, NotFound, StorageError
 
 
 class LocalBlobStore(BlobStore):
     def __init__(self, root: str | os.PathLike):
         self.root = Path(root)
         self.url = self.root.as_uri()
-        try:
-            make_dirs(self.root)
-        except OSError as exc:
-            raise StorageError(f"cannot create blob directory {self.root}: {exc.strerror}") from None
+        # Made by the first put, not here: a command that only reads (ls, stats, pull) with
+        # MFSREG_BLOB_URL mistyped would otherwise leave an empty store at the wrong name, where the
+        # next push would quietly start a second one.
+        if self.root.exists() and not self.root.is_dir():
+            raise InvalidRequest(f"MFSREG_BLOB_URL names {self.root}, which is a file: give a directory for the packs")
 
     def _path(self, key: str) -> Path:
         return self.root / check_key(key)

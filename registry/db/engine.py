@@ -25,7 +25,7 @@ _WRITE = "mfsreg_write"
 WAL_SWITCH_SECONDS = 60.0  # as long as the busy timeout: how long a new database may take to become WAL
 
 
-SUPPORTED = "sqlite:///path or postgresql://user@host/db (psycopg 3)"
+SUPPORTED = "sqlite:////absolute/path or postgresql://user@host/db (psycopg 3)"
 
 
 def create_db_engine(url: str) -> Engine:
@@ -36,8 +36,8 @@ def create_db_engine(url: str) -> Engine:
         raise InvalidRequest(f"MFSREG_DATABASE_URL={_redacted(url)} is not a database URL: use {SUPPORTED}") from None
     try:
         if parsed.get_backend_name() == "sqlite":
-            if parsed.database and parsed.database != ":memory:":
-                Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
+            _check_sqlite_path(url, parsed.database)
+            Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
             engine = create_engine(url, poolclass=NullPool, connect_args={"timeout": 60, "check_same_thread": False})
             _sqlite_events(engine)
             return engine
@@ -47,6 +47,18 @@ def create_db_engine(url: str) -> Engine:
     except (NoSuchModuleError, ImportError):  # another database, or a driver this install lacks
         raise InvalidRequest(f"MFSREG_DATABASE_URL names driver {parsed.drivername!r}, which mfsreg does not use: "
                              f"use {SUPPORTED}") from None
+
+
+def _check_sqlite_path(url: str, database: str | None) -> None:
+    """A registry's SQLite file is named by an absolute path. With three slashes SQLAlchemy reads
+    the rest as relative to the current directory, so each directory a command ran from would
+    quietly get a registry of its own; an in-memory database keeps no version past the command."""
+    if not database or database == ":memory:" or database.startswith("file:"):
+        raise InvalidRequest(f"MFSREG_DATABASE_URL={url} names no database file (an in-memory one keeps nothing "
+                             "past the command): give a path, sqlite:////srv/mfsreg/registry.db")
+    if not Path(database).is_absolute():
+        raise InvalidRequest(f"MFSREG_DATABASE_URL={url} names {database!r}, a path relative to the current directory: "
+                             f"give an absolute path, after four slashes: sqlite:////{database}")
 
 
 def _redacted(url: str) -> str:
