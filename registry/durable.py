@@ -71,35 +71,74 @@ class Placing:
     """The files of one pull, each written and synced under a temp name, renamed into place together
     once every one of them has passed its check: a pull that fails on its third file leaves the
     first two as they were (say, the files of the version pulled there before), not a mix of two
-    versions. Use as a ``with`` block: leaving it on an error removes the temp files instead.
+    versions. Use as a ``with`` block: leaving it on an error removes the temp files instead, and
+    the folders ``make_dirs`` made for them while they are empty.
 
     The renames themselves can still fail partway (a disk that fails between two of them): they are
     the last step, after every byte is written and synced, and each is atomic for its own file."""
 
     def __init__(self):
         self.pending: list[tuple[Path, Path]] = []
+        self.made: list[Path] = []  # folders made for the files, parents first
+
+    def make_dirs(self, dirpath: str | os.PathLike) -> None:
+        """``dirpath`` and whichever of its parents are missing; their names are made durable with
+        the files (a file renamed into a new folder is lost in a crash with the folder's name)."""
+        path = Path(dirpath)
+        missing = []
+        while not path.is_dir():
+            missing.append(path)
+            path = path.parent
+        for d in reversed(missing):
+            try:
+                d.mkdir()
+            except FileExistsError:  # made meanwhile by another writer
+                if not d.is_dir():
+                    raise
+                continue
+            self.made.append(d)
 
     def add(self, tmp: Path, dest: Path) -> None:
         """``tmp``, written and synced, goes to ``dest`` when the block ends without an error."""
         self.pending.append((Path(tmp), Path(dest)))
 
     def place(self) -> None:
-        folders: dict[Path, None] = {}
-        while self.pending:
-            tmp, dest = self.pending[0]
-            os.replace(tmp, dest)
-            # a rename between two links of one inode (a pull into the same directory again) does
-            # nothing and leaves ``tmp``: no stray link stays beside the file, holding old files' space
-            tmp.unlink(missing_ok=True)
-            self.pending.pop(0)
-            folders[dest.parent] = None
-        for folder in folders:  # each folder once, however many of the files it holds
-            sync_dir(folder)
+        folders: dict[Path, None] = {d.parent: None for d in reversed(self.made)}  # a new folder's name lives in its parent
+        total, placed = len(self.pending), 0
+        try:
+            while self.pending:
+                tmp, dest = self.pending[0]
+                try:
+                    os.replace(tmp, dest)
+                except OSError as exc:
+                    raise StorageError(f"cannot rename {tmp.name} over {dest}: {exc.strerror or exc}: check that disk; "
+                                       f"{placed} of the pull's {total} files were renamed into place before it, "
+                                       "the rest removed: pull again") from None
+                # a rename between two links of one inode (a pull into the same directory again) does
+                # nothing and leaves ``tmp``: no stray link stays beside the file, holding old files' space
+                tmp.unlink(missing_ok=True)
+                self.pending.pop(0)
+                placed += 1
+                folders[dest.parent] = None
+            self.made.clear()  # placed: they stay
+        finally:  # after a failed rename too: the files renamed before it are synced in their folders
+            for folder in folders:  # each folder once, however many of the files it holds
+                try:
+                    sync_dir(folder)
+                except OSError as exc:
+                    raise StorageError(f"cannot sync folder {folder}: {exc.strerror or exc}: check that disk, "
+                                       "then pull again") from None
 
     def discard(self) -> None:
         for tmp, _ in self.pending:
             tmp.unlink(missing_ok=True)
         self.pending.clear()
+        for d in reversed(self.made):  # deepest first; one another writer put something in stays
+            try:
+                d.rmdir()
+            except OSError:
+                pass
+        self.made.clear()
 
     def __enter__(self) -> "Placing":
         return self

@@ -216,6 +216,8 @@ def write_file(entry: FileEntry, dest: Path, located: dict[str, StoredChunk], pa
     def decode(batch):
         return decode_batch(list(dict.fromkeys(c.id for c in batch)), located, payloads, pool)
 
+    if placing is not None:
+        placing.make_dirs(dest.parent)
     with writing(dest), filecheck.CheckedFile(dest, entry.size, pool) as out:
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="mfsreg-rebuild") as side:
             nxt = side.submit(decode, batches[0]) if batches else None

@@ -141,6 +141,71 @@ def test_a_blob_put_makes_the_names_of_new_directories_durable(tmp_path, monkeyp
     assert store.get("packs/ab/abcdef") == b"bytes of a pack"
 
 
+def test_a_pull_into_new_folders_makes_their_names_durable(reg, tmp_path, monkeypatch):
+    """A directory version pulled into folders made for it: each file synced, each file's name in
+    its folder, and each new folder's name in its parent (before, new folders were made without
+    syncing their parents: a crash after the pull could lose the folder, and the files in it)."""
+    import os
+
+    (tmp_path / "src").mkdir()
+    src = synth.sharded_dir(tmp_path / "src", synth.base_tensors())
+    reg.push(src, "fam", "v1")
+    synced: set[int] = set()
+    real = os.fsync
+
+    def recording(fd):
+        synced.add(os.fstat(fd).st_ino)
+        return real(fd)
+
+    out = tmp_path / "new" / "engine"
+    monkeypatch.setattr(os, "fsync", recording)
+    reg.pull("fam", "v1", out)
+    monkeypatch.setattr(os, "fsync", real)
+    files = sorted(out.iterdir())
+    assert [f.name for f in files] == sorted(f.name for f in src.iterdir())
+    for p in (tmp_path, tmp_path / "new", out, *files):
+        assert p.stat().st_ino in synced, p
+
+
+def test_a_rename_that_fails_partway_is_one_line_and_leaves_no_temp_file(reg, tmp_path, monkeypatch):
+    """The renames come last, once every file is written and synced; a disk that fails between two
+    of them: a StorageError saying how many files were renamed (the CLI's exit 5, where the raw
+    OSError was an internal error), the temp files of the rest removed, and the folder of the one
+    renamed synced."""
+    import os
+
+    from registry.errors import StorageError
+
+    v1, v2 = synth.two_directory_versions(tmp_path / "src")
+    reg.push(v1, "fam", "v1")
+    reg.push(v2, "fam", "v2", parent="v1")
+    out = tmp_path / "engine"
+    reg.pull("fam", "v1", out)
+    real_replace, real_fsync = os.replace, os.fsync
+    calls, synced = [], set()
+
+    def failing_second(src, dst):
+        calls.append(dst)
+        if len(calls) == 2:
+            raise OSError(5, os.strerror(5))
+        return real_replace(src, dst)
+
+    def recording(fd):
+        synced.add(os.fstat(fd).st_ino)
+        return real_fsync(fd)
+
+    monkeypatch.setattr(os, "replace", failing_second)
+    monkeypatch.setattr(os, "fsync", recording)
+    with pytest.raises(StorageError, match=rf"1 of the pull's {len(list(v2.iterdir()))} files were renamed into place"):
+        reg.pull("fam", "v2", out)
+    monkeypatch.setattr(os, "replace", real_replace)
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    assert out.stat().st_ino in synced
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in v1.iterdir())  # no temp file stayed
+    first = Path(calls[0]).name
+    assert (out / first).read_bytes() == (v2 / first).read_bytes()  # the one renamed is v2's, whole
+
+
 def test_a_read_transaction_keeps_one_snapshot(reg, fam):
     """A version deleted while a read transaction runs (a node asking for it as an admin deletes it)
     is still whole to that transaction: its row and its manifest, not the row and then nothing."""

@@ -1281,7 +1281,8 @@ def test_a_cached_chunk_evicted_during_a_pull_is_fetched_at_once_not_after_the_f
 def test_a_node_pull_that_fails_partway_leaves_the_files_there_as_they_were(how, writes_to, published, server_env, tmp_path):
     """A directory version's files are renamed into place together: a node pull of v2 over v1 whose
     last big file needs a chunk the server has lost fails in one line and leaves v1's files, every
-    one, with no temp file or link beside them (before, the files before it had replaced v1's)."""
+    one, with no temp file or link beside them (before, the files before it had replaced v1's); one
+    into a new folder leaves no folder."""
     from registry.blobs.packs import pack_key
     from registry.config import Settings
     from registry.registry import Registry
@@ -1309,3 +1310,6 @@ def test_a_node_pull_that_fails_partway_leaves_the_files_there_as_they_were(how,
     assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in v1.iterdir())  # nothing stayed beside them
     for f in v1.iterdir():
         assert filecmp.cmp(out / f.name, f, shallow=False), f.name
+    proc = mfsreg("pull", "dirs", "v2", how, tmp_path / "new" / "engine", env=env, check=False)
+    assert proc.returncode == 5, proc.stderr
+    assert not (tmp_path / "new").exists()  # the folders it made for the files went with them

@@ -223,7 +223,8 @@ def test_a_pull_whose_file_would_land_on_a_directory_writes_nothing(blocker, reg
 def test_a_directory_pull_that_fails_partway_leaves_the_files_there_as_they_were(reg, tmp_path):
     """The version's files are renamed into place together, once all are written and checked: a
     pull of v2 over v1 whose last big file meets a damaged chunk leaves v1's files, every one, and
-    no temp file beside them (before, the files written before it had been renamed over v1's)."""
+    no temp file beside them (before, the files written before it had been renamed over v1's); one
+    into a new folder leaves no folder."""
     from registry.blobs.packs import pack_key
     from registry.errors import IntegrityError
 
@@ -245,3 +246,6 @@ def test_a_directory_pull_that_fails_partway_leaves_the_files_there_as_they_were
     assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in v1.iterdir())  # no temp file stayed
     for f in v1.iterdir():
         assert filecmp.cmp(out / f.name, f, shallow=False), f.name
+    with pytest.raises(IntegrityError, match=victim):  # into a new folder: the folders it made go again
+        reg.pull("fam", "v2", tmp_path / "new" / "engine")
+    assert not (tmp_path / "new").exists()

@@ -70,6 +70,8 @@ def _write_file(entry: FileEntry, dest: Path, cache: NodeCache, refetch: Callabl
                 pool: Executor, progress: Progress, arriving: Callable[[str], None] | None, mode: int | None,
                 placing: Placing | None) -> None:
     chunks = check_tiling(entry)
+    if placing is not None:
+        placing.make_dirs(dest.parent)
     if entry.size >= DIRECT_MIN_BYTES and direct_writes():
         out = DirectFile.open(dest, entry.size, mode)
         if out is not None:

@@ -191,7 +191,7 @@ def _materialise_dir(fetcher: Fetcher, info: VersionInfo, out: Path, progress: P
     built once in the cache's files/ store and hardlinked into place; copied where links fail. The
     links and copies are renamed into place by ``placing``, together, once all are made."""
     cache = fetcher.cache
-    out.mkdir(parents=True, exist_ok=True)
+    placing.make_dirs(out)
     progress.start("write", info.logical_bytes)
     for entry in info.manifest.files:
         dest = out.joinpath(*safe_relpath(entry.path).parts)
@@ -207,7 +207,7 @@ def _materialise_dir(fetcher: Fetcher, info: VersionInfo, out: Path, progress: P
             # same file never sees it writable, so never takes it for a changed one and deletes it.
             assemble.write_file(entry, stored, cache, refetch, fetcher.remote.pool, progress, arriving, mode=0o444)
             cache.add_file(entry.sha256, entry.size)
-        dest.parent.mkdir(parents=True, exist_ok=True)
+        placing.make_dirs(dest.parent)
         tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex}.link")
         try:
             os.link(stored, tmp)

@@ -53,12 +53,15 @@ def _check_sqlite_path(url: str, database: str | None) -> None:
     """A registry's SQLite file is named by an absolute path. With three slashes SQLAlchemy reads
     the rest as relative to the current directory, so each directory a command ran from would
     quietly get a registry of its own; an in-memory database keeps no version past the command."""
-    if not database or database == ":memory:" or database.startswith("file:"):
+    if not database or database == ":memory:":
         raise InvalidRequest(f"MFSREG_DATABASE_URL={url} names no database file (an in-memory one keeps nothing "
                              "past the command): give a path, sqlite:////srv/mfsreg/registry.db")
+    if database.startswith("file:"):
+        raise InvalidRequest(f"MFSREG_DATABASE_URL={url}: mfsreg does not take SQLite URI file names; give a path, "
+                             "sqlite:////srv/mfsreg/registry.db")
     if not Path(database).is_absolute():
         raise InvalidRequest(f"MFSREG_DATABASE_URL={url} names {database!r}, a path relative to the current directory: "
-                             f"give an absolute path, after four slashes: sqlite:////{database}")
+                             f"give an absolute path, after four slashes (here: sqlite:///{Path(database).absolute()})")
 
 
 def _redacted(url: str) -> str:
