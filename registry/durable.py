@@ -36,18 +36,27 @@ def sync_dir(dirpath: str | os.PathLike) -> None:
 def make_dirs(dirpath: str | os.PathLike) -> None:
     """``dirpath`` and whichever of its parents are missing, each new one's name made durable (its
     parent synced once it is made)."""
-    path = Path(dirpath)
+    for d in _make_missing(Path(dirpath)):
+        sync_dir(d.parent)
+
+
+def _make_missing(path: Path) -> list[Path]:
+    """Make ``path`` and whichever of its parents are missing; the folders this call made, parents
+    first (one made meanwhile by another writer is that writer's to sync)."""
     missing = []
     while not path.is_dir():
         missing.append(path)
         path = path.parent
+    made = []
     for d in reversed(missing):
         try:
             d.mkdir()
-        except FileExistsError:  # made meanwhile by another writer, who syncs its parent too
+        except FileExistsError:
             if not d.is_dir():
                 raise
-        sync_dir(d.parent)
+            continue
+        made.append(d)
+    return made
 
 
 # What the disk, a quota or a limit says when a file cannot grow or be written there.
@@ -84,19 +93,7 @@ class Placing:
     def make_dirs(self, dirpath: str | os.PathLike) -> None:
         """``dirpath`` and whichever of its parents are missing; their names are made durable with
         the files (a file renamed into a new folder is lost in a crash with the folder's name)."""
-        path = Path(dirpath)
-        missing = []
-        while not path.is_dir():
-            missing.append(path)
-            path = path.parent
-        for d in reversed(missing):
-            try:
-                d.mkdir()
-            except FileExistsError:  # made meanwhile by another writer
-                if not d.is_dir():
-                    raise
-                continue
-            self.made.append(d)
+        self.made += _make_missing(Path(dirpath))
 
     def add(self, tmp: Path, dest: Path) -> None:
         """``tmp``, written and synced, goes to ``dest`` when the block ends without an error."""

@@ -3,6 +3,7 @@ processes pushing members that share chunks at once both succeed."""
 
 from __future__ import annotations
 
+import contextlib
 import filecmp
 import json
 import os
@@ -116,6 +117,23 @@ def test_sync_dir_skips_only_filesystems_that_cannot_sync_a_directory(tmp_path, 
     monkeypatch.setattr(os, "fsync", real)
 
 
+@contextlib.contextmanager
+def synced_inodes(monkeypatch):
+    """The inodes of every file and folder fsynced inside the block (os.fsync recorded, then called)."""
+    real = os.fsync
+    synced: set[int] = set()
+
+    def recording(fd):
+        synced.add(os.fstat(fd).st_ino)
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", recording)
+    try:
+        yield synced
+    finally:
+        monkeypatch.setattr(os, "fsync", real)
+
+
 def test_a_blob_put_makes_the_names_of_new_directories_durable(tmp_path, monkeypatch):
     """A pack written into directories made for it: the pack's name is synced in its directory, and
     each new directory's name in its parent (a crash could otherwise lose the directory, and the
@@ -124,18 +142,10 @@ def test_a_blob_put_makes_the_names_of_new_directories_durable(tmp_path, monkeyp
 
     from registry.blobs.local import LocalBlobStore
 
-    synced: set[int] = set()
-    real = os.fsync
-
-    def recording(fd):
-        synced.add(os.fstat(fd).st_ino)
-        return real(fd)
-
     root = tmp_path / "store" / "blobs"
-    monkeypatch.setattr(os, "fsync", recording)
-    store = LocalBlobStore(root)
-    store.put("packs/ab/abcdef", b"bytes of a pack")
-    monkeypatch.setattr(os, "fsync", real)
+    with synced_inodes(monkeypatch) as synced:
+        store = LocalBlobStore(root)
+        store.put("packs/ab/abcdef", b"bytes of a pack")
     for d in (tmp_path, tmp_path / "store", root, root / "packs", root / "packs" / "ab"):
         assert d.stat().st_ino in synced, d
     assert store.get("packs/ab/abcdef") == b"bytes of a pack"
@@ -145,22 +155,12 @@ def test_a_pull_into_new_folders_makes_their_names_durable(reg, tmp_path, monkey
     """A directory version pulled into folders made for it: each file synced, each file's name in
     its folder, and each new folder's name in its parent (before, new folders were made without
     syncing their parents: a crash after the pull could lose the folder, and the files in it)."""
-    import os
-
     (tmp_path / "src").mkdir()
     src = synth.sharded_dir(tmp_path / "src", synth.base_tensors())
     reg.push(src, "fam", "v1")
-    synced: set[int] = set()
-    real = os.fsync
-
-    def recording(fd):
-        synced.add(os.fstat(fd).st_ino)
-        return real(fd)
-
     out = tmp_path / "new" / "engine"
-    monkeypatch.setattr(os, "fsync", recording)
-    reg.pull("fam", "v1", out)
-    monkeypatch.setattr(os, "fsync", real)
+    with synced_inodes(monkeypatch) as synced:
+        reg.pull("fam", "v1", out)
     files = sorted(out.iterdir())
     assert [f.name for f in files] == sorted(f.name for f in src.iterdir())
     for p in (tmp_path, tmp_path / "new", out, *files):
@@ -172,8 +172,6 @@ def test_a_rename_that_fails_partway_is_one_line_and_leaves_no_temp_file(reg, tm
     of them: a StorageError saying how many files were renamed (the CLI's exit 5, where the raw
     OSError was an internal error), the temp files of the rest removed, and the folder of the one
     renamed synced."""
-    import os
-
     from registry.errors import StorageError
 
     v1, v2 = synth.two_directory_versions(tmp_path / "src")
@@ -181,8 +179,8 @@ def test_a_rename_that_fails_partway_is_one_line_and_leaves_no_temp_file(reg, tm
     reg.push(v2, "fam", "v2", parent="v1")
     out = tmp_path / "engine"
     reg.pull("fam", "v1", out)
-    real_replace, real_fsync = os.replace, os.fsync
-    calls, synced = [], set()
+    real_replace = os.replace
+    calls = []
 
     def failing_second(src, dst):
         calls.append(dst)
@@ -190,16 +188,11 @@ def test_a_rename_that_fails_partway_is_one_line_and_leaves_no_temp_file(reg, tm
             raise OSError(5, os.strerror(5))
         return real_replace(src, dst)
 
-    def recording(fd):
-        synced.add(os.fstat(fd).st_ino)
-        return real_fsync(fd)
-
-    monkeypatch.setattr(os, "replace", failing_second)
-    monkeypatch.setattr(os, "fsync", recording)
-    with pytest.raises(StorageError, match=rf"1 of the pull's {len(list(v2.iterdir()))} files were renamed into place"):
-        reg.pull("fam", "v2", out)
-    monkeypatch.setattr(os, "replace", real_replace)
-    monkeypatch.setattr(os, "fsync", real_fsync)
+    with synced_inodes(monkeypatch) as synced:
+        monkeypatch.setattr(os, "replace", failing_second)
+        with pytest.raises(StorageError, match=rf"1 of the pull's {len(list(v2.iterdir()))} files were renamed into place"):
+            reg.pull("fam", "v2", out)
+        monkeypatch.setattr(os, "replace", real_replace)
     assert out.stat().st_ino in synced
     assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in v1.iterdir())  # no temp file stayed
     first = Path(calls[0]).name
