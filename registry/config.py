@@ -53,7 +53,7 @@ def parse_size(text: str) -> int:
             t, mult = t[:-1], m
             break
     value = float(t) * mult
-    if not 0 < value < 1 << 62:  # also refuses inf and nan
+    if not 1 <= value < 1 << 62:  # also refuses inf and nan, and sizes under a byte (0.5 was taken for 0)
         raise ValueError(text)
     return int(value)
 

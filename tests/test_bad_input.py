@@ -339,7 +339,7 @@ def test_a_pull_that_cannot_write_its_file_names_it_in_one_line(seeded, tmp_path
     proc = _pull_under_a_file_size_limit(seeded, out)
     assert proc.returncode == 5 and proc.stderr.count("\n") == 1, proc.stderr
     assert f"cannot write {out}: File too large: make room there" in proc.stderr, proc.stderr
-    assert list((tmp_path / "out").iterdir()) == []
+    assert not (tmp_path / "out").exists()  # no temp file, nor the folder the pull made for it
 
 
 def test_a_home_or_cache_that_is_a_file_says_what_to_do(tmp_path):
@@ -544,3 +544,20 @@ def test_a_sqlite_url_without_an_absolute_path_is_refused(url, says, fam, tmp_pa
     assert says in proc.stderr and "sqlite:////" in proc.stderr and "MFSREG_DATABASE_URL" in proc.stderr, proc.stderr
     assert list((tmp_path / "cwd").iterdir()) == []
     assert not (tmp_path / "home" / "blobs").exists() or not any((tmp_path / "home" / "blobs").rglob("*.pack"))
+
+
+@pytest.mark.parametrize("device", ["mps", "meta", "cpu:1", "gpu", "CPU", "", "cpu ", None, -1, "cuda:99"])
+def test_a_device_the_loader_cannot_use_is_refused_before_anything_is_asked(device, tmp_path, monkeypatch):
+    """load_tensors and ResidentModel put tensors on the CPU or a CUDA device: "mps" or "meta" got
+    CPU tensors, quietly; a name torch does not know, or a CUDA device that is not there, raised
+    torch's own error from inside the load. Refused first, with no registry to ask (MFSREG_URL
+    names a port nothing listens on)."""
+    from registry.client import ResidentModel, load_tensors
+    from registry.errors import InvalidRequest
+
+    monkeypatch.setenv("MFSREG_URL", "http://127.0.0.1:9")
+    monkeypatch.setenv("MFSREG_CACHE_DIR", str(tmp_path / "cache"))
+    for make in (load_tensors, ResidentModel):
+        with pytest.raises(InvalidRequest, match=r"^device .*(cpu|cuda|CUDA|CPU)"):
+            make("fam", "v1", device=device)
+    assert not (tmp_path / "cache").exists()

@@ -24,7 +24,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from registry.chunking import chunk_id as chunk_id_of
-from registry.errors import IntegrityError, StorageError
+from registry.errors import IntegrityError, InvalidRequest, StorageError
 from registry.tiers import EVICTION_ORDER
 
 # Lower ranks go first. Materialised files can be rebuilt from chunks, so they go before any chunk.
@@ -37,7 +37,10 @@ STALE_TEMP_SECONDS = 3600  # temp files older than this were left by a writer th
 def default_cache_dir() -> Path:
     env = os.environ.get("MFSREG_CACHE_DIR")
     if env:
-        return Path(env).expanduser()
+        path = Path(env).expanduser()
+        if not path.is_absolute():  # a relative one (or ' ') named another cache in each directory a command ran from
+            raise InvalidRequest(f"MFSREG_CACHE_DIR={env!r} is not an absolute path: give one, e.g. /var/cache/mfsreg")
+        return path
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "mfsreg"
 
@@ -250,7 +253,10 @@ class NodeCache:
     def set_tiers(self, tiers: dict[str, str | None], family: str | None = None) -> None:
         """What the registry says now of these chunks' tiers (in ``family``): tiers move as members
         join. Without a family, the ranks are set as told."""
-        ranks = [(i, RANK.get(t, UNKNOWN_RANK) if t else UNKNOWN_RANK) for i, t in tiers.items()]
+        # A chunk the registry names without a tier (a delta's basis that no listed member uses
+        # itself) keeps the rank the cache holds: taken for unique, a pinned base chunk fell to the
+        # bottom of the eviction order once unpinned.
+        ranks = [(i, RANK.get(t, UNKNOWN_RANK)) for i, t in tiers.items() if t]
         with self._db() as db:
             if family is None:
                 db.executemany("UPDATE entries SET rank = ? WHERE key = ?", [(r, i) for i, r in ranks])
@@ -438,11 +444,19 @@ def _note_base(db: sqlite3.Connection, items: list[tuple[str, str | None, str | 
 
 
 def index_error(path: Path, exc: sqlite3.DatabaseError) -> StorageError:
-    """The one-line error for an index SQLite cannot use: damaged, or on a full disk. The chunk
-    files stand on their own, so a new index loses nothing but bookkeeping."""
+    """The one-line error for an index SQLite cannot use: held by another process, not this user's
+    to write, damaged, or on a full disk. Only a damaged one is to be deleted: the chunk files stand
+    on their own, so a new index loses nothing but bookkeeping."""
+    said = str(exc).lower()
+    if "locked" in said or "busy" in said:
+        return StorageError(f"the node cache's index {path} is locked: another process has held it for over a minute; "
+                            f"wait for it, or find it (fuser {path}); the index is shared, do not delete it")
+    if "readonly" in said or "read-only" in said or "unable to open" in said:
+        return StorageError(f"the node cache's index {path} cannot be opened or written ({exc}): this user may not "
+                            "write to that cache; check its permissions, or set MFSREG_CACHE_DIR to a cache of your own")
     return StorageError(f"the node cache's index {path} cannot be used ({exc}): free space if the disk is full; "
-                        "if the file is damaged, delete it (the cached chunks stay, and `mfsreg cache prune` "
-                        "records them again)")
+                        "if the file is damaged, delete it (the cached chunks stay, and `mfsreg cache prune "
+                        "--max-size SIZE` records them again)")
 
 
 class _Tx:

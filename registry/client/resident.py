@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from registry.client.torch_loader import Copier, Node, build, fill, layout
+from registry.client.torch_loader import Copier, Node, build, fill, layout, target_device
 
 
 class ResidentModel:
@@ -18,11 +18,11 @@ class ResidentModel:
 
     def __init__(self, family: str, version: str, device: str | torch.device = "cpu", node: Node | None = None,
                  verify: bool = True):
+        self.device = target_device(device)  # before anything is asked of the node
         self._own = node is None
         self.node = node or Node()
         try:
             self.family = family
-            self.device = torch.device(device)
             self.copier = Copier(self.node.cache, self.device, self.node.remote.pool, verify)  # see load_tensors
             self.version = version
             self.info, self.tensors = build(self.node, family, version, self.copier)

@@ -104,6 +104,30 @@ class Node:
         self.cache.close()
 
 
+def target_device(device) -> torch.device:
+    """``device`` as torch names it, where the loader can put tensors: the CPU or a CUDA device this
+    process sees. Anything else is refused in one line: the loader knows those two ways only, and
+    an "mps" or "meta" device got CPU tensors, quietly; a name torch does not know, or a CUDA device
+    that is not there, raised torch's own error from deep inside the load."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise InvalidRequest(f"device {device!r} is not a device torch knows: use 'cpu' or 'cuda' (or 'cuda:N')") from None
+    if dev.type == "cpu":
+        if dev.index not in (None, 0):
+            raise InvalidRequest(f"device {device!r}: the CPU has no device {dev.index}: use 'cpu'")
+        return dev
+    if dev.type != "cuda":
+        raise InvalidRequest(f"device {device!r}: mfsreg loads tensors onto 'cpu' or 'cuda' only")
+    if not torch.cuda.is_available():
+        raise InvalidRequest(f"device {device!r}: this process sees no CUDA device (torch.cuda.is_available() is "
+                             "False: no GPU, or a torch built without CUDA): use 'cpu'")
+    if dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise InvalidRequest(f"device {device!r}: this process sees {torch.cuda.device_count()} CUDA device(s), "
+                             f"numbered from 0")
+    return dev
+
+
 class Copier:
     """Puts cached chunks into tensor bytes on one device: mapped where they line up with pages (CPU), else copied."""
 
@@ -437,10 +461,11 @@ def load_tensors(family: str, version: str, device: str | torch.device = "cpu", 
     are written once, read-only, and renamed into place whole; files missing or of the wrong size
     are still fetched again), so a CPU load maps (or reads) them without hashing them; ``mfsreg
     cache verify`` finds damage instead."""
+    device = target_device(device)  # before anything is asked of the node
     own = node is None
     node = node or Node()
     try:
-        copier = Copier(node.cache, torch.device(device), node.remote.pool, verify)
+        copier = Copier(node.cache, device, node.remote.pool, verify)
         _, tensors = build(node, family, version, copier)
         node.cache.record_pull(family, version)
         return tensors

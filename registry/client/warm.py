@@ -7,13 +7,20 @@ from registry.client.fetch import Fetcher
 from registry.client.node import evict_quietly
 from registry.client.remote import RemoteRegistry
 from registry.errors import InvalidRequest, NotFound
+from registry.tiers import TIERS
+
+MAX_RECENT = 100_000  # a node keeps far fewer members; the index's LIMIT takes no more than 2**63 - 1
 
 
 def warm_cache(remote: RemoteRegistry, family: str, tier: str | None = "base", recent: int = 0, pin: bool = True,
                cache: NodeCache | None = None) -> dict:
-    if recent < 0:
+    if not 0 <= recent <= MAX_RECENT:
         remote.close()
-        raise InvalidRequest(f"--recent {recent} is below 0: give how many recently pulled members to keep warm")
+        raise InvalidRequest(f"--recent {recent} is out of range: give how many recently pulled members to keep "
+                             f"warm, 0 to {MAX_RECENT}")
+    if tier is not None and tier not in TIERS:  # '' asked for every tier and kept none
+        remote.close()
+        raise InvalidRequest(f"unknown tier {tier!r}: use one of {', '.join(TIERS)}")
     cache = cache or NodeCache()
     try:
         fetcher = Fetcher(remote, cache)
@@ -25,7 +32,7 @@ def warm_cache(remote: RemoteRegistry, family: str, tier: str | None = "base", r
         warm = list(ids)  # what the warm brings: kept over the limit if need be
         try:
             stats = fetcher.ensure(family, ids, located, tiers)
-            fetched, chunks = stats.fetched_bytes, len(ids)
+            fetched = stats.fetched_bytes
             cache.set_tiers(tiers, family)  # tiers move as members join: refresh what the cache believes
             for version in cache.recent_pulls(family, recent) if recent else []:
                 try:
@@ -35,7 +42,6 @@ def warm_cache(remote: RemoteRegistry, family: str, tier: str | None = "base", r
                     continue
                 s = fetcher.ensure(family, info.manifest.chunk_ids(), info.located, info.tiers)
                 fetched += s.fetched_bytes
-                chunks += s.fetched_chunks + s.cached_chunks
                 warm += s.chunk_ids
         except BaseException:
             evict_quietly(cache, warm)  # the limit holds after a failed warm too
@@ -43,6 +49,7 @@ def warm_cache(remote: RemoteRegistry, family: str, tier: str | None = "base", r
         # the size limit holds after a warm as after a pull: older entries make room for what it
         # brought (more than the limit can hold keeps all of it, as a pull keeps its own chunks)
         cache.evict(protect=warm)
+        chunks = len(set(warm))  # a chunk the tier and recent members share counts once
         return {"family": family, "tier": tier, "chunks": chunks, "fetched_bytes": fetched, "pinned": pin and tier == "base"}
     finally:
         remote.close()
