@@ -32,11 +32,13 @@ def warm(
 @cache_app.command("unpin")
 def unpin(family: str = typer.Argument(...), json_: bool = typer.Option(False, "--json")) -> None:
     """Let eviction drop a family's base tier again (undoes the pin of `cache warm`); nothing is deleted now."""
-    from registry.client.cache import NodeCache
+    from registry.client.cache import NodeCache, missing_cache_stats
     from registry.errors import InvalidRequest
     from registry.names import check_name
 
     check_name("family", family)
+    if missing_cache_stats() is not None:  # no cache there: nothing pinned, and none made
+        raise InvalidRequest(f"family {family!r} is not pinned in this cache (pinned: none)")
     cache = NodeCache()
     try:
         pinned = cache.pinned()
@@ -55,9 +57,18 @@ def unpin(family: str = typer.Argument(...), json_: bool = typer.Option(False, "
 @cache_app.command("stats")
 def stats(json_: bool = typer.Option(False, "--json")) -> None:
     """What the cache holds, by tier."""
-    from registry.client.cache import NodeCache
+    from registry.client.cache import NodeCache, missing_cache_stats
 
-    s = NodeCache().stats()
+    s = missing_cache_stats()
+    if s is not None and not json_:
+        typer.echo(f"{s['path']}: no cache there yet (a pull or `mfsreg cache warm` makes it)")
+        return
+    if s is None:
+        cache = NodeCache()
+        try:
+            s = cache.stats()
+        finally:
+            cache.close()
     if json_:
         emit_json(s)
         return

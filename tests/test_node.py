@@ -693,6 +693,19 @@ def test_cache_commands_need_a_registry_and_sane_sizes(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]
 
 
+def test_cache_commands_that_only_read_make_no_cache(tmp_path):
+    """cache stats and cache unpin on a MFSREG_CACHE_DIR that is not there (mistyped): an empty
+    answer and the pin refused, and no directory made (each made the whole tree, an empty cache)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MFSREG_")}
+    env["MFSREG_CACHE_DIR"] = str(tmp_path / "typo" / "deep" / "cache")
+    s = mfsreg_json("cache", "stats", env=env)
+    assert s["chunks"] == 0 and s["bytes"] == 0 and s["path"] == env["MFSREG_CACHE_DIR"] and s["pinned_families"] == []
+    assert "no cache there yet" in mfsreg("cache", "stats", env=env).stdout
+    proc = mfsreg("cache", "unpin", "fam", env=env, check=False)
+    assert proc.returncode == 2 and "not pinned in this cache (pinned: none)" in proc.stderr, proc.stderr
+    assert not (tmp_path / "typo").exists()
+
+
 def test_a_tier_the_registry_does_not_name_keeps_the_rank_the_cache_holds(tmp_path):
     """A delta's basis comes in a tier document without a tier of its own: set_tiers took that for
     unique, so a base chunk a `cache warm --tier unique` listed fell to the bottom of the eviction

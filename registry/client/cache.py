@@ -396,12 +396,24 @@ class NodeCache:
 
     def stats(self) -> dict:
         rows = self._conn().execute("SELECT rank, COUNT(*), COALESCE(SUM(size), 0) FROM entries GROUP BY rank").fetchall()
-        names = {FILE_RANK: "files", **{r: t for t, r in RANK.items()}}
-        by = {names[r]: {"entries": n, "bytes": b} for r, n, b in rows}
-        return {
-            "path": str(self.root), "max_bytes": self.max_bytes, "bytes": sum(b for _, _, b in rows),
-            "chunks": sum(n for r, n, _ in rows if r != FILE_RANK), "by_tier": by, "pinned_families": self.pinned(),
-        }
+        return _stats(self.root, self.max_bytes, rows, self.pinned())
+
+
+def missing_cache_stats(root: Path | None = None) -> dict | None:
+    """``stats`` of the cache at ``root`` (default: MFSREG_CACHE_DIR's) where no cache is there yet,
+    without making one (a command that only reads leaves a mistyped MFSREG_CACHE_DIR as it found
+    it); None where the directory exists."""
+    root = Path(root) if root is not None else default_cache_dir()
+    return None if root.exists() else _stats(root, default_max_bytes(), [], [])
+
+
+def _stats(root: Path, max_bytes: int | None, rows: list[tuple[int, int, int]], pinned: list[str]) -> dict:
+    names = {FILE_RANK: "files", **{r: t for t, r in RANK.items()}}
+    by = {names[r]: {"entries": n, "bytes": b} for r, n, b in rows}
+    return {
+        "path": str(root), "max_bytes": max_bytes, "bytes": sum(b for _, _, b in rows),
+        "chunks": sum(n for r, n, _ in rows if r != FILE_RANK), "by_tier": by, "pinned_families": pinned,
+    }
 
 
 def _rows_in(db: sqlite3.Connection, query: str, keys: list[str]) -> Iterator[tuple]:
