@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from api import errors
 from api.auth import Authenticate, principal
 from api.limits import BodyLimit, read_body
+from api.query import strict_query
 from api.schemas import (
     CommitRequest, DeleteResultModel, DownloadRequest, FamilyModel, NegotiateRequest, NegotiateResponse,
     PruneResultModel, PushResultModel, UploadResponse, VersionModel,
@@ -47,6 +48,7 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
         version="0.1.0",
         summary="Content-addressed registry for families of fine-tuned models.",
         lifespan=lifespan,
+        dependencies=[Depends(strict_query)],  # api/query.py: no unknown or repeated query parameters
     )
     errors.install(app)
     app.add_middleware(BodyLimit, max_body=(settings or (registry.settings if registry else Settings.from_env())).max_body)

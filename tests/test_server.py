@@ -905,3 +905,29 @@ def test_prune_over_http(servers, server_env, fam, tmp_path):
     out = tmp_path / "base.out"
     mfsreg("pull", "fam", "base", "-o", out, env={**env, "MFSREG_CACHE_DIR": str(tmp_path / "fresh-cache")})
     assert filecmp.cmp(out, fam["base"], shallow=False)
+
+
+def test_a_query_parameter_a_route_does_not_take_or_given_twice_is_refused(servers, server_env, fam):
+    """`POST /v1/prune?dry-run=true` (a typo) ran a real prune, and so did
+    `?dry_run=true&dry_run=false` (the last value won); `?Tier=base` listed every tier. Each is a
+    400 naming the parameter, and nothing runs."""
+    (srv,) = servers(1)
+    env = client_env(Path(server_env["MFSREG_HOME"]).parent, srv.url, token(server_env, "push"))
+    mfsreg_json("push", fam["base"], "--family", "fam", "--version", "base", env=env)
+    mfsreg_json("delete", "fam", "base", env=client_env(Path(server_env["MFSREG_HOME"]).parent, srv.url,
+                                                         token(server_env, "admin")))
+    admin = {"Authorization": f"Bearer {token(server_env, 'admin')}"}
+    before = mfsreg_json("stats", env=server_env)
+    for route, query, says in (
+        ("POST /v1/prune", "min_age=0&dry-run=true", "unknown query parameter 'dry-run': this route takes dry_run, max_unused, min_age"),
+        ("POST /v1/prune", "min_age=0&dry_run=true&dry_run=false", "query parameter 'dry_run' is given more than once"),
+        ("GET /v1/families/fam/chunks", "Tier=base", "unknown query parameter 'Tier'"),
+        ("GET /v1/stats", "family=fam&family=other", "query parameter 'family' is given more than once"),
+        ("GET /v1/families", "x" * 5000 + "=1", "unknown query parameter '" + "x" * 64 + "...': this route takes none"),
+    ):
+        method, path = route.split()
+        r = httpx.request(method, f"{srv.url}{path}?{query}", headers=admin)
+        assert r.status_code == 400 and says in r.json()["detail"] and len(r.text) < 500, (route, r.text[:300])
+    assert mfsreg_json("stats", env=server_env) == before  # the deleted version's chunks are all still there
+    r = httpx.post(f"{srv.url}/v1/prune", params={"min_age": 0, "dry_run": "true"}, headers=admin)
+    assert r.status_code == 200 and r.json()["dry_run"] is True and r.json()["deleted_chunks"] > 0, r.text
