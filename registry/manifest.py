@@ -168,6 +168,13 @@ def parse_doc(doc: object, draft: bool = False) -> Manifest:
         m = Manifest.from_doc(doc)  # type: ignore[arg-type]
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise InvalidRequest(f"malformed manifest: {exc.__class__.__name__} {exc}") from None
+    # from_doc reads stored documents, which this code wrote: a client's must say the same things
+    # in the same types ("single_file": "false" read as true, "format": 99 as this format)
+    if doc.get("format") != FORMAT or isinstance(doc.get("format"), bool):  # type: ignore[union-attr]
+        raise InvalidRequest(f"malformed manifest: format {str(doc.get('format'))[:20]!r}: this server reads "  # type: ignore[union-attr]
+                             f"format {FORMAT}; upgrade the server, or push with a client of its release")
+    if not isinstance(doc.get("single_file"), bool):  # type: ignore[union-attr]
+        raise InvalidRequest("malformed manifest: single_file must be true or false")
 
     def is_int(v) -> bool:
         return isinstance(v, int) and not isinstance(v, bool)
@@ -181,6 +188,7 @@ def parse_doc(doc: object, draft: bool = False) -> Manifest:
             raise InvalidRequest("malformed manifest: paths, kinds and names must be strings; sizes and offsets integers")
     if not m.files or (m.single_file and len(m.files) != 1):
         raise InvalidRequest("malformed manifest: no files, or several files in a single-file version")
+    _check_no_file_above_another(m)
     seen = set()
     for f in m.files:
         if f.path in seen or unsafe_path(f.path):
@@ -210,6 +218,20 @@ def parse_doc(doc: object, draft: bool = False) -> Manifest:
         if f.kind == SAFETENSORS and not f.chunks:
             raise InvalidRequest(f"malformed manifest: {f.path}: a safetensors file without a header chunk")
     return m
+
+
+def _check_no_file_above_another(m: Manifest) -> None:
+    """No file's path may be a folder another file lies in ('a' and 'a/b'): such a version could be
+    stored but never pulled (the second file needs a folder where the first file is)."""
+    from registry.errors import InvalidRequest
+
+    paths = {f.path for f in m.files if isinstance(f.path, str)}
+    for p in paths:
+        parts = p.split("/")
+        for k in range(1, len(parts)):
+            above = "/".join(parts[:k])
+            if above in paths:
+                raise InvalidRequest(f"malformed manifest: {above[:200]!r} is a file, but {p[:200]!r} needs it as a folder")
 
 
 def unsafe_path(path: str) -> bool:

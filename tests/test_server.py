@@ -931,3 +931,34 @@ def test_a_query_parameter_a_route_does_not_take_or_given_twice_is_refused(serve
     assert mfsreg_json("stats", env=server_env) == before  # the deleted version's chunks are all still there
     r = httpx.post(f"{srv.url}/v1/prune", params={"min_age": 0, "dry_run": "true"}, headers=admin)
     assert r.status_code == 200 and r.json()["dry_run"] is True and r.json()["deleted_chunks"] > 0, r.text
+
+
+def test_a_manifest_that_could_never_be_pulled_or_says_other_types_is_refused(servers, server_env):
+    """A commit whose files are 'a' and 'a/b' was stored (201) and every pull of it failed; a
+    manifest with "single_file": "false" was stored as a single-file version, and "format": 99 as
+    format 1. Each is a 400 now, and no version appears."""
+    (srv,) = servers(1)
+    admin = {"Authorization": f"Bearer {token(server_env, 'admin')}"}
+    data = b"side file bytes\n" * 16
+    r = httpx.post(f"{srv.url}/v1/families/fam/chunks", headers=admin,
+                   content=build_batch([(Entry(chunk_id(data), len(data), "raw", len(data)), data)]))
+    assert r.status_code == 200, r.text
+
+    def blob(path):
+        return {"path": path, "kind": "blob", "size": len(data), "sha256": hashlib.sha256(data).hexdigest(),
+                "chunks": [[chunk_id(data), 0, len(data), 1]], "tensors": []}
+
+    good = {"format": 1, "single_file": False, "files": [blob("a")]}
+    for doc, says in (
+        ({**good, "files": [blob("a"), blob("a/b")]}, "'a' is a file, but 'a/b' needs it as a folder"),
+        ({**good, "files": [blob("x/a"), blob("x/a/b/c")]}, "'x/a' is a file, but 'x/a/b/c' needs it as a folder"),
+        ({**good, "single_file": "false"}, "single_file must be true or false"),
+        ({**good, "format": 99}, "format '99': this server reads format 1"),
+        ({**good, "format": True}, "format 'True'"),
+    ):
+        for route in ("negotiate", "commit"):
+            r = httpx.post(f"{srv.url}/v1/families/fam/versions/v1/{route}", json={"manifest": doc}, headers=admin)
+            assert r.status_code == 400 and says in r.json()["detail"], (route, r.text)
+    assert httpx.get(f"{srv.url}/v1/families/fam/versions/v1", headers=admin).status_code == 404
+    r = httpx.post(f"{srv.url}/v1/families/fam/versions/v1/commit", json={"manifest": good}, headers=admin)
+    assert r.status_code == 201, r.text  # the same chunk, as a manifest that can be pulled
