@@ -6,6 +6,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from registry import errors as e
 
@@ -44,6 +45,12 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(e.RegistryError)
     async def _registry_error(_req: Request, exc: e.RegistryError):
         return problem(status_for(exc), exc.code, str(exc))
+
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(_req: Request, _exc: ClientDisconnect):
+        # the client closed its connection before its body was whole: nothing of it is acted on, and
+        # nothing is wrong with the server (this was logged as an ASGI exception with a traceback)
+        return problem(400, "invalid_request", "the client closed the connection before its request body was whole")
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_req: Request, exc: RequestValidationError):

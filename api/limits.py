@@ -41,6 +41,10 @@ class BodyLimit:
         body = bytearray()
         while True:
             message = await receive()
+            if message["type"] == "http.disconnect":
+                # the client went away before its last piece: what came is not the request it meant
+                # to send (a commit cut short was carried out, replayed as if whole); no one to answer
+                return
             if message["type"] != "http.request":
                 break
             body += message.get("body", b"")
@@ -69,7 +73,7 @@ class BodyLimit:
 async def read_body(request: Request, limit: int) -> bytes:
     """The body, counted as it streams in (chunked uploads have no Content-Length to check)."""
     buf = bytearray()
-    async for piece in request.stream():
+    async for piece in request.stream():  # a client gone midway raises ClientDisconnect (api/errors.py)
         buf += piece
         if len(buf) > limit:
             raise _too_large(limit)
