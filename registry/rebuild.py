@@ -202,10 +202,10 @@ def decode_batch(ids: list[str], located: dict[str, StoredChunk], payloads: Payl
 
 
 def write_file(entry: FileEntry, dest: Path, located: dict[str, StoredChunk], payloads: PayloadSource,
-               pool: ThreadPoolExecutor, progress: Progress, placing: Placing | None = None) -> None:
+               pool: ThreadPoolExecutor, progress: Progress, placing: Placing) -> None:
     """Write one file atomically from its chunks, each decoded and checked against its id, then
-    checked again where it lies in the written file (registry/filecheck.py); renamed into place at
-    once, or by ``placing`` with the version's other files.
+    checked again where it lies in the written file (registry/filecheck.py); renamed into place by
+    ``placing``, with the version's other files.
 
     The file is written in batches at the chunks' offsets; while one batch is written, the next is
     fetched and decoded on a second thread, and the one before is checked on the pool (file
@@ -216,8 +216,7 @@ def write_file(entry: FileEntry, dest: Path, located: dict[str, StoredChunk], pa
     def decode(batch):
         return decode_batch(list(dict.fromkeys(c.id for c in batch)), located, payloads, pool)
 
-    if placing is not None:
-        placing.make_dirs(dest.parent)
+    placing.make_dirs(dest.parent)
     with writing(dest), filecheck.CheckedFile(dest, entry.size, pool) as out:
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="mfsreg-rebuild") as side:
             nxt = side.submit(decode, batches[0]) if batches else None
