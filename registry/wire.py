@@ -72,16 +72,42 @@ def parse_index(data: bytes | memoryview) -> tuple[list[Entry], int]:
         raise InvalidRequest("malformed chunk batch: index length is out of range")
     try:
         doc = json.loads(bytes(data[4 : 4 + n]))
-        entries = [
-            Entry(check_id(d["id"]), int(d["size"]), str(d["encoding"]), int(d["length"]),
-                  check_id(d["basis_id"]) if d.get("basis_id") else None, int(d.get("itemsize", 1)))
-            for d in doc
-        ]
-    except (ValueError, KeyError, TypeError, RecursionError, OverflowError) as exc:  # nested too deep; Infinity
-        raise InvalidRequest(f"malformed chunk batch index: {exc.__class__.__name__}") from None
-    if any(e.size < 0 or e.length < 0 or e.itemsize not in (1, 2, 4, 8) for e in entries):
-        raise InvalidRequest("malformed chunk batch: negative sizes or a bad itemsize")
+    except (ValueError, RecursionError) as exc:  # not JSON, bad UTF-8, nested too deep
+        raise InvalidRequest(f"malformed chunk batch index: not JSON ({exc.__class__.__name__})") from None
+    if not isinstance(doc, list):
+        raise InvalidRequest("malformed chunk batch index: expected a JSON list of entries")
+    entries = [_entry(i, d) for i, d in enumerate(doc)]
     return entries, 4 + n
+
+
+def _count(i: int, d: dict, key: str, default: int | None = None) -> int:
+    # json.loads gives bool for true (an int subclass) and float for 4096.9 or Infinity: a count
+    # is a JSON integer, nothing else, so a client's bug is named here rather than rounded away
+    value = d.get(key, default)
+    if type(value) is not int or value < 0:
+        raise InvalidRequest(f"malformed chunk batch index: entry {i}'s {key!r} must be a non-negative integer, "
+                             f"not {_short(value)}")
+    return value
+
+
+def _short(value: object) -> str:
+    text = json.dumps(value) if not isinstance(value, float) else repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _entry(i: int, d: object) -> Entry:
+    if not isinstance(d, dict):
+        raise InvalidRequest(f"malformed chunk batch index: entry {i} is not an object")
+    for key in ("id", "size", "encoding", "length"):
+        if key not in d:
+            raise InvalidRequest(f"malformed chunk batch index: entry {i} has no {key!r}")
+    if not isinstance(d["encoding"], str):
+        raise InvalidRequest(f"malformed chunk batch index: entry {i}'s 'encoding' must be a string")
+    itemsize = _count(i, d, "itemsize", 1)
+    if itemsize not in (1, 2, 4, 8):
+        raise InvalidRequest(f"malformed chunk batch index: entry {i}'s itemsize {itemsize} is not 1, 2, 4 or 8")
+    return Entry(check_id(d["id"]), _count(i, d, "size"), d["encoding"], _count(i, d, "length"),
+                 check_id(d["basis_id"]) if d.get("basis_id") is not None else None, itemsize)
 
 
 def parse_batch(data: bytes) -> Iterator[tuple[Entry, memoryview]]:

@@ -192,6 +192,22 @@ def test_malformed_requests_get_a_400_and_store_nothing(servers, server_env, fam
     for index in (b"[" * 100_000, json.dumps([{"id": "0" * 32, "size": float("inf"), "encoding": "raw", "length": 1}]).encode()):
         r = httpx.post(f"{srv.url}/v1/families/fam/chunks", content=struct.pack("<I", len(index)) + index + b"x", headers=admin)
         assert r.status_code == 400 and "malformed chunk batch" in r.json()["detail"], r.text
+    # counts that are not JSON integers were once rounded or cast ("size": "1", 1.9 and true all
+    # stored a 1-byte chunk); each is named, with the entry it is in
+    one = {"id": chunk_id(b"x"), "size": 1, "encoding": "raw", "length": 1}
+    for entry, says in (({**one, "size": "1"}, "entry 0's 'size' must be a non-negative integer, not \"1\""),
+                        ({**one, "size": 1.9}, "'size' must be a non-negative integer, not 1.9"),
+                        ({**one, "length": True}, "'length' must be a non-negative integer, not true"),
+                        ({**one, "itemsize": 3}, "itemsize 3 is not 1, 2, 4 or 8"),
+                        ({**one, "encoding": 7}, "'encoding' must be a string"),
+                        ({k: v for k, v in one.items() if k != "length"}, "entry 0 has no 'length'"),
+                        ("x", "entry 0 is not an object")):
+        index = json.dumps([entry]).encode()
+        r = httpx.post(f"{srv.url}/v1/families/fam/chunks", content=struct.pack("<I", len(index)) + index + b"x", headers=admin)
+        assert r.status_code == 400 and says in r.json()["detail"], r.text
+    index = json.dumps(one).encode()
+    r = httpx.post(f"{srv.url}/v1/families/fam/chunks", content=struct.pack("<I", len(index)) + index + b"x", headers=admin)
+    assert r.status_code == 400 and "expected a JSON list of entries" in r.json()["detail"], r.text
     huge = 1 << 50
     doc = {"format": 1, "single_file": False, "files": [{"path": "x.bin", "kind": "blob", "size": huge, "sha256": "0" * 64,
                                                             "chunks": [["0" * 32, 0, huge, 1]], "tensors": []}]}
