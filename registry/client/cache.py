@@ -459,11 +459,14 @@ def index_error(path: Path, exc: sqlite3.DatabaseError) -> StorageError:
     """The one-line error for an index SQLite cannot use: held by another process, not this user's
     to write, damaged, or on a full disk. Only a damaged one is to be deleted: the chunk files stand
     on their own, so a new index loses nothing but bookkeeping."""
-    said = str(exc).lower()
-    if "locked" in said or "busy" in said:
+    # SQLite's own result code, not its message (which varies by version); the primary code is its
+    # low byte (SQLITE_READONLY_DBMOVED and the like share READONLY's). An error raised by the
+    # sqlite3 module itself has no code, and reads as damage or a full disk, below.
+    code = (getattr(exc, "sqlite_errorcode", None) or 0) & 0xFF
+    if code in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED):
         return StorageError(f"the node cache's index {path} is locked: another process has held it for over a minute; "
                             f"wait for it, or find it (fuser {path}); the index is shared, do not delete it")
-    if "readonly" in said or "read-only" in said or "unable to open" in said:
+    if code in (sqlite3.SQLITE_READONLY, sqlite3.SQLITE_CANTOPEN, sqlite3.SQLITE_PERM, sqlite3.SQLITE_AUTH):
         return StorageError(f"the node cache's index {path} cannot be opened or written ({exc}): this user may not "
                             "write to that cache; check its permissions, or set MFSREG_CACHE_DIR to a cache of your own")
     return StorageError(f"the node cache's index {path} cannot be used ({exc}): free space if the disk is full; "
