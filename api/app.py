@@ -136,12 +136,18 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
         body = await read_body(request, reg_of(request).settings.max_body)
         return await run_in_threadpool(service.receive_batch, reg_of(request), family, body, who)
 
-    @app.post("/v1/families/{family}/versions/{version}/commit", response_model=PushResultModel, status_code=201, tags=["push"])
-    def commit(family: str, version: str, body: CommitRequest, request: Request, who: Principal = Depends(principal)):
-        """Step 3: the version becomes visible, atomically, if every chunk is stored."""
+    @app.post("/v1/families/{family}/versions/{version}/commit", response_model=PushResultModel, status_code=201, tags=["push"],
+              responses={200: {"model": PushResultModel, "description": "The version was already stored with this content"}})
+    def commit(family: str, version: str, body: CommitRequest, request: Request, response: Response,
+               who: Principal = Depends(principal)):
+        """Step 3: the version becomes visible, atomically, if every chunk is stored. 201 when this
+        commit created it; 200 (``existed``) when it was already stored with the same content."""
         check_name("family", family)
         who.require("push", family)
-        return service.commit(reg_of(request), family, version, body.parent, body.manifest, body.chunk_size, who).to_dict()
+        result = service.commit(reg_of(request), family, version, body.parent, body.manifest, body.chunk_size, who)
+        if result.existed:
+            response.status_code = 200
+        return result.to_dict()
 
     @app.post("/v1/families/{family}/chunks/download", tags=["read"],
               responses={200: {"content": {"application/octet-stream": {}}}})

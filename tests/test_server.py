@@ -774,7 +774,10 @@ def test_a_push_cut_otherwise_than_its_family_is_refused_before_it_uploads(serve
     r = httpx.post(f"{base}/chunks", content=build_batch(entries), headers=h)
     assert r.status_code == 200, r.text
     r = httpx.post(f"{base}/versions/v1/commit", json={"manifest": cut[32 << 10]}, headers=h)  # no chunk_size: an old client
-    assert r.status_code == 201, r.text
+    assert r.status_code == 201 and not r.json()["existed"], r.text
+    # the same commit again (a client retrying after a lost answer) creates nothing: 200, existed
+    r = httpx.post(f"{base}/versions/v1/commit", json={"manifest": cut[32 << 10]}, headers=h)
+    assert r.status_code == 200 and r.json()["existed"], r.text
     assert httpx.get(base, headers=h).json()["chunk_size"] == 32 << 10
     keys = bucket_keys(server_env)
     for step in ("negotiate", "commit"):
