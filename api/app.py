@@ -57,7 +57,7 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
     def reg_of(request: Request) -> Registry:
         return request.app.state.registry
 
-    @app.get("/healthz", tags=["ops"])
+    @app.api_route("/healthz", methods=["GET", "HEAD"], tags=["ops"])  # HEAD: load balancers' probes
     def healthz(request: Request) -> dict:
         """Liveness and readiness: the database answers."""
         reg_of(request).ping()

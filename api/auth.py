@@ -14,7 +14,7 @@ from starlette.concurrency import run_in_threadpool
 
 from api.posts import role_for
 from registry.auth import Principal, authenticate
-from registry.errors import RegistryError
+from registry.errors import InvalidRequest, RegistryError
 
 _KEY = "mfsreg.principal"
 
@@ -34,8 +34,12 @@ class Authenticate:
         from api.errors import problem, status_for
 
         reg = scope["app"].state.registry
-        header = dict(scope.get("headers", ())).get(b"authorization")
+        headers = [v for k, v in scope.get("headers", ()) if k == b"authorization"]
+        header = headers[0] if headers else None
         try:
+            if len(headers) > 1:  # which one would be meant? (a dict kept the last, so a proxy's won)
+                raise InvalidRequest(f"the request has {len(headers)} Authorization headers: send one, "
+                                     "'Authorization: Bearer mfs_...'")
             found = await run_in_threadpool(authenticate, reg.engine, header.decode("latin-1") if header else None,
                                             reg.settings.anonymous_read)
             need = role_for(scope.get("method", ""), get_route_path(scope))

@@ -136,6 +136,13 @@ def test_bad_requests_get_problem_details(servers, server_env, tmp_path):
     many = [(Entry(chunk_id(bytes([i])), MAX_CHUNK_BYTES, "zstd", 1), b"x") for i in range(over)]
     r = httpx.post(f"{srv.url}/v1/families/fam/chunks", headers=h, content=build_batch(many))
     assert r.status_code == 413 and "send fewer chunks per request" in r.json()["detail"]
+    # two Authorization headers (a proxy adding its own): which was meant is not guessed, even
+    # where one of them is good
+    for pair in ((h["Authorization"], "Bearer mfs_nope"), ("Bearer mfs_nope", h["Authorization"])):
+        r = httpx.get(f"{srv.url}/v1/families", headers=[("Authorization", v) for v in pair])
+        assert r.status_code == 400 and "2 Authorization headers: send one" in r.json()["detail"], r.text
+    r = httpx.head(f"{srv.url}/healthz")  # a load balancer's probe
+    assert r.status_code == 200
     # the token is checked before the body is read: a caller without one gets a 401, not a parse
     # (FastAPI parses a JSON body before a route's dependencies run: without the early check, a 422)
     for body in (b"{not json", build_batch(many)):
