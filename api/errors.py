@@ -33,7 +33,14 @@ def status_for(exc: e.RegistryError) -> int:
     return 500
 
 
+# A detail is one line a person reads. The messages quote callers' values cut short
+# (registry.errors.shown); this bounds any that does not, keeping the advice at the end.
+MAX_DETAIL = 1000
+
+
 def problem(status: int, code: str, detail: str) -> JSONResponse:
+    if len(detail) > MAX_DETAIL:
+        detail = f"{detail[:MAX_DETAIL - 300]} [...] {detail[-250:]}"
     headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
     return JSONResponse(
         {"type": f"urn:mfsreg:{code}", "title": code.replace("_", " "), "status": status, "detail": detail},

@@ -8,6 +8,13 @@ wrong and what to do. The CLI maps the tree to exit codes, the API to HTTP statu
 from __future__ import annotations
 
 
+def shown(value: object, limit: int = 80) -> str:
+    """``value`` as an error message quotes it (its repr), cut to about ``limit`` characters: a
+    message is one line, and a caller's value may be a megabyte (a name, an id, a path in a body)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 class RegistryError(Exception):
     """Base of every error mfsreg reports to a user."""
 

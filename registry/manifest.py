@@ -160,7 +160,7 @@ def parse_doc(doc: object, draft: bool = False) -> Manifest:
     on chunk boundaries. The header chunk's bytes are checked against the tensors on commit, once
     the chunk is stored (registry/service.py).
     """
-    from registry.errors import InvalidRequest
+    from registry.errors import InvalidRequest, shown
     from registry.safetensors import DTYPE_SIZES
     from registry.wire import check_id
 
@@ -192,7 +192,7 @@ def parse_doc(doc: object, draft: bool = False) -> Manifest:
     seen = set()
     for f in m.files:
         if f.path in seen or unsafe_path(f.path):
-            raise InvalidRequest(f"malformed manifest: unsafe or repeated path {f.path!r}")
+            raise InvalidRequest(f"malformed manifest: unsafe or repeated path {shown(f.path, 200)}")
         seen.add(f.path)
         # a node names files in its cache by this digest: 64 lowercase hex digits and nothing else
         digest_ok = (isinstance(f.sha256, str) and _SHA256.fullmatch(f.sha256) is not None) or (draft and f.sha256 is None)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-from registry.errors import InvalidName
+from registry.errors import InvalidName, shown
 
 NAME_CHARS = "A-Za-z0-9._-"  # a regex character class's body: what a name may hold
 _NAME = re.compile(rf"^[A-Za-z0-9_-][{NAME_CHARS}]{{0,127}}$")
@@ -18,7 +18,7 @@ def check_name(kind: str, name: str) -> str:
     """Return ``name`` if valid for a family or version, else raise InvalidName."""
     if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise InvalidName(
-            f"invalid {kind} name {name!r}: use 1-128 letters, digits, '.', '_' or '-', "
+            f"invalid {kind} name {shown(name)}: use 1-128 letters, digits, '.', '_' or '-', "
             "not starting with '.'"
         )
     return name

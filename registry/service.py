@@ -23,7 +23,7 @@ from registry.db import claims as claim_db
 from registry.db import tiers as tier_db
 from registry.db import versions as version_db
 from registry.db.engine import read_tx, write_tx
-from registry.errors import IntegrityError, InvalidModel, InvalidRequest, NotFound, StorageError, TooLarge
+from registry.errors import IntegrityError, InvalidModel, InvalidRequest, NotFound, StorageError, TooLarge, shown
 from registry.deltas import BasisReader, cap_depth
 from registry.ingest import (check_cut, check_named_cut, check_parent, check_push_names, commit_version, existing_result,
                              plan_deltas, store_chunks, stored_for)
@@ -34,14 +34,14 @@ from registry.names import check_name
 from registry.rebuild import decode_verified
 from registry.safetensors import parse_header
 from registry.tiers import TIERS
-from registry.wire import RAW_PER_BODY, Entry, encode_index, parse_batch
+from registry.wire import RAW_PER_BODY, Entry, check_id, encode_index, parse_batch
 
 PACK_LOOKUPS = 8  # concurrent size lookups of one download batch's packs (check_packs)
 
 
 def _check_encoding(name: str) -> None:
     if not codec.is_known(name):
-        raise InvalidRequest(f"unknown chunk encoding {name!r}")
+        raise InvalidRequest(f"unknown chunk encoding {shown(name, 40)}")
 
 
 def negotiate(reg, family: str, version: str, doc: object, parent: str | None = None,
@@ -234,7 +234,7 @@ def commit(reg, family: str, version: str, parent: str | None, doc: object, chun
 def plan_download(reg, family: str, ids: list[str]) -> list[StoredChunk]:
     """The stored chunks to stream, after checking they belong to ``family`` (a token scoped to one
     family must not read another family's bytes by naming their ids)."""
-    ids = list(dict.fromkeys(ids))
+    ids = [check_id(i) for i in dict.fromkeys(ids)]  # a 400 for what cannot be an id, not "not part of"
     with read_tx(reg.engine) as conn:
         fam = version_db.get_family(conn, family)
         allowed = tier_db.family_chunk_ids(conn, fam.id, ids)
@@ -331,7 +331,7 @@ def _tag_matches(if_none_match: str, tag: str) -> bool:
 def tier_doc(reg, family: str, tier: str | None) -> dict:
     """A family's chunks of one tier (or all), with what a node needs to fetch them."""
     if tier is not None and tier not in TIERS:
-        raise InvalidRequest(f"unknown tier {tier!r}: use one of {', '.join(TIERS)}")
+        raise InvalidRequest(f"unknown tier {shown(tier, 40)}: use one of {', '.join(TIERS)}")
     check_name("family", family)
     with read_tx(reg.engine) as conn:
         fam = version_db.get_family(conn, family)

@@ -18,7 +18,7 @@ import struct
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-from registry.errors import InvalidRequest
+from registry.errors import InvalidRequest, shown
 
 MAX_INDEX_BYTES = 16 << 20
 # An upload batch's chunks may add up to this many times the server's body limit once decoded: the
@@ -49,7 +49,7 @@ class Entry:
 
 def check_id(value: str) -> str:
     if not isinstance(value, str) or not _ID.fullmatch(value):
-        raise InvalidRequest(f"invalid chunk id {value!r}: expected 32 lowercase hex digits")
+        raise InvalidRequest(f"invalid chunk id {shown(value, 40)}: expected 32 lowercase hex digits")
     return value
 
 
@@ -86,11 +86,12 @@ def _count(i: int, d: dict, key: str, default: int | None = None) -> int:
     value = d.get(key, default)
     if type(value) is not int or value < 0:
         raise InvalidRequest(f"malformed chunk batch index: entry {i}'s {key!r} must be a non-negative integer, "
-                             f"not {_short(value)}")
+                             f"not {_json_shown(value)}")
     return value
 
 
-def _short(value: object) -> str:
+def _json_shown(value: object) -> str:
+    # as the client wrote it ("1", true), which repr would not say; a float as Python reads it (inf)
     text = json.dumps(value) if not isinstance(value, float) else repr(value)
     return text if len(text) <= 40 else text[:37] + "..."
 

@@ -959,6 +959,32 @@ def test_a_query_parameter_a_route_does_not_take_or_given_twice_is_refused(serve
     assert r.status_code == 200 and r.json()["dry_run"] is True and r.json()["deleted_chunks"] > 0, r.text
 
 
+def test_a_callers_huge_value_is_quoted_short(servers, server_env, fam):
+    """An error quoted the caller's value whole: a 200 KB chunk id, a megabyte encoding name or
+    manifest path came back in a detail as long. Each is a short one-line 400 now, and a download
+    naming what cannot be a chunk id is a 400 before anything is looked up."""
+    (srv,) = servers(1)
+    admin = {"Authorization": f"Bearer {token(server_env, 'admin')}"}
+    good = hash_source(open_source(fam["base"]), 64 << 10, NullProgress()).to_doc()
+    raw = b"\x05" * 4096
+    cases = [
+        ("GET", "/v1/families/" + "a" * 5000 + "/versions", {}, "invalid family name 'aaaa"),
+        ("POST", "/v1/families/fam/chunks/download", {"json": {"ids": ["z" * 200_000]}}, "invalid chunk id 'zzzz"),
+        ("POST", "/v1/families/fam/chunks/download", {"json": {"ids": ["A" * 32]}}, "expected 32 lowercase hex digits"),
+        ("POST", "/v1/families/fam/chunks",
+         {"content": build_batch([(Entry(chunk_id(raw), 4096, "e" * 1_000_000, 4096), raw)])}, "unknown chunk encoding 'eeee"),
+        ("POST", "/v1/families/fam/versions/v1/negotiate",
+         {"json": {"manifest": {**good, "files": [{**good["files"][0], "path": "../" + "x" * 500_000}]}}},
+         "unsafe or repeated path '../xxx"),
+    ]
+    for method, path, kw, says in cases:
+        r = httpx.request(method, srv.url + path, headers=admin, timeout=30, **kw)
+        assert r.status_code == 400 and says in r.json()["detail"] and len(r.text) < 1200, (path, r.status_code, r.text[:300])
+    r = httpx.post(f"{srv.url}/v1/families/fam/chunks/download", json={"ids": ["0" * 32]}, headers=admin)
+    assert r.status_code == 404 and "family 'fam' does not exist" in r.json()["detail"], r.text  # a good id is looked up
+    assert bucket_keys(server_env) == []
+
+
 def test_a_manifest_that_could_never_be_pulled_or_says_other_types_is_refused(servers, server_env):
     """A commit whose files are 'a' and 'a/b' was stored (201) and every pull of it failed; a
     manifest with "single_file": "false" was stored as a single-file version, and "format": 99 as
