@@ -60,11 +60,33 @@ def install(app: FastAPI) -> None:
         return problem(400, "invalid_request", "the client closed the connection before its request body was whole")
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_req: Request, exc: RequestValidationError):
-        first = exc.errors()[0] if exc.errors() else {}
-        where = ".".join(str(x) for x in first.get("loc", ()))
-        return problem(422, "invalid_request", f"{where}: {first.get('msg', 'invalid request')}")
+    async def _validation(req: Request, exc: RequestValidationError):
+        return problem(422, "invalid_request", _validation_detail(req, exc.errors()[0] if exc.errors() else {}))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_req: Request, exc: StarletteHTTPException):
+        if exc.status_code == 400 and exc.detail == _UNPARSED:  # FastAPI's words for any failure to parse
+            return problem(400, "invalid_request", "the request body could not be read as JSON (bad UTF-8, nested too "
+                                                   "deep, or a number too long): send a plain JSON object")
         return problem(exc.status_code, "http_error", str(exc.detail))
+
+
+_UNPARSED = "There was an error parsing the body"
+
+
+def _validation_detail(req: Request, first: dict) -> str:
+    """FastAPI's first complaint about a request, in words that say what to send. A body that is not
+    JSON, or was not labelled as JSON, reached the route's model as bytes, and read "Input should be
+    a valid dictionary"."""
+    loc, kind = tuple(first.get("loc", ())), first.get("type")
+    if kind == "json_invalid":
+        return (f"the request body is not valid JSON ({first.get('ctx', {}).get('error', 'decode error')} at character "
+                f"{loc[1] if len(loc) > 1 else '?'}): send a JSON object")
+    if loc == ("body",) and kind == "missing":
+        return "the request body is empty: send a JSON object (see /docs for this route's fields)"
+    ctype = req.headers.get("content-type", "")
+    if loc == ("body",) and "json" not in ctype.lower():
+        sent = f"Content-Type {ctype[:60]!r}" if ctype else "no Content-Type"
+        return f"the request body was sent with {sent}: send it as JSON, with Content-Type: application/json"
+    where = ".".join(str(x) for x in loc)
+    return f"{where}: {first.get('msg', 'invalid request')}"

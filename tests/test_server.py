@@ -141,6 +141,17 @@ def test_bad_requests_get_problem_details(servers, server_env, tmp_path):
     for pair in ((h["Authorization"], "Bearer mfs_nope"), ("Bearer mfs_nope", h["Authorization"])):
         r = httpx.get(f"{srv.url}/v1/families", headers=[("Authorization", v) for v in pair])
         assert r.status_code == 400 and "2 Authorization headers: send one" in r.json()["detail"], r.text
+    # a JSON route's body sent unlabelled, not JSON, too deep to parse, or empty: each says what to send
+    for body, ctype, status, says in (
+        (b'{"ids": []}', None, 422, "sent with no Content-Type: send it as JSON, with Content-Type: application/json"),
+        (b'{"ids": []}', "text/plain", 422, "sent with Content-Type 'text/plain': send it as JSON"),
+        (b'{"ids": [', "application/json", 422, "not valid JSON (Expecting value at character 9)"),
+        (b"[" * 100_000, "application/json", 400, "could not be read as JSON (bad UTF-8, nested too deep"),
+        (b"", "application/json", 422, "the request body is empty: send a JSON object"),
+    ):
+        r = httpx.post(f"{srv.url}/v1/families/fam/chunks/download", content=body,
+                       headers={**h, **({"Content-Type": ctype} if ctype else {})})
+        assert r.status_code == status and says in r.json()["detail"], (body[:20], r.text)
     r = httpx.head(f"{srv.url}/healthz")  # a load balancer's probe
     assert r.status_code == 200
     # the token is checked before the body is read: a caller without one gets a 401, not a parse
