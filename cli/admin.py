@@ -26,24 +26,41 @@ def upgrade(json_: bool = typer.Option(False, "--json")) -> None:
         typer.echo(f"database schema at revision {rev}")
 
 
-# A negative value (a user's mistake, refused by its range check) would read as an unknown option.
-@family_app.command("quorum", context_settings={"ignore_unknown_options": True})
+# A negative value (a user's mistake, refused by its range check) would read as an unknown option,
+# so options are not parsed here; what looks like one and is not a number is refused as click would.
+@family_app.command("quorum", context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
 def quorum(
+    ctx: typer.Context,
     family: str = typer.Argument(...),
-    value: float = typer.Argument(..., help="Fraction of members that must use a chunk for it to be base, in (0, 1]."),
+    value: str = typer.Argument(..., help="Fraction of members that must use a chunk for it to be base, in (0, 1]."),
     json_: bool = typer.Option(False, "--json"),
 ) -> None:
     """Set a family's base quorum and re-tier its chunks."""
     from registry.registry import Registry
 
+    usage_error = next(k for k in typer.BadParameter.__mro__ if k.__name__ == "UsageError")  # cli/errors.py says why
+    for word in (family, value, *ctx.args):
+        if word.startswith("-") and _number(word) is None:
+            raise usage_error(f"No such option: {word}", ctx=ctx)
+    if ctx.args:
+        raise usage_error(f"Got unexpected extra argument ({ctx.args[0]})", ctx=ctx)
+    if (fraction := _number(value)) is None:
+        raise typer.BadParameter(f"{value!r} is not a number", param_hint="'VALUE'")
     local_only("family quorum")
 
     with Registry() as reg:
-        changed = reg.set_base_quorum(family, value)
+        changed = reg.set_base_quorum(family, fraction)
     if json_:
-        emit_json({"family": family, "base_quorum": value, "tier_changes": changed})
+        emit_json({"family": family, "base_quorum": fraction, "tier_changes": changed})
     else:
-        typer.echo(f"{family}: base quorum {value}; {changed} chunks changed tier")
+        typer.echo(f"{family}: base quorum {fraction}; {changed} chunks changed tier")
+
+
+def _number(word: str) -> float | None:
+    try:
+        return float(word)
+    except ValueError:
+        return None
 
 
 def prune(

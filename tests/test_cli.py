@@ -62,6 +62,11 @@ def test_bad_option_values_are_one_line(home_env, fam):
     for value in ("2.0", "-0.1"):  # a negative one was read as an unknown option: 'No such option: -0'
         proc = mfsreg("family", "quorum", "nofam", value, env=home_env, check=False)
         assert proc.returncode == 2 and f"base_quorum {float(value)} is out of range" in proc.stderr, proc.stderr
+    # and an unknown option, wherever it stands, is named as one (it read "Invalid value for 'value'")
+    for args, says in ((["--bogus", "nofam", "0.5"], "No such option: --bogus"), (["nofam", "--bogus", "0.5"], "No such option: --bogus"),
+                       (["nofam", "0.5", "7"], "unexpected extra argument (7)"), (["nofam", "half"], "'half' is not a number")):
+        proc = mfsreg("family", "quorum", *args, env=home_env, check=False)
+        assert proc.returncode == 2 and says in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     env = dict(home_env, MFSREG_CHUNK_SIZE="lots")
     proc = mfsreg("push", fam["base"], "--family", "f", "--version", "v", env=env, check=False)
     assert proc.returncode == 2 and "MFSREG_CHUNK_SIZE" in proc.stderr and "Traceback" not in proc.stderr
