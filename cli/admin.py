@@ -45,7 +45,7 @@ def quorum(
     if ctx.args:
         raise usage_error(f"Got unexpected extra argument ({ctx.args[0]})", ctx=ctx)
     if (fraction := _number(value)) is None:
-        raise typer.BadParameter(f"{value!r} is not a number", param_hint="'VALUE'")
+        raise typer.BadParameter(f"{value!r} is not a number", param_hint="'value'")
     local_only("family quorum")
 
     with Registry() as reg:
