@@ -818,6 +818,28 @@ def test_a_damaged_cached_chunk_is_fetched_again(published, writes, fam, tmp_pat
 
 
 
+def test_a_directory_at_a_cached_chunks_name_is_found_by_verify(published, fam, tmp_path):
+    """A directory made where a chunk's file was: `cache verify` passed it over (it lists plain
+    files), and a pull failed naming a temp file of its own. The pull says what is in the way and
+    what removes it; verify reports and removes it, and the next pull writes the exact file."""
+    _, env = published
+    mfsreg_json("pull", "fam", "lora-chat", "-o", tmp_path / "first.out", env=env)
+    doc = Node(env["MFSREG_URL"], env["MFSREG_TOKEN"], env["MFSREG_CACHE_DIR"]).remote.version_doc("fam", "lora-chat")
+    victim = sorted(Manifest.from_doc(doc["manifest"]).chunk_ids())[0]
+    _cache_file(env, victim).unlink()
+    (_cache_file(env, victim) / "inside").mkdir(parents=True)
+    proc = mfsreg("pull", "fam", "lora-chat", "-o", tmp_path / "again.out", env=env, check=False)
+    assert proc.returncode != 0 and "a directory stands at that name in the node cache" in proc.stderr, proc.stderr
+    assert "`mfsreg cache verify` removes it" in proc.stderr and ".tmp" not in proc.stderr, proc.stderr
+    assert not (tmp_path / "again.out").exists()
+    proc = mfsreg("cache", "verify", "--json", env=env, check=False)
+    assert proc.returncode == 4 and json.loads(proc.stdout)["damaged_chunks"] == [victim], proc.stdout + proc.stderr
+    assert not _cache_file(env, victim).exists()
+    mfsreg_json("pull", "fam", "lora-chat", "-o", tmp_path / "again.out", env=env)
+    assert filecmp.cmp(tmp_path / "again.out", fam["lora-chat"], shallow=False)
+    assert chunk_id(_cache_file(env, victim).read_bytes()) == victim
+
+
 def test_a_damaged_cached_basis_is_fetched_again(published, fam, tmp_path):
     """A delta decodes against its basis from the node cache: a basis whose cache file rotted is
     dropped and fetched again, not trusted (every pull of the member would fail, blamed on the

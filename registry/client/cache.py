@@ -16,6 +16,7 @@ pinned family's base tier or one the current operation still needs.
 from __future__ import annotations
 
 import os
+import re
 import sqlite3
 import threading
 import time
@@ -357,6 +358,20 @@ class NodeCache:
                     continue
                 yield from ((kind, e) for e in entries if e.is_file(follow_symlinks=False))
 
+    def disk_others(self) -> Iterator[tuple[str, os.DirEntry]]:
+        """What stands at a chunk's or a materialised file's place and is not a plain file (a
+        directory, a link, a fifo): no writer makes these, and each would stop that file being
+        written (a rename onto a directory fails) while a listing of plain files passes it over."""
+        for kind, top, nested in (("chunk", self._chunks, True), ("file", str(self.root / "files"), False)):
+            dirs = [e.path for e in os.scandir(top) if e.is_dir(follow_symlinks=False)] if nested else [top]
+            for d in dirs:
+                try:
+                    entries = list(os.scandir(d))
+                except FileNotFoundError:
+                    continue
+                named = _CHUNK_NAME if kind == "chunk" else _FILE_NAME
+                yield from ((kind, e) for e in entries if named.fullmatch(e.name) and not e.is_file(follow_symlinks=False))
+
     def sweep_temps(self, older_than: float = STALE_TEMP_SECONDS) -> int:
         """Remove temp files that writers left behind (a process killed mid-write) once they are
         ``older_than`` seconds old: a live writer renames its temp file within seconds. Returns
@@ -530,6 +545,10 @@ def is_temp(name: str) -> bool:
     return name.startswith(".") and name.endswith(".tmp")
 
 
+_CHUNK_NAME = re.compile(r"[0-9a-f]{32}")
+_FILE_NAME = re.compile(r"[0-9a-f]{64}")
+
+
 def atomic_write(path: str, data, mode: int = 0o644) -> None:
     """Write ``data`` to ``path`` (a string with "/") under a unique hidden temp name beside it,
     then rename it into place.
@@ -555,7 +574,11 @@ def atomic_write(path: str, data, mode: int = 0o644) -> None:
                 view = view[os.write(fd, view):]
         finally:
             os.close(fd)
-        os.replace(tmp, path)
+        try:
+            os.replace(tmp, path)
+        except IsADirectoryError:  # the error would name the temp file, which is gone by then
+            raise StorageError(f"cannot write {path}: a directory stands at that name in the node cache; "
+                               "`mfsreg cache verify` removes it") from None
     except BaseException:
         try:
             os.unlink(tmp)

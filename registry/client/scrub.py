@@ -1,10 +1,11 @@
 """A scrub of the node cache: every chunk file hashed against the id it is named by, every
 materialised file against its sha256, and whatever fails dropped (it is fetched again when next
-needed). Loads and pulls check what they use as they go; a scrub finds damage in the rest before
+needed), as is anything but a plain file at such a name. Loads and pulls check what they use as they go; a scrub finds damage in the rest before
 a load does, and tells an operator that a node's disk is losing bytes."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 from registry.chunking import MappedFile, chunk_id, file_sha256
@@ -39,5 +40,15 @@ def verify_cache(cache: NodeCache, progress: Progress | None = None) -> dict:
                 Path(e.path).unlink(missing_ok=True)  # a stray file in another subdirectory than its name's
             damaged[kind].append(e.name)
         progress.advance("verify", size)
+    for kind, e in cache.disk_others():
+        # a directory or link at a chunk's or file's name (made by hand, or by another tool):
+        # removed, with its row, so that the next pull writes the file there
+        if e.is_dir(follow_symlinks=False):
+            shutil.rmtree(e.path, ignore_errors=True)
+        else:
+            Path(e.path).unlink(missing_ok=True)
+        if e.path in (str(cache.chunk_path(e.name)), str(cache.file_path(e.name))):
+            (cache.discard if kind == "chunk" else cache.discard_file)(e.name)
+        damaged[kind].append(e.name)
     return {"chunks": sum(k == "chunk" for k, _, _ in found), "files": sum(k == "file" for k, _, _ in found),
             "bytes": sum(size for _, _, size in found), "damaged_chunks": damaged["chunk"], "damaged_files": damaged["file"]}
