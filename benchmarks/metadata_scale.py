@@ -11,11 +11,12 @@ family, 530,000 chunk rows and 1.75M version_chunks rows (a 7B member at 2 MiB c
 document's chunk table (what a node reads before each pull or load), the member sharing the most
 of a version's chunks (a push without --parent looks it up for its deltas' bases), a family's tier
 table (cache warm), one family's stats and the whole registry's storage totals (stats), prune's
-unlisted packs, and the read at the heart of prune's decision (which chunks it keeps, which packs
-it retires or repacks; commits wait while the decision runs, this read and the deletes after it). Anchor, in the same database and run: one full scan of version_chunks (count(*)), the cost
+unlisted packs, the read at the heart of prune's decision (which chunks it keeps, which packs it
+retires or repacks; on a snapshot, while commits go on), and the check of its choice that commits
+wait for (what a version committed meanwhile needs; the deletes after it are not timed). Anchor, in the same database and run: one full scan of version_chunks (count(*)), the cost
 of reading the registry's biggest table once. A read that grows with its own work stays flat
 between sizes; one that grows with the registry follows the anchor (prune's decision must: it
-reads every chunk row). Writes results/metadata_scale.json (or --out).
+reads every chunk row; the check grows with the chunks chosen, 1% of them here). Writes results/metadata_scale.json (or --out).
 """
 
 from __future__ import annotations
@@ -87,6 +88,8 @@ def measure(families: int, versions: int, runs: int) -> dict:
             fam = version_db.get_family(c, "fam1")
             one = [r.id for r in version_db.list_versions(c, "fam1")][versions // 2]
             one_ids = version_db.version_chunk_ids(c, one)
+            cutoff = prune_db.db_now(c) - timedelta(hours=1)
+            chosen = prune.decide(c, cutoff, prune_db.pack_sizes(c), prune.DEFAULT_MAX_UNUSED).garbage
         reads = {
             "anchor: count(*) of version_chunks": lambda c: c.execute(text("SELECT count(*) FROM version_chunks")).scalar(),
             "version document's chunk table": lambda c: chunk_db.version_chunk_table(c, one),
@@ -97,7 +100,8 @@ def measure(families: int, versions: int, runs: int) -> dict:
             "stats of the registry: storage totals": lambda c: stats_db.storage_totals(c),
             "prune: unlisted packs": lambda c: prune_db.unlisted(c),
             "prune: the decision (chunks kept, packs to retire and repack)": lambda c: prune.decide(
-                c, prune_db.db_now(c) - timedelta(hours=1), prune_db.pack_sizes(c), prune.DEFAULT_MAX_UNUSED),
+                c, cutoff, prune_db.pack_sizes(c), prune.DEFAULT_MAX_UNUSED),
+            "prune: its choice checked again, writers waiting": lambda c: prune.still_unneeded(c, chosen),
         }
         seconds = {}
         for label, read in reads.items():
@@ -111,7 +115,7 @@ def measure(families: int, versions: int, runs: int) -> dict:
                     times.append(time.perf_counter() - t0)
                     tx.rollback()
             seconds[label] = statistics.median(times)
-        return {"versions_per_family": versions, "rows": rows, "seconds": seconds}
+        return {"versions_per_family": versions, "rows": rows, "prune_chosen_chunks": len(chosen), "seconds": seconds}
 
 
 def report(doc: dict) -> str:

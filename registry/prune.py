@@ -17,8 +17,12 @@ quick and a push of the same bytes can reuse them. Prune is the step that frees 
   ``min_age``, since a pull that located chunks in a retired pack just before may still be reading
   it. With ``min_age`` 0, in the same run.
 
-Concurrency: prune decides what to delete in one transaction that commits and pack records wait
-for, and that waits for them (db/locks.py). A version committed before it keeps its chunks; one
+Concurrency: prune decides what to delete on a snapshot, while pushes go on: that read takes every
+chunk row into the process, seconds on a big registry. It then checks the chunks it chose again
+in one transaction that commits and pack records wait for, and that waits for them (db/locks.py):
+those that a version committed since needs, or that a chunk recorded since is a delta against, stay
+(with their bases), and the rest are deleted. Writers wait only for that check, whose work grows
+with what is deleted, not with the registry. A version committed before it keeps its chunks; one
 committing after finds a deleted chunk missing and is refused (MissingChunks), never left with a
 hole; a pack whose deltas' basis was deleted is refused (Pruned). A push stores what it lost
 either way once more and commits again (ingest.store_chunks, ingest.push, the client's push).
@@ -85,11 +89,31 @@ def _plan(states: list[q.ChunkState], sizes: dict[str, int], max_unused: float) 
 
 def decide(conn, cutoff, sizes: dict[str, int], max_unused: float) -> _Plan:
     """What a prune whose grace period began at ``cutoff`` deletes, retires and repacks (``sizes``:
-    every listed pack's size). It reads every chunk row into this process. Tried: a recursive CTE
-    that keeps them in the database did this read in 3.3 s against 6.6 s (Postgres, 530,000 chunk
-    rows, benchmarks/metadata_scale.py), but the delete must then evaluate it a second time, under
-    the same lock, or hold it in a temporary table."""
+    every listed pack's size), as of ``conn``'s snapshot. It reads every chunk row into this
+    process (6.6 s at 530,000 rows on Postgres, benchmarks/metadata_scale.py), which is why writers
+    do not wait for it: ``still_unneeded`` checks its choice again once they do. Tried: a recursive
+    CTE that keeps the rows in the database read them in 3.3 s, but the delete must then evaluate
+    it a second time, or hold it in a temporary table."""
     return _plan(q.chunk_states(conn, cutoff), sizes, max_unused)
+
+
+def still_unneeded(conn, garbage: list[q.ChunkState]) -> list[q.ChunkState]:
+    """Of the chunks a decision on an earlier snapshot found unneeded, those still unneeded now
+    (``conn`` excludes writers): a version committed since may need one (version_chunks holds the
+    bases of its deltas too), and a chunk recorded since may be a delta against one. Each kept
+    takes its bases along, down their chains, as in ``_plan``. Two lookups per thousand chosen
+    chunks, by index, instead of the decision's read of every row."""
+    chosen = {c.id: c for c in garbage}
+    todo = list(q.used_among(conn, list(chosen)))
+    todo += [b for i, b in q.deltas_against(conn, list(chosen)) if i not in chosen]  # a chosen delta: below
+    kept: set[str] = set()
+    while todo:
+        i = todo.pop()
+        if i in chosen and i not in kept:
+            kept.add(i)
+            if chosen[i].basis_id:
+                todo.append(chosen[i].basis_id)
+    return [c for c in garbage if c.id not in kept]
 
 
 def prune(reg, min_age: float = DEFAULT_MIN_AGE, max_unused: float = DEFAULT_MAX_UNUSED, dry_run: bool = False,
@@ -101,17 +125,18 @@ def prune(reg, min_age: float = DEFAULT_MIN_AGE, max_unused: float = DEFAULT_MAX
     t0 = time.perf_counter()
     grace = timedelta(seconds=min_age)
     with q.one_prune_at_a_time(reg.engine):
-        with (read_tx if dry_run else write_tx)(reg.engine) as conn:
-            if not dry_run:
+        with read_tx(reg.engine) as conn:  # writers go on meanwhile (see the module docstring)
+            sizes = q.pack_sizes(conn)
+            plan = decide(conn, q.db_now(conn) - grace, sizes, max_unused)
+        garbage, retired = plan.garbage, plan.retire
+        if not dry_run:
+            with write_tx(reg.engine) as conn:
                 exclude_writers(conn)
                 q.forget_relisted(conn)  # so that retiring such a pack again starts its grace period afresh
-            now = q.db_now(conn)
-            sizes = q.pack_sizes(conn)
-            plan = decide(conn, now - grace, sizes, max_unused)
-            if not dry_run:
-                q.delete_chunks(conn, [c.id for c in plan.garbage])
-                claim_db.forget_before(conn, now - grace)  # those of pushes that never committed
-                q.retire_packs(conn, plan.retire)
+                garbage = still_unneeded(conn, plan.garbage)
+                q.delete_chunks(conn, [c.id for c in garbage])
+                claim_db.forget_before(conn, q.db_now(conn) - grace)  # those of pushes that never committed
+                retired = q.retire_packs(conn, plan.retire)  # a pack whose chunk stayed stays listed
         if dry_run:
             retiring = [(p, sizes[p]) for p in plan.retire + plan.repack]
             with read_tx(reg.engine) as conn:
@@ -127,9 +152,9 @@ def prune(reg, min_age: float = DEFAULT_MIN_AGE, max_unused: float = DEFAULT_MAX
                 waiting = q.unlisted(conn)
     return PruneResult(
         dry_run=dry_run,
-        deleted_chunks=len(plan.garbage), deleted_chunk_bytes=sum(c.stored_size for c in plan.garbage),
+        deleted_chunks=len(garbage), deleted_chunk_bytes=sum(c.stored_size for c in garbage),
         repacked_packs=len(plan.repack), moved_bytes=plan.to_move,
-        retired_packs=len(plan.retire) + len(plan.repack),
+        retired_packs=len(retired) + len(plan.repack),
         deleted_packs=len(due), freed_bytes=sum(s for _, s in due),
         waiting_packs=len(waiting), waiting_bytes=sum(s for _, s in waiting),
         seconds=time.perf_counter() - t0,

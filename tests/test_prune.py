@@ -286,6 +286,68 @@ def test_chunks_in_flight_keep_the_bases_of_their_deltas(reg, fam, tmp_path):
     pulls_whole(reg, fam, tmp_path, "full-med")
 
 
+def after_the_decision(monkeypatch, action) -> None:
+    """Run ``action`` once prune has decided on its snapshot and before it takes the writers' lock
+    to check that choice again: writers go on while it decides."""
+    from registry import prune as prune_mod
+
+    decide = prune_mod.decide
+
+    def then_act(*args, **kw):
+        plan = decide(*args, **kw)
+        action()
+        return plan
+
+    monkeypatch.setattr(prune_mod, "decide", then_act)
+
+
+def test_a_version_committed_while_prune_decides_keeps_its_chunks_and_their_bases(reg, fam, tmp_path, monkeypatch):
+    """Chosen for deletion on the snapshot, needed by the time writers wait: base's chunks (plain,
+    and the bases of full-med's deltas) and full-med's deltas, pushed again as new versions while
+    prune read every chunk row. The check under the lock keeps them, down their chains."""
+    reg.push(fam["base"], "fam", "base")
+    reg.push(fam["full-med"], "fam", "full-med", parent="base")
+    reg.push(fam["lora-chat"], "fam", "lora-chat", parent="base")
+    needed = set(reg.manifest("fam", "full-med")[1].chunk_ids()) | set(reg.manifest("fam", "base")[1].chunk_ids())
+    deltas = {i: c.basis_id for i, c in reg.locate(needed).items() if c.basis_id}
+    assert deltas  # full-med's, against base's chunks
+    for name in ("base", "full-med", "lora-chat"):
+        reg.delete("fam", name)
+    age(reg, chunks, "created_at")
+
+    def push_again():
+        reg.push(fam["full-med"], "fam", "full-med-again")  # every chunk found stored: its deltas and their bases
+        reg.push(fam["base"], "fam", "base-again")
+
+    after_the_decision(monkeypatch, push_again)
+    res = reg.prune(min_age=HOUR, max_unused=0)
+    assert res.deleted_chunks > 0  # lora-chat's own chunks, which nothing pushed again
+    assert set(reg.locate(needed)) == needed and set(deltas.values()) <= needed
+    for name, source in (("full-med-again", "full-med"), ("base-again", "base")):
+        reg.pull("fam", name, tmp_path / name)
+        assert filecmp.cmp(tmp_path / name, fam[source], shallow=False), name
+    res = reg.prune(min_age=HOUR, max_unused=0)  # nothing more to find: the first deleted what it should
+    assert res.deleted_chunks == 0
+
+
+def test_a_delta_recorded_while_prune_decides_keeps_its_basis(reg, fam, tmp_path, monkeypatch):
+    """A push uploads deltas against chunks the snapshot found unneeded (their version deleted):
+    the check under the lock keeps those bases, so the push commits and pulls whole."""
+    reg.push(fam["base"], "fam", "base")
+    push = InFlightPush(reg, fam["full-med"], "full-med", parent="base").plan()
+    assert push.bases
+    reg.delete("fam", "base")
+    age(reg, chunks, "created_at")
+    after_the_decision(monkeypatch, push.upload)
+    res = reg.prune(min_age=HOUR, max_unused=0)
+    assert res.deleted_chunks > 0  # base's chunks that no delta is against
+    bases = set(push.bases.values())
+    assert set(reg.locate(bases)) == bases
+    push.parent = None  # deleted; the deltas decode against the kept bases
+    push.commit()
+    pulls_whole(reg, fam, tmp_path, "full-med")
+
+
 def test_a_push_whose_basis_was_pruned_meanwhile_stores_those_chunks_plain(reg, fam, tmp_path):
     reg.push(fam["base"], "fam", "base")
     push = InFlightPush(reg, fam["full-med"], "full-med", parent="base").plan()  # bases chosen in base

@@ -1,11 +1,13 @@
 """The lock that keeps prune's decisions apart from the writes that make chunks needed, and the
 session locks held for a whole operation (one prune at a time, one schema upgrade at a time).
 
-Prune (registry/prune.py) decides in one transaction which chunk rows and packs nothing needs and
-deletes them, and claims the unlisted packs whose blobs it deletes. A transaction that relies on
-stored chunks or on its own announced pack staying (a commit; recording a pack, whose deltas need
-their stored bases) must not interleave with those: it would rely on something deleted under it. On Postgres such transactions take a shared advisory lock and prune's
-decision the exclusive one; on SQLite nothing is needed, since writers take turns (BEGIN IMMEDIATE).
+Prune (registry/prune.py) chooses on a snapshot which chunk rows and packs nothing needs, then in
+one transaction checks that choice against what was written since and deletes them; it also claims
+the unlisted packs whose blobs it deletes. A transaction that relies on stored chunks or on its own
+announced pack staying (a commit; recording a pack, whose deltas need their stored bases) must not
+interleave with those: it would rely on something deleted under it. On Postgres such transactions
+take a shared advisory lock and prune's check the exclusive one; on SQLite nothing is needed, since
+writers take turns (BEGIN IMMEDIATE).
 """
 
 from __future__ import annotations

@@ -64,6 +64,23 @@ def chunk_states(conn: Connection, cutoff: datetime) -> list[ChunkState]:
     return [ChunkState(i, p, int(s), b, bool(u), bool(o)) for i, p, s, b, u, o in conn.execute(q)]
 
 
+def used_among(conn: Connection, ids: Sequence[str]) -> set[str]:
+    """Those of ``ids`` that a stored version needs (itself, or as the basis of one of its deltas)."""
+    found: set[str] = set()
+    for batch in batches(list(ids)):
+        q = select(version_chunks.c.chunk_id).where(version_chunks.c.chunk_id.in_(batch)).distinct()
+        found.update(conn.execute(q).scalars())
+    return found
+
+
+def deltas_against(conn: Connection, ids: Sequence[str]) -> list[tuple[str, str]]:
+    """(chunk id, basis id) of every chunk row stored as a delta against one of ``ids``."""
+    rows: list[tuple[str, str]] = []
+    for batch in batches(list(ids)):
+        rows.extend((i, b) for i, b in conn.execute(select(chunks.c.id, chunks.c.basis_id).where(chunks.c.basis_id.in_(batch))))
+    return rows
+
+
 def pack_sizes(conn: Connection) -> dict[str, int]:
     return {i: int(s) for i, s in conn.execute(select(packs.c.id, packs.c.size))}
 
@@ -73,16 +90,19 @@ def delete_chunks(conn: Connection, ids: Sequence[str]) -> None:
         conn.execute(delete(chunks).where(chunks.c.id.in_(batch)))
 
 
-def retire_packs(conn: Connection, ids: Sequence[str]) -> None:
+def retire_packs(conn: Connection, ids: Sequence[str]) -> list[str]:
     """Move those of ``ids`` that no chunk row points into any more from packs to unlisted_packs
-    (a pack still pointed into stays listed)."""
+    (a pack still pointed into stays listed); returns those moved."""
     empty = ~exists().where(chunks.c.pack_id == packs.c.id)
+    retired: list[str] = []
     for batch in batches(list(ids)):
         q = select(packs.c.id, packs.c.size).where(packs.c.id.in_(batch), empty)
         rows = [dict(id=i, size=s) for i, s in conn.execute(q)]
         if rows:
             conn.execute(insert(conn, unlisted_packs).on_conflict_do_nothing(), rows)
             conn.execute(delete(packs).where(packs.c.id.in_([r["id"] for r in rows])))
+            retired.extend(r["id"] for r in rows)
+    return retired
 
 
 def chunks_in(conn: Connection, pack_id: str) -> list[tuple]:
