@@ -750,18 +750,6 @@ def test_a_cache_index_held_or_not_ours_to_write_is_not_called_damaged(tmp_path)
     assert "may not write" in said and "MFSREG_CACHE_DIR" in said and "delete it" not in said, said
 
 
-def test_a_cache_dir_that_is_a_file_is_one_line(tmp_path):
-    """NodeCache (and so Node, load_tensors, a pull) given a file where the cache goes raised
-    NotADirectoryError from mkdir."""
-    from registry.errors import StorageError
-
-    (tmp_path / "f").write_text("not a cache")
-    for where in (tmp_path / "f", tmp_path / "f" / "sub"):
-        with pytest.raises(StorageError, match=r"cannot be made or used \(Not a directory\): point MFSREG_CACHE_DIR"):
-            Node("http://127.0.0.1:9", cache_dir=where)
-    assert (tmp_path / "f").read_text() == "not a cache"
-
-
 def test_a_damaged_cache_index_is_one_line_and_a_new_one_recovers_the_chunks(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("MFSREG_")}
     env["MFSREG_CACHE_DIR"] = str(tmp_path / "c")

@@ -88,12 +88,10 @@ class NodeCache:
     def __init__(self, root: Path | None = None, max_bytes: int | None = None):
         self.root = Path(root) if root is not None else default_cache_dir()
         self.max_bytes = max_bytes if max_bytes is not None else default_max_bytes()
-        try:
-            for sub in ("chunks", "files"):
-                (self.root / sub).mkdir(parents=True, exist_ok=True)
-        except OSError as exc:  # a file where the cache should be, or a folder this user may not write
-            raise StorageError(f"the node cache {self.root} cannot be made or used ({exc.strerror}): point "
-                               "MFSREG_CACHE_DIR (or cache_dir) at a folder this user may write") from None
+        # a file where a folder goes, or one this user may not write: the OSError names the path, and
+        # the CLI says what to do about it (cli/errors.py)
+        for sub in ("chunks", "files"):
+            (self.root / sub).mkdir(parents=True, exist_ok=True)
         self._chunks = str(self.root / "chunks")
         self._index = self.root / "index.db"
         self._local = threading.local()
