@@ -58,6 +58,8 @@ def run_guarded(fn) -> None:
     usage_error = next(k for k in typer.BadParameter.__mro__ if k.__name__ == "UsageError")
     try:
         code = fn()
+        if code == 130:  # Ctrl-C: Typer catches the KeyboardInterrupt itself and returns its exit code
+            raise KeyboardInterrupt
         if isinstance(code, int) and code:  # click's own exits return their code
             raise SystemExit(code)
     except usage_error as exc:

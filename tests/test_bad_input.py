@@ -561,3 +561,34 @@ def test_a_device_the_loader_cannot_use_is_refused_before_anything_is_asked(devi
         with pytest.raises(InvalidRequest, match=r"^device .*(cpu|cuda|CUDA|CPU)"):
             make("fam", "v1", device=device)
     assert not (tmp_path / "cache").exists()
+
+
+def test_ctrl_c_is_one_line_and_exit_130(tmp_path, fam):
+    """Ctrl-C exited 130 with nothing on stderr: Typer turns the KeyboardInterrupt into its exit
+    code, and the CLI's line for it never ran. Here the command waits on a server that accepts the
+    connection and never answers, as a slow one would."""
+    import signal
+    import socket
+    import subprocess
+    import time
+
+    from tests.cli_run import MFSREG
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    silent.settimeout(120)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MFSREG_")}
+    env.update(MFSREG_URL=f"http://127.0.0.1:{silent.getsockname()[1]}", MFSREG_TOKEN="mfs_x",
+               MFSREG_CACHE_DIR=str(tmp_path / "cache"), MFSREG_HOME=str(tmp_path / "home"))
+    try:
+        for args in (["ls"], ["push", fam["base"], "--family", "fam", "--version", "v1"]):
+            proc = subprocess.Popen([MFSREG, *map(str, args)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            waiting, _ = silent.accept()  # the command is running, and waits on the server
+            time.sleep(0.2)
+            proc.send_signal(signal.SIGINT)
+            _, err = proc.communicate(timeout=30)
+            waiting.close()
+            assert proc.returncode == 130 and err.startswith("mfsreg: error: interrupted;") and err.count("\n") == 1, (args, err)
+    finally:
+        silent.close()
