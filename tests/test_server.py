@@ -455,6 +455,19 @@ def test_unreachable_server_is_one_line(fam, tmp_path):
     assert proc.returncode == 2 and "must start with http" in proc.stderr
 
 
+def test_a_url_with_a_path_the_api_is_not_at_is_one_line(servers, server_env, fam, tmp_path):
+    """MFSREG_URL with a path an mfsreg server has no API under: its 404 for the route (an mfsreg
+    problem of type http_error) read as "Not Found" of the family or version, exit 2."""
+    (srv,) = servers(1)
+    env = client_env(tmp_path, srv.url + "/api", token(server_env, "admin"))
+    for args in (("ls",), ("show", "fam", "v1"), ("push", fam["base"], "--family", "fam", "--version", "v1"),
+                 ("pull", "fam", "v1", "-o", tmp_path / "o"), ("cache", "warm", "fam")):
+        proc = mfsreg(*args, env=env, check=False)
+        assert proc.returncode != 0 and "no mfsreg API there" in proc.stderr and "MFSREG_URL" in proc.stderr, (args, proc.stderr)
+        assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert bucket_keys(server_env) == []
+
+
 def test_a_url_that_is_not_an_mfsreg_server_is_one_line(tmp_path):
     """A static web server where MFSREG_URL should be: its 200 pages are not JSON."""
     site = tmp_path / "site"

@@ -477,7 +477,9 @@ def _raise_for(resp: httpx.Response) -> None:
         raise kind(f"{resp.url.copy_with(query=None)} answered {resp.status_code} {resp.reason_phrase} with a body that "
                    "is not JSON: check that MFSREG_URL points at an mfsreg server (and any proxy before it)") from None
     detail = " ".join(str(detail).split())[:500]  # one line, whatever the server put in it
-    if resp.status_code == 404 and not (isinstance(body, dict) and str(body.get("type", "")).startswith("urn:mfsreg:")):
+    mfsreg_problem = isinstance(body, dict) and str(body.get("type", "")).startswith("urn:mfsreg:")
+    # an mfsreg server answers a path it has no route for as urn:mfsreg:http_error (api/errors.py)
+    if resp.status_code == 404 and (not mfsreg_problem or body.get("type") == "urn:mfsreg:http_error"):
         # not mfsreg's "no such family or version" (a problem with its type) but the server's
         # "no such route": MFSREG_URL names another server, or a path the API is not mounted at
         raise NoRoute(f"{resp.url.copy_with(query=None)} answered 404 {resp.reason_phrase}: no mfsreg API there; "
