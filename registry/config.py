@@ -74,6 +74,16 @@ def parse_duration(text: str) -> float:
     return value
 
 
+def expand_user(name: str, value: str) -> Path:
+    """``value`` with a leading ~ or ~user expanded; pathlib raises RuntimeError for a user this
+    machine does not have, which would reach a user as an internal error."""
+    try:
+        return Path(value).expanduser()
+    except RuntimeError:
+        raise InvalidRequest(f"{name}={value!r} starts with a user name this machine does not have: "
+                             "give an absolute path") from None
+
+
 @dataclass(frozen=True)
 class Settings:
     home: Path
@@ -94,7 +104,7 @@ class Settings:
     @classmethod
     def from_env(cls, env: dict | None = None, **overrides) -> "Settings":
         env = dict(os.environ if env is None else env)
-        home = Path(env.get("MFSREG_HOME") or Path.home() / ".mfsreg").expanduser().absolute()
+        home = expand_user("MFSREG_HOME", env.get("MFSREG_HOME") or str(Path.home() / ".mfsreg")).absolute()
         chunk_size = check_chunk_size(_size(env, "MFSREG_CHUNK_SIZE", DEFAULT_CHUNK_SIZE))
         values = dict(
             home=home,

@@ -319,6 +319,14 @@ def test_a_file_blob_url_with_a_host_is_refused(fam, tmp_path):
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert "names host 'mfsreg-test-relative'" in proc.stderr and "file:///" in proc.stderr
     assert not Path("/mfsreg-test-x").exists()
+    # no path, or a relative one: an internal error (ValueError from Path.as_uri) once
+    for url in ("file://", "file:mfsreg-test-blobs"):
+        env["MFSREG_BLOB_URL"] = url
+        for args in (["ls"], ["push", fam["base"], "--family", "fam", "--version", "v1"]):
+            proc = mfsreg(*args, env=env, check=False)
+            assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+            assert "has no absolute path" in proc.stderr and "file:///" in proc.stderr, proc.stderr
+    assert not Path("mfsreg-test-blobs").exists()
 
 
 def _pull_under_a_file_size_limit(env: dict, out: Path, kib: int = 64):
@@ -592,3 +600,14 @@ def test_ctrl_c_is_one_line_and_exit_130(tmp_path, fam):
             assert proc.returncode == 130 and err.startswith("mfsreg: error: interrupted;") and err.count("\n") == 1, (args, err)
     finally:
         silent.close()
+
+
+def test_a_home_or_cache_under_an_unknown_user_is_one_line(tmp_path):
+    """~nosuchuser/...: pathlib's RuntimeError reached the user as an internal error."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MFSREG_")}
+    for extra, args, name in (({"MFSREG_HOME": "~mfsreg-no-such-user/h"}, ["ls"], "MFSREG_HOME"),
+                              ({"MFSREG_CACHE_DIR": "~mfsreg-no-such-user/c", "MFSREG_URL": "http://127.0.0.1:9",
+                                "MFSREG_HOME": str(tmp_path / "home")}, ["pull", "fam", "v1", "-o", tmp_path / "o"], "MFSREG_CACHE_DIR")):
+        proc = mfsreg(*args, env={**env, **extra}, check=False)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+        assert f"{name}='~mfsreg-no-such-user/" in proc.stderr and "user name this machine does not have" in proc.stderr, proc.stderr

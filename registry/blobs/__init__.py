@@ -17,7 +17,9 @@ def open_blob_store(url: str, s3_endpoint_url: str | None = None) -> BlobStore:
         if parsed.netloc not in ("", "localhost"):  # file://relative/x names host "relative" and path /x
             raise InvalidRequest(f"MFSREG_BLOB_URL={url!r} names host {parsed.netloc!r}: a file URL takes an absolute "
                                  f"path after three slashes, e.g. file:///srv/mfsreg/blobs")
-
+        if not parsed.path.startswith("/"):  # file:// (no path), file:blobs (relative to wherever a command runs)
+            raise InvalidRequest(f"MFSREG_BLOB_URL={url!r} has no absolute path: a file URL takes one after three "
+                                 f"slashes, e.g. file:///srv/mfsreg/blobs")
         return LocalBlobStore(parsed.path)
     if parsed.scheme == "s3":
         from registry.blobs.s3 import S3BlobStore

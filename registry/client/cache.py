@@ -38,7 +38,9 @@ STALE_TEMP_SECONDS = 3600  # temp files older than this were left by a writer th
 def default_cache_dir() -> Path:
     env = os.environ.get("MFSREG_CACHE_DIR")
     if env:
-        path = Path(env).expanduser()
+        from registry.config import expand_user
+
+        path = expand_user("MFSREG_CACHE_DIR", env)
         if not path.is_absolute():  # a relative one (or ' ') named another cache in each directory a command ran from
             raise InvalidRequest(f"MFSREG_CACHE_DIR={env!r} is not an absolute path: give one, e.g. /var/cache/mfsreg")
         return path
