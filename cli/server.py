@@ -44,6 +44,8 @@ def _check_serve_options(host: str, port: int, workers: int, log_level: str) -> 
 
     from registry.errors import InvalidRequest
 
+    if not host.strip():  # an unset $HOST in a script: uvicorn would listen on every interface
+        raise InvalidRequest(f"--host {host!r} names no address: give one, e.g. 127.0.0.1 (or 0.0.0.0 for every interface)")
     if not 1 <= port <= 65535:
         raise InvalidRequest(f"--port {port}: give a port from 1 to 65535")
     if workers < 1:

@@ -105,7 +105,8 @@ def test_serve_options_are_checked_before_it_starts(home_env):
         for args, says in ((["--port", "-1"], "give a port from 1 to 65535"), (["--port", "99999"], "from 1 to 65535"),
                            (["--workers", "0"], "1 or more worker"), (["--log-level", "bogus"], "use one of"),
                            (["--port", str(port)], "cannot listen on 127.0.0.1"),
-                           (["--host", "no such host.invalid"], "cannot listen on no such host.invalid")):
+                           (["--host", "no such host.invalid"], "cannot listen on no such host.invalid"),
+                           (["--host", ""], "--host '' names no address"), (["--host", " "], "--host ' ' names no address")):
             proc = mfsreg("serve", *args, env=home_env, check=False, timeout=60)
             assert proc.returncode == 2 and proc.stderr.count("\n") == 1, (args, proc.stderr)
             assert says in proc.stderr, (args, proc.stderr)
