@@ -534,6 +534,8 @@ def test_a_blob_url_naming_a_file_is_refused(seeded, fam, tmp_path):
     ("sqlite:///rel/registry.db", "'rel/registry.db', a path relative to the current directory"),
     ("sqlite://", "names no database file"),
     ("sqlite:///:memory:", "names no database file"),
+    # options: dropped with a SQLAlchemy warning on stderr, and a "read-only" database made
+    ("sqlite:////tmp/mfsreg-test-options.db?mode=ro", "carries options (mode), which mfsreg does not pass to SQLite"),
 ])
 def test_a_sqlite_url_without_an_absolute_path_is_refused(url, says, fam, tmp_path):
     """With three slashes SQLAlchemy reads the path as relative to the current directory: each
@@ -550,7 +552,7 @@ def test_a_sqlite_url_without_an_absolute_path_is_refused(url, says, fam, tmp_pa
                           cwd=tmp_path / "cwd", capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert says in proc.stderr and "sqlite:////" in proc.stderr and "MFSREG_DATABASE_URL" in proc.stderr, proc.stderr
-    assert list((tmp_path / "cwd").iterdir()) == []
+    assert list((tmp_path / "cwd").iterdir()) == [] and not Path("/tmp/mfsreg-test-options.db").exists()
     assert not (tmp_path / "home" / "blobs").exists() or not any((tmp_path / "home" / "blobs").rglob("*.pack"))
 
 

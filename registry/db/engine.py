@@ -37,6 +37,9 @@ def create_db_engine(url: str) -> Engine:
     try:
         if parsed.get_backend_name() == "sqlite":
             _check_sqlite_path(url, parsed.database)
+            if parsed.query:  # ?mode=ro was dropped with a warning on stderr, and the database made anyway
+                raise InvalidRequest(f"MFSREG_DATABASE_URL={url} carries options ({', '.join(sorted(parsed.query))}), "
+                                     "which mfsreg does not pass to SQLite: give the path alone, sqlite:////srv/mfsreg/registry.db")
             Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
             engine = create_engine(url, poolclass=NullPool, connect_args={"timeout": 60, "check_same_thread": False})
             _sqlite_events(engine)
