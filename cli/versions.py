@@ -54,11 +54,8 @@ def pull(
     to_dir = _given_path(to_dir, "--to-dir") if to_dir is not None else None
     with open_backend(registry) as reg, progress_for(json_) as progress:
         if to_dir is not None:
-            if hasattr(reg, "fetch"):  # remote: through the node cache, with hardlinks
-                result = reg.pull(family, version, to_dir, progress=progress, to_dir=True)
-            else:
-                to_dir.mkdir(parents=True, exist_ok=True)
-                result = reg.pull(family, version, to_dir, progress=progress)
+            # remote: through the node cache, with hardlinks; embedded: written from the packs
+            result = reg.pull(family, version, to_dir, progress=progress, to_dir=True)
         else:
             result = reg.pull(family, version, out, progress=progress)
     if json_:

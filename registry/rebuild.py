@@ -235,13 +235,19 @@ def write_file(entry: FileEntry, dest: Path, located: dict[str, StoredChunk], pa
 
 
 def rebuild(manifest: Manifest, out: Path, located: dict[str, StoredChunk], payloads: PayloadSource,
-            pool: ThreadPoolExecutor, progress: Progress | None = None) -> list[Path]:
+            pool: ThreadPoolExecutor, progress: Progress | None = None, to_dir: bool = False) -> list[Path]:
+    """Write the version's files at ``out`` (see ``targets``), or with ``to_dir`` each at its path
+    under the directory ``out``, made with them if missing (and removed again if the pull fails)."""
     progress = progress or NullProgress()
     missing = [c.id for f in manifest.files for c in f.chunks if c.id not in located]
     missing += [c.basis_id for c in located.values() if c.basis_id and c.basis_id not in located]
     if missing:
         raise IntegrityError(f"{len(missing)} chunks of this version are missing from the registry (first: {missing[0]})")
-    plan = targets(manifest, out)
+    if to_dir:
+        check_dir(out, manifest)
+        plan = _under(manifest, out)
+    else:
+        plan = targets(manifest, out)
     progress.start("write", manifest.logical_bytes)
     with Placing() as placing:
         for entry, dest in plan:

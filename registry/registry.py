@@ -71,13 +71,16 @@ class Registry:
     def read_payloads(self, chunks: list[StoredChunk]):
         return read_payloads(self.blobs, chunks)
 
-    def pull(self, family: str, version: str, out: Path, progress: Progress | None = None) -> rebuild.PullResult:
+    def pull(self, family: str, version: str, out: Path, progress: Progress | None = None,
+             to_dir: bool = False) -> rebuild.PullResult:
+        """Rebuild the version at ``out`` (a file, or a directory for a single file to go in), or
+        with ``to_dir`` as the files of the directory ``out``, made if missing."""
         t0 = time.perf_counter()
         with read_tx(self.engine) as conn:  # one snapshot: the version and where its chunks were, together
             row, manifest = _manifest_in(conn, family, version)
             located = chunk_db.locate_closure(conn, manifest.chunk_ids())
         try:
-            rebuild.rebuild(manifest, Path(out), located, self.read_payloads, self.pool, progress)
+            rebuild.rebuild(manifest, Path(out), located, self.read_payloads, self.pool, progress, to_dir=to_dir)
         except NotFound as exc:
             with read_tx(self.engine) as conn:
                 now = version_db.find_version(conn, family, version)
@@ -88,7 +91,7 @@ class Registry:
             raise StorageError(f"the registry's storage lost data ({exc}): check that MFSREG_BLOB_URL names this "
                                "registry's blob store, else restore that blob from a backup") from None
         return rebuild.PullResult(
-            family=family, version=version, digest=row.digest, path=str(rebuild.written_path(manifest, Path(out))),
+            family=family, version=version, digest=row.digest, path=str(Path(out) if to_dir else rebuild.written_path(manifest, Path(out))),
             logical_bytes=row.logical_bytes,
             files=row.file_count, seconds=time.perf_counter() - t0,
         )

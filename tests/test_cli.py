@@ -156,3 +156,17 @@ def test_a_token_or_endpoint_no_request_can_carry_is_one_line(home_env, fam):
     proc = mfsreg("ls", env=env, check=False)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert "MFSREG_S3_ENDPOINT_URL='not a url'" in proc.stderr and "internal error" not in proc.stderr, proc.stderr
+
+
+def test_embedded_pull_to_dir_writes_the_files_and_makes_nothing_when_it_fails(home_env, fam, tmp_path):
+    """Embedded `pull --to-dir` made the directory (and its parents) before it looked the version
+    up, and left them behind when it failed; it had no test of its own."""
+    mfsreg_json("push", fam["base"], "--family", "fam", "--version", "base", env=home_env)
+    res = mfsreg_json("pull", "fam", "base", "--to-dir", tmp_path / "engine" / "a", env=home_env)
+    [written] = list((tmp_path / "engine" / "a").iterdir())
+    assert res["path"] == str(tmp_path / "engine" / "a") and written.name == fam["base"].name
+    assert filecmp.cmp(written, fam["base"], shallow=False)
+    for missing in (["nofam", "base"], ["fam", "nover"]):
+        proc = mfsreg("pull", *missing, "--to-dir", tmp_path / "new" / "a" / "b", env=home_env, check=False)
+        assert proc.returncode == 2 and "does not exist" in proc.stderr, proc.stderr
+        assert not (tmp_path / "new").exists()
