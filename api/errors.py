@@ -74,6 +74,12 @@ def install(app: FastAPI) -> None:
 _UNPARSED = "There was an error parsing the body"
 
 
+def _is_json(ctype: str) -> bool:
+    """FastAPI's own rule for a body it parses as JSON: application/json or application/*+json."""
+    main, _, sub = ctype.split(";")[0].strip().lower().partition("/")
+    return main == "application" and (sub == "json" or sub.endswith("+json"))
+
+
 def _validation_detail(req: Request, first: dict) -> str:
     """FastAPI's first complaint about a request, in words that say what to send. A body that is not
     JSON, or was not labelled as JSON, reached the route's model as bytes, and read "Input should be
@@ -85,8 +91,10 @@ def _validation_detail(req: Request, first: dict) -> str:
     if loc == ("body",) and kind == "missing":
         return "the request body is empty: send a JSON object (see /docs for this route's fields)"
     ctype = req.headers.get("content-type", "")
-    if loc == ("body",) and "json" not in ctype.lower():
+    if loc == ("body",) and not _is_json(ctype):
         sent = f"Content-Type {ctype[:60]!r}" if ctype else "no Content-Type"
         return f"the request body was sent with {sent}: send it as JSON, with Content-Type: application/json"
+    if loc == ("body",) and kind in ("model_attributes_type", "dict_type"):
+        return "the request body is JSON but not an object: send a JSON object (see /docs for this route's fields)"
     where = ".".join(str(x) for x in loc)
     return f"{where}: {first.get('msg', 'invalid request')}"

@@ -36,16 +36,17 @@ def quorum(
     json_: bool = typer.Option(False, "--json"),
 ) -> None:
     """Set a family's base quorum and re-tier its chunks."""
+    from registry.errors import shown
     from registry.registry import Registry
 
     usage_error = next(k for k in typer.BadParameter.__mro__ if k.__name__ == "UsageError")  # cli/errors.py says why
     for word in (family, value, *ctx.args):
         if word.startswith("-") and _number(word) is None:
-            raise usage_error(f"No such option: {word}", ctx=ctx)
+            raise usage_error(f"No such option: {shown(word.partition('=')[0], 60)[1:-1]}", ctx=ctx)
     if ctx.args:
         raise usage_error(f"Got unexpected extra argument ({ctx.args[0]})", ctx=ctx)
     if (fraction := _number(value)) is None:
-        raise typer.BadParameter(f"{value!r} is not a number", param_hint="'value'")
+        raise typer.BadParameter(f"{shown(value, 40)} is not a number: give a fraction in (0, 1], e.g. 0.5", param_hint="'value'")
     local_only("family quorum")
 
     with Registry() as reg:

@@ -28,7 +28,7 @@ hole; a pack whose deltas' basis was deleted is refused (Pruned). A push stores 
 either way once more and commits again (ingest.store_chunks, ingest.push, the client's push).
 One prune runs at a time. Writers of the previous release (packs named by their bytes, not
 announced) are safe from the deletion of a pack they list again, but do not wait for prune's
-decision: upgrade every writer before the first prune.
+check: upgrade every writer before the first prune.
 """
 
 from __future__ import annotations
@@ -127,7 +127,8 @@ def prune(reg, min_age: float = DEFAULT_MIN_AGE, max_unused: float = DEFAULT_MAX
     with q.one_prune_at_a_time(reg.engine):
         with read_tx(reg.engine) as conn:  # writers go on meanwhile (see the module docstring)
             sizes = q.pack_sizes(conn)
-            plan = decide(conn, q.db_now(conn) - grace, sizes, max_unused)
+            cutoff = q.db_now(conn) - grace  # for chunks and claims alike: a claim kept with its chunk
+            plan = decide(conn, cutoff, sizes, max_unused)
         garbage, retired = plan.garbage, plan.retire
         if not dry_run:
             with write_tx(reg.engine) as conn:
@@ -135,7 +136,7 @@ def prune(reg, min_age: float = DEFAULT_MIN_AGE, max_unused: float = DEFAULT_MAX
                 q.forget_relisted(conn)  # so that retiring such a pack again starts its grace period afresh
                 garbage = still_unneeded(conn, plan.garbage)
                 q.delete_chunks(conn, [c.id for c in garbage])
-                claim_db.forget_before(conn, q.db_now(conn) - grace)  # those of pushes that never committed
+                claim_db.forget_before(conn, cutoff)  # those of pushes that never committed
                 retired = q.retire_packs(conn, plan.retire)  # a pack whose chunk stayed stays listed
         if dry_run:
             retiring = [(p, sizes[p]) for p in plan.retire + plan.repack]

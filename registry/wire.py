@@ -107,8 +107,11 @@ def _entry(i: int, d: object) -> Entry:
     itemsize = _count(i, d, "itemsize", 1)
     if itemsize not in (1, 2, 4, 8):
         raise InvalidRequest(f"malformed chunk batch index: entry {i}'s itemsize {itemsize} is not 1, 2, 4 or 8")
-    return Entry(check_id(d["id"]), _count(i, d, "size"), d["encoding"], _count(i, d, "length"),
-                 check_id(d["basis_id"]) if d.get("basis_id") is not None else None, itemsize)
+    try:
+        ids = check_id(d["id"]), check_id(d["basis_id"]) if d.get("basis_id") is not None else None
+    except InvalidRequest as exc:
+        raise InvalidRequest(f"malformed chunk batch index: entry {i}: {exc}") from None
+    return Entry(ids[0], _count(i, d, "size"), d["encoding"], _count(i, d, "length"), ids[1], itemsize)
 
 
 def parse_batch(data: bytes) -> Iterator[tuple[Entry, memoryview]]:

@@ -64,7 +64,8 @@ def test_bad_option_values_are_one_line(home_env, fam):
         assert proc.returncode == 2 and f"base_quorum {float(value)} is out of range" in proc.stderr, proc.stderr
     # and an unknown option, wherever it stands, is named as one (it read "Invalid value for 'value'")
     for args, says in ((["--bogus", "nofam", "0.5"], "No such option: --bogus"), (["nofam", "--bogus", "0.5"], "No such option: --bogus"),
-                       (["nofam", "0.5", "7"], "unexpected extra argument (7)"), (["nofam", "half"], "'half' is not a number")):
+                       (["nofam", "0.5", "7"], "unexpected extra argument (7)"), (["nofam", "half"], "'half' is not a number: give a fraction in (0, 1]"),
+                       (["nofam", "--bogus=3", "0.5"], "No such option: --bogus (see")):
         proc = mfsreg("family", "quorum", *args, env=home_env, check=False)
         assert proc.returncode == 2 and says in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     env = dict(home_env, MFSREG_CHUNK_SIZE="lots")

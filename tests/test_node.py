@@ -826,6 +826,19 @@ def test_a_directory_at_a_cached_chunks_name_is_found_by_verify(published, fam, 
     mfsreg_json("pull", "fam", "lora-chat", "-o", tmp_path / "again.out", env=env)
     assert filecmp.cmp(tmp_path / "again.out", fam["lora-chat"], shallow=False)
     assert chunk_id(_cache_file(env, victim).read_bytes()) == victim
+    # the same for a materialised file (what --to-dir links from)
+    mfsreg_json("pull", "fam", "lora-chat", "--to-dir", tmp_path / "engine-a", env=env)
+    [stored] = list((Path(env["MFSREG_CACHE_DIR"]) / "files").iterdir())
+    stored.chmod(0o644)
+    stored.unlink()
+    (stored / "inside").mkdir(parents=True)
+    proc = mfsreg("pull", "fam", "lora-chat", "--to-dir", tmp_path / "engine-b", env=env, check=False)
+    assert proc.returncode == 5 and "a directory stands at that name in the node cache" in proc.stderr, proc.stderr
+    assert not (tmp_path / "engine-b").exists()
+    proc = mfsreg("cache", "verify", "--json", env=env, check=False)
+    assert proc.returncode == 4 and json.loads(proc.stdout)["damaged_files"] == [stored.name], proc.stdout + proc.stderr
+    mfsreg_json("pull", "fam", "lora-chat", "--to-dir", tmp_path / "engine-b", env=env)
+    assert filecmp.cmp(tmp_path / "engine-b" / fam["lora-chat"].name, fam["lora-chat"], shallow=False)
 
 
 def test_a_damaged_cached_basis_is_fetched_again(published, fam, tmp_path):

@@ -348,6 +348,31 @@ def test_a_delta_recorded_while_prune_decides_keeps_its_basis(reg, fam, tmp_path
     pulls_whole(reg, fam, tmp_path, "full-med")
 
 
+def test_the_check_keeps_a_chosen_chain_down_to_its_plain_chunk(reg, fam):
+    """still_unneeded walks the bases of what it keeps: a delta recorded meanwhile against a chosen
+    delta keeps that delta and the plain chunk beneath it (no synthetic member stores a delta
+    against a delta, so the newer one is a row written here, and rolled back)."""
+    from registry import prune as prune_mod
+
+    reg.push(fam["base"], "fam", "base")
+    reg.push(fam["full-med"], "fam", "full-med", parent="base")
+    _, med = reg.manifest("fam", "full-med")
+    delta = next(c for c in reg.locate(med.chunk_ids()).values() if c.basis_id)
+    plain = reg.locate([delta.basis_id])[delta.basis_id]
+    assert plain.basis_id is None
+    state = lambda c: prune_db.ChunkState(c.id, c.pack_id, c.stored_size, c.basis_id, False, True)
+    other = next(c for c in reg.locate(med.chunk_ids()).values() if c.id not in (delta.id, plain.id))
+    chosen = [state(delta), state(plain), state(other)]  # as a decision on a snapshot would have them
+    with write_tx(reg.engine) as conn:
+        assert prune_mod.still_unneeded(conn, chosen) == []  # full-med needs them all
+        conn.execute(text("DELETE FROM version_chunks"))  # as if every version were deleted
+        assert prune_mod.still_unneeded(conn, chosen) == chosen
+        conn.execute(insert(chunks).values(id="f" * 32, size=delta.size, encoding=delta.encoding, stored_size=1,
+                                           pack_id=delta.pack_id, offset=0, basis_id=delta.id, depth=2))
+        assert prune_mod.still_unneeded(conn, chosen) == [state(other)]
+        conn.rollback()
+
+
 def test_a_push_whose_basis_was_pruned_meanwhile_stores_those_chunks_plain(reg, fam, tmp_path):
     reg.push(fam["base"], "fam", "base")
     push = InFlightPush(reg, fam["full-med"], "full-med", parent="base").plan()  # bases chosen in base

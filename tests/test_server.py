@@ -148,12 +148,16 @@ def test_bad_requests_get_problem_details(servers, server_env, tmp_path):
         (b'{"ids": [', "application/json", 422, "not valid JSON (Expecting value at character 9)"),
         (b"[" * 100_000, "application/json", 400, "could not be read as JSON (bad UTF-8, nested too deep"),
         (b"", "application/json", 422, "the request body is empty: send a JSON object"),
+        (b'{"ids": []}', "text/json", 422, "sent with Content-Type 'text/json': send it as JSON"),
+        (b'["x"]', "application/json", 422, "the request body is JSON but not an object: send a JSON object"),
     ):
         r = httpx.post(f"{srv.url}/v1/families/fam/chunks/download", content=body,
                        headers={**h, **({"Content-Type": ctype} if ctype else {})})
         assert r.status_code == status and says in r.json()["detail"], (body[:20], r.text)
     r = httpx.head(f"{srv.url}/healthz")  # a load balancer's probe
     assert r.status_code == 200
+    ops = [op["operationId"] for path in httpx.get(f"{srv.url}/openapi.json").json()["paths"].values() for op in path.values()]
+    assert len(ops) == len(set(ops))  # HEAD is not a second operation of the same id
     # the token is checked before the body is read: a caller without one gets a 401, not a parse
     # (FastAPI parses a JSON body before a route's dependencies run: without the early check, a 422)
     for body in (b"{not json", build_batch(many)):
@@ -219,7 +223,8 @@ def test_malformed_requests_get_a_400_and_store_nothing(servers, server_env, fam
                         ({**one, "itemsize": 3}, "itemsize 3 is not 1, 2, 4 or 8"),
                         ({**one, "encoding": 7}, "'encoding' must be a string"),
                         ({k: v for k, v in one.items() if k != "length"}, "entry 0 has no 'length'"),
-                        ("x", "entry 0 is not an object")):
+                        ("x", "entry 0 is not an object"),
+                        ({**one, "basis_id": "nope"}, "entry 0: invalid chunk id 'nope'")):
         index = json.dumps([entry]).encode()
         r = httpx.post(f"{srv.url}/v1/families/fam/chunks", content=struct.pack("<I", len(index)) + index + b"x", headers=admin)
         assert r.status_code == 400 and says in r.json()["detail"], r.text

@@ -5,6 +5,7 @@ a load does, and tells an operator that a node's disk is losing bytes."""
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -44,10 +45,11 @@ def verify_cache(cache: NodeCache, progress: Progress | None = None) -> dict:
         # a directory or link at a chunk's or file's name (made by hand, or by another tool):
         # removed, with its row, so that the next pull writes the file there
         if e.is_dir(follow_symlinks=False):
-            shutil.rmtree(e.path, ignore_errors=True)
+            shutil.rmtree(e.path)  # one it cannot remove is an OSError naming it, for the operator
         else:
             Path(e.path).unlink(missing_ok=True)
-        if e.path in (str(cache.chunk_path(e.name)), str(cache.file_path(e.name))):
+        # its rows, unless a pull has put the good file there since
+        if e.path in (str(cache.chunk_path(e.name)), str(cache.file_path(e.name))) and not os.path.lexists(e.path):
             (cache.discard if kind == "chunk" else cache.discard_file)(e.name)
         damaged[kind].append(e.name)
     return {"chunks": sum(k == "chunk" for k, _, _ in found), "files": sum(k == "file" for k, _, _ in found),

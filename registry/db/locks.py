@@ -22,8 +22,8 @@ _DECIDING = 0x6D667301  # an arbitrary key, mfsreg's own
 
 
 def exclude_prune(conn: Connection) -> None:
-    """Called first in a transaction that relies on stored chunks: waits while a prune decides, and
-    that prune waits for this transaction."""
+    """Called first in a transaction that relies on stored chunks: waits while a prune checks its
+    choice and deletes, and that prune waits for this transaction."""
     if conn.dialect.name == "postgresql":
         conn.execute(text("SELECT pg_advisory_xact_lock_shared(:k)"), {"k": _DECIDING})
 
