@@ -6,6 +6,7 @@ for bad input. Unexpected errors still print one line, plus a hint to re-run wit
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 
@@ -75,6 +76,9 @@ def run_guarded(fn) -> None:
     except (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError, NotADirectoryError) as exc:
         fail(f"{exc.filename or ''}: {exc.strerror}{_HINTS.get(type(exc), '')}", 2)
     except OSError as exc:
+        if exc.errno == errno.EROFS:  # a path given on a read-only mount: the user's to move
+            fail(f"{exc.filename or ''}: {exc.strerror}: that filesystem is mounted read-only; give a path elsewhere, "
+                 "or remount it read-write", 2)
         if os.environ.get("MFSREG_DEBUG"):
             raise
         fail(f"{exc.strerror or exc}: {exc.filename or ''}", 1)

@@ -60,7 +60,7 @@ def _make_missing(path: Path) -> list[Path]:
 
 
 # What the disk, a quota or a limit says when a file cannot grow or be written there.
-_NO_ROOM = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO}
+NO_ROOM = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO}
 
 
 @contextmanager
@@ -70,10 +70,19 @@ def writing(dest: Path) -> Iterator[None]:
     try:
         yield
     except OSError as exc:
-        if exc.errno not in _NO_ROOM:
+        if exc.errno not in NO_ROOM:
             raise
-        raise StorageError(f"cannot write {dest}: {exc.strerror or exc}: make room there (or write elsewhere), "
-                           "then run it again; nothing was renamed into place") from None
+        raise StorageError(f"cannot write {dest}: {exc.strerror or exc}: {what_to_do(exc.errno)}, then run it "
+                           "again; nothing was renamed into place") from None
+
+
+def what_to_do(code: int | None) -> str:
+    """The advice for a write the filesystem refused with ``code`` (one of NO_ROOM)."""
+    if code == errno.EROFS:
+        return "that filesystem is mounted read-only; write elsewhere, or remount it read-write"
+    if code == errno.EIO:
+        return "the disk failed the write; check it (dmesg), or write elsewhere"
+    return "make room there (or write elsewhere)"
 
 
 class Placing:

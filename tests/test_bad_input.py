@@ -613,3 +613,56 @@ def test_a_home_or_cache_under_an_unknown_user_is_one_line(tmp_path):
         proc = mfsreg(*args, env={**env, **extra}, check=False)
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
         assert f"{name}='~mfsreg-no-such-user/" in proc.stderr and "user name this machine does not have" in proc.stderr, proc.stderr
+
+
+def test_a_node_cache_without_room_is_named_not_the_pull_output(tmp_path):
+    """A pull writes the node cache and its output: a cache on a full disk read "cannot write
+    OUT: ... make room there". Files capped at 1 KiB (ulimit -f) stand in for the full disk."""
+    import subprocess
+    import sys
+
+    code = ("import os, resource, signal, sys\n"
+            "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+            "from registry.client.cache import NodeCache\n"
+            "from registry.chunking import chunk_id\n"
+            "from registry.errors import StorageError\n"
+            "cache = NodeCache(sys.argv[1])\n"
+            "resource.setrlimit(resource.RLIMIT_FSIZE, (1024, resource.RLIM_INFINITY))\n"
+            "data = os.urandom(5000)\n"
+            "try:\n"
+            "    cache.put(chunk_id(data), data)\n"
+            "except StorageError as exc:\n"
+            "    print(exc)\n")
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "c")], capture_output=True, text=True, timeout=60)
+    said = proc.stdout.strip()
+    assert said.startswith(f"the node cache cannot take {tmp_path / 'c' / 'chunks'}") and "File too large" in said, proc
+    assert "make room there" in said and "MFSREG_CACHE_MAX" in said, said
+    assert not [p for p in (tmp_path / "c" / "chunks").rglob("*") if p.is_file()]  # no temp file left
+
+
+def test_a_read_only_destination_is_not_told_to_make_room(capsys):
+    """EROFS read "make room there" like a full disk."""
+    import errno
+
+    from registry.durable import writing
+    from registry.errors import StorageError
+
+    with pytest.raises(StorageError) as caught:
+        with writing(Path("/mnt/ro/out.safetensors")):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+    said = str(caught.value)
+    assert "cannot write /mnt/ro/out.safetensors: Read-only file system: that filesystem is mounted read-only" in said
+    assert "make room" not in said, said
+    # one the CLI meets outside such a write (a folder made on a read-only mount): exit 2, not 1
+    import errno as errnos
+
+    from cli.errors import run_guarded
+
+    def make_on_read_only():
+        raise OSError(errnos.EROFS, os.strerror(errnos.EROFS), "/mnt/ro/engine")
+
+    with pytest.raises(SystemExit) as exited:
+        run_guarded(make_on_read_only)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and err.count("\n") == 1, err
+    assert err.startswith("mfsreg: error: /mnt/ro/engine: Read-only file system: that filesystem is mounted read-only"), err

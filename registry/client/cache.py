@@ -15,6 +15,7 @@ pinned family's base tier or one the current operation still needs.
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import sqlite3
@@ -25,6 +26,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from registry.chunking import chunk_id as chunk_id_of
+from registry.durable import NO_ROOM, what_to_do
 from registry.errors import IntegrityError, InvalidRequest, StorageError
 from registry.tiers import EVICTION_ORDER
 
@@ -562,10 +564,14 @@ def atomic_write(path: str, data, mode: int = 0o644) -> None:
     tmp = f"{head}/.{name}.{uuid.uuid4().hex}.tmp"
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
     try:
-        fd = os.open(tmp, flags, 0o600)
-    except FileNotFoundError:
-        os.makedirs(head, exist_ok=True)
-        fd = os.open(tmp, flags, 0o600)
+        try:
+            fd = os.open(tmp, flags, 0o600)
+        except FileNotFoundError:
+            os.makedirs(head, exist_ok=True)
+            fd = os.open(tmp, flags, 0o600)
+    except OSError as exc:
+        _no_room(path, exc)
+        raise
     try:
         try:
             os.fchmod(fd, mode)
@@ -579,9 +585,21 @@ def atomic_write(path: str, data, mode: int = 0o644) -> None:
         except IsADirectoryError:  # the error would name the temp file, which is gone by then
             raise StorageError(f"cannot write {path}: a directory stands at that name in the node cache; "
                                "`mfsreg cache verify` removes it") from None
-    except BaseException:
+    except BaseException as exc:
         try:
             os.unlink(tmp)
         except FileNotFoundError:
             pass
+        if isinstance(exc, OSError):
+            _no_room(path, exc)
         raise
+
+
+def _no_room(path: str, exc: OSError) -> None:
+    # a pull writes its output too: the error must say it was the cache that had no room (a disk
+    # full, read-only or failing), not the output
+    if exc.errno in NO_ROOM:
+        full = exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+        raise StorageError(f"the node cache cannot take {path}: {exc.strerror}: {what_to_do(exc.errno)}"
+                           + (", or set MFSREG_CACHE_MAX to a size it has room for" if full else
+                              ", or set MFSREG_CACHE_DIR to a cache on another disk")) from None
