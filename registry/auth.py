@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from registry.db import tokens as token_db
 from registry.db.engine import read_tx, write_tx
-from registry.errors import Forbidden, InvalidRequest, Unauthorized
+from registry.errors import Forbidden, InvalidRequest, Unauthorized, shown
 from registry.names import NAME_CHARS
 
 ROLES = ("read", "push", "admin")
@@ -57,9 +57,12 @@ def hash_token(token: str) -> str:
 _PATTERN = re.compile(rf"(?:[*?{NAME_CHARS}]|\[!?[{NAME_CHARS}]+\])+")  # NAME_CHARS ends in '-': keep it last
 
 
+MAX_DESCRIPTION = 256
+
+
 def check_pattern(pattern: str) -> str:
     if not pattern or len(pattern) > 128 or not _PATTERN.fullmatch(pattern):
-        raise InvalidRequest(f"invalid family pattern {pattern!r}: use a family name's characters (letters, digits, "
+        raise InvalidRequest(f"invalid family pattern {shown(pattern)}: use a family name's characters (letters, digits, "
                              "'.', '_', '-') with the wildcards '*', '?' or [abc], e.g. 'qwen*'")
     return pattern
 
@@ -67,11 +70,15 @@ def check_pattern(pattern: str) -> str:
 def create_token(engine, role: str, family_pattern: str = "*", description: str = "") -> str:
     """Create a token; returns the secret, which is not stored and cannot be shown again."""
     if role not in ROLES:
-        raise InvalidRequest(f"unknown role {role!r}: use one of {', '.join(ROLES)}")
+        raise InvalidRequest(f"unknown role {shown(role, 40)}: use one of {', '.join(ROLES)}")
     check_pattern(family_pattern)
+    # kept whole (it was cut at 256 quietly), and on one line of `token list`
+    if len(description) > MAX_DESCRIPTION or any(ch < " " or ch == "\x7f" for ch in description):
+        raise InvalidRequest(f"token description of {len(description):,} characters: give at most {MAX_DESCRIPTION}, "
+                             "on one line, without control characters")
     secret = TOKEN_PREFIX + secrets.token_urlsafe(32)
     with write_tx(engine) as conn:
-        token_db.insert_token(conn, hash_token(secret), secret[:10], role, family_pattern, description[:256])
+        token_db.insert_token(conn, hash_token(secret), secret[:10], role, family_pattern, description)
     return secret
 
 

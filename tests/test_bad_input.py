@@ -493,6 +493,18 @@ def test_a_token_family_pattern_that_matches_no_family_is_refused(pattern, seede
         mfsreg("token", "create", "--family", good, env=seeded)
 
 
+@pytest.mark.parametrize("description", ["d" * 257, "two\nlines", "bell\x07"])
+def test_a_token_description_too_long_or_on_several_lines_is_refused(description, seeded):
+    """One of 100,000 characters was cut at 256 quietly, and a newline broke `token list`'s table."""
+    listed = mfsreg("token", "list", "--json", env=seeded).stdout
+    proc = mfsreg("token", "create", "--description", description, env=seeded, check=False)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "give at most 256, on one line, without control characters" in proc.stderr, proc.stderr
+    assert mfsreg("token", "list", "--json", env=seeded).stdout == listed
+    made = mfsreg_json("token", "create", "--description", "d" * 256, env=seeded)
+    assert any(t["description"] == "d" * 256 for t in mfsreg_json("token", "list", "--json", env=seeded)["tokens"]), made
+
+
 @pytest.mark.parametrize("name", ["MFSREG_DELTA", "MFSREG_ANONYMOUS_READ"])
 def test_a_yes_no_setting_of_another_value_is_refused(name, seeded, fam):
     """MFSREG_DELTA=maybe was read as on, MFSREG_ANONYMOUS_READ=maybe as off, without a word."""
