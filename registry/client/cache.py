@@ -351,19 +351,19 @@ class NodeCache:
     def disk_files(self) -> Iterator[tuple[str, os.DirEntry]]:
         """Every plain file on disk, temp files included: ("chunk", entry) for those under chunks/
         (one level of subdirectories), ("file", entry) for materialised files."""
-        for kind, top, nested in (("chunk", self._chunks, True), ("file", str(self.root / "files"), False)):
-            dirs = [e.path for e in os.scandir(top) if e.is_dir(follow_symlinks=False)] if nested else [top]
-            for d in dirs:
-                try:
-                    entries = list(os.scandir(d))
-                except FileNotFoundError:
-                    continue
-                yield from ((kind, e) for e in entries if e.is_file(follow_symlinks=False))
+        return ((kind, e) for kind, e in self._disk_entries() if e.is_file(follow_symlinks=False))
 
     def disk_others(self) -> Iterator[tuple[str, os.DirEntry]]:
         """What stands at a chunk's or a materialised file's place and is not a plain file (a
         directory, a link, a fifo): no writer makes these, and each would stop that file being
         written (a rename onto a directory fails) while a listing of plain files passes it over."""
+        for kind, e in self._disk_entries():
+            named = _CHUNK_NAME if kind == "chunk" else _FILE_NAME
+            if named.fullmatch(e.name) and not e.is_file(follow_symlinks=False):
+                yield kind, e
+
+    def _disk_entries(self) -> Iterator[tuple[str, os.DirEntry]]:
+        """Every entry in chunks/' subdirectories ("chunk") and in files/ ("file")."""
         for kind, top, nested in (("chunk", self._chunks, True), ("file", str(self.root / "files"), False)):
             dirs = [e.path for e in os.scandir(top) if e.is_dir(follow_symlinks=False)] if nested else [top]
             for d in dirs:
@@ -371,8 +371,7 @@ class NodeCache:
                     entries = list(os.scandir(d))
                 except FileNotFoundError:
                     continue
-                named = _CHUNK_NAME if kind == "chunk" else _FILE_NAME
-                yield from ((kind, e) for e in entries if named.fullmatch(e.name) and not e.is_file(follow_symlinks=False))
+                yield from ((kind, e) for e in entries)
 
     def sweep_temps(self, older_than: float = STALE_TEMP_SECONDS) -> int:
         """Remove temp files that writers left behind (a process killed mid-write) once they are
