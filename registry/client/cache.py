@@ -92,12 +92,10 @@ class NodeCache:
     def __init__(self, root: Path | None = None, max_bytes: int | None = None):
         self.root = Path(root) if root is not None else default_cache_dir()
         self.max_bytes = max_bytes if max_bytes is not None else default_max_bytes()
-        # a file where a folder goes, or one this user may not write: the OSError names the path, and
-        # the CLI says what to do about it (cli/errors.py)
-        for sub in ("chunks", "files"):
-            (self.root / sub).mkdir(parents=True, exist_ok=True)
+        (self.root / "chunks").mkdir(parents=True, exist_ok=True)
         self._chunks = str(self.root / "chunks")
         self._index = self.root / "index.db"
+        (self.root / "files").mkdir(parents=True, exist_ok=True)
         self._local = threading.local()
         try:
             self._conn().executescript(_SCHEMA)  # idempotent; executescript manages its own transaction

@@ -1,7 +1,8 @@
 """A scrub of the node cache: every chunk file hashed against the id it is named by, every
 materialised file against its sha256, and whatever fails dropped (it is fetched again when next
-needed), as is anything but a plain file at such a name. Loads and pulls check what they use as they go; a scrub finds damage in the rest before
-a load does, and tells an operator that a node's disk is losing bytes."""
+needed), as is anything but a plain file at such a name. Loads and pulls check what they use as
+they go; a scrub finds damage in the rest before a load does, and tells an operator that a node's
+disk is losing bytes."""
 
 from __future__ import annotations
 

@@ -77,7 +77,8 @@ def deltas_against(conn: Connection, ids: Sequence[str]) -> list[tuple[str, str]
     """(chunk id, basis id) of every chunk row stored as a delta against one of ``ids``."""
     rows: list[tuple[str, str]] = []
     for batch in batches(list(ids)):
-        rows.extend((i, b) for i, b in conn.execute(select(chunks.c.id, chunks.c.basis_id).where(chunks.c.basis_id.in_(batch))))
+        q = select(chunks.c.id, chunks.c.basis_id).where(chunks.c.basis_id.in_(batch))
+        rows.extend((i, b) for i, b in conn.execute(q))
     return rows
 
 
