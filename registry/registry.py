@@ -91,8 +91,7 @@ class Registry:
             raise StorageError(f"the registry's storage lost data ({exc}): check that MFSREG_BLOB_URL names this "
                                "registry's blob store, else restore that blob from a backup") from None
         return rebuild.PullResult(
-            family=family, version=version, digest=row.digest,
-            path=str(Path(out) if to_dir else rebuild.written_path(manifest, Path(out))),
+            family=family, version=version, digest=row.digest, path=str(rebuild.written_path(manifest, Path(out))),
             logical_bytes=row.logical_bytes,
             files=row.file_count, seconds=time.perf_counter() - t0,
         )
