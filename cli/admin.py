@@ -5,6 +5,7 @@ from __future__ import annotations
 import typer
 
 from cli.backend import RegistryOption, local_only, open_backend
+from cli.errors import usage_error_type
 from cli.output import emit_json, human_bytes
 from cli.progress import progress_for
 
@@ -39,7 +40,7 @@ def quorum(
     from registry.errors import shown
     from registry.registry import Registry
 
-    usage_error = next(k for k in typer.BadParameter.__mro__ if k.__name__ == "UsageError")  # cli/errors.py says why
+    usage_error = usage_error_type()
     for word in (family, value, *ctx.args):
         if word.startswith("-") and _number(word) is None:
             raise usage_error(f"No such option: {shown(word.partition('=')[0], 60)[1:-1]}", ctx=ctx)

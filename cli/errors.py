@@ -50,13 +50,19 @@ def fail(message: str, code: int) -> None:
     raise SystemExit(code)
 
 
+def usage_error_type() -> type[Exception]:
+    """click's UsageError: Typer carries its own copy of click, whose UsageError it does not
+    export, so it is found through the BadParameter it does (a subclass of it)."""
+    import typer
+
+    return next(k for k in typer.BadParameter.__mro__ if k.__name__ == "UsageError")
+
+
 def run_guarded(fn) -> None:
     """Run the Typer app, turning every error into one line and an exit code."""
     import typer
 
-    # Typer carries its own copy of click, whose UsageError it does not export: found through the
-    # BadParameter it does (a subclass of it)
-    usage_error = next(k for k in typer.BadParameter.__mro__ if k.__name__ == "UsageError")
+    usage_error = usage_error_type()
     try:
         code = fn()
         if code == 130:  # Ctrl-C: Typer catches the KeyboardInterrupt itself and returns its exit code

@@ -580,8 +580,7 @@ def atomic_write(path: str, data, mode: int = 0o644) -> None:
         try:
             os.replace(tmp, path)
         except IsADirectoryError:  # the error would name the temp file, which is gone by then
-            raise StorageError(f"cannot write {path}: a directory stands at that name in the node cache; "
-                               "`mfsreg cache verify` removes it") from None
+            raise directory_in_the_way(path) from None
     except BaseException as exc:
         try:
             os.unlink(tmp)
@@ -590,6 +589,12 @@ def atomic_write(path: str, data, mode: int = 0o644) -> None:
         if isinstance(exc, OSError):
             _no_room(path, exc)
         raise
+
+
+def directory_in_the_way(path: str | os.PathLike) -> StorageError:
+    """The error for a directory standing where a cache file is to be renamed into place."""
+    return StorageError(f"cannot write {path}: a directory stands at that name in the node cache; "
+                        "`mfsreg cache verify` removes it")
 
 
 def _no_room(path: str, exc: OSError) -> None:

@@ -12,9 +12,10 @@ from pathlib import Path
 
 from registry import rebuild
 from registry.client import assemble
+from registry.client.cache import directory_in_the_way
 from registry.client.fetch import Fetcher, FetchStats, VersionInfo
 from registry.durable import Placing
-from registry.errors import NotFound, StorageError
+from registry.errors import NotFound
 from registry.filecheck import BATCH_BYTES, bad_chunks, check_tiling
 from registry.parallel import sized_batches, windowed_map
 from registry.progress import NullProgress, Progress
@@ -197,8 +198,7 @@ def _materialise_dir(fetcher: Fetcher, info: VersionInfo, out: Path, progress: P
         dest = out.joinpath(*safe_relpath(entry.path).parts)
         stored = cache.file_path(entry.sha256)
         if os.path.isdir(stored) and not os.path.islink(stored):  # the rename onto it would name its temp file
-            raise StorageError(f"cannot write {stored}: a directory stands at that name in the node cache; "
-                               "`mfsreg cache verify` removes it")
+            raise directory_in_the_way(stored)
         # A materialised file is shared by hardlinks and kept read-only; one that is writable again,
         # has another size or fails its chunks' check (root writes through a read-only mode) was
         # changed in place, and is rebuilt rather than handed on.
