@@ -76,6 +76,18 @@ def writing(dest: Path) -> Iterator[None]:
                            "again; nothing was renamed into place") from None
 
 
+def create_beside(tmp: Path, dest: Path, flags: int) -> int:
+    """Opens ``tmp``, a new temp file beside ``dest``, with ``flags``. An error names ``dest``'s
+    folder and ``dest``, not the temp name, which the user never gave (``-o /sys/x`` said
+    "/sys/.x.<hex>.tmp: Permission denied"); a full disk stays as it is, for ``writing``."""
+    try:
+        return os.open(tmp, flags | os.O_CREAT | os.O_EXCL, 0o666)
+    except OSError as exc:
+        if exc.errno in NO_ROOM or exc.strerror is None:
+            raise
+        raise type(exc)(exc.errno, f"{exc.strerror} (making {dest.name} there)", str(dest.parent)) from None
+
+
 def what_to_do(code: int | None) -> str:
     """The advice for a write the filesystem refused with ``code`` (one of NO_ROOM)."""
     if code == errno.EROFS:

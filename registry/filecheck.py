@@ -24,7 +24,7 @@ from concurrent.futures import Executor, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
 from registry.chunking import ChunkRef, chunk_id
-from registry.durable import Placing, sync_dir
+from registry.durable import Placing, create_beside, sync_dir
 from registry.errors import IntegrityError
 from registry.manifest import FileEntry
 
@@ -114,7 +114,7 @@ class CheckedFile:
         # decoding; smaller files start theirs inline.
         self._writeback = (ThreadPoolExecutor(1, thread_name_prefix="mfsreg-writeback")
                            if size > BATCH_BYTES and _sync_file_range is not None else None)
-        self.fd = os.open(self.tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
+        self.fd = create_beside(self.tmp, dest, os.O_RDWR)
         try:
             os.ftruncate(self.fd, size)  # checks map finished stretches while later ones are written
         except BaseException:

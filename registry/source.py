@@ -8,6 +8,7 @@ and come back on pull. Hidden files and folders (``.git``, ``.cache``) are skipp
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from dataclasses import dataclass
@@ -37,6 +38,8 @@ class Source:
 
 def open_source(path: Path) -> Source:
     path = Path(path)
+    if path.is_symlink() and not path.exists():
+        raise InvalidModel(_dangling(path))
     if not path.exists():
         raise InvalidRequest(f"{path}: no such file or directory")
     if path.is_dir():
@@ -98,10 +101,21 @@ def _walk(root: Path) -> list[Path]:
             if name.startswith("."):
                 continue
             if p.is_symlink() and not p.exists():
-                raise InvalidModel(f"{p}: a link to {os.readlink(p)!r}, which does not exist: restore what it points "
-                                   "to, or remove the link")
+                raise InvalidModel(_dangling(p))
             out.append(p)  # a file, a link to one (a Hugging Face snapshot's), or what _regular refuses
     return sorted(out)
+
+
+def _dangling(link: Path) -> str:
+    """What is wrong with a link that leads to no file: Path.exists answers False for a loop too,
+    which was reported as "no such file" of a path that ls shows."""
+    try:
+        link.stat()
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            return (f"{link}: a link that leads back to itself (a loop of links): point it at the model file, or "
+                    "remove it")
+    return f"{link}: a link to {os.readlink(link)!r}, which does not exist: restore what it points to, or remove the link"
 
 
 def _directory(root: Path) -> Source:

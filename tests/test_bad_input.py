@@ -155,9 +155,15 @@ def test_bad_names_are_refused(family, version, seeded, fam):
 def test_not_a_model_and_missing_path(seeded, tmp_path):
     txt = tmp_path / "notes.txt"
     txt.write_text("hello")
-    for path, words in ((txt, "not a .safetensors file"), (tmp_path / "missing.safetensors", "no such file")):
+    loop = tmp_path / "loop.safetensors"
+    loop.symlink_to(loop.name)
+    broken = tmp_path / "broken.safetensors"
+    broken.symlink_to("gone.safetensors")
+    for path, words in ((txt, "not a .safetensors file"), (tmp_path / "missing.safetensors", "no such file"),
+                        (loop, "leads back to itself"), (broken, "'gone.safetensors', which does not exist")):
         proc = mfsreg("push", path, "--family", "fam", "--version", "x", env=seeded, check=False)
         assert proc.returncode == 2 and words in proc.stderr and "Traceback" not in proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1
 
 
 def test_directory_without_weights_and_broken_index(seeded, tmp_path):
@@ -348,6 +354,15 @@ def test_a_pull_that_cannot_write_its_file_names_it_in_one_line(seeded, tmp_path
     assert proc.returncode == 5 and proc.stderr.count("\n") == 1, proc.stderr
     assert f"cannot write {out}: File too large: make room there" in proc.stderr, proc.stderr
     assert not (tmp_path / "out").exists()  # no temp file, nor the folder the pull made for it
+
+
+def test_a_pull_into_a_folder_it_may_not_write_names_the_folder_not_a_temp_file(seeded):
+    """sysfs refuses new files, to root too: the error named the temp file beside the output
+    ("/sys/.x.<hex>.tmp: Permission denied"), a path the user never gave."""
+    proc = mfsreg("pull", "fam", "base", "-o", "/sys/mfsreg-out.safetensors", env=seeded, check=False)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "/sys: Permission denied (making mfsreg-out.safetensors there)" in proc.stderr, proc.stderr
+    assert ".tmp" not in proc.stderr
 
 
 def test_a_home_or_cache_that_is_a_file_says_what_to_do(tmp_path):

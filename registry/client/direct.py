@@ -25,7 +25,7 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
-from registry.durable import Placing, sync_dir
+from registry.durable import Placing, create_beside, sync_dir
 
 ALIGN = 4096  # covers 512-byte and 4 KiB logical blocks
 BUFFER_BYTES = 8 << 20  # one write; a few of these are the whole staging memory
@@ -59,7 +59,7 @@ class DirectFile:
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex}.tmp")
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | flag, 0o666)
+            fd = create_beside(tmp, dest, os.O_WRONLY | flag)
         except OSError as exc:
             if exc.errno in _REFUSED:
                 tmp.unlink(missing_ok=True)
