@@ -73,13 +73,25 @@ class RecordedPacks(PackWriter):
     ``added`` counts the stored bytes of chunks this writer really added."""
 
     def __init__(self, reg):
-        super().__init__(reg.blobs, reg.settings.pack_size, self._record, self._announce)
+        super().__init__(reg.blobs, reg.settings.pack_size, self._record, self._announce, self._withdraw)
         self._engine = reg.engine
         self.added = 0
 
     def _announce(self, pack_id: str, size: int) -> None:
         with write_tx(self._engine) as conn:
             prune_db.announce_pack(conn, pack_id, size)
+
+    def _withdraw(self, pack_id: str) -> None:
+        """A pack whose blob could not be written (a full disk, a store that went away): its
+        announcement goes, so that stats do not count it as waiting for prune. The blob goes first,
+        in case the write failed after it landed; if either step fails the row stays, and prune
+        deletes both after the grace period, as for a writer that died."""
+        try:
+            self.store.delete(pack_key(pack_id))
+            with write_tx(self._engine) as conn:
+                prune_db.withdraw_pack(conn, pack_id)
+        except Exception:  # the put's own error is the one to report
+            pass
 
     def _record(self, pack_id: str, size: int, stored: list[StoredChunk]) -> None:
         try:

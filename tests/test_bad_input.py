@@ -356,6 +356,29 @@ def test_a_pull_that_cannot_write_its_file_names_it_in_one_line(seeded, tmp_path
     assert not (tmp_path / "out").exists()  # no temp file, nor the folder the pull made for it
 
 
+def test_a_push_whose_pack_cannot_be_written_leaves_nothing_waiting_for_prune(seeded, tmp_path):
+    """A pack blob the store could not write (here a file size limit, as a full disk would): the
+    push fails in one line, and its announcement of the pack goes too; stats counted it as unlisted
+    bytes, waiting for a prune, though no blob was ever there."""
+    import subprocess
+
+    import torch
+
+    from tests.cli_run import MFSREG
+
+    model = tmp_path / "big.safetensors"
+    synth.write(model, {"w": torch.randn(512, 1024, generator=torch.Generator().manual_seed(7))})  # 2 MiB, new
+    home = Path(seeded["MFSREG_HOME"])
+    before = snapshot(home)
+    proc = subprocess.run(["bash", "-c", 'ulimit -f 1024; exec "$0" push "$1" --family fam --version big', MFSREG,
+                           str(model)], env={**seeded, "MFSREG_PACK_SIZE": "8MiB"}, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 5 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "File too large" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert snapshot(home) == before
+    assert mfsreg_json("stats", env=seeded)["unlisted_pack_bytes"] == 0
+
+
 def test_a_pull_into_a_folder_it_may_not_write_names_the_folder_not_a_temp_file(seeded):
     """sysfs refuses new files, to root too: the error named the temp file beside the output
     ("/sys/.x.<hex>.tmp: Permission denied"), a path the user never gave."""

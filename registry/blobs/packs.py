@@ -47,11 +47,13 @@ class PackWriter:
     """
 
     def __init__(self, store: BlobStore, pack_size: int, on_flush: Callable[[str, int, list[StoredChunk]], None],
-                 on_put: Callable[[str, int], None] | None = None):
+                 on_put: Callable[[str, int], None] | None = None,
+                 on_failed_put: Callable[[str], None] | None = None):
         self.store = store
         self.pack_size = pack_size
         self.on_flush = on_flush
         self.on_put = on_put  # (pack_id, pack_bytes) before the blob is written
+        self.on_failed_put = on_failed_put  # (pack_id) when writing the blob raised
         # One buffer, grown to the largest pack and reused for every pack: joining a fresh pack of
         # tens of MiB per flush cost a page fault per 4 KiB (most of the writer's time in an
         # embedded push). It grows only as far as payloads reach: the server makes one writer per
@@ -77,8 +79,13 @@ class PackWriter:
         pack_id = uuid.uuid4().hex
         if self.on_put is not None:
             self.on_put(pack_id, self._size)
-        with memoryview(self._buf)[: self._size] as data:  # released before the buffer may grow again
-            self.store.put(pack_key(pack_id), data)
+        try:
+            with memoryview(self._buf)[: self._size] as data:  # released before the buffer may grow again
+                self.store.put(pack_key(pack_id), data)
+        except Exception:
+            if self.on_failed_put is not None:
+                self.on_failed_put(pack_id)
+            raise
         chunks = [
             StoredChunk(cid, size, enc, n, pack_id, off, basis, depth)
             for cid, size, enc, off, n, basis, depth in self._pending

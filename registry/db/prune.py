@@ -170,6 +170,12 @@ def announce_pack(conn: Connection, pack_id: str, size: int) -> None:
     conn.execute(insert(conn, unlisted_packs).values(id=pack_id, size=size))
 
 
+def withdraw_pack(conn: Connection, pack_id: str) -> None:
+    """An announced pack whose blob was never written (its writer deleted what may have landed):
+    nothing to wait for. One a prune claimed meanwhile stays, for that prune to finish."""
+    conn.execute(delete(unlisted_packs).where(_announced(pack_id)))
+
+
 def list_pack(conn: Connection, pack_id: str, size: int) -> None:
     """A pack whose blob is durable, from unlisted to packs. Refused if prune deleted the blob in the
     meantime (its writer took longer than the grace period): then no chunk row may point into it."""
