@@ -129,7 +129,7 @@ def prune(reg, min_age: float = DEFAULT_MIN_AGE, max_unused: float = DEFAULT_MAX
             sizes = q.pack_sizes(conn)
             cutoff = q.db_now(conn) - grace  # for chunks and claims alike: a claim kept with its chunk
             plan = decide(conn, cutoff, sizes, max_unused)
-        garbage, retired = plan.garbage, plan.retire
+        garbage, retired, moved = plan.garbage, plan.retire, plan.to_move
         if not dry_run:
             with write_tx(reg.engine) as conn:
                 exclude_writers(conn)
@@ -147,14 +147,14 @@ def prune(reg, min_age: float = DEFAULT_MIN_AGE, max_unused: float = DEFAULT_MAX
             due = [r for r in due if reg.blobs.exists(pack_key(r[0]))] + (retiring if min_age == 0 else [])
             waiting = [r for r in waiting if r not in due]
         else:
-            _repack(reg, plan.repack, progress)
+            moved = _repack(reg, plan.repack, progress)  # with the chunks still_unneeded kept there
             due = _delete_blobs(reg, grace)
             with read_tx(reg.engine) as conn:
                 waiting = q.unlisted(conn)
     return PruneResult(
         dry_run=dry_run,
         deleted_chunks=len(garbage), deleted_chunk_bytes=sum(c.stored_size for c in garbage),
-        repacked_packs=len(plan.repack), moved_bytes=plan.to_move,
+        repacked_packs=len(plan.repack), moved_bytes=moved,
         retired_packs=len(retired) + len(plan.repack),
         deleted_packs=len(due), freed_bytes=sum(s for _, s in due),
         waiting_packs=len(waiting), waiting_bytes=sum(s for _, s in waiting),
@@ -174,9 +174,10 @@ class _MovedPacks(RecordedPacks):
         q.record_moved(conn, pack_id, size, [(c.id, self.old_pack[c.id], c.offset) for c in stored])
 
 
-def _repack(reg, pack_ids: list[str], progress: Progress) -> None:
+def _repack(reg, pack_ids: list[str], progress: Progress) -> int:
     """Copy the chunks still in ``pack_ids`` into new packs, point their rows there, and retire the
-    old packs. Payloads are copied as stored, so nothing is decoded or encoded again."""
+    old packs; returns the stored bytes copied. Payloads are copied as stored, so nothing is decoded
+    or encoded again."""
     with read_tx(reg.engine) as conn:
         rows = {p: q.chunks_in(conn, p) for p in pack_ids}
     progress.start("repack", sum(r[3] for rs in rows.values() for r in rs))
@@ -196,6 +197,7 @@ def _repack(reg, pack_ids: list[str], progress: Progress) -> None:
     writer.flush()
     with write_tx(reg.engine) as conn:
         q.retire_packs(conn, pack_ids)  # each once no chunk row points into it
+    return writer.bytes_written
 
 
 def _delete_blobs(reg, grace: timedelta) -> list[tuple[str, int]]:

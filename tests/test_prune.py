@@ -348,6 +348,28 @@ def test_a_delta_recorded_while_prune_decides_keeps_its_basis(reg, fam, tmp_path
     pulls_whole(reg, fam, tmp_path, "full-med")
 
 
+def test_a_repack_counts_the_chunks_the_check_kept_among_the_bytes_it_moved(reg, fam, tmp_path, monkeypatch):
+    """base deleted, lora-chat keeping most of its chunks: base's packs are to be repacked with the
+    shared part. base pushed again while prune decides keeps the rest too, and the repack copies
+    those chunks as well: moved_bytes said only what the decision planned to move."""
+    reg.push(fam["base"], "fam", "base")
+    reg.push(fam["lora-chat"], "fam", "lora-chat")
+    ids = set(reg.manifest("fam", "base")[1].chunk_ids())
+    was = reg.locate(ids)
+    reg.delete("fam", "base")
+    age(reg, chunks, "created_at")
+    after_the_decision(monkeypatch, lambda: reg.push(fam["base"], "fam", "base-again"))
+    res = reg.prune(min_age=HOUR, max_unused=0)
+    now = reg.locate(ids)
+    assert set(now) == ids and res.deleted_chunks == 0 and res.repacked_packs > 0
+    moved = [c for c in now.values() if c.pack_id != was[c.id].pack_id]
+    unused = set(ids) - set(reg.manifest("fam", "lora-chat")[1].chunk_ids())
+    assert unused and unused <= {c.id for c in moved}  # the chunks the check kept went along
+    assert res.moved_bytes == sum(c.stored_size for c in moved)
+    reg.pull("fam", "base-again", tmp_path / "base")
+    assert filecmp.cmp(tmp_path / "base", fam["base"], shallow=False)
+
+
 def test_the_check_keeps_a_chosen_chain_down_to_its_plain_chunk(reg, fam):
     """still_unneeded walks the bases of what it keeps: a delta recorded meanwhile against a chosen
     delta keeps that delta and the plain chunk beneath it (no synthetic member stores a delta
