@@ -17,6 +17,9 @@ class NegotiateResponse(BaseModel):
     digest: str | None = Field(description="The version's digest; null when the manifest was a draft (file sha256s null).")
     exists: bool
     existing_digest: str | None
+    existing_layout: str | None = Field(None, description="The stored version's layout (registry.manifest.Manifest."
+                                        "layout: its files' chunks); a push of the same digest and another layout "
+                                        "is refused.")
     missing: list[str] = Field(description="Chunk ids the registry lacks, in first-use order.")
     missing_bytes: int
     chunks: int

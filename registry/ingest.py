@@ -280,7 +280,7 @@ def push(reg, path: Path, family: str, version: str, parent: str | None = None, 
             existing = version_db.find_version(conn, family, version)
             missing = chunk_db.missing_ids(conn, ids)
         if existing is not None:
-            return existing_result(existing, job.manifest(), family, version, t0)
+            return existing_result(reg, existing, job.manifest(), family, version, t0)
         skipped = job.logical_bytes - missing_bytes(job, missing)
         progress.start("skip", skipped)
         progress.advance("skip", skipped)
@@ -299,7 +299,7 @@ def push(reg, path: Path, family: str, version: str, parent: str | None = None, 
             missing |= lost
             changed, existing = commit_version(reg, family, version, parent, manifest, chunk_size)
     if existing is not None:  # a concurrent push of the same name committed first
-        return existing_result(existing, manifest, family, version, t0)
+        return existing_result(reg, existing, manifest, family, version, t0)
     return PushResult(
         family=family, version=version, digest=manifest.digest, logical_bytes=manifest.logical_bytes,
         new_bytes=added, new_chunks=len(missing), reused_chunks=len(ids) - len(missing), chunks=len(ids),
@@ -307,6 +307,13 @@ def push(reg, path: Path, family: str, version: str, parent: str | None = None, 
     )
 
 
-def existing_result(row, manifest: Manifest, family: str, version: str, t0: float) -> PushResult:
+def existing_result(reg, row, manifest: Manifest, family: str, version: str, t0: float) -> PushResult:
+    layout = stored_layout(reg, row) if row.digest == manifest.digest else None
     return results.existing_result(row.digest, row.logical_bytes, row.file_count, manifest.digest,
-                                   len(manifest.chunk_ids()), family, version, t0)
+                                   len(manifest.chunk_ids()), family, version, t0, layout, manifest.layout)
+
+
+def stored_layout(reg, row) -> str:
+    """Manifest.layout of the stored version ``row``."""
+    with read_tx(reg.engine) as conn:
+        return Manifest.from_bytes(version_db.read_manifest(conn, row.id)).layout

@@ -67,6 +67,19 @@ class Manifest:
             h.update(f"{f.path}\0{f.size}\0{f.sha256}\n".encode())
         return "sha256:" + h.hexdigest()
 
+    @property
+    def layout(self) -> str:
+        """sha256 over the sorted (path, size, chunks) of every file: the bytes a pull builds. The
+        server checks each chunk against its id but cannot afford to hash whole files, so a file's
+        sha256 (and with it ``digest``) is its pusher's word; two manifests of one digest are the
+        same version only if this matches too. A draft has one."""
+        h = hashlib.sha256()
+        for f in sorted(self.files, key=lambda f: f.path):
+            h.update(f"{f.path}\0{f.size}\0".encode())
+            h.update(",".join(f"{c.id}:{c.offset}:{c.size}" for c in sorted(f.chunks, key=lambda c: c.offset)).encode())
+            h.update(b"\n")
+        return "sha256:" + h.hexdigest()
+
     def chunk_ids(self) -> list[str]:
         """Distinct chunk ids, in first-use order."""
         return list(dict.fromkeys(c.id for f in self.files for c in f.chunks))

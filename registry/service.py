@@ -26,7 +26,7 @@ from registry.db.engine import read_tx, write_tx
 from registry.errors import IntegrityError, InvalidModel, InvalidRequest, NotFound, StorageError, TooLarge, shown
 from registry.deltas import BasisReader, cap_depth
 from registry.ingest import (check_cut, check_named_cut, check_parent, check_push_names, commit_version, existing_result,
-                             plan_deltas, store_chunks, stored_for)
+                             plan_deltas, store_chunks, stored_for, stored_layout)
 from registry.parallel import windowed_map
 from registry.results import PushResult, timestamp
 from registry.manifest import MAX_CHUNK_BYTES, SAFETENSORS, Manifest, parse_doc
@@ -69,6 +69,7 @@ def negotiate(reg, family: str, version: str, doc: object, parent: str | None = 
         "digest": manifest.digest,
         "exists": existing is not None,
         "existing_digest": existing.digest if existing else None,
+        "existing_layout": stored_layout(reg, existing) if existing else None,
         "missing": [i for i in ids if i in missing],
         "missing_bytes": sum(sizes[i] for i in missing),
         "chunks": len(ids),
@@ -222,7 +223,7 @@ def commit(reg, family: str, version: str, parent: str | None, doc: object, chun
 
     changed, existing = commit_version(reg, family, version, parent, manifest, chunk_size, unproven)
     if existing is not None:
-        return existing_result(existing, manifest, family, version, t0)
+        return existing_result(reg, existing, manifest, family, version, t0)
     n = len(manifest.chunk_ids())
     return PushResult(
         family=family, version=version, digest=manifest.digest, logical_bytes=manifest.logical_bytes,

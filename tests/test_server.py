@@ -543,6 +543,36 @@ def test_token_scoped_to_one_family_cannot_read_another(servers, server_env, fam
     assert httpx.get(f"{srv.url}/v1/families", headers=h).status_code == 401
 
 
+def test_a_version_committed_with_another_files_digests_is_not_taken_for_that_file(servers, server_env, tmp_path):
+    """The server checks each chunk against its id, not whole files against their sha256 (that
+    would read every byte of every commit): a commit may claim one file's chunks under another's
+    digest. An honest push of that other file under that name was then answered 'existed', sent
+    nothing and exited 0, the first file's bytes stored under it."""
+    (srv,) = servers(1)
+    env = client_env(tmp_path, srv.url, token(server_env, "admin"))
+    one, two = (synth.write(tmp_path / d / "m.safetensors", synth.base_tensors(seed=s)) for d, s in (("1", 0), ("2", 5)))
+    mfsreg_json("push", one, "--family", "fam", "--version", "one", env=env)
+    h = {"Authorization": f"Bearer {token(server_env, 'push', 'fam')}"}
+    forged = hash_source(open_source(one), 64 << 10, NullProgress()).to_doc()
+    honest = hash_source(open_source(two), 64 << 10, NullProgress())
+    forged["files"][0]["sha256"] = honest.files[0].sha256  # the same path and size
+    r = httpx.post(f"{srv.url}/v1/families/fam/versions/victim/commit", json={"manifest": forged}, headers=h)
+    assert r.status_code == 201, r.text
+    neg = httpx.post(f"{srv.url}/v1/families/fam/versions/victim/negotiate", json={"manifest": honest.to_doc()},
+                     headers=h).json()
+    assert neg["exists"] and neg["existing_digest"] == honest.digest and neg["existing_layout"] != honest.layout
+    proc = mfsreg("push", two, "--family", "fam", "--version", "victim", env=env, check=False)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "already exists with other content: the same file digests, other chunks" in proc.stderr, proc.stderr
+    # the same, committed directly: a 409 rather than 'existed'
+    r = httpx.post(f"{srv.url}/v1/families/fam/versions/victim/commit", json={"manifest": honest.to_doc()}, headers=h)
+    assert r.status_code == 409 and "other chunks" in r.json()["detail"], r.text
+    # what was committed, committed again, is still 'existed'
+    r = httpx.post(f"{srv.url}/v1/families/fam/versions/victim/commit", json={"manifest": forged}, headers=h)
+    assert r.status_code == 200 and r.json()["existed"], r.text
+    assert mfsreg_json("push", one, "--family", "fam", "--version", "one", env=env)["existed"]
+
+
 def test_a_scoped_token_uses_another_familys_chunks_only_by_sending_their_bytes(servers, server_env, fam, tmp_path):
     (srv,) = servers(1)
     admin_tok, scoped_tok = token(server_env, "admin"), token(server_env, "push", "qwen*")

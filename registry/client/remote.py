@@ -164,7 +164,8 @@ class RemoteRegistry:
             if neg["exists"]:
                 manifest = job.manifest()
                 return existing_result(neg["existing_digest"], manifest.logical_bytes, len(manifest.files),
-                                       manifest.digest, neg["chunks"], family, version, t0)
+                                       manifest.digest, neg["chunks"], family, version, t0,
+                                       neg.get("existing_layout"), manifest.layout)
             missing = set(neg["missing"])
             skipped = draft.logical_bytes - missing_bytes(draft, missing)
             progress.start("skip", skipped)
