@@ -10,7 +10,7 @@ place together once all of them are written and checked (registry/durable.py's P
 from __future__ import annotations
 
 import stat
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -74,7 +74,12 @@ def _check_parent(out: Path) -> None:
             return
 
 
-def targets(manifest: Manifest, out: Path) -> list[tuple[FileEntry, Path]]:
+# What a pull must not write over or into, each with what it is: the registry's own files (its
+# database, a local blob store), or a node cache.
+Owned = Sequence[tuple[Path, str]]
+
+
+def targets(manifest: Manifest, out: Path, owned: Owned = ()) -> list[tuple[FileEntry, Path]]:
     """Where each file of the version is written: ``out`` itself for a single-file version."""
     _check_parent(out)
     if manifest.single_file:
@@ -85,7 +90,7 @@ def targets(manifest: Manifest, out: Path) -> list[tuple[FileEntry, Path]]:
         if out.exists() and not out.is_dir():
             raise InvalidRequest(f"{out} is a file, but this version is a directory of {len(manifest.files)} files: give a directory")
         plan = _under(manifest, out)
-    _check_dests(plan, out)
+    _check_dests(plan, out, owned)
     return plan
 
 
@@ -94,19 +99,28 @@ def _under(manifest: Manifest, out: Path) -> list[tuple[FileEntry, Path]]:
     return [(f, out.joinpath(*safe_relpath(f.path).parts)) for f in manifest.files]
 
 
-def check_dir(out: Path, manifest: Manifest) -> None:
+def check_dir(out: Path, manifest: Manifest, owned: Owned = ()) -> None:
     """``out`` can be the directory a pull --to-dir fills with ``manifest``'s files: an existing
     directory, or a new name under one."""
     _check_parent(out)
     if out.exists() and not out.is_dir():
         raise InvalidRequest(f"{out} is a file: --to-dir needs a directory (an existing one, or a new name)")
-    _check_dests(_under(manifest, out), out)
+    _check_dests(_under(manifest, out), out, owned)
 
 
-def _check_dests(plan: list[tuple[FileEntry, Path]], out: Path) -> None:
+def _check_dests(plan: list[tuple[FileEntry, Path]], out: Path, owned: Owned = ()) -> None:
     """Before anything is written: no file of the version may land where a directory is, or under a
-    file (the rename, or the folder it needs, would fail after the files before it were written)."""
+    file (the rename, or the folder it needs, would fail after the files before it were written),
+    nor in what ``owned`` names (`-o $MFSREG_HOME/registry.db` replaced the database, and said
+    "verified")."""
+    roots = [(root.resolve(), what) for root, what in owned]
     for f, dest in plan:
+        real = dest.resolve()
+        for root, what in roots:
+            if real == root or root in real.parents:
+                where = "that is" if real == root else "that lies in"
+                raise InvalidRequest(f"cannot write {dest}: {where} {what} ({root}), which the pull would damage; "
+                                     "pull elsewhere")
         if dest.is_dir():
             raise InvalidRequest(f"cannot write {dest}: a directory is there, where the version's file {f.path} goes; "
                                  "move it away or pull elsewhere")
@@ -235,7 +249,8 @@ def write_file(entry: FileEntry, dest: Path, located: dict[str, StoredChunk], pa
 
 
 def rebuild(manifest: Manifest, out: Path, located: dict[str, StoredChunk], payloads: PayloadSource,
-            pool: ThreadPoolExecutor, progress: Progress | None = None, to_dir: bool = False) -> list[Path]:
+            pool: ThreadPoolExecutor, progress: Progress | None = None, to_dir: bool = False,
+            owned: Owned = ()) -> list[Path]:
     """Write the version's files at ``out`` (see ``targets``), or with ``to_dir`` each at its path
     under the directory ``out``, made with them if missing (and removed again if the pull fails)."""
     progress = progress or NullProgress()
@@ -244,10 +259,10 @@ def rebuild(manifest: Manifest, out: Path, located: dict[str, StoredChunk], payl
     if missing:
         raise IntegrityError(f"{len(missing)} chunks of this version are missing from the registry (first: {missing[0]})")
     if to_dir:
-        check_dir(out, manifest)
+        check_dir(out, manifest, owned)
         plan = _under(manifest, out)
     else:
-        plan = targets(manifest, out)
+        plan = targets(manifest, out, owned)
     progress.start("write", manifest.logical_bytes)
     with Placing() as placing:
         for entry, dest in plan:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from registry import ingest, prune, rebuild
 from registry.blobs import open_blob_store
+from registry.blobs.local import LocalBlobStore
 from registry.blobs.packs import StoredChunk, read_payloads
 from registry.config import Settings
 from registry.db import chunks as chunk_db
@@ -80,7 +81,8 @@ class Registry:
             row, manifest = _manifest_in(conn, family, version)
             located = chunk_db.locate_closure(conn, manifest.chunk_ids())
         try:
-            rebuild.rebuild(manifest, Path(out), located, self.read_payloads, self.pool, progress, to_dir=to_dir)
+            rebuild.rebuild(manifest, Path(out), located, self.read_payloads, self.pool, progress, to_dir=to_dir,
+                            owned=self._owned())
         except NotFound as exc:
             with read_tx(self.engine) as conn:
                 now = version_db.find_version(conn, family, version)
@@ -95,6 +97,19 @@ class Registry:
             logical_bytes=row.logical_bytes,
             files=row.file_count, seconds=time.perf_counter() - t0,
         )
+
+    def _owned(self) -> list[tuple[Path, str]]:
+        """What a pull must not write over or into: an SQLite database and the files SQLite and
+        the migration lock keep beside it, and a blob store on local disk."""
+        owned = []
+        url = self.engine.url
+        if url.get_backend_name() == "sqlite" and url.database not in (None, "", ":memory:"):
+            db = Path(url.database)
+            owned += [(db.with_name(db.name + end), "the registry's database")
+                      for end in ("", "-wal", "-shm", "-journal", ".migrate.lock")]
+        if isinstance(self.blobs, LocalBlobStore):
+            owned.append((self.blobs.root, "the registry's blob store"))
+        return owned
 
     # -- listing -------------------------------------------------------------------------------
 

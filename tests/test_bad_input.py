@@ -379,6 +379,27 @@ def test_a_push_whose_pack_cannot_be_written_leaves_nothing_waiting_for_prune(se
     assert mfsreg_json("stats", env=seeded)["unlisted_pack_bytes"] == 0
 
 
+def test_a_pull_onto_the_registrys_own_files_is_refused(seeded, tmp_path):
+    """`-o $MFSREG_HOME/registry.db` replaced the database and said "verified"; the next command
+    found no database. Its side files, the blob store and links to them are refused alike."""
+    home = Path(seeded["MFSREG_HOME"])
+    pack = next(p for p in (home / "blobs").rglob("*") if p.is_file())
+    (tmp_path / "link.db").symlink_to(home / "registry.db")
+    before = snapshot(home)
+    for args, says in ((["-o", home / "registry.db"], "that is the registry's database"),
+                       (["-o", home / "registry.db-wal"], "that is the registry's database"),
+                       (["-o", pack], "that lies in the registry's blob store"),
+                       (["--to-dir", home / "blobs" / "engine"], "that lies in the registry's blob store"),
+                       (["-o", tmp_path / "link.db"], f"that is the registry's database ({home / 'registry.db'})")):
+        proc = mfsreg("pull", "fam", "base", *args, env=seeded, check=False)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+        assert says in proc.stderr and "pull elsewhere" in proc.stderr, proc.stderr
+    assert snapshot(home) == before
+    assert (tmp_path / "link.db").is_symlink()
+    mfsreg("pull", "fam", "base", "-o", home, env=seeded)  # beside them is fine: a file of its own name
+    assert mfsreg_json("ls", "fam", env=seeded)["versions"]
+
+
 def test_a_pull_into_a_folder_it_may_not_write_names_the_folder_not_a_temp_file(seeded):
     """sysfs refuses new files, to root too: the error named the temp file beside the output
     ("/sys/.x.<hex>.tmp: Permission denied"), a path the user never gave."""

@@ -527,6 +527,21 @@ def test_a_pin_keeps_base_chunks_another_family_cached_first(published, fam, tmp
     assert other_base and set(cached_ids(env)) == other_base
 
 
+def test_a_node_pull_into_its_cache_is_refused(published, fam, tmp_path):
+    """A pull over the cache's index (or into its chunk files) broke the cache for every later pull."""
+    _, env = published
+    mfsreg_json("pull", "fam", "base", "-o", tmp_path / "base.safetensors", env=env)
+    cache = Path(env["MFSREG_CACHE_DIR"])
+    index = (cache / "index.db").read_bytes()
+    for args in (["-o", cache / "index.db"], ["--to-dir", cache / "chunks"]):
+        proc = mfsreg("pull", "fam", "lora-chat", *args, env=env, check=False)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+        assert f"that lies in the node cache ({cache.resolve()})" in proc.stderr, proc.stderr
+    assert (cache / "index.db").read_bytes() == index
+    res = mfsreg_json("pull", "fam", "lora-chat", "-o", tmp_path / "chat.safetensors", env=env)
+    assert filecmp.cmp(res["path"], fam["lora-chat"], shallow=False)
+
+
 def test_a_single_file_pulled_into_a_directory_reports_the_file(published, fam, tmp_path):
     _, env = published
     (tmp_path / "engine").mkdir()

@@ -102,7 +102,8 @@ def pull(fetcher: Fetcher, family: str, version: str, out: Path, progress: Progr
     ids = info.manifest.chunk_ids()
     out = Path(out)
     # a bad output path fails before any fetch
-    plan = rebuild.check_dir(out, info.manifest) if to_dir else rebuild.targets(info.manifest, out)
+    owned = [(cache.root, "the node cache")]
+    plan = rebuild.check_dir(out, info.manifest, owned) if to_dir else rebuild.targets(info.manifest, out, owned)
     arrivals = _Arrivals()
     fetched: dict = {}
 
