@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import os
+import signal
 import sys
 
 from registry import errors as e
@@ -46,7 +47,10 @@ def exit_code(exc: BaseException) -> int:
 
 
 def fail(message: str, code: int) -> None:
-    print(f"mfsreg: error: {message}", file=sys.stderr)
+    try:
+        print(f"mfsreg: error: {message}", file=sys.stderr)
+    except OSError:  # no terminal left to say it on (a SIGHUP's): the exit code still does
+        pass
     raise SystemExit(code)
 
 
@@ -58,11 +62,26 @@ def usage_error_type() -> type[Exception]:
     return next(k for k in typer.BadParameter.__mro__ if k.__name__ == "UsageError")
 
 
+# SIGTERM or SIGHUP (`timeout`, `kill`, a closed terminal) unwinds the command as Ctrl-C does: the
+# default action killed it on the spot, leaving a pull's temp file of hundreds of MiB beside its
+# output, which a second pull does not remove. click turns the KeyboardInterrupt into an Abort (or
+# Typer into exit code 130), so the signal is noted here.
+_signalled: list[int] = []
+
+
+def _terminated(signum, frame) -> None:
+    _signalled.append(signum)
+    signal.signal(signum, signal.SIG_DFL)  # a second one ends it at once
+    raise KeyboardInterrupt
+
+
 def run_guarded(fn) -> None:
     """Run the Typer app, turning every error into one line and an exit code."""
     import typer
 
     usage_error = usage_error_type()
+    for signum in (signal.SIGTERM, signal.SIGHUP):  # `serve` hands them to uvicorn, which sets its own
+        signal.signal(signum, _terminated)
     try:
         code = fn()
         if code == 130:  # Ctrl-C: Typer catches the KeyboardInterrupt itself and returns its exit code
@@ -77,7 +96,10 @@ def run_guarded(fn) -> None:
         fail(f"{' '.join(exc.format_message().split())} (see {where})", 2)
     except e.RegistryError as exc:
         fail(str(exc), exit_code(exc))
-    except (KeyboardInterrupt, typer.Abort):  # Ctrl-C, seen by Python or by click first
+    except (KeyboardInterrupt, typer.Abort):  # Ctrl-C (or a signal above), seen by Python or by click first
+        if _signalled:
+            fail(f"stopped by {signal.Signals(_signalled[0]).name}; nothing partial was committed, re-run to continue",
+                 128 + _signalled[0])
         fail("interrupted; nothing partial was committed, re-run to continue", 130)
     except (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError, NotADirectoryError) as exc:
         fail(f"{exc.filename or ''}: {exc.strerror}{_HINTS.get(type(exc), '')}", 2)

@@ -114,8 +114,9 @@ class CheckedFile:
         # decoding; smaller files start theirs inline.
         self._writeback = (ThreadPoolExecutor(1, thread_name_prefix="mfsreg-writeback")
                            if size > BATCH_BYTES and _sync_file_range is not None else None)
-        self.fd = create_beside(self.tmp, dest, os.O_RDWR)
-        try:
+        self.fd = -1
+        try:  # from the open: a SIGTERM's KeyboardInterrupt lands the moment the file appears
+            self.fd = create_beside(self.tmp, dest, os.O_RDWR)
             os.ftruncate(self.fd, size)  # checks map finished stretches while later ones are written
         except BaseException:
             self.close()

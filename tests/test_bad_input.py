@@ -6,6 +6,7 @@ import hashlib
 import http.server
 import json
 import os
+import signal
 import sqlite3
 import struct
 import threading
@@ -377,6 +378,38 @@ def test_a_push_whose_pack_cannot_be_written_leaves_nothing_waiting_for_prune(se
     assert "File too large" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     assert snapshot(home) == before
     assert mfsreg_json("stats", env=seeded)["unlisted_pack_bytes"] == 0
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_a_pull_stopped_by_a_signal_leaves_no_temp_file(home_env, tmp_path, signum):
+    """`timeout`, `kill` or a closed terminal killed a pull on the spot, leaving its temp file (as
+    large as the output) beside it; it now unwinds as Ctrl-C does: one line, exit 128 + signal."""
+    import subprocess
+    import time
+
+    import torch
+
+    from tests.cli_run import MFSREG
+
+    model = tmp_path / "big.safetensors"
+    gen = torch.Generator().manual_seed(3)
+    synth.write(model, {f"w{i}": torch.randn(1024, 1024, generator=gen) for i in range(64)})  # 256 MiB
+    mfsreg("push", model, "--family", "fam", "--version", "big", env=home_env)
+    out = tmp_path / "out"
+    out.mkdir()
+    for _ in range(5):  # until the signal lands while the file is being written
+        proc = subprocess.Popen([MFSREG, "pull", "fam", "big", "-o", str(out / "big.safetensors")], env=home_env,
+                                stderr=subprocess.PIPE, text=True)
+        while proc.poll() is None and not any(p.name.endswith(".tmp") for p in out.iterdir()):
+            time.sleep(0.001)
+        proc.send_signal(signum)
+        _, err = proc.communicate(timeout=60)
+        if proc.returncode != 0:
+            break
+        (out / "big.safetensors").unlink()
+    assert proc.returncode == 128 + signum, err
+    assert err.count("\n") == 1 and f"stopped by {signal.Signals(signum).name}; nothing partial" in err, err
+    assert list(out.iterdir()) == []
 
 
 def test_a_pull_onto_the_registrys_own_files_is_refused(seeded, tmp_path):

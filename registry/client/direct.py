@@ -58,14 +58,17 @@ class DirectFile:
             return None
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex}.tmp")
-        try:
+        fd = -1
+        try:  # from the open: a SIGTERM's KeyboardInterrupt lands the moment the file appears
             fd = create_beside(tmp, dest, os.O_WRONLY | flag)
-        except OSError as exc:
-            if exc.errno in _REFUSED:
-                tmp.unlink(missing_ok=True)
+            f = cls(dest, tmp, fd, size, mode)
+        except BaseException as exc:
+            tmp.unlink(missing_ok=True)
+            if fd >= 0:
+                os.close(fd)
+            elif isinstance(exc, OSError) and exc.errno in _REFUSED:
                 return None
             raise
-        f = cls(dest, tmp, fd, size, mode)
         try:
             # Some filesystems accept the flag at open and refuse the writes: try one block now,
             # before any byte of the file is staged (it is written over by the file's first buffer).
