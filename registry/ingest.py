@@ -31,7 +31,7 @@ from registry.deltas import BasisReader
 from registry.errors import Conflict, InvalidRequest, MissingChunks, NotFound, Pruned, StorageError
 from registry.hashing import HashJob, encoded_chunks, missing_bytes
 from registry.manifest import Manifest
-from registry.names import check_name
+from registry.names import check_name, check_new_name
 from registry.progress import NullProgress, Progress
 from registry.rebuild import decode_verified
 from registry.results import PushResult
@@ -163,8 +163,8 @@ def upload_missing(reg, job: HashJob, missing: set[str], pool: ThreadPoolExecuto
 
 
 def check_push_names(family: str, version: str, parent: str | None) -> None:
-    check_name("family", family)
-    check_name("version", version)
+    check_new_name("family", family)  # a family that exists keeps its name (check_new_name)
+    check_new_name("version", version)
     if parent is not None:
         check_name("version", parent)
 

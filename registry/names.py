@@ -22,3 +22,14 @@ def check_name(kind: str, name: str) -> str:
             "not starting with '.'"
         )
     return name
+
+
+def check_new_name(kind: str, name: str) -> str:
+    """``name`` for a family or version a push creates: valid, and not starting with '-', which a
+    command line reads as an option (`pull -v base` for family '-v' needs `pull -- -v base`). A name
+    an earlier release stored can still be pulled, listed and deleted (check_name)."""
+    check_name(kind, name)
+    if name.startswith("-"):
+        raise InvalidName(f"invalid {kind} name {shown(name)}: a new name may not start with '-', which a command line "
+                          "reads as an option; start it with a letter or digit")
+    return name

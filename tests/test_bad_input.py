@@ -142,7 +142,8 @@ def test_malformed_file_is_refused_and_nothing_changes(case, seeded, tmp_path):
     assert "bad" not in mfsreg("ls", "fam", "--json", env=seeded).stdout
 
 
-@pytest.mark.parametrize("family,version", [("../../x", "v1"), ("fam", "../../x"), (".hidden", "v1"), ("fam", "a/b")])
+@pytest.mark.parametrize("family,version", [("../../x", "v1"), ("fam", "../../x"), (".hidden", "v1"), ("fam", "a/b"),
+                                            ("--json", "v1"), ("fam", "-v")])
 def test_bad_names_are_refused(family, version, seeded, fam):
     home = Path(seeded["MFSREG_HOME"])
     before = snapshot(home)
