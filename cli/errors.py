@@ -39,6 +39,12 @@ _HINTS = {
 }
 
 
+def _undecoded(text) -> bool:
+    """Whether ``text`` holds bytes Python could not decode from the command line or environment
+    (kept as lone surrogates): a user's value, not a bug."""
+    return isinstance(text, str) and any("\udc80" <= ch <= "\udcff" for ch in text)
+
+
 def exit_code(exc: BaseException) -> int:
     for kind, code in EXIT_CODES:
         if isinstance(exc, kind):
@@ -47,6 +53,8 @@ def exit_code(exc: BaseException) -> int:
 
 
 def fail(message: str, code: int) -> None:
+    if not message.isprintable():  # a path or value with a newline, or an escape sequence a terminal acts on
+        message = "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in message)
     try:
         print(f"mfsreg: error: {message}", file=sys.stderr)
     except OSError:  # no terminal left to say it on (a SIGHUP's): the exit code still does
@@ -110,6 +118,11 @@ def run_guarded(fn) -> None:
         if os.environ.get("MFSREG_DEBUG"):
             raise
         fail(f"{exc.strerror or exc}: {exc.filename or ''}", 1)
+    except UnicodeEncodeError as exc:
+        if not _undecoded(exc.object) or os.environ.get("MFSREG_DEBUG"):
+            raise
+        given = exc.object.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+        fail(f"'{given}' is not UTF-8 text: give arguments and MFSREG_* settings in UTF-8", 2)
     except Exception as exc:  # a bug, not a user mistake: still one line unless debugging
         if os.environ.get("MFSREG_DEBUG"):
             raise

@@ -42,7 +42,7 @@ def _check_serve_options(host: str, port: int, workers: int, log_level: str) -> 
     code for auth failures), refused first in one line."""
     import socket
 
-    from registry.errors import InvalidRequest
+    from registry.errors import InvalidRequest, shown
 
     if not host.strip():  # an unset $HOST in a script: uvicorn would listen on every interface
         raise InvalidRequest(f"--host {host!r} names no address: give one, e.g. 127.0.0.1 (or 0.0.0.0 for every interface)")
@@ -54,8 +54,9 @@ def _check_serve_options(host: str, port: int, workers: int, log_level: str) -> 
         raise InvalidRequest(f"--log-level {log_level!r}: use one of {', '.join(LOG_LEVELS)}")
     try:  # uvicorn binds the same way (SO_REUSEADDR): a port it could take, this takes too
         socket.create_server((host, port)).close()
-    except OSError as exc:
-        raise InvalidRequest(f"cannot listen on {host}:{port}: {exc.strerror or exc}: pick another --port, "
+    except (OSError, UnicodeError, TypeError) as exc:  # TypeError: a name that does not encode (not UTF-8)
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else "not a name or address this machine has"
+        raise InvalidRequest(f"cannot listen on {shown(host)}:{port}: {why}: pick another --port, "
                              "or a --host this machine has") from None
 
 

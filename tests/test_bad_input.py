@@ -413,6 +413,30 @@ def test_a_pull_stopped_by_a_signal_leaves_no_temp_file(home_env, tmp_path, sign
     assert list(out.iterdir()) == []
 
 
+@pytest.mark.parametrize("args,extra_env,says", [
+    ([b"token", b"create", b"--scope", b"push", b"--family", b"fam", b"--description", b"a\xffb"], {},
+     "'a\\xffb' is not UTF-8 text"),
+    ([b"token", b"revoke", b"\xff"], {}, "'\\xff' is not UTF-8 text"),
+    ([b"serve", b"--host", b"\xff", b"--port", b"1"], {}, "cannot listen on"),
+    ([b"ls"], {b"MFSREG_URL": b"http://127.0.0.1:9/\xff"}, "is not UTF-8 text"),
+    ([b"push", b"no\nsuch\x1b[31m", b"--family", b"fam", b"--version", b"x"], {}, "no\\nsuch\\x1b[31m: no such file"),
+    ([b"ls"], {b"MFSREG_HOME": b"/dev/null/a\nb"}, "/dev/null/a\\nb: Not a directory"),
+])
+def test_values_that_are_not_utf8_or_hold_control_characters_get_one_line(seeded, args, extra_env, says):
+    """Bytes that are not UTF-8 in an argument or setting ended in 'internal error: UnicodeEncodeError',
+    exit 1; a path with a newline or an escape sequence printed two lines, or recoloured the
+    terminal. Each is one printable line now, exit 2."""
+    import subprocess
+
+    from tests.cli_run import MFSREG
+
+    env = {os.fsencode(k): os.fsencode(v) for k, v in seeded.items()} | extra_env
+    proc = subprocess.run([os.fsencode(MFSREG), *args], env=env, capture_output=True, timeout=120)
+    err = proc.stderr.decode()
+    assert proc.returncode == 2 and err.count("\n") == 1 and err.isascii(), err
+    assert says in err and "internal error" not in err and "\x1b" not in err, err
+
+
 def test_a_pull_onto_the_registrys_own_files_is_refused(seeded, tmp_path):
     """`-o $MFSREG_HOME/registry.db` replaced the database and said "verified"; the next command
     found no database. Its side files, the blob store and links to them are refused alike."""
