@@ -50,7 +50,7 @@ def pull(
     """Rebuild a version byte for byte, verified against its digests (through the node cache on a server)."""
     if (out is None) == (to_dir is None):
         raise InvalidRequest("give exactly one of --out/-o FILE_OR_DIR and --to-dir DIR")
-    out = _given_path(out, "--out/-o") if out is not None else None
+    out = _output(out) if out is not None else None
     to_dir = _given_path(to_dir, "--to-dir") if to_dir is not None else None
     with open_backend(registry) as reg, progress_for(json_) as progress:
         if to_dir is not None:
@@ -65,6 +65,16 @@ def pull(
     if result.fetched_bytes or result.cached_bytes:
         extra = f" ({human_bytes(result.fetched_bytes)} fetched, {human_bytes(result.cached_bytes)} from the node cache)"
     typer.echo(f"pulled {family}/{version} to {result.path}: {human_bytes(result.logical_bytes)} in {result.seconds:.2f}s, verified{extra}")
+
+
+def _output(value: str) -> Path:
+    """-o: a path ending in '/' names a directory, as it does to cp; Path drops the slash, and the
+    pull wrote a file of that name where no such directory was."""
+    out = _given_path(value, "--out/-o")
+    if value.endswith("/") and not out.is_dir():
+        raise InvalidRequest(f"-o {value}: no such directory: make it first, or drop the trailing '/' to write a "
+                             "file of that name")
+    return out
 
 
 def _given_path(value: str, what: str) -> Path:

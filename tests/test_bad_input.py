@@ -437,6 +437,17 @@ def test_values_that_are_not_utf8_or_hold_control_characters_get_one_line(seeded
     assert says in err and "internal error" not in err and "\x1b" not in err, err
 
 
+def test_a_pull_to_a_path_ending_in_a_slash_wants_that_directory(seeded, fam, tmp_path):
+    """`-o newdir/` wrote a file named newdir where no such directory was."""
+    proc = mfsreg("pull", "fam", "base", "-o", f"{tmp_path / 'newdir'}/", env=seeded, check=False)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "no such directory: make it first, or drop the trailing '/'" in proc.stderr, proc.stderr
+    assert not (tmp_path / "newdir").exists()
+    (tmp_path / "newdir").mkdir()
+    res = mfsreg_json("pull", "fam", "base", "-o", f"{tmp_path / 'newdir'}/", env=seeded)
+    assert res["path"] == str(tmp_path / "newdir" / fam["base"].name)
+
+
 def test_a_pull_onto_the_registrys_own_files_is_refused(seeded, tmp_path):
     """`-o $MFSREG_HOME/registry.db` replaced the database and said "verified"; the next command
     found no database. Its side files, the blob store and links to them are refused alike."""
