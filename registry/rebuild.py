@@ -9,6 +9,7 @@ place together once all of them are written and checked (registry/durable.py's P
 
 from __future__ import annotations
 
+import os
 import stat
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -106,6 +107,29 @@ def check_dir(out: Path, manifest: Manifest, owned: Owned = ()) -> None:
     if out.exists() and not out.is_dir():
         raise InvalidRequest(f"{out} is a file: --to-dir needs a directory (an existing one, or a new name)")
     _check_dests(_under(manifest, out), out, owned)
+    if (stray := _stray_weights(out, manifest)) is not None:
+        raise InvalidRequest(f"{out} holds {stray}, which this version does not: an engine loading the directory would "
+                             "read both versions' weights; pull into an empty directory, or remove it")
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json")
+
+
+def _stray_weights(out: Path, manifest: Manifest) -> PurePosixPath | None:
+    """A weight file or shard index in ``out`` (or a folder the version writes into) that the
+    version does not have: vLLM and transformers load every shard an index names, or every
+    .safetensors file there, so a pull over another version's directory mixed the two."""
+    mine = {safe_relpath(f.path) for f in manifest.files}
+    for folder in sorted({PurePosixPath()} | {p.parent for p in mine}):
+        try:
+            entries = list(os.scandir(out.joinpath(*folder.parts)))
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        for e in sorted(entries, key=lambda e: e.name):
+            rel = folder / e.name
+            if e.name.endswith(WEIGHT_SUFFIXES) and rel not in mine and not e.is_dir():
+                return rel
+    return None
 
 
 def _check_dests(plan: list[tuple[FileEntry, Path]], out: Path, owned: Owned = ()) -> None:

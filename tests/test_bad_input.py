@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import filecmp
 import hashlib
 import http.server
 import json
@@ -446,6 +447,28 @@ def test_a_pull_to_a_path_ending_in_a_slash_wants_that_directory(seeded, fam, tm
     (tmp_path / "newdir").mkdir()
     res = mfsreg_json("pull", "fam", "base", "-o", f"{tmp_path / 'newdir'}/", env=seeded)
     assert res["path"] == str(tmp_path / "newdir" / fam["base"].name)
+
+
+def test_a_pull_to_dir_over_another_versions_weights_is_refused(seeded, fam, tmp_path):
+    """--to-dir over a directory holding another version's shards and index left them beside the new
+    version's file, exit 0: an engine loading the directory read both."""
+    src = tmp_path / "sharded"
+    src.mkdir()
+    synth.sharded_dir(src, synth.base_tensors(seed=9))
+    mfsreg("push", src, "--family", "fam", "--version", "sharded", env=seeded)
+    engine = tmp_path / "engine"
+    mfsreg("pull", "fam", "sharded", "--to-dir", engine, env=seeded)
+    before = sorted((p.name, p.read_bytes()) for p in engine.iterdir())
+    proc = mfsreg("pull", "fam", "base", "--to-dir", engine, env=seeded, check=False)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "holds model-00001-of-00002.safetensors, which this version does not" in proc.stderr, proc.stderr
+    assert sorted((p.name, p.read_bytes()) for p in engine.iterdir()) == before
+    mfsreg("pull", "fam", "sharded", "--to-dir", engine, env=seeded)  # the same version again: fine
+    (engine / "config.json").unlink()  # side files do not count; the weights do
+    for p in engine.glob("model*"):
+        p.unlink()
+    res = mfsreg_json("pull", "fam", "base", "--to-dir", engine, env=seeded)
+    assert filecmp.cmp(res["path"], fam["base"], shallow=False)
 
 
 def test_a_pull_onto_the_registrys_own_files_is_refused(seeded, tmp_path):

@@ -1207,9 +1207,12 @@ def test_pulling_to_the_same_directory_again_leaves_no_hidden_links(published, f
     file's space after the cache let it go, one more per pull."""
     _, env = published
     engine = tmp_path / "current"
-    for version in ("lora-chat", "lora-chat", "base"):
-        mfsreg("pull", "fam", version, "--to-dir", engine, env=env)
-    assert sorted(p.name for p in engine.iterdir()) == sorted({fam["lora-chat"].name, fam["base"].name})
+    for _ in range(3):
+        mfsreg("pull", "fam", "lora-chat", "--to-dir", engine, env=env)
+    assert [p.name for p in engine.iterdir()] == [fam["lora-chat"].name]
+    # another version's file beside it would be loaded with it: refused (test_bad_input has the rest)
+    proc = mfsreg("pull", "fam", "base", "--to-dir", engine, env=env, check=False)
+    assert proc.returncode == 2 and f"holds {fam['lora-chat'].name}, which this version does not" in proc.stderr
 
 
 def test_a_to_dir_pull_over_the_limit_keeps_its_file_and_reuses_it(published, fam, tmp_path):
