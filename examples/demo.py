@@ -35,7 +35,7 @@ def run(*args: str, capture: bool = False) -> str:
 
 
 def main() -> None:
-    home = Path(os.environ.get("MFSREG_HOME") or DEMO / "home")
+    home = Path(os.environ.get("MFSREG_HOME") or DEMO / "home").absolute()
     if home == DEMO / "home" and home.exists():
         shutil.rmtree(home)  # start from an empty registry every time
     os.environ["MFSREG_HOME"] = str(home)

@@ -104,7 +104,10 @@ class Settings:
     @classmethod
     def from_env(cls, env: dict | None = None, **overrides) -> "Settings":
         env = dict(os.environ if env is None else env)
-        home = expand_user("MFSREG_HOME", env.get("MFSREG_HOME") or str(Path.home() / ".mfsreg")).absolute()
+        home = expand_user("MFSREG_HOME", env.get("MFSREG_HOME") or str(Path.home() / ".mfsreg"))
+        if not home.is_absolute():  # a relative one (or ' ') made a registry in each directory a command ran from
+            raise InvalidRequest(f"MFSREG_HOME={env['MFSREG_HOME']!r} is not an absolute path: give one, e.g. "
+                                 "/var/lib/mfsreg (or unset it for ~/.mfsreg)")
         chunk_size = check_chunk_size(_size(env, "MFSREG_CHUNK_SIZE", DEFAULT_CHUNK_SIZE))
         values = dict(
             home=home,

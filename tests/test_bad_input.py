@@ -501,6 +501,30 @@ def test_a_pull_into_a_folder_it_may_not_write_names_the_folder_not_a_temp_file(
     assert ".tmp" not in proc.stderr
 
 
+def test_a_relative_home_is_refused_and_a_client_ignores_server_settings(tmp_path):
+    """A relative MFSREG_HOME (or ' ') made a registry in each directory a command ran from. A
+    remote client refused every command on a bad server-only setting (MFSREG_MAX_BODY=bogus) in
+    its environment, while ignoring others."""
+    import subprocess
+
+    from tests.cli_run import MFSREG
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MFSREG_")}
+    for rel in ("relhome", " "):
+        proc = subprocess.run([MFSREG, "ls"], env=dict(env, MFSREG_HOME=rel), cwd=tmp_path, capture_output=True,
+                              text=True, timeout=60)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+        assert f"MFSREG_HOME={rel!r} is not an absolute path" in proc.stderr, proc.stderr
+    assert list(tmp_path.iterdir()) == []
+    remote = dict(env, MFSREG_URL="http://127.0.0.1:9", MFSREG_MAX_BODY="bogus", MFSREG_PACK_SIZE="bogus",
+                  MFSREG_DELTA="maybe", MFSREG_HOME="relhome")
+    proc = subprocess.run([MFSREG, "ls"], env=remote, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 5 and "cannot reach" in proc.stderr.lower(), proc.stderr  # on to the server
+    proc = subprocess.run([MFSREG, "ls"], env=dict(remote, MFSREG_CHUNK_SIZE="bogus"), capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2 and "MFSREG_CHUNK_SIZE" in proc.stderr, proc.stderr  # the client's own: checked
+
+
 def test_a_home_or_cache_that_is_a_file_says_what_to_do(tmp_path):
     """MFSREG_HOME, or a folder the node cache needs, that is a file: one line naming it and what to
     do, exit 2 (it said only 'File exists')."""

@@ -20,7 +20,7 @@ import httpx
 
 from registry import rebuild
 from registry.blobs.packs import StoredChunk
-from registry.config import Settings, size_from_env
+from registry.config import DEFAULT_CHUNK_SIZE, check_chunk_size, size_from_env
 from registry.errors import (
     Conflict, Forbidden, IntegrityError, InvalidRequest, MissingChunks, NotFound, Pruned, RegistryError, StorageError,
     TooLarge, Unauthorized,
@@ -86,7 +86,9 @@ class RemoteRegistry:
             base_url=self.url, headers=headers, timeout=httpx.Timeout(timeout, connect=10.0),
             transport=httpx.HTTPTransport(retries=3),  # retries failed connects, not requests
         )
-        self.chunk_size = chunk_size or Settings.from_env().chunk_size  # same parsing and range checks
+        # only the client's own settings: the server's (MFSREG_MAX_BODY, MFSREG_PACK_SIZE, MFSREG_HOME...)
+        # are no client's business, and a bad one in its environment refused every command
+        self.chunk_size = chunk_size or check_chunk_size(size_from_env("MFSREG_CHUNK_SIZE", DEFAULT_CHUNK_SIZE))
         self.pool = ThreadPoolExecutor(max_workers=workers or max(1, os.cpu_count() or 1), thread_name_prefix="mfsreg-client")
         self.upload_batch = size_from_env("MFSREG_UPLOAD_BATCH", UPLOAD_BATCH)
         self.bytes_received = 0  # network bytes of chunk payloads, over this client's life
