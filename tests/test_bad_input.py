@@ -492,6 +492,37 @@ def test_a_pull_onto_the_registrys_own_files_is_refused(seeded, tmp_path):
     assert mfsreg_json("ls", "fam", env=seeded)["versions"]
 
 
+def test_a_blob_store_this_user_may_not_write_says_so_and_keeps_the_registry(seeded, tmp_path):
+    """It said "cannot write blob packs/84/<id>.pack: Permission denied": a path inside the store,
+    and nothing to do. Root is given up for the push (setpriv), as the file modes stop no one else."""
+    import shutil
+    import subprocess
+
+    import torch
+
+    from tests.cli_run import MFSREG
+
+    model = tmp_path / "new.safetensors"
+    synth.write(model, {"w": torch.randn(300, 300, generator=torch.Generator().manual_seed(11))})
+    home = Path(seeded["MFSREG_HOME"])
+    folders = [home / "blobs" / "packs", *(p for p in (home / "blobs" / "packs").rglob("*") if p.is_dir())]
+    before = snapshot(home)
+    cmd = [MFSREG, "push", str(model), "--family", "fam", "--version", "new"]
+    if os.geteuid() == 0:
+        cmd = [shutil.which("setpriv"), "--bounding-set=-all", "--inh-caps=-all", *cmd]
+    for d in folders:
+        d.chmod(0o555)
+    try:
+        proc = subprocess.run(cmd, env=seeded, capture_output=True, text=True, timeout=120)
+    finally:
+        for d in folders:
+            d.chmod(0o755)
+    assert proc.returncode == 5 and proc.stderr.count("\n") == 1, proc.stderr
+    assert f"cannot write blob {home / 'blobs' / 'packs'}/" in proc.stderr, proc.stderr
+    assert "Permission denied: this user may not write there; give it write access" in proc.stderr, proc.stderr
+    assert snapshot(home) == before
+
+
 def test_a_pull_into_a_folder_it_may_not_write_names_the_folder_not_a_temp_file(seeded):
     """sysfs refuses new files, to root too: the error named the temp file beside the output
     ("/sys/.x.<hex>.tmp: Permission denied"), a path the user never gave."""

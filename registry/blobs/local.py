@@ -7,14 +7,24 @@ fails. Range reads use pread, so concurrent readers share one descriptor safely.
 
 from __future__ import annotations
 
+import errno
 import os
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 from registry.blobs.base import BlobStore, check_key
-from registry.durable import make_dirs, sync_dir
+from registry.durable import NO_ROOM, make_dirs, sync_dir, what_to_do
 from registry.errors import InvalidRequest, NotFound, StorageError
+
+
+def _advice(code: int | None) -> str:
+    """What to do about a write the blob store's directory refused."""
+    if code in NO_ROOM:
+        return what_to_do(code)
+    if code in (errno.EACCES, errno.EPERM):
+        return "this user may not write there; give it write access to the blob store (MFSREG_HOME/blobs or MFSREG_BLOB_URL)"
+    return "check that directory and its disk"
 
 
 class LocalBlobStore(BlobStore):
@@ -44,7 +54,7 @@ class LocalBlobStore(BlobStore):
             os.replace(tmp, path)
             sync_dir(path.parent)
         except OSError as exc:
-            raise StorageError(f"cannot write blob {key}: {exc.strerror}") from None
+            raise StorageError(f"cannot write blob {path}: {exc.strerror or exc}: {_advice(exc.errno)}") from None
         finally:
             tmp.unlink(missing_ok=True)
 
