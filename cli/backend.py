@@ -13,6 +13,13 @@ RegistryOption = typer.Option(
 )
 
 
+# The same option for the node cache's commands, which have no embedded registry to fall back on.
+ServerOption = typer.Option(
+    None, "--registry", envvar="MFSREG_URL", show_envvar=True,
+    help="URL of the mfsreg server whose chunks the node cache holds (required: the cache serves a server).",
+)
+
+
 @contextmanager
 def open_backend(url: str | None = None):
     """Yield an object with push/pull/manifest/families/versions/stats/delete."""

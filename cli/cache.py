@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from cli.backend import RegistryOption
+from cli.backend import ServerOption
 from cli.output import emit_json, human_bytes, table
 
 cache_app = typer.Typer(help="The node cache (MFSREG_CACHE_DIR, default $XDG_CACHE_HOME/mfsreg, else ~/.cache/mfsreg).", no_args_is_help=True)
@@ -17,7 +17,7 @@ def warm(
     recent: int = typer.Option(0, "--recent", help="Also keep the chunks of the N most recently pulled members warm."),
     pin: bool = typer.Option(True, "--pin/--no-pin", help="Pin the family's base tier so eviction never drops it."),
     json_: bool = typer.Option(False, "--json"),
-    registry: str = RegistryOption,
+    registry: str = ServerOption,
 ) -> None:
     """Fetch a family's tier (and recent members) into the cache ahead of time."""
     from registry.client.warm import warm_cache

@@ -89,7 +89,8 @@ def targets(manifest: Manifest, out: Path, owned: Owned = ()) -> list[tuple[File
         plan = [(f, dest)]
     else:
         if out.exists() and not out.is_dir():
-            raise InvalidRequest(f"{out} is a file, but this version is a directory of {len(manifest.files)} files: give a directory")
+            raise InvalidRequest(f"{out} is not a directory, but this version is a directory of {len(manifest.files)} files: "
+                                 "give a directory")
         plan = _under(manifest, out)
     _check_dests(plan, out, owned)
     return plan
@@ -105,7 +106,7 @@ def check_dir(out: Path, manifest: Manifest, owned: Owned = ()) -> None:
     directory, or a new name under one."""
     _check_parent(out)
     if out.exists() and not out.is_dir():
-        raise InvalidRequest(f"{out} is a file: --to-dir needs a directory (an existing one, or a new name)")
+        raise InvalidRequest(f"{out} is not a directory: --to-dir needs a directory (an existing one, or a new name)")
     _check_dests(_under(manifest, out), out, owned)
     if (stray := _stray_weights(out, manifest)) is not None:
         raise InvalidRequest(f"{out} holds {stray}, which this version does not: an engine loading the directory would "

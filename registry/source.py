@@ -159,7 +159,8 @@ def _read_index(path: Path, rel: str) -> dict[str, str]:
     for shard in set(weight_map.values()):
         p = PurePosixPath(shard)
         if p.is_absolute() or ".." in p.parts or not shard.endswith(".safetensors"):
-            raise InvalidModel(f"{rel}: shard name {shard!r} must be a relative .safetensors path")
+            raise InvalidModel(f"{rel}: shard name {shard!r} must be a .safetensors file inside the model directory "
+                               "(no absolute path, no '..')")
     return weight_map
 
 
