@@ -84,17 +84,23 @@ def prune(
     """Evict files, then unique, group and base chunks (least recently used first) down to the limit,
     and remove temp files that killed writers left (older than an hour). Files a killed writer left
     unrecorded are counted (and evictable) from here on."""
-    from registry.client.cache import NodeCache
+    from registry.client.cache import NodeCache, default_max_bytes, missing_cache_stats
     from registry.config import parse_size
     from registry.errors import InvalidRequest
 
-    cache = NodeCache()
     try:
-        limit = parse_size(max_size) if max_size else cache.max_bytes
+        limit = parse_size(max_size) if max_size else default_max_bytes()
     except (ValueError, OverflowError):
         raise InvalidRequest(f"--max-size {max_size!r} is not a size: use bytes or a suffix K, M, G") from None
     if limit is None:
         raise InvalidRequest("no limit to prune to: give --max-size or set MFSREG_CACHE_MAX")
+    if (none := missing_cache_stats()) is not None:  # a mistyped MFSREG_CACHE_DIR stays as it was
+        if json_:
+            emit_json({"removed": 0, "freed_bytes": 0, "bytes": 0, "temp_files_removed": 0, "unrecorded_files_found": 0})
+        else:
+            typer.echo(f"{none['path']}: no cache there yet, nothing to prune")
+        return
+    cache = NodeCache()
     orphans = cache.record_orphans()
     removed, freed = cache.evict(limit)
     temps = cache.sweep_temps()
@@ -112,9 +118,15 @@ def verify(json_: bool = typer.Option(False, "--json")) -> None:
     (it is fetched again when next needed). Exits 4, the code of integrity errors, when it dropped
     something: the cache is whole again, but a script should hear that this node's disk lost bytes."""
     from cli.progress import progress_for
-    from registry.client.cache import NodeCache
+    from registry.client.cache import NodeCache, missing_cache_stats
     from registry.client.scrub import verify_cache
 
+    if (none := missing_cache_stats()) is not None:  # a mistyped MFSREG_CACHE_DIR stays as it was
+        if json_:
+            emit_json({"chunks": 0, "files": 0, "bytes": 0, "damaged_chunks": [], "damaged_files": []})
+        else:
+            typer.echo(f"{none['path']}: no cache there yet, nothing to verify")
+        return
     cache = NodeCache()
     with progress_for(json_) as progress:
         result = verify_cache(cache, progress)

@@ -709,8 +709,8 @@ def test_cache_commands_need_a_registry_and_sane_sizes(tmp_path):
 
 
 def test_cache_commands_that_only_read_make_no_cache(tmp_path):
-    """cache stats and cache unpin on a MFSREG_CACHE_DIR that is not there (mistyped): an empty
-    answer and the pin refused, and no directory made (each made the whole tree, an empty cache)."""
+    """cache stats, unpin, prune and verify on a MFSREG_CACHE_DIR that is not there (mistyped): an
+    empty answer (the pin refused), and no directory made (each made the whole tree, an empty cache)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MFSREG_")}
     env["MFSREG_CACHE_DIR"] = str(tmp_path / "typo" / "deep" / "cache")
     s = mfsreg_json("cache", "stats", env=env)
@@ -718,6 +718,13 @@ def test_cache_commands_that_only_read_make_no_cache(tmp_path):
     assert "no cache there yet" in mfsreg("cache", "stats", env=env).stdout
     proc = mfsreg("cache", "unpin", "fam", env=env, check=False)
     assert proc.returncode == 2 and "not pinned in this cache (pinned: none)" in proc.stderr, proc.stderr
+    # nor do prune and verify, which find nothing to do there (they made the tree too)
+    assert mfsreg_json("cache", "prune", "--max-size", "1G", env=env)["removed"] == 0
+    assert "no cache there yet, nothing to prune" in mfsreg("cache", "prune", "--max-size", "1G", env=env).stdout
+    assert mfsreg_json("cache", "verify", env=env)["chunks"] == 0
+    assert "no cache there yet, nothing to verify" in mfsreg("cache", "verify", env=env).stdout
+    proc = mfsreg("cache", "prune", "--max-size", "abc", env=env, check=False)
+    assert proc.returncode == 2 and "not a size" in proc.stderr
     assert not (tmp_path / "typo").exists()
 
 
