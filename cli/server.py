@@ -42,7 +42,7 @@ def _check_serve_options(host: str, port: int, workers: int, log_level: str) -> 
     code for auth failures), refused first in one line."""
     import socket
 
-    from registry.errors import InvalidRequest, shown
+    from registry.errors import InvalidRequest
 
     if not host.strip():  # an unset $HOST in a script: uvicorn would listen on every interface
         raise InvalidRequest(f"--host {host!r} names no address: give one, e.g. 127.0.0.1 (or 0.0.0.0 for every interface)")
@@ -56,7 +56,7 @@ def _check_serve_options(host: str, port: int, workers: int, log_level: str) -> 
         socket.create_server((host, port)).close()
     except (OSError, UnicodeError, TypeError) as exc:  # TypeError: a name that does not encode (not UTF-8)
         why = exc.strerror if isinstance(exc, OSError) and exc.strerror else "not a name or address this machine has"
-        raise InvalidRequest(f"cannot listen on {shown(host)}:{port}: {why}: pick another --port, "
+        raise InvalidRequest(f"cannot listen on {host}:{port}: {why}: pick another --port, "
                              "or a --host this machine has") from None
 
 

@@ -163,7 +163,7 @@ def upload_missing(reg, job: HashJob, missing: set[str], pool: ThreadPoolExecuto
 
 
 def check_push_names(family: str, version: str, parent: str | None) -> None:
-    check_new_name("family", family)  # a family that exists keeps its name (check_new_name)
+    check_new_name("family", family)
     check_new_name("version", version)
     if parent is not None:
         check_name("version", parent)
