@@ -78,8 +78,9 @@ def negotiate(reg, family: str, version: str, doc: object, parent: str | None = 
 
 def receive_batch(reg, family: str, body: bytes, who: Principal | None = None) -> dict:
     """Verify and store one uploaded batch. Every chunk is decoded and re-hashed (xxh3-128 must
-    equal its id); any mismatch rejects the whole batch before a byte is written. A chunk that
-    names a suggested basis of this family is stored as a delta against it when that is smaller.
+    equal its id); any mismatch rejects the whole batch before a byte is written, and so does an
+    id sent twice. A chunk that names a suggested basis of this family is stored as a delta
+    against it when that is smaller.
     The bases are read from the blob store while the uploaded chunks are verified; memory holds
     the body and the batch's raw bytes (a batch is at most MFSREG_MAX_BODY). Through a token
     scoped to some families (``who``), the batch's chunks are claimed for ``family``; a chunk that
@@ -87,7 +88,13 @@ def receive_batch(reg, family: str, body: bytes, who: Principal | None = None) -
     bounded batches), and ``new_bytes`` is the bytes sent, so the answer does not say what other
     families hold."""
     entries = list(parse_batch(body))
+    seen: set[str] = set()
     for e, _ in entries:
+        # Every copy would have to be verified, and only one stored: a client sends each chunk once
+        # (hashing.encoded_chunks), so a repeated id is refused whatever its copies hold.
+        if e.id in seen:
+            raise InvalidRequest(f"chunk {e.id} appears more than once in the batch: send each chunk once")
+        seen.add(e.id)
         _check_encoding(e.encoding)
         if codec.is_delta(e.encoding):
             raise InvalidRequest("delta-encoded uploads are not accepted: send raw or zstd chunks")
@@ -111,9 +118,8 @@ def receive_batch(reg, family: str, body: bytes, who: Principal | None = None) -
     reader = BasisReader(located, reg.read_payloads, decode_verified, locate=reg.locate)
     # Every chunk is verified, the stored ones too: an upload is how a scoped token proves it
     # holds a chunk another family stored (registry/access.py); only the missing ones are stored.
-    sent = list({e.id: (e, payload) for e, payload in entries}.values())
-    todo_ids = {e.id for e, _ in sent if e.id in missing}
-    basis_of = {e.id: cap_depth(e.basis_id, located) for e, _ in sent if e.id in todo_ids and e.basis_id in allowed}
+    todo_ids = {e.id for e, _ in entries if e.id in missing}
+    basis_of = {e.id: cap_depth(e.basis_id, located) for e, _ in entries if e.id in todo_ids and e.basis_id in allowed}
 
     def verify(item):
         e, payload = item
@@ -141,7 +147,7 @@ def receive_batch(reg, family: str, body: bytes, who: Principal | None = None) -
         fetching = io.submit(reader.prefetch, list(basis_of.values()))
         # raw bytes are kept for the chunks to store and those to compare, no others
         checked = [v if v[0].id in todo_ids or v[0].id in proving else (v[0], v[1], None)
-                   for v in windowed_map(reg.pool, verify, sent)]
+                   for v in windowed_map(reg.pool, verify, entries)]
         fetching.result()
     verified = [v for v in checked if v[0].id in todo_ids]
     proved = proving - access.compare_stored(reg, {e.id: raw for e, _, raw in checked if e.id in proving})
@@ -163,7 +169,7 @@ def receive_batch(reg, family: str, body: bytes, who: Principal | None = None) -
             claim_db.record(conn, family, sorted(todo_ids | proved))
         # What the registry held, and how it stores it, is not this token's to learn: new_bytes
         # counts every chunk sent, at the size sent, whether stored now, before, or as a delta.
-        added = sum(e.length for e, _ in sent)
+        added = sum(e.length for e, _ in entries)
     return {"received": len(entries), "new_bytes": added}
 
 

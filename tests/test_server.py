@@ -111,6 +111,29 @@ def test_chunk_that_does_not_match_its_id_is_refused(servers, server_env, tmp_pa
     assert r.status_code == 404
 
 
+def test_a_batch_that_sends_a_chunk_twice_is_refused(servers, server_env, tmp_path):
+    """A batch holding one id twice, the first copy's bytes wrong, was stored with a 200: one entry
+    per id was kept, so only the last copy was checked. A repeated id is a 400 now, whatever the
+    copies hold, and nothing is stored; a client's own push sends each chunk once."""
+    (srv,) = servers(1)
+    tok = token(server_env, "push")
+    h = {"Authorization": f"Bearer {tok}"}
+    good = b"\x02" * 4096
+    for copies in ((b"\x03" * 4096, good), (good, good)):
+        body = build_batch([(Entry(chunk_id(good), 4096, "raw", 4096), c) for c in copies])
+        r = httpx.post(f"{srv.url}/v1/families/fam/chunks", content=body, headers=h)
+        assert r.status_code == 400, r.text
+        assert f"chunk {chunk_id(good)} appears more than once in the batch: send each chunk once" in r.json()["detail"]
+    assert bucket_keys(server_env) == []
+    # a push whose file holds one chunk many times (a tensor of zeros) sends it once and pulls whole
+    path = synth.write(tmp_path / "zeros.safetensors", {"w": torch.zeros(64, 4096), "v": torch.zeros(64, 4096)})
+    env = client_env(tmp_path, srv.url, tok)
+    res = mfsreg_json("push", path, "--family", "fam", "--version", "zeros", env=env)
+    assert res["chunks"] < 10 and res["new_chunks"] == res["chunks"], res
+    mfsreg("pull", "fam", "zeros", "-o", tmp_path / "out", env=env)
+    assert filecmp.cmp(tmp_path / "out", path, shallow=False)
+
+
 def test_bad_requests_get_problem_details(servers, server_env, tmp_path):
     (srv,) = servers(1)
     h = {"Authorization": f"Bearer {token(server_env, 'admin')}"}
@@ -830,14 +853,14 @@ def test_a_push_cut_otherwise_than_its_family_is_refused_before_it_uploads(serve
     cut = {size: hash_source(open_source(fam["base"]), size, NullProgress()).to_doc() for size in (32 << 10, 128 << 10)}
     base = f"{srv.url}/v1/families/old-client"
     neg = httpx.post(f"{base}/versions/v1/negotiate", json={"manifest": cut[32 << 10]}, headers=h).json()
-    entries = []
+    entries = {}  # each chunk once, as a client sends it (a file may hold one chunk many times)
     with open(fam["base"], "rb") as f:
         data = f.read()
     for fdoc in cut[32 << 10]["files"]:
         for cid, off, size, _ in fdoc["chunks"]:
             if cid in neg["missing"]:
-                entries.append((Entry(cid, size, "raw", size), data[off:off + size]))
-    r = httpx.post(f"{base}/chunks", content=build_batch(entries), headers=h)
+                entries[cid] = (Entry(cid, size, "raw", size), data[off:off + size])
+    r = httpx.post(f"{base}/chunks", content=build_batch(entries.values()), headers=h)
     assert r.status_code == 200, r.text
     r = httpx.post(f"{base}/versions/v1/commit", json={"manifest": cut[32 << 10]}, headers=h)  # no chunk_size: an old client
     assert r.status_code == 201 and not r.json()["existed"], r.text
