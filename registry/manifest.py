@@ -169,36 +169,17 @@ def parse_doc(doc: object, draft: bool = False) -> Manifest:
     """A manifest sent by a client, checked for shape and self-consistency (InvalidRequest if not).
     With ``draft``, file digests may be null (a push negotiates while its client still hashes).
 
-    Checked here: safe unique paths, chunks that tile each file from 0 to its size, tensors that lie
-    on chunk boundaries. The header chunk's bytes are checked against the tensors on commit, once
-    the chunk is stored (registry/service.py).
+    Checked here: the fields and their JSON types (_check_shape), safe unique paths, chunks that
+    tile each file from 0 to its size, tensors of known dtypes that lie on chunk boundaries. The
+    header chunk's bytes are checked against the tensors on commit, once the chunk is stored
+    (registry/service.py).
     """
     from registry.errors import InvalidRequest, shown
     from registry.safetensors import DTYPE_SIZES
     from registry.wire import check_id
 
-    try:
-        m = Manifest.from_doc(doc)  # type: ignore[arg-type]
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise InvalidRequest(f"malformed manifest: {exc.__class__.__name__} {exc}") from None
-    # from_doc reads stored documents, which this code wrote: a client's must say the same things
-    # in the same types ("single_file": "false" read as true, "format": 99 as this format)
-    if doc.get("format") != FORMAT or isinstance(doc.get("format"), bool):  # type: ignore[union-attr]
-        raise InvalidRequest(f"malformed manifest: format {str(doc.get('format'))[:20]!r}: this server reads "  # type: ignore[union-attr]
-                             f"format {FORMAT}; upgrade the server, or push with a client of its release")
-    if not isinstance(doc.get("single_file"), bool):  # type: ignore[union-attr]
-        raise InvalidRequest("malformed manifest: single_file must be true or false")
-
-    def is_int(v) -> bool:
-        return isinstance(v, int) and not isinstance(v, bool)
-
-    for f in m.files:
-        ok = isinstance(f.path, str) and isinstance(f.kind, str) and is_int(f.size) and f.size >= 0
-        ok = ok and all(isinstance(c.id, str) and is_int(c.offset) and is_int(c.size) and is_int(c.itemsize) for c in f.chunks)
-        ok = ok and all(isinstance(t.name, str) and isinstance(t.dtype, str) and is_int(t.start) and is_int(t.end)
-                        and all(is_int(d) and d >= 0 for d in t.shape) for t in f.tensors)
-        if not ok:
-            raise InvalidRequest("malformed manifest: paths, kinds and names must be strings; sizes and offsets integers")
+    _check_shape(doc)
+    m = Manifest.from_doc(doc)  # type: ignore[arg-type]
     if not m.files or (m.single_file and len(m.files) != 1):
         raise InvalidRequest("malformed manifest: no files, or several files in a single-file version")
     _check_no_file_above_another(m)
@@ -207,30 +188,121 @@ def parse_doc(doc: object, draft: bool = False) -> Manifest:
         if f.path in seen or unsafe_path(f.path):
             raise InvalidRequest(f"malformed manifest: unsafe or repeated path {shown(f.path, 200)}")
         seen.add(f.path)
+        path = shown(f.path, 200)
         # a node names files in its cache by this digest: 64 lowercase hex digits and nothing else
         digest_ok = (isinstance(f.sha256, str) and _SHA256.fullmatch(f.sha256) is not None) or (draft and f.sha256 is None)
-        if f.kind not in (SAFETENSORS, BLOB) or not digest_ok:
-            raise InvalidRequest(f"malformed manifest: {f.path}: bad kind or sha256")
+        if f.kind not in (SAFETENSORS, BLOB):
+            raise InvalidRequest(f"malformed manifest: {path}: bad kind or sha256: kind {shown(f.kind, 40)} is "
+                                 f"not {SAFETENSORS!r} or {BLOB!r}")
+        if not digest_ok and f.sha256 is None:
+            raise InvalidRequest(f"malformed manifest: {path}: bad kind or sha256: sha256 is null: a commit needs "
+                                 "each file's digest (only a negotiation takes a draft)")
+        if not digest_ok:
+            raise InvalidRequest(f"malformed manifest: {path}: bad kind or sha256: sha256 {shown(f.sha256, 80)} is "
+                                 "not 64 lowercase hex digits")
         pos = 0
-        for c in f.chunks:
+        for k, c in enumerate(f.chunks):
             check_id(c.id)
-            if c.offset != pos or c.size <= 0 or c.itemsize not in (1, 2, 4, 8):
-                raise InvalidRequest(f"malformed manifest: {f.path}: chunks do not tile the file at offset {pos}")
+            if c.offset != pos:
+                raise InvalidRequest(f"malformed manifest: {path}: chunks do not tile the file at offset {pos} "
+                                     f"(chunk {k} starts at {c.offset}): list them in file order, each where the last ends")
+            if c.size <= 0:
+                raise InvalidRequest(f"malformed manifest: {path}: chunk {k} at offset {pos} has size {c.size}: "
+                                     "a chunk holds at least one byte")
+            if c.itemsize not in (1, 2, 4, 8):
+                raise InvalidRequest(f"malformed manifest: {path}: chunk {k} at offset {pos} has itemsize "
+                                     f"{c.itemsize}: use 1, 2, 4 or 8 (its tensor's element size; 1 outside tensors)")
             if c.size > MAX_CHUNK_BYTES:
-                raise InvalidRequest(f"malformed manifest: {f.path}: a chunk of {c.size} bytes at offset {pos}, "
+                raise InvalidRequest(f"malformed manifest: {path}: a chunk of {c.size} bytes at offset {pos}, "
                                      f"over the {MAX_CHUNK_BYTES} byte limit")
             pos += c.size
         if pos != f.size:
-            raise InvalidRequest(f"malformed manifest: {f.path}: chunks cover {pos} of {f.size} bytes")
+            raise InvalidRequest(f"malformed manifest: {path}: chunks cover {pos} of {f.size} bytes")
         starts = {c.offset for c in f.chunks} | {f.size}
         if f.kind == BLOB and f.tensors:
-            raise InvalidRequest(f"malformed manifest: {f.path}: a side file cannot hold tensors")
+            raise InvalidRequest(f"malformed manifest: {path}: a side file cannot hold tensors")
         for t in f.tensors:
-            if t.dtype not in DTYPE_SIZES or t.start not in starts or t.end not in starts or t.start > t.end:
-                raise InvalidRequest(f"malformed manifest: {f.path}: tensor {t.name!r} is not on chunk boundaries")
+            if t.dtype not in DTYPE_SIZES:
+                raise InvalidRequest(f"malformed manifest: {path}: tensor {shown(t.name, 80)} has unknown dtype "
+                                     f"{shown(t.dtype, 20)}: use one of {', '.join(DTYPE_SIZES)}")
+            if t.start not in starts or t.end not in starts or t.start > t.end:
+                raise InvalidRequest(f"malformed manifest: {path}: tensor {shown(t.name, 80)} is not on chunk "
+                                     f"boundaries (bytes {t.start} to {t.end}): it must start and end where chunks do")
         if f.kind == SAFETENSORS and not f.chunks:
-            raise InvalidRequest(f"malformed manifest: {f.path}: a safetensors file without a header chunk")
+            raise InvalidRequest(f"malformed manifest: {path}: a safetensors file without a header chunk")
     return m
+
+
+_FIELDS = ("format", "single_file", "files")
+_FILE_FIELDS = ("path", "kind", "size", "sha256", "chunks", "tensors")
+_CHUNK_ROW = ("id", "offset", "size", "itemsize")
+_TENSOR_ROW = ("name", "dtype", "shape", "start", "end")
+
+
+def _check_shape(doc: object) -> None:
+    """A client's document holds format 1's fields in its JSON types, so that from_doc (which reads
+    stored documents, written by this code) takes it whole. Each refusal names the field, as a path
+    into the document (files[0].chunks[3]), quotes the value and says what it must be: a client's
+    bug is named, not reported as the Python error that reading it would raise."""
+    from registry.errors import InvalidRequest, shown
+
+    def bad(what: str) -> InvalidRequest:
+        return InvalidRequest(f"malformed manifest: {what}")
+
+    def count(value: object, where: str) -> None:
+        if type(value) is not int or value < 0:  # not bool (true is an int to Python), nor 4096.0
+            raise bad(f"{where} must be a non-negative integer, not {shown(value, 40)}")
+
+    def text(value: object, where: str) -> None:
+        if not isinstance(value, str):
+            raise bad(f"{where} must be a string, not {shown(value, 40)}")
+
+    def rows(value: object, where: str, row: tuple[str, ...]) -> list:
+        shape = f"[{', '.join(row)}]"
+        if not isinstance(value, list):
+            raise bad(f"{where} must be a list of {shape} rows, not {shown(value, 40)}")
+        for k, r in enumerate(value):
+            if not isinstance(r, list) or len(r) != len(row):
+                raise bad(f"{where}[{k}] must be a list {shape}, not {shown(r, 40)}")
+        return value
+
+    if not isinstance(doc, dict):
+        raise bad(f"the manifest must be a JSON object with {', '.join(_FIELDS)}, not {shown(doc, 40)}")
+    # the format first: another format's document may be shaped otherwise
+    if "format" not in doc:
+        raise bad(f"no 'format': a manifest says \"format\": {FORMAT}, the format this server reads")
+    if doc["format"] != FORMAT or isinstance(doc["format"], bool):
+        raise bad(f"format {str(doc['format'])[:20]!r}: this server reads format {FORMAT}; upgrade the server, "
+                  "or push with a client of its release")
+    # from_doc would take "single_file": "false" for true
+    if not isinstance(doc.get("single_file"), bool):
+        raise bad("single_file must be true or false")
+    if "files" not in doc:
+        raise bad(f"no 'files': a manifest lists its files, each an object with {', '.join(_FILE_FIELDS)}")
+    files = doc["files"]
+    if not isinstance(files, list):
+        raise bad(f"files must be a list of file objects ({', '.join(_FILE_FIELDS)}), not {shown(files, 40)}")
+    for i, f in enumerate(files):
+        at = f"files[{i}]"
+        if not isinstance(f, dict):
+            raise bad(f"{at} must be an object with {', '.join(_FILE_FIELDS)}, not {shown(f, 40)}")
+        for key in _FILE_FIELDS:
+            if key not in f:
+                raise bad(f"{at} has no {key!r}: a file has {', '.join(_FILE_FIELDS)}")
+        text(f["path"], f"{at}.path")
+        text(f["kind"], f"{at}.kind")
+        count(f["size"], f"{at}.size")
+        for k, (_id, offset, size, itemsize) in enumerate(rows(f["chunks"], f"{at}.chunks", _CHUNK_ROW)):
+            for name, value in zip(_CHUNK_ROW[1:], (offset, size, itemsize)):
+                count(value, f"{at}.chunks[{k}] {name}")
+        for k, (name, dtype, shape, start, end) in enumerate(rows(f["tensors"], f"{at}.tensors", _TENSOR_ROW)):
+            where = f"{at}.tensors[{k}]"
+            text(name, f"{where} name")
+            text(dtype, f"{where} dtype")
+            if not isinstance(shape, list) or any(type(d) is not int or d < 0 for d in shape):
+                raise bad(f"{where} shape must be a list of non-negative integers, not {shown(shape, 40)}")
+            count(start, f"{where} start")
+            count(end, f"{where} end")
 
 
 def _check_no_file_above_another(m: Manifest) -> None:

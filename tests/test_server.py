@@ -1098,6 +1098,49 @@ def test_a_manifest_that_could_never_be_pulled_or_says_other_types_is_refused(se
     assert r.status_code == 201, r.text  # the same chunk, as a manifest that can be pulled
 
 
+def test_a_manifest_of_the_wrong_shape_is_refused_naming_the_field(servers, server_env, fam):
+    """Manifests of the wrong shape were refused in Python's words ("KeyError 'files'", "TypeError
+    string indices must be integers", "ValueError not enough values to unpack"), and an unknown
+    dtype or itemsize as cuts that are off. Each 400 now names the field, quotes the value and
+    says what it must be, at negotiation and at commit, and nothing is stored."""
+    (srv,) = servers(1)
+    admin = {"Authorization": f"Bearer {token(server_env, 'admin')}"}
+    good = hash_source(open_source(fam["base"]), 64 << 10, NullProgress()).to_doc()
+    head = good["files"][0]
+
+    def with_file(**changes) -> dict:
+        return {**good, "files": [{**head, **changes}]}
+
+    tensors = head["tensors"]
+    chunks = head["chunks"]
+    cases = [
+        ({}, "malformed manifest: no 'format': a manifest says \"format\": 1"),
+        ({"format": 1, "single_file": True}, "malformed manifest: no 'files': a manifest lists its files"),
+        ({**good, "files": "abc"}, "files must be a list of file objects (path, kind, size, sha256, chunks, tensors), not 'abc'"),
+        ({**good, "files": [1]}, "files[0] must be an object with path, kind, size, sha256, chunks, tensors, not 1"),
+        (with_file(chunks="abcd"), "files[0].chunks must be a list of [id, offset, size, itemsize] rows, not 'abcd'"),
+        (with_file(chunks=["abcd"]), "files[0].chunks[0] must be a list [id, offset, size, itemsize], not 'abcd'"),
+        (with_file(size="1"), "files[0].size must be a non-negative integer, not '1'"),
+        (with_file(tensors=[[tensors[0][0], tensors[0][1], 5, *tensors[0][3:]], *tensors[1:]]),
+         "files[0].tensors[0] shape must be a list of non-negative integers, not 5"),
+        (with_file(tensors=[[tensors[0][0], "F99", *tensors[0][2:]], *tensors[1:]]),
+         f"tensor {tensors[0][0]!r} has unknown dtype 'F99': use one of BOOL, U8"),
+        (with_file(chunks=[chunks[0], [*chunks[1][:3], 3], *chunks[2:]]),
+         f"chunk 1 at offset {chunks[1][1]} has itemsize 3: use 1, 2, 4 or 8"),
+        (with_file(path=7), "files[0].path must be a string, not 7"),
+        (with_file(kind="pickle"), "bad kind or sha256: kind 'pickle' is not 'safetensors' or 'blob'"),
+    ]
+    for doc, says in cases:
+        for route in ("negotiate", "commit"):
+            r = httpx.post(f"{srv.url}/v1/families/fam/versions/v1/{route}", json={"manifest": doc}, headers=admin)
+            detail = r.json()["detail"]
+            assert r.status_code == 400 and says in detail and "\n" not in detail, (route, says, r.text)
+            assert "Error" not in detail and len(detail) < 300, detail
+    assert bucket_keys(server_env) == []
+    r = httpx.post(f"{srv.url}/v1/families/fam/versions/v1/negotiate", json={"manifest": good}, headers=admin)
+    assert r.status_code == 200, r.text  # the same manifest, whole
+
+
 def test_a_chunked_request_cut_short_by_the_client_is_not_carried_out(servers, server_env):
     """A commit sent with chunked transfer whose client closes before the last chunk was replayed
     to the route as if whole, and the version appeared; it is dropped now, and no traceback is logged."""
