@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
+from starlette.routing import Match, Route
 
 from registry import errors as e
+from registry.errors import shown
 
 STATUS: list[tuple[type[e.RegistryError], int]] = [
     (e.InvalidName, 400),
@@ -38,10 +42,10 @@ def status_for(exc: e.RegistryError) -> int:
 MAX_DETAIL = 1000
 
 
-def problem(status: int, code: str, detail: str) -> JSONResponse:
+def problem(status: int, code: str, detail: str, headers: Mapping[str, str] | None = None) -> JSONResponse:
     if len(detail) > MAX_DETAIL:
         detail = f"{detail[:MAX_DETAIL - 300]} [...] {detail[-250:]}"
-    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    headers = {**(headers or {}), **({"WWW-Authenticate": "Bearer"} if status == 401 else {})}
     return JSONResponse(
         {"type": f"urn:mfsreg:{code}", "title": code.replace("_", " "), "status": status, "detail": detail},
         status_code=status, media_type="application/problem+json", headers=headers,
@@ -64,11 +68,27 @@ def install(app: FastAPI) -> None:
         return problem(422, "invalid_request", _validation_detail(req, exc.errors()[0] if exc.errors() else {}))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_req: Request, exc: StarletteHTTPException):
+    async def _http(req: Request, exc: StarletteHTTPException):
         if exc.status_code == 400 and exc.detail == _UNPARSED:  # FastAPI's words for any failure to parse
             return problem(400, "invalid_request", "the request body could not be read as JSON (bad UTF-8, nested too "
                                                    "deep, or a number too long): send a plain JSON object")
-        return problem(exc.status_code, "http_error", str(exc.detail))
+        # the exception's headers are part of the answer: a 405's Allow says which methods to use
+        headers, detail = dict(exc.headers or {}), str(exc.detail)
+        allow = (_allowed(req) or headers.get("Allow")) if exc.status_code == 405 else None
+        if allow:
+            headers["Allow"] = allow
+            detail = f"method {shown(req.method, 20)} is not allowed on this path: use {allow}"
+        return problem(exc.status_code, "http_error", detail, headers)
+
+
+def _allowed(req: Request) -> str:
+    """Every method some route takes on this path: Starlette's Allow names only the first route's,
+    and a path served by two (GET and DELETE of a version) would be told one."""
+    methods: set[str] = set()
+    for route in req.app.router.routes:
+        if isinstance(route, Route) and route.matches(req.scope)[0] == Match.PARTIAL:
+            methods |= route.methods or set()
+    return ", ".join(sorted(methods))
 
 
 _UNPARSED = "There was an error parsing the body"

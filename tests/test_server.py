@@ -1015,6 +1015,24 @@ def test_prune_over_http(servers, server_env, fam, tmp_path):
     assert filecmp.cmp(out, fam["base"], shallow=False)
 
 
+def test_a_method_a_path_does_not_take_is_answered_with_the_methods_it_does(servers, server_env):
+    """A 405 came without its Allow header (the error handler dropped the exception's headers), and
+    said only "Method Not Allowed". It carries Allow now, naming every method of the path (Starlette
+    names only its first route's: a version's GET, not its DELETE), and the detail says the same."""
+    (srv,) = servers(1)
+    admin = {"Authorization": f"Bearer {token(server_env, 'admin')}"}
+    for method, path, allow in (
+        ("GET", "/v1/prune", "POST"),
+        ("PUT", "/v1/families/fam/versions/v1", "DELETE, GET"),
+        ("GET", "/v1/families/fam/versions/v1/commit", "POST"),
+        ("DELETE", "/v1/families/fam/chunks", "GET, POST"),
+    ):
+        r = httpx.request(method, srv.url + path, headers=admin)
+        assert r.status_code == 405 and r.headers.get("allow") == allow, (path, r.headers, r.text)
+        assert r.json()["detail"] == f"method {method!r} is not allowed on this path: use {allow}", r.text
+        assert r.headers["content-type"].startswith("application/problem+json")
+
+
 def test_a_query_parameter_a_route_does_not_take_or_given_twice_is_refused(servers, server_env, fam):
     """`POST /v1/prune?dry-run=true` (a typo) ran a real prune, and so did
     `?dry_run=true&dry_run=false` (the last value won); `?Tier=base` listed every tier. Each is a
