@@ -193,6 +193,17 @@ def check_cut(manifest: Manifest, family: str, chunk_size: int) -> None:
                        f"again with a client that reads the family's size, or with MFSREG_CHUNK_SIZE={chunk_size}")
 
 
+def check_new_cut(family: str, cut: int | None) -> None:
+    """A new family takes the size its first version's manifest was cut at (Manifest.cut_size, for a
+    client that names none): one no family may have is refused, naming it, rather than creating the
+    family at this registry's size and refusing the push as cut otherwise than that (a 409 about a
+    family that does not exist yet). Such cuts match no family's, so nothing that could commit is lost."""
+    if cut is not None and not MIN_CHUNK_SIZE <= cut <= MAX_CHUNK_SIZE:
+        raise InvalidRequest(f"the manifest is cut in chunks of {cut:,} bytes, which new family {family!r} would take: "
+                             f"a chunk size is {MIN_CHUNK_SIZE:,} to {MAX_CHUNK_SIZE:,} bytes; cut it at one of them "
+                             "(MFSREG_CHUNK_SIZE)")
+
+
 def check_named_cut(manifest: Manifest, chunk_size: int | None) -> None:
     """A manifest that names the chunk size it was cut at must be cut at it."""
     if chunk_size is not None and not manifest.follows_chunk_size(chunk_size):
@@ -237,11 +248,12 @@ def commit_version(reg, family: str, version: str, parent: str | None, manifest:
     first by someone else (then the caller compares digests).
     """
     check_named_cut(manifest, chunk_size)
-    cut = chunk_size if chunk_size is not None else manifest.cut_size()  # a size the manifest follows, or None
-    if cut is not None and not MIN_CHUNK_SIZE <= cut <= MAX_CHUNK_SIZE:
-        cut = None  # a tiny file's cuts say nothing of the size (a 10-byte blob cut 3/3/3/1): not a family's
+    read = chunk_size if chunk_size is not None else manifest.cut_size()  # a size the manifest follows, or None
+    cut = read if read is not None and MIN_CHUNK_SIZE <= read <= MAX_CHUNK_SIZE else None  # no family's otherwise
     with write_tx(reg.engine) as conn:
         exclude_prune(conn)  # the chunks checked below stay until this commit is in
+        if cut != read and version_db.find_family(conn, family) is None:
+            check_new_cut(family, read)
         fam = version_db.lock_family(conn, family, cut or reg.settings.chunk_size)
         existing = version_db.find_version(conn, family, version)
         if existing is not None:

@@ -25,8 +25,8 @@ from registry.db import versions as version_db
 from registry.db.engine import read_tx, write_tx
 from registry.errors import IntegrityError, InvalidModel, InvalidRequest, NotFound, StorageError, TooLarge, shown
 from registry.deltas import BasisReader, cap_depth
-from registry.ingest import (check_cut, check_named_cut, check_parent, check_push_names, commit_version, existing_result,
-                             plan_deltas, store_chunks, stored_for, stored_layout)
+from registry.ingest import (check_cut, check_named_cut, check_new_cut, check_parent, check_push_names, commit_version,
+                             existing_result, plan_deltas, store_chunks, stored_for, stored_layout)
 from registry.parallel import windowed_map
 from registry.results import PushResult, timestamp
 from registry.manifest import MAX_CHUNK_BYTES, SAFETENSORS, Manifest, parse_doc
@@ -61,8 +61,11 @@ def negotiate(reg, family: str, version: str, doc: object, parent: str | None = 
         fam = version_db.find_family(conn, family)
         missing = chunk_db.missing_ids(conn, ids)
         missing |= access.unproven(conn, who, family, [i for i in ids if i not in missing])
-    if fam is not None and existing is None:
-        check_cut(manifest, family, fam.chunk_size)  # before anything is uploaded
+    # before anything is uploaded
+    if fam is None:
+        check_new_cut(family, manifest.cut_size())
+    elif existing is None:
+        check_cut(manifest, family, fam.chunk_size)
     bases, _ = plan_deltas(reg, family, parent, [(f.chunks, f.tensors) for f in manifest.files], ids, missing)
     return {
         "bases": bases,
@@ -219,6 +222,8 @@ def commit(reg, family: str, version: str, parent: str | None, doc: object, chun
             return False
         if fam is not None:
             check_cut(manifest, family, fam.chunk_size)
+        elif chunk_size is None:
+            check_new_cut(family, manifest.cut_size())
         stored_for(conn, family, version, manifest, lambda c, ids: access.unproven(c, who, family, ids))
         return True
 

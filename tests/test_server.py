@@ -266,17 +266,33 @@ def test_malformed_requests_get_a_400_and_store_nothing(servers, server_env, fam
     for age in ("inf", "1e300"):
         r = httpx.post(f"{srv.url}/v1/prune", params={"min_age": age, "dry_run": "true"}, headers=admin)
         assert r.status_code == 400 and "min age" in r.json()["detail"], r.text
-    # a commit without chunk_size whose cuts imply a size out of range starts no family at that size
+    # a negotiation or commit without chunk_size whose cuts imply a size out of range starts no
+    # family: a 400 naming the size read off the cuts (it was accepted at negotiation, and refused
+    # at commit with a 409 saying the family that did not exist was cut at 2 MiB)
     parts = [b"xxx", b"x"]
     r = httpx.post(f"{srv.url}/v1/families/tiny/chunks", headers=admin,
                    content=build_batch([(Entry(chunk_id(b), len(b), "raw", len(b)), b) for b in parts]))
     assert r.status_code == 200, r.text
-    cuts = [[chunk_id(b"xxx"), o, 3, 1] for o in (0, 3, 6)] + [[chunk_id(b"x"), 9, 1, 1]]
-    tiny = {"format": 1, "single_file": False, "files": [{"path": "t.bin", "kind": "blob", "size": 10,
-            "sha256": hashlib.sha256(b"x" * 10).hexdigest(), "chunks": cuts, "tensors": []}]}
-    r = httpx.post(f"{srv.url}/v1/families/tiny/versions/v1/commit", json={"manifest": tiny}, headers=admin)
-    assert r.status_code == 409 and "is cut in chunks of 2,097,152 bytes" in r.json()["detail"], r.text
+
+    def blob(cuts: list, size: int = 10) -> dict:
+        return {"format": 1, "single_file": False, "files": [{"path": "t.bin", "kind": "blob", "size": size,
+                "sha256": hashlib.sha256(b"x" * size).hexdigest(), "chunks": cuts, "tensors": []}]}
+
+    for doc, read in ((blob([[chunk_id(b"xxx"), o, 3, 1] for o in (0, 3, 6)] + [[chunk_id(b"x"), 9, 1, 1]]), 3),
+                      (blob([[chunk_id(b"x"), o, 1, 1] for o in range(10)]), 1)):
+        for route in ("negotiate", "commit"):
+            r = httpx.post(f"{srv.url}/v1/families/tiny/versions/v1/{route}", json={"manifest": doc}, headers=admin)
+            assert r.status_code == 400, (route, r.text)
+            assert (f"the manifest is cut in chunks of {read} bytes, which new family 'tiny' would take: a chunk "
+                    "size is 4,096 to 268,435,456 bytes" in r.json()["detail"]), (route, r.text)
     assert httpx.get(f"{srv.url}/v1/families/tiny", headers=admin).status_code == 404
+    # cuts of no family's size, sent to one that exists, are told that family's size (a 409)
+    r = httpx.post(f"{srv.url}/v1/families/tiny/versions/v1/commit", json={"manifest": blob([[chunk_id(b"xxx"), 0, 3, 1]], 3)},
+                   headers=admin)
+    assert r.status_code == 201, r.text  # one chunk: cut at no size in particular, the family takes 2 MiB
+    for route in ("negotiate", "commit"):
+        r = httpx.post(f"{srv.url}/v1/families/tiny/versions/v2/{route}", json={"manifest": doc}, headers=admin)
+        assert r.status_code == 409 and "is cut in chunks of 2,097,152 bytes" in r.json()["detail"], (route, r.text)
     proc = mfsreg("push", fam["lora-chat"], "--family", "fam", "--version", "v2", "--parent", "nope",
                   env=client_env(tmp_path, srv.url, token(server_env, "push")), check=False)
     assert proc.returncode == 2 and "parent version fam/nope does not exist" in proc.stderr, proc.stderr
