@@ -92,15 +92,15 @@ def prune(
         limit = parse_size(max_size) if max_size else default_max_bytes()
     except (ValueError, OverflowError):
         raise InvalidRequest(f"--max-size {max_size!r} is not a size: use bytes or a suffix K, M, G") from None
-    if limit is None:
-        raise InvalidRequest("no limit to prune to: give --max-size or set MFSREG_CACHE_MAX")
     if (none := missing_cache_stats()) is not None:  # a mistyped MFSREG_CACHE_DIR stays as it was
         if json_:
             emit_json({"removed": 0, "freed_bytes": 0, "bytes": 0, "temp_files_removed": 0, "unrecorded_files_found": 0})
         else:
             typer.echo(f"{none['path']}: no cache there yet, nothing to prune")
         return
-    cache = NodeCache()
+    cache = NodeCache()  # a damaged index is reported first, whatever the limit
+    if limit is None:
+        raise InvalidRequest("no limit to prune to: give --max-size or set MFSREG_CACHE_MAX")
     orphans = cache.record_orphans()
     removed, freed = cache.evict(limit)
     temps = cache.sweep_temps()
