@@ -189,17 +189,16 @@ def parse_doc(doc: object, draft: bool = False) -> Manifest:
             raise InvalidRequest(f"malformed manifest: unsafe or repeated path {shown(f.path, 200)}")
         seen.add(f.path)
         path = shown(f.path, 200)
+        bad_file = f"malformed manifest: {path}: bad kind or sha256"
         # a node names files in its cache by this digest: 64 lowercase hex digits and nothing else
         digest_ok = (isinstance(f.sha256, str) and _SHA256.fullmatch(f.sha256) is not None) or (draft and f.sha256 is None)
         if f.kind not in (SAFETENSORS, BLOB):
-            raise InvalidRequest(f"malformed manifest: {path}: bad kind or sha256: kind {shown(f.kind, 40)} is "
-                                 f"not {SAFETENSORS!r} or {BLOB!r}")
+            raise InvalidRequest(f"{bad_file}: kind {shown(f.kind, 40)} is not {SAFETENSORS!r} or {BLOB!r}")
         if not digest_ok and f.sha256 is None:
-            raise InvalidRequest(f"malformed manifest: {path}: bad kind or sha256: sha256 is null: a commit needs "
-                                 "each file's digest (only a negotiation takes a draft)")
+            raise InvalidRequest(f"{bad_file}: sha256 is null: a commit needs each file's digest (only a negotiation "
+                                 "takes a draft)")
         if not digest_ok:
-            raise InvalidRequest(f"malformed manifest: {path}: bad kind or sha256: sha256 {shown(f.sha256, 80)} is "
-                                 "not 64 lowercase hex digits")
+            raise InvalidRequest(f"{bad_file}: sha256 {shown(f.sha256, 80)} is not 64 lowercase hex digits")
         pos = 0
         for k, c in enumerate(f.chunks):
             check_id(c.id)

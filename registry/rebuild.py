@@ -123,7 +123,8 @@ def _stray_weights(out: Path, manifest: Manifest) -> PurePosixPath | None:
     mine = {safe_relpath(f.path) for f in manifest.files}
     for folder in sorted({PurePosixPath()} | {p.parent for p in mine}):
         try:
-            entries = list(os.scandir(out.joinpath(*folder.parts)))
+            with os.scandir(out.joinpath(*folder.parts)) as it:
+                entries = list(it)
         except (FileNotFoundError, NotADirectoryError):
             continue
         for e in sorted(entries, key=lambda e: e.name):
