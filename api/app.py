@@ -19,6 +19,7 @@ from api import errors
 from api.auth import Authenticate, principal
 from api.limits import BodyLimit, read_body
 from api.query import strict_query
+from api.streams import broken_off
 from api.schemas import (
     CommitRequest, DeleteResultModel, DownloadRequest, FamilyModel, NegotiateRequest, NegotiateResponse,
     PruneResultModel, PushResultModel, UploadResponse, VersionModel,
@@ -158,7 +159,8 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
         who.require("read", family)
         reg = reg_of(request)
         chunks = service.plan_download(reg, family, body.ids)
-        return StreamingResponse(service.stream_chunks(reg, chunks), media_type="application/octet-stream")
+        stream = broken_off(service.stream_chunks(reg, chunks), f"download of {len(chunks)} chunks of family {family}")
+        return StreamingResponse(stream, media_type="application/octet-stream")
 
     @app.get("/v1/stats", tags=["read"])
     def stats(request: Request, family: str | None = Query(None), who: Principal = Depends(principal)) -> dict:

@@ -18,7 +18,7 @@ import struct
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-from registry.errors import InvalidRequest, shown
+from registry.errors import InvalidRequest, StorageError, shown
 
 MAX_INDEX_BYTES = 16 << 20
 # An upload batch's chunks may add up to this many times the server's body limit once decoded: the
@@ -124,6 +124,10 @@ def parse_batch(data: bytes) -> Iterator[tuple[Entry, memoryview]]:
         pos += e.length
 
 
+class StreamBrokeOff(StorageError):
+    """A streamed batch ended before the bytes its index promised."""
+
+
 def read_stream(chunks: Iterator[bytes]) -> Iterator[tuple[Entry, bytes]]:
     """Parse a streamed batch (an iterator of byte pieces) as payloads arrive."""
     buf = bytearray()
@@ -133,7 +137,8 @@ def read_stream(chunks: Iterator[bytes]) -> Iterator[tuple[Entry, bytes]]:
         while len(buf) < n:
             piece = next(it, None)
             if piece is None:
-                raise InvalidRequest("chunk stream ended early: the connection broke, retry")
+                # never the reader's mistake: the sender broke it off (its store failed), or the link did
+                raise StreamBrokeOff("chunk stream ended early")
             buf.extend(piece)
 
     fill(4)

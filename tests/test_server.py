@@ -1198,3 +1198,32 @@ def test_a_chunked_request_cut_short_by_the_client_is_not_carried_out(servers, s
     assert httpx.get(f"{srv.url}/v1/families/fam/versions/cut", headers={"Authorization": f"Bearer {tok}"}).status_code == 404
     srv.log.flush()
     assert "Traceback" not in Path(srv.log.name).read_text()
+
+
+def test_an_s3_endpoint_that_dies_mid_download_is_one_line_on_both_sides(server_env, fam, tmp_path):
+    """S3 breaks off while the server streams a batch (the index already sent): the node says the
+    download broke (exit 5, one line) and the server's log says why in one line, no traceback."""
+    from urllib.parse import urlsplit
+
+    from tests.faults import CutProxy
+    from tests.server import Server
+
+    s3 = urlsplit(server_env["MFSREG_S3_ENDPOINT_URL"])
+    proxy = CutProxy((s3.hostname, s3.port))
+    srv = Server(dict(server_env, MFSREG_S3_ENDPOINT_URL=proxy.url), tmp_path / "server.log")
+    try:
+        env = client_env(tmp_path, srv.url, token(server_env, "admin"))
+        mfsreg("push", fam["base"], "--family", "fam", "--version", "base", env=env)
+        proxy.arm(256 << 10)  # a quarter of a pack's bytes, then the endpoint is gone
+        out = tmp_path / "base.out"
+        proc = mfsreg("pull", "fam", "base", "-o", out, env=env, check=False)
+        assert proc.returncode == 5 and proc.stderr.count("\n") == 1, proc.stderr
+        assert "broke" in proc.stderr and "run the pull again" in proc.stderr, proc.stderr
+        assert not out.exists()
+    finally:
+        srv.stop()
+        proxy.close()
+    log = (tmp_path / "server.log").read_text()
+    assert "Traceback" not in log, log[-3000:]
+    lines = [line for line in log.splitlines() if "download" in line]
+    assert len(lines) == 1 and "fam" in lines[0] and "S3" in lines[0], log[-3000:]

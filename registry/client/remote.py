@@ -32,7 +32,7 @@ from registry.progress import NullProgress, Progress
 from registry.results import DeleteResult, FamilyRow, PruneResult, PushResult, VersionRow, existing_result
 from registry.source import open_source
 from registry.tiers import TIERS
-from registry.wire import RAW_PER_BODY, Entry, build_batch, check_id, read_stream
+from registry.wire import RAW_PER_BODY, Entry, StreamBrokeOff, build_batch, check_id, read_stream
 
 UPLOAD_BATCH = 32 << 20  # bytes of payload per upload request: well under the server's body limit (MFSREG_UPLOAD_BATCH)
 UPLOAD_INFLIGHT = 2  # upload requests at once
@@ -318,6 +318,9 @@ class RemoteRegistry:
                     yield StoredChunk(entry.id, entry.size, entry.encoding, entry.length, "", 0, entry.basis_id), payload
         except httpx.TransportError as exc:
             raise StorageError(f"connection to {self.url} broke during a download ({exc.__class__.__name__}): run the pull again") from None
+        except StreamBrokeOff:
+            raise StorageError(f"{self.url} broke off a download (its log says why, e.g. its blob store failed): "
+                               "run the pull again") from None
 
     def pull(self, family: str, version: str, out: Path, progress: Progress | None = None,
              to_dir: bool = False, cache=None) -> rebuild.PullResult:
