@@ -85,13 +85,13 @@ def prune(
     and remove temp files that killed writers left (older than an hour). Files a killed writer left
     unrecorded are counted (and evictable) from here on."""
     from registry.client.cache import NodeCache, default_max_bytes, missing_cache_stats
-    from registry.config import parse_size
+    from registry.config import SIZE_HINT, parse_size
     from registry.errors import InvalidRequest
 
     try:
         limit = parse_size(max_size) if max_size else default_max_bytes()
     except (ValueError, OverflowError):
-        raise InvalidRequest(f"--max-size {max_size!r} is not a size: use bytes or a suffix K, M, G") from None
+        raise InvalidRequest(f"--max-size {max_size!r} is not a size: {SIZE_HINT}") from None
     if (none := missing_cache_stats()) is not None:  # a mistyped MFSREG_CACHE_DIR stays as it was
         if json_:
             emit_json({"removed": 0, "freed_bytes": 0, "bytes": 0, "temp_files_removed": 0, "unrecorded_files_found": 0})

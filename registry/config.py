@@ -40,15 +40,18 @@ def _size(env: dict, name: str, default: int) -> int:
     try:
         value = parse_size(raw)
     except (ValueError, OverflowError):
-        raise InvalidRequest(f"{name}={raw!r} is not a size: use bytes or a suffix K, M, G") from None
+        raise InvalidRequest(f"{name}={raw!r} is not a size: {SIZE_HINT}") from None
     return value
 
 
+SIZE_HINT = "give 1 byte or more, as bytes or with a suffix K, M, G or T (binary: 1K = 1024), e.g. 20G"
+
+
 def parse_size(text: str) -> int:
-    """Parse '1048576', '1M', '64KiB', '2G' into bytes."""
+    """Parse '1048576', '1M', '64KiB', '2G', '1T' into bytes."""
     t = text.strip().upper().removesuffix("B").removesuffix("I")
     mult = 1
-    for suffix, m in (("K", 1 << 10), ("M", 1 << 20), ("G", 1 << 30)):
+    for suffix, m in (("K", 1 << 10), ("M", 1 << 20), ("G", 1 << 30), ("T", 1 << 40)):
         if t.endswith(suffix):
             t, mult = t[:-1], m
             break

@@ -31,6 +31,7 @@ from registry.client.cache import NodeCache
 from registry.client.direct import taken as takes_direct
 from registry.client.remote import RemoteRegistry
 from registry.manifest import Manifest
+from registry.config import parse_size
 from registry.client.torch_loader import Node, _fetch_ahead, chunk_ids, layout
 from tests import synth
 from tests.cli_run import MFSREG, mfsreg, mfsreg_json
@@ -1446,3 +1447,17 @@ def test_a_node_pull_that_fails_partway_leaves_the_files_there_as_they_were(how,
     proc = mfsreg("pull", "dirs", "v2", how, tmp_path / "new" / "engine", env=env, check=False)
     assert proc.returncode == 5, proc.stderr
     assert not (tmp_path / "new").exists()  # the folders it made for the files went with them
+
+
+def test_cache_sizes_take_terabytes_and_say_what_a_size_is(tmp_path):
+    """A node cache of a terabyte or more was refused ('1T' is not a size); and '0' was refused as
+    'not a size' without saying that a size is at least a byte."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MFSREG_")}
+    env["MFSREG_CACHE_DIR"] = str(tmp_path / "c")
+    NodeCache(tmp_path / "c").close()
+    assert parse_size("1.5T") == 3 << 39
+    assert mfsreg_json("cache", "prune", "--max-size", "2T", env=env)["removed"] == 0
+    proc = mfsreg("cache", "prune", env=dict(env, MFSREG_CACHE_MAX="1.5T"), check=False)
+    assert proc.returncode == 0, proc.stderr
+    proc = mfsreg("cache", "prune", "--max-size", "0", env=env, check=False)
+    assert proc.returncode == 2 and "1 byte or more" in proc.stderr and "T" in proc.stderr, proc.stderr
