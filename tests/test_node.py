@@ -425,6 +425,76 @@ def test_resident_model_switch_copies_only_differing_chunks(published, fam):
         node.close()
 
 
+def _lose_pack_of(server_env: dict, chunk: str) -> str:
+    """Delete, on the server's blob store, the pack that holds ``chunk`` (storage that lost data)."""
+    from registry.blobs.packs import pack_key
+    from registry.config import Settings
+    from registry.registry import Registry
+
+    reg = Registry(Settings.from_env(server_env))
+    try:
+        pack_id = reg.locate([chunk])[chunk].pack_id
+        reg.blobs.delete(pack_key(pack_id))
+    finally:
+        reg.close()
+    return pack_id
+
+
+def test_a_switch_whose_fetch_fails_leaves_the_model_as_it_was(published, server_env, fam, tmp_path):
+    """A switch brings what it copies into the node cache before it touches a tensor: a chunk the
+    registry can no longer send leaves the model whole at its version (before, the grown embedding
+    was reallocated, empty, and .version still said base), in one line that says it was the switch."""
+    from registry.errors import StorageError
+
+    srv, env = published
+    node = Node(srv.url, env["MFSREG_TOKEN"], str(tmp_path / "cold"))
+    model = ResidentModel("fam", "base", node=node)
+    try:
+        have = set(chunk_ids(layout(model.info)))
+        victim = sorted(i for i in chunk_ids(layout(node.fetcher.version("fam", "vocab-ext"))) if i not in have)[-1]
+        _lose_pack_of(server_env, victim)
+        with pytest.raises(StorageError, match=r"^switch of fam to vocab-ext failed: .*storage lost data.*; "
+                                               r"nothing changed: the model still holds base$") as got:
+            model.switch("vocab-ext")
+        assert "\n" not in str(got.value)
+        assert model.version == "base" and model.info.version == "base"
+        _equal_to_file(model.tensors, fam["base"])
+    finally:
+        node.close()
+
+
+def test_a_switch_that_fails_while_copying_says_the_model_is_a_mix(published, server_env, fam):
+    """A cached chunk found damaged while a switch copies, and the registry unable to send it again:
+    the tensors are part old, part new, so .version is None (it said the old version) and the error
+    says to switch again; a switch after it refills every tensor."""
+    from registry.errors import StorageError
+
+    _, env = published
+    node = Node(env["MFSREG_URL"], env["MFSREG_TOKEN"], env["MFSREG_CACHE_DIR"])
+    model = ResidentModel("fam", "base", node=node)
+    try:
+        load_tensors("fam", "lora-chat", node=node)  # every chunk of lora-chat cached
+        have = set(chunk_ids(layout(model.info)))
+        victim = sorted(i for i in chunk_ids(layout(node.fetcher.version("fam", "lora-chat"))) if i not in have)[-1]
+        path = _cache_file(env, victim)
+        path.chmod(0o644)
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0x40
+        path.write_bytes(data)
+        _lose_pack_of(server_env, victim)
+        with pytest.raises(StorageError, match=r"^switch of fam to lora-chat stopped partway: .*storage lost data.*; "
+                                               r"the tensors are a mix of base and lora-chat, and \.version is None: "
+                                               r"switch again") as got:
+            model.switch("lora-chat")
+        assert "\n" not in str(got.value)
+        assert model.version is None and model.info is None
+        model.switch("base")  # every chunk of base is cached, whole
+        assert model.version == "base"
+        _equal_to_file(model.tensors, fam["base"])
+    finally:
+        node.close()
+
+
 def test_many_openers_of_a_new_cache_all_get_in(tmp_path):
     """Turning a new cache index to WAL needs the database to itself, and SQLite answered "database is
     locked" at once to whoever lost the race (two pulls starting together on a fresh node failed so).
@@ -628,8 +698,8 @@ def test_a_node_pull_whose_version_is_deleted_meanwhile_says_so(published, serve
 
 def test_a_load_or_switch_whose_version_is_deleted_meanwhile_says_so(published, server_env, fam, tmp_path):
     """Deleted as the node starts fetching its chunks: load_tensors and switch say that the version
-    went, not that chunks the caller never named are 'not part of family'; a resident model so
-    interrupted refills every tensor at its next switch."""
+    went, not that chunks the caller never named are 'not part of family'; a switch fetches before
+    it touches a tensor, so a resident model so interrupted still holds its version, whole."""
     from registry.errors import NotFound
 
     srv, env = published
@@ -650,9 +720,11 @@ def test_a_load_or_switch_whose_version_is_deleted_meanwhile_says_so(published, 
             load_tensors("fam", "lora-chat", node=node)
         model = ResidentModel("fam", "base", node=node)
         doomed.append("full-med")
-        with pytest.raises(NotFound, match="fam/full-med was deleted while it was being loaded: the tensors are part "
-                                           "base, part full-med; the next switch refills them"):
+        with pytest.raises(NotFound, match="fam/full-med was deleted while it was being switched to: nothing changed: "
+                                           "the model still holds base"):
             model.switch("full-med")
+        assert model.version == "base"
+        _equal_to_file(model.tensors, fam["base"])
         model.switch("vocab-ext")
         expected = load_file(str(fam["vocab-ext"]))
         assert model.tensors.keys() == expected.keys()

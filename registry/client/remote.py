@@ -317,10 +317,10 @@ class RemoteRegistry:
                     self.bytes_received += len(payload)
                     yield StoredChunk(entry.id, entry.size, entry.encoding, entry.length, "", 0, entry.basis_id), payload
         except httpx.TransportError as exc:
-            raise StorageError(f"connection to {self.url} broke during a download ({exc.__class__.__name__}): run the pull again") from None
+            raise StorageError(f"connection to {self.url} broke during a download ({exc.__class__.__name__}): try again") from None
         except StreamBrokeOff:
             raise StorageError(f"{self.url} broke off a download (its log says why, e.g. its blob store failed): "
-                               "run the pull again") from None
+                               "try again") from None
 
     def pull(self, family: str, version: str, out: Path, progress: Progress | None = None,
              to_dir: bool = False, cache=None) -> rebuild.PullResult:
