@@ -781,6 +781,47 @@ def test_cache_commands_need_a_registry_and_sane_sizes(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]
 
 
+def test_an_explicit_cache_dir_is_checked_as_mfsreg_cache_dir_is(tmp_path, monkeypatch):
+    """Node(cache_dir=...) and NodeCache(root) took any path as it came: '' and a relative one made
+    a cache in the directory the code ran from, '~/x' one in a folder named '~'. They are checked
+    as MFSREG_CACHE_DIR is (~ expands, the rest refused in one line); a space at the end of either
+    is refused too, and a relative XDG_CACHE_HOME is ignored, as the XDG spec has it."""
+    from registry.client.cache import default_cache_dir
+    from registry.errors import InvalidRequest
+
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    for env in ("MFSREG_CACHE_DIR", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(env, raising=False)
+    for bad, says in (("", "cache_dir='' is empty: give an absolute path"),
+                      ("rel/cache", "cache_dir='rel/cache' is not an absolute path"),
+                      (" ", "cache_dir=' ' is not an absolute path"),
+                      (f"{tmp_path}/c ", "starts or ends with a space"),
+                      ("~mfsreg-no-such-user/c", "user name this machine does not have")):
+        for make in (lambda: NodeCache(bad), lambda: Node("http://127.0.0.1:9", "t", bad)):
+            with pytest.raises(InvalidRequest, match=says) as got:
+                make()
+            assert "\n" not in str(got.value)
+    assert not list(work.iterdir()) and not (tmp_path / "c ").exists()
+    NodeCache("~/node-cache").close()
+    assert (tmp_path / "home" / "node-cache" / "index.db").exists()
+    monkeypatch.setenv("MFSREG_CACHE_DIR", f"{tmp_path}/e ")
+    with pytest.raises(InvalidRequest, match="MFSREG_CACHE_DIR=.* starts or ends with a space"):
+        NodeCache()
+    monkeypatch.delenv("MFSREG_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", "rel")
+    assert default_cache_dir() == tmp_path / "home" / ".cache" / "mfsreg"
+    monkeypatch.setenv("XDG_CACHE_HOME", f"{tmp_path}/xdg ")
+    with pytest.raises(InvalidRequest, match="XDG_CACHE_HOME=.* starts or ends with a space, .*: remove it, or set "
+                                             "MFSREG_CACHE_DIR"):
+        NodeCache()
+    monkeypatch.setenv("XDG_CACHE_HOME", f"{tmp_path}/xdg")
+    assert default_cache_dir() == tmp_path / "xdg" / "mfsreg"
+    assert not list(work.iterdir())
+
+
 def test_cache_commands_that_only_read_make_no_cache(tmp_path):
     """cache stats, unpin, prune and verify on a MFSREG_CACHE_DIR that is not there (mistyped): an
     empty answer (the pin refused), and no directory made (each made the whole tree, an empty cache)."""

@@ -1,6 +1,6 @@
 """The node cache: verified raw chunks on local disk, content-addressed and size-bounded.
 
-Layout under MFSREG_CACHE_DIR (default $XDG_CACHE_HOME/mfsreg, else ~/.cache/mfsreg):
+Layout under MFSREG_CACHE_DIR (default $XDG_CACHE_HOME/mfsreg where that is absolute, else ~/.cache/mfsreg):
   chunks/ab/<id>     raw chunk bytes (decoded and checked against the id before they are written),
                      read-only
   files/<sha256>     whole files materialised for engines (`pull --to-dir` hardlinks them)
@@ -40,14 +40,38 @@ STALE_TEMP_SECONDS = 3600  # temp files older than this were left by a writer th
 def default_cache_dir() -> Path:
     env = os.environ.get("MFSREG_CACHE_DIR")
     if env:
-        from registry.config import expand_user
+        return cache_root(env, "MFSREG_CACHE_DIR")
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    # The XDG spec: a relative path in XDG_CACHE_HOME is invalid and to be ignored (taken as it was,
+    # it named another cache in each directory a command ran from).
+    if xdg and os.path.isabs(xdg):
+        return _no_padding(xdg, "XDG_CACHE_HOME", ", or set MFSREG_CACHE_DIR") / "mfsreg"
+    return Path.home() / ".cache" / "mfsreg"
 
-        path = expand_user("MFSREG_CACHE_DIR", env)
-        if not path.is_absolute():  # a relative one (or ' ') named another cache in each directory a command ran from
-            raise InvalidRequest(f"MFSREG_CACHE_DIR={env!r} is not an absolute path: give one, e.g. /var/cache/mfsreg")
-        return path
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "mfsreg"
+
+def cache_root(value: str | os.PathLike, name: str = "cache_dir") -> Path:
+    """A node cache directory as a user gave it (MFSREG_CACHE_DIR, or cache_dir= of a Node), checked
+    the one way for both: ``~`` expands; an empty, relative or space-padded one is refused (a relative
+    one, or ' ', named another cache in each directory a command ran from; '/x ' made a directory
+    whose name ends in a space)."""
+    text = os.fsdecode(os.fspath(value))
+    if not text:
+        raise InvalidRequest(f"{name}='' is empty: give an absolute path, e.g. /var/cache/mfsreg"
+                             + ("" if name == "MFSREG_CACHE_DIR" else ", or leave it out to use MFSREG_CACHE_DIR"))
+    from registry.config import expand_user
+
+    path = expand_user(name, text)
+    if not path.is_absolute():
+        raise InvalidRequest(f"{name}={text!r} is not an absolute path: give one, e.g. /var/cache/mfsreg")
+    _no_padding(text, name)
+    return path
+
+
+def _no_padding(text: str, name: str, hint: str = "") -> Path:
+    if text != text.strip():
+        raise InvalidRequest(f"{name}={text!r} starts or ends with a space, which no directory is meant to: "
+                             f"remove it{hint}")
+    return Path(text)
 
 
 def default_max_bytes() -> int | None:
@@ -90,7 +114,7 @@ def _same_file(path: Path, seen: os.stat_result) -> bool:
 
 class NodeCache:
     def __init__(self, root: Path | None = None, max_bytes: int | None = None):
-        self.root = Path(root) if root is not None else default_cache_dir()
+        self.root = cache_root(root) if root is not None else default_cache_dir()
         self.max_bytes = max_bytes if max_bytes is not None else default_max_bytes()
         (self.root / "chunks").mkdir(parents=True, exist_ok=True)
         self._chunks = str(self.root / "chunks")
@@ -421,7 +445,7 @@ def missing_cache_stats(root: Path | None = None) -> dict | None:
     """``stats`` of the cache at ``root`` (default: MFSREG_CACHE_DIR's) where no cache is there yet,
     without making one (a command that only reads leaves a mistyped MFSREG_CACHE_DIR as it found
     it); None where the directory exists."""
-    root = Path(root) if root is not None else default_cache_dir()
+    root = cache_root(root) if root is not None else default_cache_dir()
     return None if root.exists() else _stats(root, default_max_bytes(), [], [])
 
 
