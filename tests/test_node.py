@@ -977,6 +977,92 @@ def test_a_directory_at_a_cached_chunks_name_is_found_by_verify(published, fam, 
     assert filecmp.cmp(tmp_path / "engine-b" / fam["lora-chat"].name, fam["lora-chat"], shallow=False)
 
 
+def test_a_cache_path_that_is_a_file_is_one_line(tmp_path):
+    """A cache directory that is a regular file, or has one above it or at its chunks/: the raw
+    NotADirectoryError or FileExistsError of mkdir reached the caller."""
+    from registry.errors import InvalidRequest
+
+    (tmp_path / "a-file").write_text("mine")
+    (tmp_path / "c" / "chunks").parent.mkdir()
+    (tmp_path / "c" / "chunks").write_text("mine")
+    for root, blocker in ((tmp_path / "a-file", tmp_path / "a-file"), (tmp_path / "a-file" / "deeper", tmp_path / "a-file"),
+                          (tmp_path / "c", tmp_path / "c" / "chunks")):
+        for make in (lambda: NodeCache(root), lambda: Node("http://127.0.0.1:9", "t", str(root))):
+            with pytest.raises(InvalidRequest, match=f"{blocker} is a file, not a directory: move it away") as got:
+                make()
+            assert "\n" not in str(got.value)
+    assert (tmp_path / "a-file").read_text() == "mine" and (tmp_path / "c" / "chunks").read_text() == "mine"
+
+
+def _mappable_and_not(node: Node, version: str) -> tuple[str, str]:
+    """A chunk of ``version`` that a CPU load maps into its tensor, and one it reads instead."""
+    pieces = [(span, p) for span, ps in layout(node.fetcher.version("fam", version)).values() for p in ps]
+
+    def maps(span, p) -> bool:
+        return p.start % mmap.PAGESIZE == 0 and p.chunk.size >= mmap.PAGESIZE and (
+            p.chunk.size % mmap.PAGESIZE == 0 or p.start + p.chunk.size == span.nbytes)
+
+    mapped = {p.chunk.id for span, p in pieces if maps(span, p)}
+    read = [p.chunk.id for span, p in pieces if not maps(span, p) and p.chunk.id not in mapped]
+    return sorted(mapped)[0], read[0]
+
+
+def test_a_fifo_or_directory_at_a_cached_chunks_name_is_damage_not_a_hang(published, fam, tmp_path):
+    """A fifo standing where a chunk's file goes made the mapping's open wait for a writer, forever
+    (a load hung), and a pull's; a directory there raised IsADirectoryError from read_into. A fifo
+    is now an entry to fetch again, written over; a directory is the one line a pull gives (`mfsreg
+    cache verify` removes it)."""
+    import signal
+
+    from registry.errors import StorageError
+
+    _, env = published
+    node = Node(env["MFSREG_URL"], env["MFSREG_TOKEN"], env["MFSREG_CACHE_DIR"])
+
+    def hung(*_):
+        raise TimeoutError("the load hung at a fifo in the node cache")
+
+    old = signal.signal(signal.SIGALRM, hung)
+    try:
+        load_tensors("fam", "lora-chat", node=node)
+        victims = _mappable_and_not(node, "lora-chat")
+        for verify in (False, True):
+            for victim in victims:
+                _cache_file(env, victim).unlink()
+                os.mkfifo(_cache_file(env, victim))
+            signal.alarm(60)
+            try:
+                _equal_to_file(load_tensors("fam", "lora-chat", node=node, verify=verify), fam["lora-chat"])
+            finally:
+                signal.alarm(0)
+            for victim in victims:
+                assert chunk_id(_cache_file(env, victim).read_bytes()) == victim
+        for victim in victims:  # a pull, the same
+            _cache_file(env, victim).unlink()
+            os.mkfifo(_cache_file(env, victim))
+        try:
+            proc = mfsreg("pull", "fam", "lora-chat", "-o", tmp_path / "pulled", env=env, timeout=60)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the pull hung at a fifo in the node cache")
+        assert proc.returncode == 0, proc.stderr
+        assert filecmp.cmp(tmp_path / "pulled", fam["lora-chat"], shallow=False)
+        for victim in victims:
+            assert chunk_id(_cache_file(env, victim).read_bytes()) == victim
+        for verify in (False, True):
+            for victim in victims:
+                path = _cache_file(env, victim)
+                if path.is_file():
+                    path.unlink()
+                    path.mkdir()
+            with pytest.raises(StorageError, match="a directory stands at that name in the node cache; `mfsreg cache "
+                                                   "verify` removes it") as got:
+                load_tensors("fam", "lora-chat", node=node, verify=verify)
+            assert "\n" not in str(got.value) and ".tmp" not in str(got.value)
+    finally:
+        signal.signal(signal.SIGALRM, old)
+        node.close()
+
+
 def test_a_damaged_cached_basis_is_fetched_again(published, fam, tmp_path):
     """A delta decodes against its basis from the node cache: a basis whose cache file rotted is
     dropped and fetched again, not trusted (every pull of the member would fail, blamed on the

@@ -17,8 +17,8 @@ through ctypes without it (same result). */
 #include <sys/stat.h>
 #include <unistd.h>
 
-/* Per file: mapped; not mapped, the slot untouched (missing, another size, unreadable); not mapped
-   after a failed MAP_FIXED, which may have unmapped the slot, and fresh anonymous memory put back
+/* Per file: mapped; not mapped, the slot untouched (missing, not a plain file, another size,
+   unreadable); not mapped after a failed MAP_FIXED, which may have unmapped the slot, and fresh anonymous memory put back
    there at once (before another thread's mmap could take the hole); or that too failed: the slot
    is a hole, and the caller must not use its tensor. */
 enum { MAPPED = 0, SKIPPED = 1, RESTORED = 2, HOLE = 3 };
@@ -27,8 +27,9 @@ PyDoc_STRVAR(map_files_doc,
     "map_files(addrs, sizes, paths) -> bytes\n\n"
     "Map each file of paths (exactly sizes[i] bytes) privately, readable and writable, at addrs[i]\n"
     "(MAP_FIXED), advised MADV_HUGEPAGE where the platform has it. One status byte per file:\n"
-    "0 mapped; 1 skipped (missing, another size, unreadable; the slot untouched); 2 the mapping\n"
-    "failed and fresh anonymous memory is back in the slot; 3 that failed too (the slot is a hole).");
+    "0 mapped; 1 skipped (missing, not a plain file, another size, unreadable; the slot untouched);\n"
+    "2 the mapping failed and fresh anonymous memory is back in the slot; 3 that failed too (the slot\n"
+    "is a hole).");
 
 static PyObject *map_files(PyObject *self, PyObject *args) {
     (void)self;
@@ -74,11 +75,14 @@ static PyObject *map_files(PyObject *self, PyObject *args) {
 #endif
     for (Py_ssize_t i = 0; i < n; i++) {
         status[i] = SKIPPED;
-        int fd = open(name[i], O_RDONLY | O_CLOEXEC);
+        /* O_NONBLOCK: a fifo at a chunk's name made the open wait for a writer forever; O_NOFOLLOW: a
+           link is no cache file (as registry/client/cache.py opens them) */
+        int fd = open(name[i], O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOFOLLOW);
         if (fd < 0) continue;
         struct stat st;
-        /* a short file would raise SIGBUS on first touch, not an error: its size is checked first */
-        if (fstat(fd, &st) == 0 && (size_t)st.st_size == len[i]) {
+        /* a short file would raise SIGBUS on first touch, not an error: its size is checked first;
+           anything but a plain file is skipped (the caller reads it, finds it missing, fetches it again) */
+        if (fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && (size_t)st.st_size == len[i]) {
             void *p = mmap((void *)at[i], len[i], PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_FIXED, fd, 0);
             if (p == (void *)at[i]) {
                 status[i] = MAPPED;

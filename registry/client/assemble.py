@@ -31,7 +31,7 @@ from concurrent.futures import Executor
 from pathlib import Path
 
 from registry.chunking import ChunkRef, chunk_hasher, chunk_id
-from registry.client.cache import NodeCache
+from registry.client.cache import NodeCache, open_plain
 from registry.client.direct import DirectFile
 from registry.durable import Placing, writing
 from registry.filecheck import BATCH_BYTES, CheckedFile, check_tiling, write_at
@@ -94,12 +94,13 @@ _MISSING, _DAMAGED, _PLACED = range(3)
 def _from_cache(cache: NodeCache, c: ChunkRef, place: Callable[[int], bool]) -> int:
     """Chunk ``c``'s cache file, open, handed to ``place(fd)``, which reads, checks and places it
     and says whether it passed: _PLACED, _DAMAGED, or _MISSING where the file is gone."""
+    path = cache.chunk_file(c.id)
+    opened = open_plain(path)
+    if opened is None:  # gone, or something that is not a plain file stands there (a fifo, a link)
+        return _DAMAGED if os.path.lexists(path) else _MISSING
+    src, st = opened
     try:
-        src = os.open(cache.chunk_file(c.id), os.O_RDONLY)
-    except FileNotFoundError:
-        return _MISSING
-    try:
-        if os.fstat(src).st_size != c.size:
+        if st.st_size != c.size:
             return _DAMAGED  # cache files appear whole (renamed into place): this one was changed
         return _PLACED if place(src) else _DAMAGED
     finally:

@@ -19,6 +19,7 @@ import errno
 import os
 import re
 import sqlite3
+import stat
 import threading
 import time
 import uuid
@@ -116,10 +117,10 @@ class NodeCache:
     def __init__(self, root: Path | None = None, max_bytes: int | None = None):
         self.root = cache_root(root) if root is not None else default_cache_dir()
         self.max_bytes = max_bytes if max_bytes is not None else default_max_bytes()
-        (self.root / "chunks").mkdir(parents=True, exist_ok=True)
+        _make_dir(self.root / "chunks")
         self._chunks = str(self.root / "chunks")
         self._index = self.root / "index.db"
-        (self.root / "files").mkdir(parents=True, exist_ok=True)
+        _make_dir(self.root / "files")
         self._local = threading.local()
         try:
             self._conn().executescript(_SCHEMA)  # idempotent; executescript manages its own transaction
@@ -170,24 +171,22 @@ class NodeCache:
         return self.root / "files" / sha256
 
     def has(self, chunk_id: str) -> bool:
-        return os.path.exists(self.chunk_file(chunk_id))
+        """Whether a plain file stands at the chunk's name (a directory, a link or a fifo there is no
+        cached chunk: it is fetched, and written over it)."""
+        return _plain(self.chunk_file(chunk_id))
 
     def get(self, chunk_id: str) -> bytes | None:
-        try:
-            return self.chunk_path(chunk_id).read_bytes()
-        except FileNotFoundError:
-            return None
+        got = _read_plain(self.chunk_file(chunk_id))
+        return got[0] if got is not None else None
 
     def get_verified(self, chunk_id: str) -> bytes | None:
         """A cached chunk's bytes if they hash to its id; a damaged or cut-short file is dropped (and
         None returned) so that it is fetched again. For bases of deltas: a bad basis would otherwise
         make every decode against it fail, pull after pull, blamed on the registry's packs."""
-        try:
-            with open(self.chunk_file(chunk_id), "rb", buffering=0) as f:
-                seen = os.fstat(f.fileno())
-                data = f.read()
-        except FileNotFoundError:
+        got = _read_plain(self.chunk_file(chunk_id))
+        if got is None:
             return None
+        data, seen = got
         if chunk_id_of(data) != chunk_id:
             self.discard(chunk_id, seen)
             return None
@@ -195,15 +194,18 @@ class NodeCache:
 
     def read_into(self, chunk_id: str, out) -> bool:
         """Read a chunk straight into a writable buffer (a tensor's bytes); False if not cached, or
-        if its file is not exactly that long (a load that skips the id check relies on this)."""
-        try:
-            with open(self.chunk_file(chunk_id), "rb", buffering=0) as f:
-                if os.fstat(f.fileno()).st_size != len(out):
-                    return False
-                n = f.readinto(out)
-        except FileNotFoundError:
+        if its file is not exactly that long (a load that skips the id check relies on this), or is
+        not a plain file at all."""
+        opened = open_plain(self.chunk_file(chunk_id))
+        if opened is None:
             return False
-        return n == len(out)
+        fd, st = opened
+        try:
+            if st.st_size != len(out):
+                return False
+            return os.preadv(fd, [out], 0) == len(out)
+        finally:
+            os.close(fd)
 
     def put(self, chunk_id: str, raw: bytes, tier: str | None = None, family: str | None = None) -> None:
         """Store verified raw bytes (the caller checked them against the id)."""
@@ -217,7 +219,7 @@ class NodeCache:
         rows = []
         for chunk_id, raw, tier, family in items:
             path = self.chunk_file(chunk_id)
-            if replace or not os.path.exists(path):
+            if replace or not _plain(path):  # a directory there fails the rename, in one line
                 # read-only: CPU tensors map these files (registry/client/mapping.py), so an edit in
                 # place would change live weights under a model that was checked once
                 atomic_write(path, raw, mode=0o444)
@@ -495,6 +497,68 @@ def _note_base(db: sqlite3.Connection, items: list[tuple[str, str | None, str | 
                    [(fam, k) for fam, k, t in told if t == "base"])
     db.executemany("DELETE FROM family_base WHERE family = ? AND key = ?",
                    [(fam, k) for fam, k, t in told if t != "base"])
+
+
+# Opened without blocking: a fifo at a chunk's name made the open wait for a writer forever (and a
+# load or pull hang); without following a link (no writer makes one: it is damage, written over).
+_READ_FLAGS = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+def open_plain(path: str) -> tuple[int, os.stat_result] | None:
+    """A descriptor of the plain file at ``path`` (a cache file), open for reading, and its stat;
+    None where nothing is there, or something that is not a plain file (a directory, a link, a fifo,
+    a socket or a device): what a cache's readers take for a missing or damaged entry, fetched again
+    and written over. A file this user may not read is a one-line StorageError."""
+    try:
+        fd = os.open(path, _READ_FLAGS)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENXIO, errno.EISDIR, errno.EMLINK):  # a link (EMLINK on BSD); a socket
+            return None
+        raise StorageError(f"cannot read {path} in the node cache: {exc.strerror}: check its permissions, or set "
+                           "MFSREG_CACHE_DIR to a cache of your own") from None
+    try:
+        st = os.fstat(fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        return None
+    return fd, st
+
+
+def _read_plain(path: str) -> tuple[bytes, os.stat_result] | None:
+    """The bytes of the plain file at ``path`` and its stat (see open_plain)."""
+    opened = open_plain(path)
+    if opened is None:
+        return None
+    fd, st = opened
+    with open(fd, "rb", buffering=0) as f:  # closes fd
+        return f.readall(), st
+
+
+def _plain(path: str) -> bool:
+    """Whether a plain file stands at ``path`` (not following a link): one lstat."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+
+
+def _make_dir(path: Path) -> None:
+    """A directory of the cache, made if missing; what stands in its way is one line."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):  # exist_ok covers a directory there only
+        blocker = next((p for p in (path, *path.parents) if os.path.lexists(p) and not p.is_dir()), path)
+        raise InvalidRequest(f"the node cache cannot use {path}: {blocker} is a file, not a directory: move it "
+                             "away, or set MFSREG_CACHE_DIR (or cache_dir=) to a directory") from None
+    except OSError as exc:
+        _no_room(str(path), exc)
+        raise StorageError(f"the node cache cannot make {path}: {exc.strerror}: check its permissions, or set "
+                           "MFSREG_CACHE_DIR to a cache of your own") from None
 
 
 def index_error(path: Path, exc: sqlite3.DatabaseError) -> StorageError:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import stat
 import threading
 import weakref
 
@@ -55,6 +56,9 @@ except ImportError:  # one file at a time through ctypes: the same mappings, slo
     _mapfiles = None
 _MAPPED, _HOLE = 0, 3  # _mapfiles' status bytes (see its map_files)
 _FAILED = ctypes.c_void_p(-1).value
+# as the node cache's readers open its files (registry/client/cache.py): a fifo at a chunk's name
+# does not block the open, and a link is not followed (_mapfiles.c opens them the same way)
+_OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 
 # data_ptr -> Region, for tensors built here; an entry goes when its tensor (and every view) is freed.
 _regions: weakref.WeakValueDictionary[int, Region] = weakref.WeakValueDictionary()
@@ -119,13 +123,14 @@ class Region:
     def _map_one(self, start: int, size: int, path: str) -> bool:
         """map_many's way through ctypes, one file at a time, where the C helper is not built."""
         try:
-            fd = os.open(path, os.O_RDONLY)
+            fd = os.open(path, _OPEN_FLAGS)
         except OSError:
-            return False  # missing (evicted by another process) or unreadable: the caller reads or refetches
+            return False  # missing (evicted by another process), a link, or unreadable: the caller reads or refetches
         try:
             # A short file would raise SIGBUS on first touch, not an error: check its size first.
             # Cache files are written once and renamed into place, never changed in place.
-            if os.fstat(fd).st_size != size:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size != size:
                 return False
             addr = _libc.mmap(self.addr + start, size, _PROT, mmap.MAP_PRIVATE | _MAP_FIXED, fd, 0)
         finally:
@@ -164,7 +169,7 @@ class Region:
 def map_many(jobs: list[tuple[Region, int, int, str]]) -> list[bool]:
     """Map each (region, start, size, path): the file (exactly ``size`` bytes) over bytes
     [start, start + size) of its region, advised MADV_HUGEPAGE; True where mapped, False where the
-    file is missing, has another size, cannot be mapped, or the process holds MAP_BUDGET mappings
+    file is missing, is not a plain file (a directory, a link, a fifo), has another size, cannot be mapped, or the process holds MAP_BUDGET mappings
     already (the slot then holds fresh memory to copy into). With the C helper built, every admitted
     file is mapped in one call with the GIL released (a third of an unchecked load was the
     interpreter around each file's system calls); else one at a time through ctypes. The budget is
