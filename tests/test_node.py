@@ -495,6 +495,33 @@ def test_a_switch_that_fails_while_copying_says_the_model_is_a_mix(published, se
         node.close()
 
 
+def test_a_closed_resident_model_or_node_says_so(published, fam, monkeypatch):
+    """A switch after close(), or a load through a closed Node, raised httpx's RuntimeError ("the
+    client has been closed") from deep inside; now one line that says what to do."""
+    from registry.errors import InvalidRequest
+
+    _, env = published
+    node = Node(env["MFSREG_URL"], env["MFSREG_TOKEN"], env["MFSREG_CACHE_DIR"])
+    mine = ResidentModel("fam", "base", node=node)
+    for k in ("MFSREG_URL", "MFSREG_TOKEN", "MFSREG_CACHE_DIR"):
+        monkeypatch.setenv(k, env[k])
+    own = ResidentModel("fam", "base")  # its own node
+    own.close()
+    own.close()  # twice is no error
+    with pytest.raises(InvalidRequest, match="^this ResidentModel is closed: make a new one"):
+        own.switch("lora-chat")
+    _equal_to_file(own.tensors, fam["base"])  # the tensors stay
+    node.close()
+    with pytest.raises(InvalidRequest, match="^the Node this ResidentModel loads through is closed: make a new one"):
+        mine.switch("lora-chat")
+    assert mine.version == "base"
+    for load in (lambda: load_tensors("fam", "base", node=node), lambda: ResidentModel("fam", "base", node=node)):
+        with pytest.raises(InvalidRequest, match="^this Node is closed: make a new one"):
+            load()
+    with pytest.raises(InvalidRequest, match="^this RemoteRegistry is closed: make a new one$"):
+        node.remote.version_doc("fam", "base")
+
+
 def test_many_openers_of_a_new_cache_all_get_in(tmp_path):
     """Turning a new cache index to WAL needs the database to itself, and SQLite answered "database is
     locked" at once to whoever lost the race (two pulls starting together on a fresh node failed so).

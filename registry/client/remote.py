@@ -92,8 +92,10 @@ class RemoteRegistry:
         self.pool = ThreadPoolExecutor(max_workers=workers or max(1, os.cpu_count() or 1), thread_name_prefix="mfsreg-client")
         self.upload_batch = size_from_env("MFSREG_UPLOAD_BATCH", UPLOAD_BATCH)
         self.bytes_received = 0  # network bytes of chunk payloads, over this client's life
+        self.closed = False
 
     def close(self) -> None:
+        self.closed = True
         self.http.close()
         self.pool.shutdown(wait=True)
 
@@ -105,7 +107,12 @@ class RemoteRegistry:
 
     # -- HTTP plumbing ----------------------------------------------------------------------------
 
+    def _check_open(self) -> None:
+        if self.closed:  # httpx's RuntimeError ("the client has been closed") said so, as an internal error
+            raise InvalidRequest("this RemoteRegistry is closed: make a new one")
+
     def _request(self, method: str, path: str, **kw) -> httpx.Response:
+        self._check_open()
         try:
             resp = self.http.request(method, path, **kw)
         except httpx.TransportError as exc:
@@ -305,6 +312,7 @@ class RemoteRegistry:
 
     def _fetch_batch(self, family: str, chunks: list[StoredChunk]) -> Iterator[tuple[StoredChunk, bytes]]:
         by_id = {c.id: c for c in chunks}
+        self._check_open()
         try:
             with self.http.stream("POST", f"/v1/families/{family}/chunks/download", json={"ids": list(by_id)}) as resp:
                 if resp.status_code >= 400:

@@ -6,7 +6,7 @@ import torch
 
 from registry.client.node import evict_quietly, gone_meanwhile
 from registry.client.torch_loader import Copier, Node, build, chunk_ids, fill, layout, target_device
-from registry.errors import NotFound, RegistryError
+from registry.errors import InvalidRequest, NotFound, RegistryError
 
 
 class ResidentModel:
@@ -28,6 +28,9 @@ class ResidentModel:
                  verify: bool = True):
         self.device = target_device(device)  # before anything is asked of the node
         self._own = node is None
+        self.closed = False
+        if node is not None:
+            node.check_open()
         self.node = node or Node()
         try:
             self.family = family
@@ -40,6 +43,9 @@ class ResidentModel:
         self.loaded_bytes = sum(t.nbytes for t in self.tensors.values())  # the pieces tile every tensor
 
     def switch(self, version: str) -> int:
+        if self.closed:  # its client is closed: httpx's RuntimeError, or the pool's, said so
+            raise InvalidRequest("this ResidentModel is closed: make a new one (its tensors stay as they are)")
+        self.node.check_open("this ResidentModel loads through ")
         family, before = self.family, self.version
         target, new, realloc, todo = self._plan(version)
         # Tensors are touched only from here on: whatever stops the switch now leaves a mix.
@@ -99,6 +105,9 @@ class ResidentModel:
         return target, new, realloc, todo
 
     def close(self) -> None:
+        """Close the node this model opened (one passed in stays open); the tensors stay usable, but
+        no switch can be made any more."""
+        self.closed = True
         if self._own:
             self.node.close()
 

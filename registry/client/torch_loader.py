@@ -88,6 +88,7 @@ class Node:
     Reads MFSREG_URL, MFSREG_TOKEN and MFSREG_CACHE_DIR unless given."""
 
     def __init__(self, url: str | None = None, token: str | None = None, cache_dir: str | None = None):
+        self.closed = False
         url = url or os.environ.get("MFSREG_URL")
         if not url:
             raise InvalidRequest("no registry to load from: set MFSREG_URL or pass url=")
@@ -99,7 +100,14 @@ class Node:
             raise
         self.fetcher = Fetcher(self.remote, self.cache)
 
+    def check_open(self, user: str = "") -> None:
+        """Refuse work on a closed node in one line (its client would raise httpx's RuntimeError)."""
+        if self.closed:
+            raise InvalidRequest(f"the Node {user}is closed: make a new one" if user else
+                                 "this Node is closed: make a new one")
+
     def close(self) -> None:
+        self.closed = True
         self.remote.close()
         self.cache.close()
 
@@ -465,6 +473,7 @@ def load_tensors(family: str, version: str, device: str | torch.device = "cpu", 
     own = node is None
     node = node or Node()
     try:
+        node.check_open()
         copier = Copier(node.cache, device, node.remote.pool, verify)
         _, tensors = build(node, family, version, copier)
         node.cache.record_pull(family, version)
