@@ -849,6 +849,26 @@ def test_an_explicit_cache_dir_is_checked_as_mfsreg_cache_dir_is(tmp_path, monke
     assert not list(work.iterdir())
 
 
+def test_an_empty_url_or_token_is_refused_not_read_from_the_environment(tmp_path, monkeypatch):
+    """Node(url='') or Node(token='') quietly used MFSREG_URL or MFSREG_TOKEN instead: an argument
+    given is used or refused, never swapped for the environment's."""
+    from registry.errors import InvalidRequest
+
+    monkeypatch.setenv("MFSREG_URL", "http://127.0.0.1:9")
+    monkeypatch.setenv("MFSREG_TOKEN", "from-the-environment")
+    for kw, says in (({"url": ""}, "^url='' is empty: give one, or leave url= out to use MFSREG_URL$"),
+                     ({"token": ""}, "^token='' is empty: give one, or leave token= out to use MFSREG_TOKEN$")):
+        with pytest.raises(InvalidRequest, match=says):
+            Node(cache_dir=str(tmp_path / "c"), **kw)
+    assert not (tmp_path / "c").exists()
+    node = Node(cache_dir=str(tmp_path / "c"))  # left out: the environment's
+    try:
+        assert node.remote.url == "http://127.0.0.1:9"
+        assert node.remote.http.headers["authorization"] == "Bearer from-the-environment"
+    finally:
+        node.close()
+
+
 def test_cache_commands_that_only_read_make_no_cache(tmp_path):
     """cache stats, unpin, prune and verify on a MFSREG_CACHE_DIR that is not there (mistyped): an
     empty answer (the pin refused), and no directory made (each made the whole tree, an empty cache)."""

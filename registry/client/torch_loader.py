@@ -85,10 +85,15 @@ def layout(info: VersionInfo) -> dict[str, tuple[TensorSpan, list[Piece]]]:
 
 class Node:
     """What serving code needs on a node: the registry client, the node cache and a fetcher.
-    Reads MFSREG_URL, MFSREG_TOKEN and MFSREG_CACHE_DIR unless given."""
+    Reads MFSREG_URL, MFSREG_TOKEN and MFSREG_CACHE_DIR for the arguments left out (None); an
+    argument given empty is refused, as a cache_dir that is not an absolute path is (an empty
+    MFSREG_* variable counts as unset, as everywhere)."""
 
     def __init__(self, url: str | None = None, token: str | None = None, cache_dir: str | None = None):
         self.closed = False
+        for name, value, env in (("url", url, "MFSREG_URL"), ("token", token, "MFSREG_TOKEN")):
+            if value is not None and not value:  # an empty one fell back on the variable, unseen
+                raise InvalidRequest(f"{name}={value!r} is empty: give one, or leave {name}= out to use {env}")
         url = url or os.environ.get("MFSREG_URL")
         if not url:
             raise InvalidRequest("no registry to load from: set MFSREG_URL or pass url=")
