@@ -522,6 +522,28 @@ def test_a_closed_resident_model_or_node_says_so(published, fam, monkeypatch):
         node.remote.version_doc("fam", "base")
 
 
+def test_an_edit_in_place_stays_where_a_switch_copies_nothing(published, fam):
+    """What the README says of edits to .tensors: a switch copies only the chunks that differ
+    between the two versions, so an edit to a tensor the target shares stays, and one to a tensor
+    whose chunks differ is overwritten there."""
+    _, env = published
+    node = Node(env["MFSREG_URL"], env["MFSREG_TOKEN"], env["MFSREG_CACHE_DIR"])
+    try:
+        model = ResidentModel("fam", "base", node=node)
+        old, new = layout(model.info), layout(node.fetcher.version("fam", "lora-chat"))
+        shared = sorted(n for n in new if n in old and [p.chunk.id for p in old[n][1]] == [p.chunk.id for p in new[n][1]])
+        changed = sorted(n for n in new if n in old and not {p.chunk.id for p in old[n][1]} & {p.chunk.id for p in new[n][1]})
+        assert shared and changed
+        for name in (shared[0], changed[0]):
+            model.tensors[name].view(torch.uint8).fill_(7)
+        model.switch("lora-chat")
+        want = load_file(str(fam["lora-chat"]))
+        assert bool((model.tensors[shared[0]].view(torch.uint8) == 7).all())  # the edit stayed
+        assert torch.equal(model.tensors[changed[0]].view(torch.uint8), want[changed[0]].view(torch.uint8))
+    finally:
+        node.close()
+
+
 def test_many_openers_of_a_new_cache_all_get_in(tmp_path):
     """Turning a new cache index to WAL needs the database to itself, and SQLite answered "database is
     locked" at once to whoever lost the race (two pulls starting together on a fresh node failed so).
