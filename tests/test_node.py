@@ -1057,7 +1057,7 @@ def test_a_cache_path_that_is_a_file_is_one_line(tmp_path):
     for root, blocker in ((tmp_path / "a-file", tmp_path / "a-file"), (tmp_path / "a-file" / "deeper", tmp_path / "a-file"),
                           (tmp_path / "c", tmp_path / "c" / "chunks")):
         for make in (lambda: NodeCache(root), lambda: Node("http://127.0.0.1:9", "t", str(root))):
-            with pytest.raises(InvalidRequest, match=f"{blocker} is a file, not a directory: move it away") as got:
+            with pytest.raises(InvalidRequest, match=f"\\({blocker} is a file\\): a file is where a directory is needed; move it away") as got:
                 make()
             assert "\n" not in str(got.value)
     assert (tmp_path / "a-file").read_text() == "mine" and (tmp_path / "c" / "chunks").read_text() == "mine"

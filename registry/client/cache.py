@@ -553,8 +553,8 @@ def _make_dir(path: Path) -> None:
         path.mkdir(parents=True, exist_ok=True)
     except (FileExistsError, NotADirectoryError):  # exist_ok covers a directory there only
         blocker = next((p for p in (path, *path.parents) if os.path.lexists(p) and not p.is_dir()), path)
-        raise InvalidRequest(f"the node cache cannot use {path}: {blocker} is a file, not a directory: move it "
-                             "away, or set MFSREG_CACHE_DIR (or cache_dir=) to a directory") from None
+        raise InvalidRequest(f"the node cache cannot use {path} ({blocker} is a file): a file is where a directory is "
+                             "needed; move it away, or set MFSREG_CACHE_DIR (or cache_dir=) to a directory") from None
     except OSError as exc:
         _no_room(str(path), exc)
         raise StorageError(f"the node cache cannot make {path}: {exc.strerror}: check its permissions, or set "
