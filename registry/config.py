@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from registry.blobs import parse_blob_url
 from registry.errors import InvalidRequest
 
 # 2 MiB, the size of a PMD-mapped page: a chunk file of it, mapped into a tensor on a 2 MiB boundary,
@@ -124,6 +125,7 @@ class Settings:
             max_body=_size(env, "MFSREG_MAX_BODY", DEFAULT_MAX_BODY),
         )
         values.update(overrides)
+        parse_blob_url(values["blob_url"])  # a bad one is refused (exit 2) before anything connects
         return cls(**values)
 
 

@@ -17,6 +17,7 @@ import pytest
 
 from tests import synth
 from tests.cli_run import mfsreg, mfsreg_json
+from tests.server import free_port
 
 
 def st_bytes(header: dict, data: bytes, claimed_len: int | None = None) -> bytes:
@@ -884,3 +885,45 @@ def test_a_read_only_destination_is_not_told_to_make_room(capsys):
     err = capsys.readouterr().err
     assert exited.value.code == 2 and err.count("\n") == 1, err
     assert err.startswith("mfsreg: error: /mnt/ro/engine: Read-only file system: that filesystem is mounted read-only"), err
+
+
+SECRET = "s3cr3t-Value-mfsreg"
+
+
+@pytest.mark.parametrize("url, says", [
+    (f"s3://AKIAMFSREG:{SECRET}@bucket/p", "AWS_ACCESS_KEY_ID"),
+    ("s3://bucket:9000/p", "MFSREG_S3_ENDPOINT_URL"),
+    ("s3://../", "not a bucket name"),
+    ("s3://", "names no bucket"),
+    ("s3:////x", "names no bucket"),
+    ("s3://Bad_Bucket/p", "not a bucket name"),
+    ("s3://ab/p", "not a bucket name"),
+    ("s3://mfsreg-packs/a/../b", "prefix"),
+    (f"s3://mfsreg-packs/p?token={SECRET}", "'?' or '#'"),
+    (f"s3://mfsreg-packs/p#{SECRET}", "'?' or '#'"),
+    (f"https://user:{SECRET}@example.com/p", "s3://bucket/prefix"),
+    ("file:///srv/blobs?x=1", "'?' or '#'"),
+])
+def test_a_bad_blob_url_is_refused_in_one_line_without_its_secret(url, says, seeded, fam, tmp_path):
+    """MFSREG_BLOB_URL that cannot name a store: refused before anything connects, exit 2, one
+    line that says what to give instead and never quotes a credential (these exited 5 with
+    botocore's words, some with the secret in them, or dropped a query silently)."""
+    home = Path(seeded["MFSREG_HOME"])
+    before = snapshot(home)
+    env = dict(seeded, MFSREG_BLOB_URL=url, MFSREG_S3_ENDPOINT_URL="http://127.0.0.1:9")
+    for args in (["ls"], ["push", fam["lora-chat"], "--family", "fam", "--version", "chat"],
+                 ["pull", "fam", "base", "-o", tmp_path / "out"], ["serve", "--port", free_port()]):
+        proc = mfsreg(*args, env=env, check=False, timeout=60)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, (args, proc.stderr)
+        assert says in proc.stderr and "MFSREG_BLOB_URL" in proc.stderr, (args, proc.stderr)
+        assert SECRET not in proc.stderr + proc.stdout and "botocore" not in proc.stderr.lower(), proc.stderr
+    assert snapshot(home) == before and not (tmp_path / "out").exists()
+
+
+def test_a_good_s3_blob_url_with_a_trailing_slash_is_taken(s3_blob_url, tmp_path):
+    from registry.blobs import open_blob_store
+
+    blob_url, endpoint = s3_blob_url
+    store = open_blob_store(blob_url + "/", endpoint)
+    store.put("k", b"x")
+    assert open_blob_store(blob_url, endpoint).get("k") == b"x"
