@@ -26,6 +26,13 @@ MAX_CHUNK_SIZE = 256 << 20
 # Room for an upload batch that holds one chunk of the largest size, uncompressible, with its index
 # (registry/wire.py caps an index at 16 MiB): at 256 MiB a family cut at 256 MiB could not push.
 DEFAULT_MAX_BODY = 320 << 20
+# S3 requests: an endpoint that stops answering fails a request within about a minute (3 attempts
+# of 20 s without a byte), not botocore's 60 s x 5 (over 6 minutes of silence). The read timeout is
+# the longest wait for the next bytes, not for a whole pack, so a slow link still reads 64 MiB.
+DEFAULT_S3_CONNECT_TIMEOUT = 5.0
+DEFAULT_S3_READ_TIMEOUT = 20.0
+DEFAULT_S3_MAX_ATTEMPTS = 3
+MAX_S3_ATTEMPTS = 20
 
 
 def check_chunk_size(size: int, what: str = "MFSREG_CHUNK_SIZE") -> int:
@@ -100,6 +107,9 @@ class Settings:
     delta: bool = True  # store near-duplicate chunks as deltas against a basis (MFSREG_DELTA=0: exact dedup only)
     anonymous_read: bool = False  # server: let requests without a token read
     max_body: int = DEFAULT_MAX_BODY  # server: largest request body accepted (uploads are batched below it)
+    s3_connect_timeout: float = DEFAULT_S3_CONNECT_TIMEOUT  # seconds to open a connection to the S3 endpoint
+    s3_read_timeout: float = DEFAULT_S3_READ_TIMEOUT  # seconds to wait for the endpoint's next bytes
+    s3_max_attempts: int = DEFAULT_S3_MAX_ATTEMPTS  # tries of one S3 request, the first included
 
     @property
     def embedded(self) -> bool:
@@ -123,10 +133,38 @@ class Settings:
             delta=_flag(env, "MFSREG_DELTA", True),
             anonymous_read=_flag(env, "MFSREG_ANONYMOUS_READ", False),
             max_body=_size(env, "MFSREG_MAX_BODY", DEFAULT_MAX_BODY),
+            s3_connect_timeout=_seconds(env, "MFSREG_S3_CONNECT_TIMEOUT", DEFAULT_S3_CONNECT_TIMEOUT),
+            s3_read_timeout=_seconds(env, "MFSREG_S3_READ_TIMEOUT", DEFAULT_S3_READ_TIMEOUT),
+            s3_max_attempts=_attempts(env, "MFSREG_S3_MAX_ATTEMPTS", DEFAULT_S3_MAX_ATTEMPTS),
         )
         values.update(overrides)
         parse_blob_url(values["blob_url"])  # a bad one is refused (exit 2) before anything connects
         return cls(**values)
+
+
+def _seconds(env: dict, name: str, default: float) -> float:
+    """A timeout: seconds, or with a suffix s/m/h ('20', '20s', '2m'); more than zero."""
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = parse_duration(raw)
+    except ValueError:
+        value = 0.0
+    if not 0 < value <= 86400:
+        raise InvalidRequest(f"{name}={env[name]!r} is not a timeout: give seconds over zero (at most a day), "
+                             f"e.g. {default:g} or {default:g}s")
+    return value
+
+
+def _attempts(env: dict, name: str, default: int) -> int:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    if not raw.isdigit() or not 1 <= int(raw) <= MAX_S3_ATTEMPTS:
+        raise InvalidRequest(f"{name}={env[name]!r} is not a number of attempts: give 1 to {MAX_S3_ATTEMPTS} (1: no "
+                             "retries), e.g. 3")
+    return int(raw)
 
 
 _YES, _NO = ("1", "true", "yes", "on"), ("0", "false", "no", "off")

@@ -36,7 +36,9 @@ class Registry:
         with read_tx(self.engine):
             pass  # surfaces an unreachable database as a StorageError before anything else
         schema.ensure_current(self.engine, auto_upgrade=auto)
-        self.blobs = open_blob_store(self.settings.blob_url, self.settings.s3_endpoint_url)
+        s = self.settings
+        self.blobs = open_blob_store(s.blob_url, s.s3_endpoint_url, connect_timeout=s.s3_connect_timeout,
+                                     read_timeout=s.s3_read_timeout, max_attempts=s.s3_max_attempts)
         self.pool = ThreadPoolExecutor(max_workers=self.settings.workers, thread_name_prefix="mfsreg")
 
     def ping(self) -> None:

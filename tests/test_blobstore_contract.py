@@ -12,6 +12,7 @@ import http.server
 import os
 import socket
 import threading
+import time
 
 import boto3
 import pytest
@@ -19,6 +20,7 @@ import pytest
 from registry.blobs import open_blob_store
 from registry.blobs.base import BlobStore
 from registry.blobs.packs import PackWriter, StoredChunk, read_payloads
+from registry.config import Settings
 from registry.blobs.s3 import MULTIPART_CHUNK, MULTIPART_THRESHOLD, S3BlobStore
 from registry.errors import InvalidRequest, NotFound, StorageError
 from tests.s3server import s3_bucket, s3_server  # noqa: F401  (fixtures)
@@ -399,3 +401,48 @@ def test_s3_a_stream_that_breaks_off_is_read_again(monkeypatch):
 def test_s3_bad_url():
     with pytest.raises(InvalidRequest):
         open_blob_store("s3:///prefix-only")
+
+
+def silent_endpoint() -> tuple[socket.socket, str]:
+    """An S3 endpoint that takes connections (the kernel's backlog does) and never answers."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(64)
+    return sock, f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+def test_s3_an_endpoint_that_never_answers_fails_in_bounded_time_naming_it(monkeypatch):
+    """A request the endpoint takes and never answers: botocore's retries, then one line that names
+    the endpoint and the settings that bound the wait, after attempts x read timeout (it was 60 s x
+    5 attempts, more with the body's own retries: six minutes of silence)."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    sock, endpoint = silent_endpoint()
+    try:
+        settings = Settings.from_env({"MFSREG_HOME": "/nonexistent-mfsreg", "MFSREG_S3_READ_TIMEOUT": "1s",
+                                      "MFSREG_S3_MAX_ATTEMPTS": "2"})
+        store = open_blob_store("s3://mfsreg-packs/p", endpoint, read_timeout=settings.s3_read_timeout,
+                                max_attempts=settings.s3_max_attempts)
+        for call in (lambda: store.get("k", 0, 10), lambda: store.size("k")):
+            t0 = time.monotonic()
+            with pytest.raises(StorageError) as info:
+                call()
+            assert time.monotonic() - t0 < 8
+            msg = _one_line(info.value)
+            assert endpoint in msg and "did not answer" in msg and "MFSREG_S3_READ_TIMEOUT" in msg, msg
+    finally:
+        sock.close()
+
+
+def test_s3_timeouts_default_to_about_a_minute_and_bad_settings_are_refused(s3_server):
+    config = S3BlobStore("mfsreg-packs", "p", endpoint_url=s3_server)._s3.meta.config
+    assert config.connect_timeout == 5 and config.read_timeout == 20
+    assert config.retries == {"mode": "standard", "total_max_attempts": 3}  # three tries in all, not 1 + 3
+    s = Settings.from_env({"MFSREG_HOME": "/x", "MFSREG_S3_CONNECT_TIMEOUT": "2", "MFSREG_S3_READ_TIMEOUT": "1m",
+                           "MFSREG_S3_MAX_ATTEMPTS": "1"})
+    assert (s.s3_connect_timeout, s.s3_read_timeout, s.s3_max_attempts) == (2, 60, 1)
+    for name, value in (("MFSREG_S3_READ_TIMEOUT", "0"), ("MFSREG_S3_READ_TIMEOUT", "soon"),
+                        ("MFSREG_S3_CONNECT_TIMEOUT", "-1"), ("MFSREG_S3_MAX_ATTEMPTS", "0"),
+                        ("MFSREG_S3_MAX_ATTEMPTS", "2.5"), ("MFSREG_S3_MAX_ATTEMPTS", "99")):
+        with pytest.raises(InvalidRequest, match=name):
+            Settings.from_env({"MFSREG_HOME": "/x", name: value})

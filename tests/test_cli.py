@@ -171,3 +171,28 @@ def test_embedded_pull_to_dir_writes_the_files_and_makes_nothing_when_it_fails(h
         proc = mfsreg("pull", *missing, "--to-dir", tmp_path / "new" / "a" / "b", env=home_env, check=False)
         assert proc.returncode == 2 and "does not exist" in proc.stderr, proc.stderr
         assert not (tmp_path / "new").exists()
+
+
+def test_a_pull_from_an_s3_endpoint_gone_silent_fails_in_one_line_within_its_timeouts(home_env, fam, s3_blob_url,
+                                                                                      tmp_path):
+    """Packs in S3, then the endpoint stops answering (it takes connections and says nothing): the
+    pull stops after MFSREG_S3_MAX_ATTEMPTS x MFSREG_S3_READ_TIMEOUT with one line (exit 5) naming
+    the endpoint, and writes nothing; it sat silent for about six minutes."""
+    import time
+
+    from tests.test_blobstore_contract import silent_endpoint
+
+    blob_url, endpoint = s3_blob_url
+    env = dict(home_env, MFSREG_BLOB_URL=blob_url, MFSREG_S3_ENDPOINT_URL=endpoint)
+    mfsreg_json("push", fam["lora-chat"], "--family", "fam", "--version", "chat", env=env)
+    sock, silent = silent_endpoint()
+    try:
+        t0 = time.monotonic()
+        proc = mfsreg("pull", "fam", "chat", "-o", tmp_path / "out", check=False, timeout=120,
+                      env=dict(env, MFSREG_S3_ENDPOINT_URL=silent, MFSREG_S3_READ_TIMEOUT="1", MFSREG_S3_MAX_ATTEMPTS="2"))
+        took = time.monotonic() - t0
+    finally:
+        sock.close()
+    assert proc.returncode == 5 and proc.stderr.count("\n") == 1, proc.stderr
+    assert silent in proc.stderr and "did not answer" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert took < 30 and not (tmp_path / "out").exists()

@@ -64,8 +64,9 @@ def parse_blob_url(url: str) -> tuple[str, str, str]:
     return "s3", bucket, prefix
 
 
-def open_blob_store(url: str, s3_endpoint_url: str | None = None) -> BlobStore:
-    """Open the blob store named by ``url``: ``file:///dir`` or ``s3://bucket/prefix``."""
+def open_blob_store(url: str, s3_endpoint_url: str | None = None, **s3_options) -> BlobStore:
+    """Open the blob store named by ``url``: ``file:///dir`` or ``s3://bucket/prefix``; ``s3_options``
+    (connect_timeout, read_timeout, max_attempts) go to S3BlobStore."""
     scheme, where, prefix = parse_blob_url(url)
     if scheme == "file":
         from registry.blobs.local import LocalBlobStore
@@ -73,4 +74,4 @@ def open_blob_store(url: str, s3_endpoint_url: str | None = None) -> BlobStore:
         return LocalBlobStore(where)
     from registry.blobs.s3 import S3BlobStore
 
-    return S3BlobStore(where, prefix, endpoint_url=s3_endpoint_url)
+    return S3BlobStore(where, prefix, endpoint_url=s3_endpoint_url, **s3_options)

@@ -32,6 +32,7 @@ from botocore.exceptions import (
 )
 
 from registry.blobs.base import BlobStore, check_key
+from registry.config import DEFAULT_S3_CONNECT_TIMEOUT, DEFAULT_S3_MAX_ATTEMPTS, DEFAULT_S3_READ_TIMEOUT
 from registry.errors import InvalidRequest, NotFound, StorageError
 
 MiB = 1 << 20
@@ -56,9 +57,9 @@ class S3BlobStore(BlobStore):
         prefix: str = "",
         endpoint_url: str | None = None,
         *,
-        max_attempts: int = 5,
-        connect_timeout: float = 5.0,
-        read_timeout: float = 60.0,
+        max_attempts: int = DEFAULT_S3_MAX_ATTEMPTS,
+        connect_timeout: float = DEFAULT_S3_CONNECT_TIMEOUT,
+        read_timeout: float = DEFAULT_S3_READ_TIMEOUT,
         max_workers: int = 8,
         multipart_threshold: int = MULTIPART_THRESHOLD,
     ):
@@ -68,8 +69,11 @@ class S3BlobStore(BlobStore):
         self.prefix = check_key(prefix.strip("/")) if prefix.strip("/") else ""
         self.url = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
         self.max_workers = max_workers
+        self.read_timeout, self.max_attempts = read_timeout, max_attempts
         config = Config(
-            retries={"mode": "standard", "max_attempts": max_attempts},
+            # total_max_attempts counts the first try; botocore's "max_attempts" counts only the
+            # retries (5 of them made six tries of 60 s each against an endpoint gone silent)
+            retries={"mode": "standard", "total_max_attempts": max_attempts},
             connect_timeout=connect_timeout,
             read_timeout=read_timeout,
             # range readers (max_workers per get_ranges, several at once in a server) and multipart
@@ -132,6 +136,13 @@ class S3BlobStore(BlobStore):
         except (NoCredentialsError, PartialCredentialsError, CredentialRetrievalError):
             raise StorageError(
                 f"no AWS credentials for {self.url}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE"
+            ) from None
+        except ReadTimeoutError:  # botocore's retries spent: say how long it waited, not "Read timeout on endpoint URL"
+            tries = f"{self.max_attempts} times" if self.max_attempts > 1 else "once"
+            raise StorageError(
+                f"S3 endpoint {self.endpoint_url} did not answer {op} of {key or self.url} within {self.read_timeout:g} s, "
+                f"{tries}: check that the server is up and not overloaded (MFSREG_S3_READ_TIMEOUT and "
+                "MFSREG_S3_MAX_ATTEMPTS say how long to wait)"
             ) from None
         except ConnectionError:
             raise StorageError(
