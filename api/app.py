@@ -61,7 +61,8 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
     @app.head("/healthz", include_in_schema=False)  # load balancers' probes; one operation in the schema
     @app.get("/healthz", tags=["ops"])
     def healthz(request: Request) -> dict:
-        """Liveness and readiness: the database answers."""
+        """Readiness: the database answers and the blob store can be reached (a 503 that says which
+        is not, otherwise)."""
         reg_of(request).ping()
         return {"status": "ok"}
 

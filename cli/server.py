@@ -25,7 +25,8 @@ def serve(
     from registry.registry import Registry
 
     _check_serve_options(host, port, workers, log_level)
-    Registry().close()  # fail fast, with one line, if the database or blob store is unusable
+    with Registry() as reg:  # fail fast, with one line, if the database or blob store is unusable
+        reg.ping()  # the blob store too: a missing bucket or an endpoint that is down (opening it connects to nothing)
     # The registry's own warnings (a stored chunk it could not read back, say) go out as uvicorn's
     # do, at the same level: otherwise Python prints them bare, and --log-level does not reach them.
     log_config = copy.deepcopy(LOGGING_CONFIG)

@@ -42,9 +42,12 @@ class Registry:
         self.pool = ThreadPoolExecutor(max_workers=self.settings.workers, thread_name_prefix="mfsreg")
 
     def ping(self) -> None:
-        """Raise StorageError unless the metadata database answers."""
+        """Raise StorageError unless the metadata database answers and the blob store can be
+        reached (on S3 its bucket exists): what readiness means, since no push or pull works without
+        both."""
         with read_tx(self.engine):
             pass
+        self.blobs.check()
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)

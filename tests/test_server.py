@@ -1227,3 +1227,37 @@ def test_an_s3_endpoint_that_dies_mid_download_is_one_line_on_both_sides(server_
     assert "Traceback" not in log, log[-3000:]
     lines = [line for line in log.splitlines() if "download" in line]
     assert len(lines) == 1 and "fam" in lines[0] and "S3" in lines[0], log[-3000:]
+
+
+@pytest.mark.parametrize("what", ["missing bucket", "endpoint down"])
+def test_serve_refuses_to_start_on_a_blob_store_it_cannot_use(what, server_env, tmp_path):
+    """A bucket that does not exist, or an S3 endpoint nobody listens on: `mfsreg serve` stops at
+    once with one line saying what to do (exit 5), instead of starting and answering ok."""
+    env = dict(server_env)
+    if what == "missing bucket":
+        env["MFSREG_BLOB_URL"] = "s3://mfsreg-no-such-bucket/packs"
+        says = ["bucket mfsreg-no-such-bucket does not exist", "create it", "MFSREG_BLOB_URL"]
+    else:
+        env["MFSREG_S3_ENDPOINT_URL"] = f"http://127.0.0.1:{free_port()}"
+        says = ["cannot reach S3 endpoint", env["MFSREG_S3_ENDPOINT_URL"]]
+    proc = subprocess.run([MFSREG, "serve", "--port", str(free_port())], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 5 and proc.stderr.count("\n") == 1, proc.stderr
+    assert all(s in proc.stderr for s in says) and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_healthz_answers_503_while_the_bucket_is_gone(servers, server_env):
+    """Readiness reflects the blob store: a running server whose bucket goes away answers /healthz
+    (GET and HEAD) with a 503 naming the bucket, and ok again once it is back."""
+    (srv,) = servers(1)
+    bucket = server_env["MFSREG_BLOB_URL"].split("/")[2]
+    s3 = boto3.client("s3", endpoint_url=server_env["MFSREG_S3_ENDPOINT_URL"], region_name="us-east-1")
+    assert httpx.get(f"{srv.url}/healthz").json() == {"status": "ok"}
+    s3.delete_bucket(Bucket=bucket)  # nothing pushed: empty
+    try:
+        r = httpx.get(f"{srv.url}/healthz")
+        assert r.status_code == 503 and f"bucket {bucket} does not exist" in r.json()["detail"], r.text
+        assert httpx.head(f"{srv.url}/healthz").status_code == 503
+    finally:
+        s3.create_bucket(Bucket=bucket)
+    assert httpx.get(f"{srv.url}/healthz").status_code == 200

@@ -49,6 +49,10 @@ class BlobStore(abc.ABC):
     @abc.abstractmethod
     def list(self, prefix: str = "") -> Iterator[str]: ...
 
+    def check(self) -> None:
+        """Raise StorageError unless the store can be reached and used: a readiness probe, which
+        reads nothing. A local directory a first push has yet to make passes."""
+
     def exists(self, key: str) -> bool:
         from registry.errors import NotFound
 

@@ -167,6 +167,15 @@ class S3BlobStore(BlobStore):
             self._bucket_seen = True
         return NotFound(f"blob {key} is missing from {self.url}")
 
+    def check(self) -> None:
+        """One HEAD of the bucket: the endpoint answers, the credentials are taken, the bucket exists."""
+        try:
+            with self._errors("head_bucket"):
+                self._s3.head_bucket(Bucket=self.bucket)
+        except NotFound:  # a HEAD's 404 carries no error code
+            raise self._no_bucket() from None
+        self._bucket_seen = True
+
     def size(self, key: str) -> int:
         k = self._key(key)
         try:
