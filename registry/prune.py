@@ -43,7 +43,7 @@ from registry.db import claims as claim_db
 from registry.db import prune as q
 from registry.db.engine import read_tx, write_tx
 from registry.db.locks import exclude_writers
-from registry.errors import InvalidRequest, NotFound
+from registry.errors import InvalidRequest, NotFound, StorageError
 from registry.ingest import RecordedPacks
 from registry.progress import NullProgress, Progress
 from registry.results import PruneResult
@@ -130,6 +130,7 @@ def prune(reg, min_age: float = DEFAULT_MIN_AGE, max_unused: float = DEFAULT_MAX
             cutoff = q.db_now(conn) - grace  # for chunks and claims alike: a claim kept with its chunk
             plan = decide(conn, cutoff, sizes, max_unused)
         garbage, retired, moved = plan.garbage, plan.retire, plan.to_move
+        damaged: dict[str, str] = {}  # packs a repack could not read (pack id -> why)
         if not dry_run:
             with write_tx(reg.engine) as conn:
                 exclude_writers(conn)
@@ -147,19 +148,31 @@ def prune(reg, min_age: float = DEFAULT_MIN_AGE, max_unused: float = DEFAULT_MAX
             due = [r for r in due if reg.blobs.exists(pack_key(r[0]))] + (retiring if min_age == 0 else [])
             waiting = [r for r in waiting if r not in due]
         else:
-            moved = _repack(reg, plan.repack, progress)  # with the chunks still_unneeded kept there
-            due = _delete_blobs(reg, grace)
+            # with the chunks still_unneeded kept there; a pack that cannot be read stays as it is
+            moved, damaged = _repack(reg, plan.repack, progress)
+            due = _delete_blobs(reg, grace)  # whatever the repack found: one bad pack must not block this
             with read_tx(reg.engine) as conn:
                 waiting = q.unlisted(conn)
-    return PruneResult(
+    repacked = [p for p in plan.repack if p not in damaged]
+    result = PruneResult(
         dry_run=dry_run,
         deleted_chunks=len(garbage), deleted_chunk_bytes=sum(c.stored_size for c in garbage),
-        repacked_packs=len(plan.repack), moved_bytes=moved,
-        retired_packs=len(retired) + len(plan.repack),
+        repacked_packs=len(repacked), moved_bytes=moved,
+        retired_packs=len(retired) + len(repacked),
         deleted_packs=len(due), freed_bytes=sum(s for _, s in due),
         waiting_packs=len(waiting), waiting_bytes=sum(s for _, s in waiting),
         seconds=time.perf_counter() - t0,
     )
+    if damaged:
+        first, why = next(iter(damaged.items()))
+        more = f" and {len(damaged) - 1} more" if len(damaged) > 1 else ""
+        raise StorageError(
+            f"prune could not repack pack {first}{more}, which storage lost or cut short ({why}): the chunks versions "
+            f"still need there are lost, and that pack was left as it was; restore its blob from a backup "
+            f"(MFSREG_BLOB_URL names the store). The rest of the prune ran: {result.deleted_chunks} chunks deleted, "
+            f"{result.repacked_packs} packs repacked, {result.deleted_packs} blobs deleted ({result.freed_bytes:,} bytes)"
+        )
+    return result
 
 
 class _MovedPacks(RecordedPacks):
@@ -174,16 +187,19 @@ class _MovedPacks(RecordedPacks):
         q.record_moved(conn, pack_id, size, [(c.id, self.old_pack[c.id], c.offset) for c in stored])
 
 
-def _repack(reg, pack_ids: list[str], progress: Progress) -> int:
+def _repack(reg, pack_ids: list[str], progress: Progress) -> tuple[int, dict[str, str]]:
     """Copy the chunks still in ``pack_ids`` into new packs, point their rows there, and retire the
-    old packs; returns the stored bytes copied. Payloads are copied as stored, so nothing is decoded
-    or encoded again."""
+    old packs; returns the stored bytes copied, and the packs whose blob could not be read (missing
+    or cut short: damage, since only prune deletes a listed pack's blob), each with why. Those stay
+    listed, as they are, and the others are repacked all the same. Payloads are copied as stored,
+    so nothing is decoded or encoded again."""
     with read_tx(reg.engine) as conn:
         rows = {p: q.chunks_in(conn, p) for p in pack_ids}
     progress.start("repack", sum(r[3] for rs in rows.values() for r in rs))
     old_pack: dict[str, str] = {}
 
     writer = _MovedPacks(reg, old_pack)
+    damaged: dict[str, str] = {}
     for pack_id, chunk_rows in rows.items():
         located = [StoredChunk(cid, size, enc, stored, pack_id, off, basis, depth)
                    for cid, size, enc, stored, off, basis, depth in chunk_rows]
@@ -193,11 +209,13 @@ def _repack(reg, pack_ids: list[str], progress: Progress) -> int:
                 writer.add(c.id, c.size, c.encoding, payload, c.basis_id, c.depth)
                 progress.advance("repack", c.stored_size)
         except NotFound as exc:
-            raise NotFound(f"cannot repack pack {pack_id}: {exc}; the chunks that were still needed are still in it") from None
+            # chunks added before the failure were read whole and move with the rest: those rows
+            # then point at a new pack, and the damaged one keeps only what could not be read
+            damaged[pack_id] = str(exc)
     writer.flush()
     with write_tx(reg.engine) as conn:
-        q.retire_packs(conn, pack_ids)  # each once no chunk row points into it
-    return writer.bytes_written
+        q.retire_packs(conn, pack_ids)  # each once no chunk row points into it (not a damaged one)
+    return writer.bytes_written, damaged
 
 
 def _delete_blobs(reg, grace: timedelta) -> list[tuple[str, int]]:

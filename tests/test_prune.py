@@ -688,3 +688,64 @@ def test_a_pull_whose_version_is_deleted_and_pruned_meanwhile_says_so(reg, fam, 
     with pytest.raises(NotFound, match="fam/v1 was deleted while it was being pulled"):
         reg.pull("fam", "v1", tmp_path / "out.safetensors", progress=DeleteAndPrune())
     assert not (tmp_path / "out.safetensors").exists()
+
+
+def _cut_short(reg, pack_id: str) -> None:
+    """A pack's blob cut to half its bytes (a bad disk, a copy that stopped): damage prune finds."""
+    key = pack_key(pack_id)
+    data = reg.blobs.get(key)
+    reg.blobs.delete(key)
+    reg.blobs.put(key, data[: len(data) // 2])
+
+
+def _plan_now(reg, max_unused: float = 0.0):
+    from registry import prune as prune_mod
+
+    with read_tx(reg.engine) as conn:
+        return prune_mod.decide(conn, prune_db.db_now(conn), prune_db.pack_sizes(conn), max_unused)
+
+
+def _one_bad_pack_to_repack(reg, fam):
+    """A family with packs to delete and packs to repack, one of which is cut short; returns
+    (the damaged pack, the packs to retire, the packs to repack)."""
+    for name in ("base", "lora-chat", "vocab-ext"):
+        reg.push(fam[name], "fam", name)
+    reg.delete("fam", "base")  # lora-chat keeps most of base's chunks: base's packs are to be repacked
+    reg.delete("fam", "vocab-ext")  # its own packs (its deltas' bases are base's chunks) are to be deleted
+    plan = _plan_now(reg)
+    assert plan.retire and plan.repack, (plan.retire, plan.repack)
+    bad = plan.repack[0]
+    _cut_short(reg, bad)
+    return bad, plan.retire, plan.repack
+
+
+def test_a_pack_cut_short_found_by_a_repack_is_a_storage_error_and_the_deletions_go_on(reg, fam, tmp_path):
+    """A pack that storage cut short, found by a repack: a storage error that names it and says what
+    to do (it was a NotFound, exit 2, and it stopped the prune before it deleted any blob, every
+    time); any other packs are repacked, the retired blobs deleted, and the damaged pack stays as
+    it was, listed."""
+    from registry.errors import StorageError
+
+    bad, retire, repack = _one_bad_pack_to_repack(reg, fam)
+    before = reg.blobs.get(pack_key(bad))
+    with pytest.raises(StorageError, match=f"could not repack pack {bad}.*restore its blob from a backup.*The rest of "
+                                           f"the prune ran: .* {len(repack) - 1} packs repacked"):
+        reg.prune(min_age=0, max_unused=0)
+    blobs = pack_blobs(reg)
+    assert not {pack_key(p) for p in retire + repack[1:]} & blobs  # deleted, and repacked then deleted
+    assert pack_key(bad) in blobs and pack_key(bad) in table_packs(reg) and reg.blobs.get(pack_key(bad)) == before
+    # the next prune has nothing else to do and says the same of the same pack
+    with pytest.raises(StorageError, match=f"could not repack pack {bad}"):
+        reg.prune(min_age=0, max_unused=0)
+
+
+def test_cli_prune_over_a_pack_cut_short_in_s3_exits_5_naming_it(home_env, fam, s3_blob_url):
+    blob_url, endpoint = s3_blob_url
+    env = dict(home_env, MFSREG_BLOB_URL=blob_url, MFSREG_S3_ENDPOINT_URL=endpoint, MFSREG_PACK_SIZE="1M")
+    with Registry(Settings.from_env(env)) as reg:
+        bad, retire, _ = _one_bad_pack_to_repack(reg, fam)
+    proc = mfsreg("prune", "--min-age", "0", "--max-unused", "0", env=env, check=False)
+    assert proc.returncode == 5 and proc.stderr.count("\n") == 1, proc.stderr
+    assert f"could not repack pack {bad}" in proc.stderr and "backup" in proc.stderr, proc.stderr
+    with Registry(Settings.from_env(env)) as reg:
+        assert not {pack_key(p) for p in retire} & pack_blobs(reg) and pack_key(bad) in pack_blobs(reg)
