@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Set as AbstractSet
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from registry.db.locks import exclude_prune
 from registry import deltas, results
 from registry.deltas import BasisReader
 from registry.errors import Conflict, InvalidRequest, MissingChunks, NotFound, Pruned, StorageError
+from registry.lost import unreadable, warn_mending
 from registry.hashing import HashJob, encoded_chunks, missing_bytes
 from registry.manifest import Manifest
 from registry.names import check_name, check_new_name
@@ -72,9 +74,10 @@ class RecordedPacks(PackWriter):
     """A PackWriter whose packs are recorded in the database as each becomes durable;
     ``added`` counts the stored bytes of chunks this writer really added."""
 
-    def __init__(self, reg):
+    def __init__(self, reg, mend: AbstractSet[str] = frozenset()):
         super().__init__(reg.blobs, reg.settings.pack_size, self._record, self._announce, self._withdraw)
         self._engine = reg.engine
+        self.mend = mend  # chunks whose stored copy the blob store lost: their rows move to the new one
         self.added = 0
 
     def _announce(self, pack_id: str, size: int) -> None:
@@ -107,22 +110,24 @@ class RecordedPacks(PackWriter):
     def _write_rows(self, conn, pack_id: str, size: int, stored: list[StoredChunk]) -> None:
         """The rows of a durable pack, in the transaction that lists it (db/prune.list_pack, which
         raises Pruned for a pack a prune took for abandoned). Writers of other rows override this."""
-        self.added += chunk_db.record_pack(conn, pack_id, size, stored)
+        self.added += chunk_db.record_pack(conn, pack_id, size, stored, self.mend)
 
 
 ChunkItem = tuple  # (id, size, encoding, payload, basis id or None, depth): what RecordedPacks.add takes
 
 
 def store_chunks(reg, ids: set[str], bases: Iterable[str],
-                 items: Callable[[set[str], set[str] | None], Iterable[ChunkItem]]) -> int:
+                 items: Callable[[set[str], set[str] | None], Iterable[ChunkItem]],
+                 mend: AbstractSet[str] = frozenset()) -> int:
     """Store the chunks ``ids`` as ``items(wanted, gone)`` yields them (``gone`` None on the first
     pass), deltas against ``bases``; returns the stored bytes added.
 
     A prune that runs meanwhile may delete a basis this push chose, or take a pack it is writing
     for abandoned: that pack is refused (Pruned) and nothing in it is recorded. The chunks still
     missing are then stored once more, ``gone`` naming the bases that no longer exist (chunks
-    planned against them go plain); a second refusal reaches the caller."""
-    first, pending = RecordedPacks(reg), iter(items(ids, None))
+    planned against them go plain); a second refusal reaches the caller. ``mend``: those of
+    ``ids`` that are stored, in a pack the blob store lost (registry/lost.py), stored again."""
+    first, pending = RecordedPacks(reg, mend), iter(items(ids, None))
     try:
         for item in pending:
             first.add(*item)
@@ -133,9 +138,9 @@ def store_chunks(reg, ids: set[str], bases: Iterable[str],
     finally:
         getattr(pending, "close", lambda: None)()  # a generator stopped early: its encoding jobs end here
     with read_tx(reg.engine) as conn:
-        still = chunk_db.missing_ids(conn, list(ids))
+        still = chunk_db.missing_ids(conn, list(ids)) | (set(mend) & set(ids))
         gone = chunk_db.missing_ids(conn, [b for b in set(bases) if b is not None])
-    again = RecordedPacks(reg)
+    again = RecordedPacks(reg, mend)
     for item in items(still, gone):
         again.add(*item)
     again.flush()
@@ -143,8 +148,10 @@ def store_chunks(reg, ids: set[str], bases: Iterable[str],
 
 
 def upload_missing(reg, job: HashJob, missing: set[str], pool: ThreadPoolExecutor, progress: Progress,
-                   bases: dict[str, str] | None = None, reader: BasisReader | None = None) -> int:
-    """Encode and store the chunks in ``missing``; returns the stored bytes this push added."""
+                   bases: dict[str, str] | None = None, reader: BasisReader | None = None,
+                   mend: AbstractSet[str] = frozenset()) -> int:
+    """Encode and store the chunks in ``missing`` (``mend``: those among them stored in a pack
+    the blob store lost); returns the stored bytes this push added."""
     bases = bases or {}
     progress.start("send", missing_bytes(job, missing))
     counted: set[str] = set()  # a second pass re-sends chunks the bar has counted
@@ -159,7 +166,7 @@ def upload_missing(reg, job: HashJob, missing: set[str], pool: ThreadPoolExecuto
                 counted.add(c.id)
                 progress.advance("send", c.size)
 
-    return store_chunks(reg, missing, bases.values(), items)
+    return store_chunks(reg, missing, bases.values(), items, mend)
 
 
 def check_push_names(family: str, version: str, parent: str | None) -> None:
@@ -291,14 +298,21 @@ def push(reg, path: Path, family: str, version: str, parent: str | None = None, 
         with read_tx(reg.engine) as conn:
             existing = version_db.find_version(conn, family, version)
             missing = chunk_db.missing_ids(conn, ids)
+            located = chunk_db.locate_closure(conn, [i for i in ids if i not in missing]) if existing is None else {}
         if existing is not None:
             return existing_result(reg, existing, job.manifest(), family, version, t0)
+        # stored, but in a pack the blob store lost (or down a delta chain through one): sent again
+        mend, lost_packs = unreadable(reg, located, [i for i in ids if i in located])
+        if mend:
+            warn_mending(lost_packs, len(mend))
+            missing |= mend
         skipped = job.logical_bytes - missing_bytes(job, missing)
         progress.start("skip", skipped)
         progress.advance("skip", skipped)
         new_files = [(refs, f.header.tensors if f.header else ()) for refs, f in zip(job.file_chunks, source.files)]
-        bases, reader = plan_deltas(reg, family, parent, new_files, ids, missing)
-        added = upload_missing(reg, job, missing, reg.pool, progress, bases, reader)
+        # chunks mended go plain: a delta would lean on the chain that lost them
+        bases, reader = plan_deltas(reg, family, parent, new_files, ids, missing - mend)
+        added = upload_missing(reg, job, missing, reg.pool, progress, bases, reader, mend)
         manifest = job.manifest()  # waits for the file digests, which ran beside the encoding
         try:
             changed, existing = commit_version(reg, family, version, parent, manifest, chunk_size)

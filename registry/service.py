@@ -23,10 +23,12 @@ from registry.db import claims as claim_db
 from registry.db import tiers as tier_db
 from registry.db import versions as version_db
 from registry.db.engine import read_tx, write_tx
-from registry.errors import IntegrityError, InvalidModel, InvalidRequest, NotFound, StorageError, TooLarge, shown
+from registry.errors import (IntegrityError, InvalidModel, InvalidRequest, MissingChunks, NotFound, StorageError,
+                             TooLarge, shown)
 from registry.deltas import BasisReader, cap_depth
 from registry.ingest import (check_cut, check_named_cut, check_new_cut, check_parent, check_push_names, commit_version,
                              existing_result, plan_deltas, store_chunks, stored_for, stored_layout)
+from registry.lost import lost_packs, unreadable, warn_mending
 from registry.parallel import windowed_map
 from registry.results import PushResult, timestamp
 from registry.manifest import MAX_CHUNK_BYTES, SAFETENSORS, Manifest, parse_doc
@@ -35,9 +37,6 @@ from registry.rebuild import decode_verified
 from registry.safetensors import parse_header
 from registry.tiers import TIERS
 from registry.wire import RAW_PER_BODY, Entry, check_id, encode_index, parse_batch
-
-PACK_LOOKUPS = 8  # concurrent size lookups of one download batch's packs (check_packs)
-
 
 def _check_encoding(name: str) -> None:
     if not codec.is_known(name):
@@ -60,13 +59,21 @@ def negotiate(reg, family: str, version: str, doc: object, parent: str | None = 
         existing = version_db.find_version(conn, family, version)
         fam = version_db.find_family(conn, family)
         missing = chunk_db.missing_ids(conn, ids)
+        located = chunk_db.locate_closure(conn, [i for i in ids if i not in missing]) if existing is None else {}
         missing |= access.unproven(conn, who, family, [i for i in ids if i not in missing])
     # before anything is uploaded
     if fam is None:
         check_new_cut(family, manifest.cut_size())
     elif existing is None:
         check_cut(manifest, family, fam.chunk_size)
+    # stored in a pack the blob store lost: listed as missing, so the client sends them and the
+    # upload mends them (receive_batch), plain (no basis is suggested for them)
+    mend, lost = unreadable(reg, located, [i for i in ids if i in located])
+    if mend:
+        warn_mending(lost, len(mend))
     bases, _ = plan_deltas(reg, family, parent, [(f.chunks, f.tensors) for f in manifest.files], ids, missing)
+    bases = {c: b for c, b in bases.items() if c not in mend}
+    missing |= mend
     return {
         "bases": bases,
         "digest": manifest.digest,
@@ -118,11 +125,21 @@ def receive_batch(reg, family: str, body: bytes, who: Principal | None = None) -
         located = chunk_db.locate_closure(conn, allowed)
         # stored chunks a scoped token has not shown it may use: compared with the stored bytes below
         proving = access.unproven(conn, who, family, [e.id for e, _ in entries if e.id not in missing])
+        stored_here = chunk_db.locate_closure(conn, [e.id for e, _ in entries if e.id not in missing])
+    # A stored chunk in a pack the blob store lost (negotiate listed it as missing): the upload
+    # mends it, stored again plain. Not where this token may not read a family that uses it: its
+    # bytes could not be compared with the stored ones (access.compare_stored), and an xxh3 id
+    # alone must not decide what another family's pulls get.
+    mend, lost = unreadable(reg, stored_here, [e.id for e, _ in entries if e.id in stored_here])
+    if mend & proving:
+        raise StorageError(f"the registry's storage lost data ({next(iter(lost.values()))}): a push through this token "
+                           "cannot mend it; tell the registry's operator")
     reader = BasisReader(located, reg.read_payloads, decode_verified, locate=reg.locate)
     # Every chunk is verified, the stored ones too: an upload is how a scoped token proves it
     # holds a chunk another family stored (registry/access.py); only the missing ones are stored.
-    todo_ids = {e.id for e, _ in entries if e.id in missing}
-    basis_of = {e.id: cap_depth(e.basis_id, located) for e, _ in entries if e.id in todo_ids and e.basis_id in allowed}
+    todo_ids = {e.id for e, _ in entries if e.id in missing} | mend
+    basis_of = {e.id: cap_depth(e.basis_id, located) for e, _ in entries
+                if e.id in todo_ids and e.id not in mend and e.basis_id in allowed}
 
     def verify(item):
         e, payload = item
@@ -166,7 +183,7 @@ def receive_batch(reg, family: str, body: bytes, who: Principal | None = None) -
                 (encoding, payload), basis_id, depth = uploaded[e.id], None, 0
             yield e.id, e.size, encoding, bytes(payload), basis_id, depth
 
-    added = store_chunks(reg, todo_ids, basis_of.values(), items)
+    added = store_chunks(reg, todo_ids, basis_of.values(), items, mend)
     if scoped:
         with write_tx(reg.engine) as conn:
             claim_db.record(conn, family, sorted(todo_ids | proved))
@@ -207,6 +224,7 @@ def commit(reg, family: str, version: str, parent: str | None, doc: object, chun
     t0 = time.perf_counter()
     check_push_names(family, version, parent)
     manifest = parse_doc(doc)
+    _check_readable(reg, family, version, manifest)  # first: the header check below reads stored heads
     _check_headers(reg, manifest, who, family)
     if chunk_size is not None:
         check_chunk_size(chunk_size, "chunk_size")
@@ -243,6 +261,22 @@ def commit(reg, family: str, version: str, parent: str | None, doc: object, chun
     )
 
 
+def _check_readable(reg, family: str, version: str, manifest: Manifest) -> None:
+    """Before a commit: every pack the version's chunks (and their bases) lie in is in storage and
+    long enough, one size lookup per pack. A chunk in a lost pack is refused as missing, which the
+    client answers by negotiating again (listed missing there), uploading it (mended) and
+    committing again: a version appears only over bytes that can be read."""
+    ids = manifest.chunk_ids()
+    with read_tx(reg.engine) as conn:
+        if version_db.find_version(conn, family, version) is not None:
+            return  # compared by digest (a client retrying after a lost answer): nothing is committed
+        located = chunk_db.locate_closure(conn, ids)
+    bad, lost = unreadable(reg, located, [i for i in ids if i in located])
+    if bad:
+        raise MissingChunks(f"{len(bad)} chunks of {family}/{version} lie in a pack the registry's storage lost "
+                            f"({next(iter(lost.values()))}): upload them, then commit again")
+
+
 def plan_download(reg, family: str, ids: list[str]) -> list[StoredChunk]:
     """The stored chunks to stream, after checking they belong to ``family`` (a token scoped to one
     family must not read another family's bytes by naming their ids)."""
@@ -262,29 +296,9 @@ def check_packs(reg, chunks: list[StoredChunk]) -> None:
     """Every pack the batch reads is in storage and reaches its last chunk, checked before the
     stream starts: a store that lost (or cut short) a pack is answered with an error the client
     can show, instead of a response that breaks off halfway. One size lookup per pack (a HEAD on
-    S3); several packs are looked up a few at a time on threads of their own, since the lookups
-    wait on the network and reg.pool is sized for the CPU work of uploads."""
-    ends: dict[str, int] = {}
-    for c in chunks:
-        ends[c.pack_id] = max(ends.get(c.pack_id, 0), c.offset + c.stored_size)
-
-    def problem(item: tuple[str, int]) -> str | None:
-        pack_id, end = item
-        try:
-            size = reg.blobs.size(pack_key(pack_id))
-        except NotFound as exc:
-            return str(exc)
-        return None if size >= end else f"pack {pack_id} holds {size} bytes where its chunks need {end}"
-
-    items = list(ends.items())
-    if len(items) <= 1:
-        found = [problem(i) for i in items]
-    else:
-        with ThreadPoolExecutor(max_workers=min(PACK_LOOKUPS, len(items)), thread_name_prefix="mfsreg-packs") as io:
-            found = list(io.map(problem, items))
-    for f in found:
-        if f is not None:
-            raise StorageError(f"the registry's storage lost data ({f}): tell the registry's operator")
+    S3; registry/lost.py)."""
+    for why in lost_packs(reg, chunks).values():
+        raise StorageError(f"the registry's storage lost data ({why}): tell the registry's operator")
 
 
 def stream_chunks(reg, chunks: list[StoredChunk]) -> Iterator[bytes]:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from registry.errors import Conflict, NotFound, StorageError
+from registry.registry import Registry
 from tests import synth
 
 
@@ -249,3 +250,34 @@ def test_a_directory_pull_that_fails_partway_leaves_the_files_there_as_they_were
     with pytest.raises(IntegrityError, match=victim):  # into a new folder: the folders it made go again
         reg.pull("fam", "v2", tmp_path / "new" / "engine")
     assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.parametrize("store", ["local", "s3"])
+def test_a_push_that_finds_its_stored_chunks_pack_lost_sends_them_again_and_mends_the_store(store, settings, fam,
+                                                                                            tmp_path, request):
+    """A pack deleted from the blob store by hand: a push of a version that reuses its chunks sent
+    nothing, committed, and the version could not be pulled. It now finds the pack gone (one
+    size lookup per pack), stores those chunks again, points their rows at the new copies and
+    commits a version that pulls byte for byte; the earlier version that lost them pulls again too."""
+    from dataclasses import replace
+
+    from registry.blobs.packs import pack_key
+
+    if store == "s3":
+        blob_url, endpoint = request.getfixturevalue("s3_blob_url")
+        settings = replace(settings, blob_url=blob_url, s3_endpoint_url=endpoint)
+    with Registry(settings, migrate=True) as reg:
+        reg.push(fam["base"], "fam", "base")
+        _, manifest = reg.manifest("fam", "base")
+        packs = sorted({c.pack_id for c in reg.locate(manifest.chunk_ids()).values()})
+        reg.blobs.delete(pack_key(packs[0]))
+        with pytest.raises(StorageError, match=f"storage lost data .*{packs[0]}"):
+            reg.pull("fam", "base", tmp_path / "broken.out")
+        res = reg.push(fam["base"], "fam", "again")
+        assert res.new_chunks > 0 and res.new_bytes > 0, res
+        for name in ("again", "base"):
+            reg.pull("fam", name, tmp_path / f"{name}.out")
+            assert filecmp.cmp(tmp_path / f"{name}.out", fam["base"], shallow=False), name
+        assert packs[0] not in {c.pack_id for c in reg.locate(manifest.chunk_ids()).values()}
+        # and the next push finds everything whole: nothing sent
+        assert reg.push(fam["base"], "fam", "third").new_chunks == 0

@@ -1261,3 +1261,52 @@ def test_healthz_answers_503_while_the_bucket_is_gone(servers, server_env):
     finally:
         s3.create_bucket(Bucket=bucket)
     assert httpx.get(f"{srv.url}/healthz").status_code == 200
+
+
+def test_a_push_over_http_mends_chunks_whose_pack_was_lost_before_or_during_it(servers, server_env, fam, tmp_path):
+    """A pack object deleted from the bucket by hand: a push reusing its chunks was told nothing was
+    missing (sent 0), committed, and the version could not be pulled. Negotiation now lists those
+    chunks as missing, the upload stores them again, and the lost copies' rows point at the new
+    ones; a pack lost after the negotiation is caught by the commit's own check (the client
+    negotiates, uploads and commits again). Every version then pulls byte for byte."""
+    from registry.blobs.packs import pack_key
+    from registry.client.cache import NodeCache
+    from registry.client.remote import RemoteRegistry
+    from registry.config import Settings
+    from registry.registry import Registry
+
+    (srv,) = servers(1)
+    local = Registry(Settings.from_env(server_env))
+
+    def lose_a_pack_of(version: str) -> str:
+        """Delete a pack every chunk of which ``version`` uses, so that its push mends all it lost."""
+        from registry.db import prune as prune_db
+        from registry.db.engine import read_tx
+
+        ids = set(local.manifest("fam", version)[1].chunk_ids())
+        with read_tx(local.engine) as conn:
+            pack_id = next(p for p in sorted({c.pack_id for c in local.locate(ids).values()})
+                           if {r[0] for r in prune_db.chunks_in(conn, p)} <= ids)
+        local.blobs.delete(pack_key(pack_id))
+        return pack_id
+
+    try:
+        with RemoteRegistry(srv.url, token=token(server_env, "admin")) as remote:
+            remote.push(fam["base"], "fam", "base")
+            lose_a_pack_of("base")
+            again = remote.push(fam["base"], "fam", "base-again")
+            assert again.new_chunks > 0 and again.sent_bytes > 0, again
+            remote.push(fam["lora-chat"], "fam", "chat")
+            hook = OnSend(lambda: lose_a_pack_of("chat"))  # after negotiation, before the commit
+            late = remote.push(fam["lora-chat"], "fam", "chat-again", progress=hook)
+            assert hook.results and late.sent_bytes > 0
+            cache = NodeCache(tmp_path / "node-cache")
+            try:
+                for name, src in (("base", "base"), ("base-again", "base"), ("chat", "lora-chat"),
+                                  ("chat-again", "lora-chat")):
+                    remote.pull("fam", name, tmp_path / f"{name}.out", cache=cache)
+                    assert filecmp.cmp(tmp_path / f"{name}.out", fam[src], shallow=False), name
+            finally:
+                cache.close()
+    finally:
+        local.close()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Sequence, Set
 
 from sqlalchemy import Connection, and_, bindparam, select, update
 
@@ -22,9 +22,13 @@ def missing_ids(conn: Connection, ids: Sequence[str]) -> set[str]:
     return set(ids) - present
 
 
-def record_pack(conn: Connection, pack_id: str, size: int, stored: Sequence[StoredChunk]) -> int:
+def record_pack(conn: Connection, pack_id: str, size: int, stored: Sequence[StoredChunk],
+                mend: Set[str] = frozenset()) -> int:
     """Record a durable pack (announced before it was written: db/prune.announce_pack) and its
-    chunks; returns the stored bytes of the chunks that were new.
+    chunks; returns the stored bytes of the chunks that were new, or mended.
+
+    ``mend`` names chunks sent again because the pack their row points into was lost from the blob
+    store (registry/lost.py): where such a row is found, it is pointed at this copy instead.
 
     A chunk that a concurrent push recorded first keeps its first location (ON CONFLICT DO
     NOTHING); the copy in this pack is dead weight until prune repacks it (registry/prune.py).
@@ -49,8 +53,17 @@ def record_pack(conn: Connection, pack_id: str, size: int, stored: Sequence[Stor
     # Passed as a list of parameter sets, SQLAlchemy compiles the statement once and sends the rows
     # in multi-row batches ("insertmanyvalues"); an insert().values(rows) was compiled afresh for
     # every batch, at about 0.1 ms a row.
-    result = conn.execute(insert(conn, chunks).on_conflict_do_nothing().returning(chunks.c.stored_size), rows)
-    return sum(result.scalars())
+    result = conn.execute(insert(conn, chunks).on_conflict_do_nothing().returning(chunks.c.id, chunks.c.stored_size), rows)
+    added = {i: n for i, n in result}
+    again = [r for r in rows if r["id"] in mend and r["id"] not in added]
+    if again:
+        stmt = (
+            update(chunks).where(chunks.c.id == bindparam("cid"))
+            .values(encoding=bindparam("encoding"), stored_size=bindparam("stored_size"), pack_id=pack_id,
+                    offset=bindparam("offset"), basis_id=bindparam("basis_id"), depth=bindparam("depth"))
+        )
+        conn.execute(stmt, [dict(r, cid=r["id"]) for r in again])
+    return sum(added.values()) + sum(r["stored_size"] for r in again)
 
 
 def repoint_plain(conn: Connection, pack_id: str, size: int, stored: Sequence[StoredChunk]) -> None:
