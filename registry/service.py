@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from registry import access, codec
 from registry.auth import Principal
-from registry.blobs.packs import StoredChunk, pack_key
+from registry.blobs.packs import StoredChunk
 from registry.config import check_chunk_size
 from registry.db import chunks as chunk_db
 from registry.db import claims as claim_db
