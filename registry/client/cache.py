@@ -501,7 +501,7 @@ def _note_base(db: sqlite3.Connection, items: list[tuple[str, str | None, str | 
 
 # Opened without blocking: a fifo at a chunk's name made the open wait for a writer forever (and a
 # load or pull hang); without following a link (no writer makes one: it is damage, written over).
-_READ_FLAGS = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+CACHE_READ_FLAGS = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 
 
 def open_plain(path: str) -> tuple[int, os.stat_result] | None:
@@ -510,7 +510,7 @@ def open_plain(path: str) -> tuple[int, os.stat_result] | None:
     a socket or a device): what a cache's readers take for a missing or damaged entry, fetched again
     and written over. A file this user may not read is a one-line StorageError."""
     try:
-        fd = os.open(path, _READ_FLAGS)
+        fd = os.open(path, CACHE_READ_FLAGS)
     except (FileNotFoundError, NotADirectoryError):
         return None
     except OSError as exc:

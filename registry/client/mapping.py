@@ -35,6 +35,8 @@ import weakref
 
 import torch
 
+from registry.client.cache import CACHE_READ_FLAGS
+
 PAGE = mmap.PAGESIZE
 HUGE = 2 << 20  # a PMD-mapped page on x86-64 and arm64 with 4 KiB pages
 _PROT = mmap.PROT_READ | mmap.PROT_WRITE
@@ -56,9 +58,6 @@ except ImportError:  # one file at a time through ctypes: the same mappings, slo
     _mapfiles = None
 _MAPPED, _HOLE = 0, 3  # _mapfiles' status bytes (see its map_files)
 _FAILED = ctypes.c_void_p(-1).value
-# as the node cache's readers open its files (registry/client/cache.py): a fifo at a chunk's name
-# does not block the open, and a link is not followed (_mapfiles.c opens them the same way)
-_OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 
 # data_ptr -> Region, for tensors built here; an entry goes when its tensor (and every view) is freed.
 _regions: weakref.WeakValueDictionary[int, Region] = weakref.WeakValueDictionary()
@@ -123,7 +122,7 @@ class Region:
     def _map_one(self, start: int, size: int, path: str) -> bool:
         """map_many's way through ctypes, one file at a time, where the C helper is not built."""
         try:
-            fd = os.open(path, _OPEN_FLAGS)
+            fd = os.open(path, CACHE_READ_FLAGS)  # as the cache's readers: a fifo does not block, a link is not followed
         except OSError:
             return False  # missing (evicted by another process), a link, or unreadable: the caller reads or refetches
         try:
