@@ -339,6 +339,48 @@ def test_a_file_blob_url_with_a_host_is_refused(fam, tmp_path):
     assert not Path("mfsreg-test-blobs").exists()
 
 
+def test_a_home_with_a_space_keeps_its_packs_inside_it(fam, tmp_path):
+    """The default blob URL is MFSREG_HOME/blobs as a file URL, where a space is %20: read literally,
+    the packs went to a sibling directory named with '%20', outside MFSREG_HOME."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MFSREG_")}
+    home = tmp_path / "my home"
+    env.update(MFSREG_HOME=str(home))
+    mfsreg("push", fam["base"], "--family", "fam", "--version", "v1", env=env)
+    assert any((home / "blobs").rglob("*.pack")) and not (tmp_path / "my%20home").exists()
+    # a given URL's escapes are read too
+    given = dict(env, MFSREG_BLOB_URL=(tmp_path / "other packs").as_uri())
+    mfsreg("push", fam["base"], "--family", "fam2", "--version", "v1", env=dict(given, MFSREG_HOME=str(tmp_path / "h2")))
+    assert any((tmp_path / "other packs").rglob("*.pack"))
+    out = tmp_path / "out.safetensors"
+    mfsreg("pull", "fam", "v1", "-o", str(out), env=env)
+    assert filecmp.cmp(out, fam["base"], shallow=False)
+
+
+def test_a_store_left_at_its_escaped_path_is_named_with_the_move_that_fixes_it(fam, tmp_path):
+    """An earlier mfsreg kept a home-with-a-space's packs at the literal '%20' path: opening the
+    decoded path alone would find none of them, so every command says where they are."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MFSREG_")}
+    home = tmp_path / "my home"
+    env.update(MFSREG_HOME=str(home))
+    mfsreg("push", fam["base"], "--family", "fam", "--version", "v1", env=env)
+    left = tmp_path / "my%20home" / "blobs"
+    left.parent.mkdir()
+    (home / "blobs").rename(left)  # where the earlier release put them
+    def state():
+        return snapshot(home)[0], sorted((p.name, p.read_bytes()) for p in left.rglob("*") if p.is_file())
+    before = state()
+    assert before[1]
+    for args in (["ls", "fam"], ["pull", "fam", "v1", "-o", str(tmp_path / "out")],
+                 ["push", fam["lora-chat"], "--family", "fam", "--version", "chat"]):
+        proc = mfsreg(*args, env=env, check=False)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+        assert f"packs are in {left}" in proc.stderr and "mv " in proc.stderr, proc.stderr
+    assert state() == before and not (home / "blobs").exists() and not (tmp_path / "out").exists()
+    left.rename(home / "blobs")  # the move the message gives
+    mfsreg("pull", "fam", "v1", "-o", str(tmp_path / "out"), env=env)
+    assert filecmp.cmp(tmp_path / "out", fam["base"], shallow=False)
+
+
 def _pull_under_a_file_size_limit(env: dict, out: Path, kib: int = 64):
     """`mfsreg pull fam base -o OUT` with files capped at ``kib`` KiB (ulimit -f): the writes fail
     with EFBIG, as on a full disk (ENOSPC), without filling one."""

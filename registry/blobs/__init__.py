@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import re
-from urllib.parse import urlsplit
+import os
+import shlex
+from urllib.parse import unquote, urlsplit
 
 from registry.blobs.base import BlobStore, check_key
 from registry.errors import InvalidRequest, shown
@@ -34,7 +36,9 @@ def parse_blob_url(url: str) -> tuple[str, str, str]:
         if not parsed.path.startswith("/"):  # file:// (no path), file:blobs (relative to wherever a command runs)
             raise InvalidRequest(f"MFSREG_BLOB_URL={url!r} has no absolute path: a file URL takes one after three "
                                  f"slashes, e.g. file:///srv/mfsreg/blobs")
-        return "file", parsed.path, ""
+        # A file URL's path is percent-encoded: the default, (MFSREG_HOME / "blobs").as_uri(), writes
+        # a space in MFSREG_HOME as %20, which read literally named another directory outside it.
+        return "file", unquote(parsed.path), ""
     if parsed is None or parsed.scheme != "s3":
         # not quoted: another scheme's URL (https://user:password@...) may hold a secret
         raise InvalidRequest("MFSREG_BLOB_URL is neither a file:///path nor an s3://bucket/prefix URL: use one of those")
@@ -64,6 +68,16 @@ def parse_blob_url(url: str) -> tuple[str, str, str]:
     return "s3", bucket, prefix
 
 
+def _check_not_left_behind(literal: str, where: str) -> None:
+    """Until the path was decoded, a store whose URL held a %-escape (MFSREG_HOME with a space) was
+    kept at the literal path, e.g. /srv/my%20home/blobs; opening the decoded one would find none of
+    its packs, so that store must be moved, not silently forgotten."""
+    if literal != where and os.path.isdir(literal) and not os.path.exists(where):
+        raise InvalidRequest(f"this registry's packs are in {literal}, where an earlier mfsreg read the blob URL's "
+                             f"%-escapes literally; it now reads them as {where}: move that directory there "
+                             f"(mv {shlex.quote(literal)} {shlex.quote(where)})")
+
+
 def open_blob_store(url: str, s3_endpoint_url: str | None = None, **s3_options) -> BlobStore:
     """Open the blob store named by ``url``: ``file:///dir`` or ``s3://bucket/prefix``; ``s3_options``
     (connect_timeout, read_timeout, max_attempts) go to S3BlobStore."""
@@ -71,6 +85,7 @@ def open_blob_store(url: str, s3_endpoint_url: str | None = None, **s3_options) 
     if scheme == "file":
         from registry.blobs.local import LocalBlobStore
 
+        _check_not_left_behind(urlsplit(url).path, where)
         return LocalBlobStore(where)
     from registry.blobs.s3 import S3BlobStore
 
