@@ -25,10 +25,13 @@ def human_bytes(n: int | None) -> str:
     return f"{n} B"
 
 
-def table(title: str | None, columns: list[str], rows: list[list]) -> None:
+def table(title: str | None, columns: list[str], rows: list[list], names: int = 1) -> None:
+    """The first ``names`` columns hold names, left-justified; the rest right-justified. Where the
+    terminal is narrow every cell folds onto more lines instead of being cut: "lastlayers-…" or
+    "1021…" no longer says which version or how many bytes."""
     t = Table(title=title)
     for i, c in enumerate(columns):
-        t.add_column(c, justify="left" if i == 0 else "right")
+        t.add_column(c, justify="left" if i < names else "right", overflow="fold")
     for r in rows:
         t.add_row(*[str(x) for x in r])
     console.print(t)

@@ -112,7 +112,8 @@ def ls(
         emit_json({"family": family, "versions": rows})
         return
     table(family, ["version", "parent", "size", "files", "digest"],
-          [[r["version"], r["parent"] or "-", human_bytes(r["logical_bytes"]), r["files"], r["digest"][:19]] for r in rows])
+          [[r["version"], r["parent"] or "-", human_bytes(r["logical_bytes"]), r["files"], r["digest"][:19]] for r in rows],
+          names=2)
 
 
 def show(

@@ -58,6 +58,37 @@ def test_human_output_and_db_upgrade(home_env, fam, tmp_path):
     assert "v1" in mfsreg("ls", "fam", env=home_env).stdout
 
 
+def test_tables_show_whole_names_and_one_familys_stats_leave_out_the_family_column(home_env, fam):
+    """On an 80-column terminal the registry-wide versions table cut 'lastlayers-code' to
+    'lastlayers-…'; a name is folded instead, and stats --family drops the column every row repeats."""
+    env = dict(home_env, COLUMNS="80")
+    long_name = "lastlayers-code"
+    mfsreg("push", fam["base"], "--family", "demo-llm", "--version", "base", env=env)
+    mfsreg("push", fam["lora-chat"], "--family", "demo-llm", "--version", long_name, env=env)
+
+    def rows(out: str) -> list[list[str]]:
+        """The versions table's rows, a folded row's lines joined again (a line whose first cell is
+        empty continues the row above)."""
+        joined = []
+        for line in out.split("versions")[-1].splitlines():
+            if line.startswith("│"):
+                cells = [c.strip() for c in line.split("│")[1:-1]]
+                if cells[0] or not joined:
+                    joined.append(cells)
+                else:
+                    joined[-1] = [a + b for a, b in zip(joined[-1], cells)]
+        return joined
+
+    everything = mfsreg("stats", env=env).stdout
+    assert [r[:2] for r in rows(everything)] == [["demo-llm", "base"], ["demo-llm", long_name]], everything
+    assert "…" not in everything, everything
+    one = mfsreg("stats", "--family", "demo-llm", env=env).stdout
+    assert "family" not in one.split("versions")[-1] and "…" not in one, one
+    assert [r[0] for r in rows(one)] == ["base", long_name], one
+    narrow = mfsreg("stats", "--family", "demo-llm", env=dict(env, COLUMNS="40")).stdout
+    assert "…" not in narrow and "-code" in narrow, narrow  # every cell folded, none cut
+
+
 def test_bad_option_values_are_one_line(home_env, fam):
     for value in ("2.0", "-0.1"):  # a negative one was read as an unknown option: 'No such option: -0'
         proc = mfsreg("family", "quorum", "nofam", value, env=home_env, check=False)
