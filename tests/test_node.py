@@ -425,6 +425,43 @@ def test_resident_model_switch_copies_only_differing_chunks(published, fam):
         node.close()
 
 
+def test_a_switch_to_a_member_with_renamed_tensors_copies_only_what_differs(published, fam, tmp_path):
+    """A member saved under other names (PEFT's "base_model.model." prefix) with two tensors changed:
+    matched by name alone the switch reallocated and refilled every tensor. Each renamed tensor now
+    takes over the one whose chunks it shares, in place, and only the changed chunks are copied."""
+    _, env = published
+    base = load_file(str(fam["base"]))
+    changed = synth.lora(base, targets=("q_proj",))
+    renamed = {f"base_model.model.{k}": v for k, v in changed.items()}
+    renamed["base_model.model.lm_head.weight"] = base["lm_head.weight"][:-8].clone()  # shape changed: reallocated
+    path = synth.write(tmp_path / "renamed.safetensors", renamed)
+    mfsreg_json("push", path, "--family", "fam", "--version", "renamed", "--parent", "base", env=env)
+    node = Node(env["MFSREG_URL"], env["MFSREG_TOKEN"], env["MFSREG_CACHE_DIR"])
+    model = ResidentModel("fam", "base", node=node)
+    try:
+        ptrs = {n: t.data_ptr() for n, t in model.tensors.items()}
+        old = {name: {(p.start, p.chunk.id) for p in pieces} for name, (_, pieces) in layout(model.info).items()}
+        copied = model.switch("renamed")
+        want = load_file(str(path))
+        assert model.tensors.keys() == want.keys()
+        for name, t in want.items():
+            assert torch.equal(model.tensors[name].view(torch.uint8), t.view(torch.uint8)), name
+        new = layout(model.info)
+        reshaped = "base_model.model.lm_head.weight"
+        expected = sum(p.chunk.size for name, (_, pieces) in new.items() for p in pieces
+                       if name == reshaped or (p.start, p.chunk.id) not in old[name.removeprefix("base_model.model.")])
+        assert copied == expected and 0 < copied < path.stat().st_size / 4, (copied, expected)
+        for name in want:  # taken over in place, not reallocated
+            if name != reshaped:
+                assert model.tensors[name].data_ptr() == ptrs[name.removeprefix("base_model.model.")], name
+        assert model.switch("base") == expected - new[reshaped][0].nbytes + base["lm_head.weight"].nbytes
+        for name, t in base.items():
+            assert torch.equal(model.tensors[name].view(torch.uint8), t.view(torch.uint8)), name
+    finally:
+        model.close()
+        node.close()
+
+
 def _lose_pack_of(server_env: dict, chunk: str) -> str:
     """Delete, on the server's blob store, the pack that holds ``chunk`` (storage that lost data)."""
     from registry.blobs.packs import pack_key

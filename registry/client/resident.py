@@ -14,7 +14,9 @@ class ResidentModel:
 
     ``switch(version)`` moves to another version in place: a tensor whose dtype and shape stay the
     same gets only its differing chunks copied over; a tensor whose shape changes is reallocated and
-    filled; tensors the target lacks are dropped. Returns the bytes copied. ``verify``: as for
+    filled; tensors the target lacks are dropped, except that one the target names anew (a member
+    saved with a prefix or another naming scheme) takes over a dropped tensor of the same dtype and
+    shape that shares chunks or its name's tail with it, and gets only the chunks that differ. Returns the bytes copied. ``verify``: as for
     load_tensors.
 
     A switch first brings every chunk it will copy into the node cache, and only then touches a
@@ -47,10 +49,12 @@ class ResidentModel:
             raise InvalidRequest("this ResidentModel is closed: make a new one (its tensors stay as they are)")
         self.node.check_open("this ResidentModel loads through ")
         family, before = self.family, self.version
-        target, new, realloc, todo = self._plan(version)
+        target, new, renames, realloc, todo = self._plan(version)
         # Tensors are touched only from here on: whatever stops the switch now leaves a mix.
         self.info, self.version = None, None  # set again only once every copy has landed
         try:
+            for name, source in renames.items():
+                self.tensors[name] = self.tensors.pop(source)
             for name in list(self.tensors):
                 if name not in new:
                     del self.tensors[name]
@@ -69,18 +73,19 @@ class ResidentModel:
 
     def _plan(self, version: str):
         """What a switch to ``version`` copies, with every chunk of it brought into the node cache,
-        before any tensor of the model is touched: (document, its layout, names of the tensors to
-        reallocate, pieces to copy by name)."""
+        before any tensor of the model is touched: (document, its layout, renames as {new name: the
+        tensor it takes over}, names of the tensors to reallocate, pieces to copy by name)."""
         family, before = self.family, self.version
         target, needed = None, []
         try:
             target = self.node.fetcher.version(family, version)
             # After a failed switch the tensors are in an unknown state: refill everything.
             old, new = (layout(self.info) if self.info is not None else {}), layout(target)
+            renames = _renames(old, new, self.tensors)
             realloc, todo = [], {}
             for name, (span, pieces) in new.items():
-                prior = old.get(name)
-                t = self.tensors.get(name)
+                prior = old.get(renames.get(name, name))
+                t = self.tensors.get(renames.get(name, name))
                 same = (prior is not None and t is not None and prior[0].dtype == span.dtype
                         and prior[0].shape == span.shape and tuple(t.shape) == span.shape
                         and t.dtype == self.copier.empty_dtype(span))
@@ -102,7 +107,7 @@ class ResidentModel:
                 if gone is not exc:
                     raise gone from None
             raise _reworded(exc, f"switch of {family} to {version} failed: {exc}; {kept}") from None
-        return target, new, realloc, todo
+        return target, new, renames, realloc, todo
 
     def close(self) -> None:
         """Close the node this model opened (one passed in stays open); the tensors stay usable, but
@@ -110,6 +115,48 @@ class ResidentModel:
         self.closed = True
         if self._own:
             self.node.close()
+
+
+def _renames(old: dict, new: dict, tensors: dict) -> dict[str, str]:
+    """{new name: old name} for tensors the target names anew (a member saved with a prefix, such as
+    PEFT's "base_model.model.", or converted between naming schemes) that hold chunks of a tensor it
+    no longer names, or whose name is its own with a prefix added or dropped, of the same dtype and
+    shape: that tensor is taken over and only its differing chunks copied, where matching by name
+    alone reallocated and refilled the whole model. Each old tensor goes to the new name that shares
+    the most bytes of chunks with it."""
+    dropped = {n for n in old if n not in new and n in tensors}
+    holders: dict[str, set[str]] = {}  # chunk id -> the dropped tensors holding it
+    for n in dropped:
+        for p in old[n][1]:
+            holders.setdefault(p.chunk.id, set()).add(n)
+    ends: dict[str, set[str]] = {}  # each dotted tail of a dropped name ("layers.0.q_proj.weight") -> the names
+    for n in dropped:
+        parts = n.split(".")
+        for i in range(len(parts)):
+            ends.setdefault(".".join(parts[i:]), set()).add(n)
+    votes = []
+    for name, (span, pieces) in new.items():
+        if name in old or name in tensors or not dropped:
+            continue
+        # its namesakes (one name a dotted tail of the other) count even with no chunk in common: a
+        # tensor whose every chunk changed still takes over the old one, with no second allocation
+        parts = name.split(".")
+        tails = {".".join(parts[i:]) for i in range(len(parts))}
+        shared = dict.fromkeys(ends.get(name, set()) | (tails & dropped), 0)
+        for p in pieces:
+            for n in holders.get(p.chunk.id, ()):
+                shared[n] = shared.get(n, 0) + p.chunk.size
+        for n, size in shared.items():
+            if old[n][0].dtype == span.dtype and old[n][0].shape == span.shape:
+                votes.append((size, name, n))
+    renames, taken = {}, set()
+    # most shared bytes first; between equals (every layer norm is all ones, so one chunk) the old
+    # name the new one ends with, or that ends with it, as a prefix added or dropped leaves it
+    for *_, name, n in sorted((-size, not (name.endswith(n) or n.endswith(name)), name, n) for size, name, n in votes):
+        if name not in renames and n not in taken:
+            renames[name] = n
+            taken.add(n)
+    return renames
 
 
 def _reworded(exc: RegistryError, message: str) -> RegistryError:
