@@ -4,18 +4,20 @@ A new chunk's basis is the chunk at the same tensor and position in the version 
 the explicit parent; else the member that shares the most chunks with it (known from the dedup
 lookup); else the family's first version. Positions are (tensor name, chunk index in the tensor),
 so they match across shard layouts. A delta chain never grows past MAX_DEPTH: a basis that is
-already that deep is replaced by its own basis, one step closer to a plain chunk.
+already that deep is replaced by its own basis, one step closer to a plain chunk, and so is one
+that cannot be read because the blob store lost its pack (or one down its chain).
 """
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Container, Iterable, Sequence
 
 from registry.blobs.packs import StoredChunk
 from registry.chunking import ChunkRef
-from registry.errors import NotFound, StorageError
+from registry.errors import NotFound
+from registry.lost import through_lost, warn_lost_bases
 from registry.safetensors import TensorSpan
 
 MAX_DEPTH = 3  # a pull decodes at most this many deltas on top of a plain chunk
@@ -62,10 +64,13 @@ def plan_bases(new_files: Iterable[tuple[Sequence[ChunkRef], Sequence[TensorSpan
     return out
 
 
-def cap_depth(basis_id: str, located: dict[str, StoredChunk]) -> str | None:
-    """The basis to use instead of ``basis_id`` so that the new delta stays within MAX_DEPTH."""
+def cap_depth(basis_id: str, located: dict[str, StoredChunk], lost: Container[str] = frozenset()) -> str | None:
+    """The basis to use instead of ``basis_id`` so that the new delta stays within MAX_DEPTH and
+    can be encoded: a basis whose bytes, or those of a basis down its chain, lie in a pack the blob
+    store lost (``lost``, registry/lost.py) cannot be read, so the next one down the chain is taken
+    (a chunk below the lost one still decodes). None: store the chunk plain."""
     b = located.get(basis_id)
-    while b is not None and b.depth >= MAX_DEPTH:
+    while b is not None and (b.depth >= MAX_DEPTH or through_lost(b.id, located, lost)):
         b = located.get(b.basis_id) if b.basis_id else None
     return b.id if b is not None else None
 
@@ -89,7 +94,7 @@ class BasisReader:
         self._limit = cache_bytes
         self._lock = threading.Lock()
         self._payloads: dict[str, bytes] = {}
-        self._pruned_packs: set[str] = set()  # packs a prune emptied since ``located`` was read
+        self._skipped_packs: set[str] = set()  # packs a prune emptied, or storage lost, since ``located`` was read
 
     def _chain(self, chunk_id: str | None) -> list[str]:
         """``chunk_id`` and the bases its delta decodes against, as far as ``located`` knows them."""
@@ -117,27 +122,29 @@ class BasisReader:
                 pass  # a pack deleted by a prune meanwhile: ``usable`` reads the rest one by one
 
     def usable(self, chunk_id: str) -> bytes | None:
-        """The raw bytes of basis ``chunk_id``, or None where a prune (with --min-age 0, or longer
-        than its grace period) deleted its pack after this push chose it. The new chunk is then
-        stored plain, which is always correct; a delta against it would be refused when its pack is
-        recorded. A blob missing or cut short while its chunks are still recorded in it is damage,
-        not a prune (prune deletes the rows before the blob): that error is raised. A pack found
-        pruned is remembered, so the other chunks it held are neither read nor looked up again."""
+        """The raw bytes of basis ``chunk_id``, or None where they cannot be read, and the new chunk
+        is then stored plain, which is always correct: a prune (with --min-age 0, or longer than its
+        grace period) deleted its pack after this push chose it (a delta against it would be refused
+        when its pack is recorded), or the blob store lost that pack, or cut it short, while the
+        registry still records chunks in it (damage: the push warns, naming the pack, and goes on;
+        plan_deltas avoids the packs lost before the push began, this catches one lost since). A
+        pack found so is remembered, so the other chunks it held are neither read nor looked up
+        again."""
         chain = self._chain(chunk_id)
-        if any(self.located[i].pack_id in self._pruned_packs for i in chain):
+        if any(self.located[i].pack_id in self._skipped_packs for i in chain):
             return None
         try:
             return self.raw(chunk_id)
         except NotFound as exc:
             now = self._locate(chain)
             moved = {self.located[i].pack_id for i in chain if i not in now or now[i].pack_id != self.located[i].pack_id}
-            if moved:
-                with self._lock:
-                    self._pruned_packs |= moved
-                return None
-            # data loss, not the caller's mistake: exit 5 / a 503, as a pull that meets it (not a 404)
-            raise StorageError(f"{exc}, though the registry still records basis chunk {chunk_id} in it: storage lost "
-                               "that blob; restore it from a backup (pulls of the versions that use it fail too)") from None
+            lost = getattr(exc, "pack_id", None) if not moved else None
+            with self._lock:
+                fresh = lost is not None and lost not in self._skipped_packs
+                self._skipped_packs |= moved | ({lost} if lost else set())
+            if fresh:
+                warn_lost_bases({lost: str(exc)})
+            return None
 
     def raw(self, chunk_id: str) -> bytes:
         with self._lock:
@@ -150,7 +157,11 @@ class BasisReader:
         with self._lock:
             payload = self._payloads.pop(chunk_id, None)
         if payload is None:
-            ((_, payload),) = list(self._fetch([c]))
+            try:
+                ((_, payload),) = list(self._fetch([c]))
+            except NotFound as exc:
+                exc.pack_id = c.pack_id  # which pack of the chain failed: ``usable`` sets only that one aside
+                raise
         data = self._decode(c, payload, basis)
         with self._lock:
             if chunk_id not in self._cache:

@@ -6,14 +6,15 @@ recorded chunk whose pack is missing or shorter than its bytes is damage: an obj
 a restore that missed it, a store swapped under the registry. A push that would reuse such a chunk
 sends it again instead (ingest.push, service.negotiate), and recording the new copy points the
 chunk's row at it (db/chunks.record_pack): the push mends what it needs, and no version is committed
-over bytes that cannot be read (service.commit checks again). A pull meets the same check before
-it streams (service.check_packs).
+over bytes that cannot be read (service.commit checks again). A new chunk is not stored as a delta
+against a basis whose bytes lie in such a pack (deltas.cap_depth): it takes a basis further down the
+chain, or goes plain. A pull meets the same check before it streams (service.check_packs).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Container, Iterable
 from concurrent.futures import ThreadPoolExecutor
 
 from registry.blobs.packs import StoredChunk, pack_key
@@ -24,48 +25,62 @@ log = logging.getLogger("mfsreg")
 PACK_LOOKUPS = 8  # concurrent size lookups (HEADs on S3): they wait on the network, not the CPU
 
 
-def lost_packs(reg, chunks: Iterable[StoredChunk]) -> dict[str, str]:
+PackSizes = dict[str, int | str]  # pack id -> its size in the blob store, or why it has none: lookups one push shares
+
+
+def lost_packs(reg, chunks: Iterable[StoredChunk], sizes: PackSizes | None = None) -> dict[str, str]:
     """pack id -> what is wrong, for each pack of ``chunks`` that is missing from the blob store or
     ends before the last of their bytes. Several packs are looked up a few at a time on threads of
-    their own (reg.pool is sized for the CPU work of uploads). A store that cannot be reached
-    raises its StorageError."""
+    their own (reg.pool is sized for the CPU work of uploads). ``sizes`` keeps the lookups, so that
+    a push that checks its reused chunks and then its bases (mostly in the same packs) looks each
+    pack up once. A store that cannot be reached raises its StorageError."""
     ends: dict[str, int] = {}
     for c in chunks:
         ends[c.pack_id] = max(ends.get(c.pack_id, 0), c.offset + c.stored_size)
+    sizes = {} if sizes is None else sizes
 
-    def problem(item: tuple[str, int]) -> str | None:
-        pack_id, end = item
+    def size_of(pack_id: str) -> int | str:
         try:
-            size = reg.blobs.size(pack_key(pack_id))
+            return reg.blobs.size(pack_key(pack_id))
         except NotFound as exc:
             return str(exc)
-        return None if size >= end else f"pack {pack_id} holds {size} bytes where its chunks need {end}"
 
-    items = sorted(ends.items())
-    if len(items) <= 1:
-        found = [problem(i) for i in items]
+    todo = sorted(p for p in ends if p not in sizes)
+    if len(todo) <= 1:
+        found = [size_of(p) for p in todo]
     else:
-        with ThreadPoolExecutor(max_workers=min(PACK_LOOKUPS, len(items)), thread_name_prefix="mfsreg-packs") as io:
-            found = list(io.map(problem, items))
-    return {p: why for (p, _), why in zip(items, found) if why is not None}
+        with ThreadPoolExecutor(max_workers=min(PACK_LOOKUPS, len(todo)), thread_name_prefix="mfsreg-packs") as io:
+            found = list(io.map(size_of, todo))
+    sizes.update(zip(todo, found))
+    out: dict[str, str] = {}
+    for pack_id, end in sorted(ends.items()):
+        size = sizes[pack_id]
+        if isinstance(size, str):
+            out[pack_id] = size
+        elif size < end:
+            out[pack_id] = f"pack {pack_id} holds {size} bytes where its chunks need {end}"
+    return out
 
 
-def unreadable(reg, located: dict[str, StoredChunk], ids: Iterable[str]) -> tuple[set[str], dict[str, str]]:
+def unreadable(reg, located: dict[str, StoredChunk], ids: Iterable[str],
+               sizes: PackSizes | None = None) -> tuple[set[str], dict[str, str]]:
     """Those of the stored ``ids`` whose bytes, or the bytes of a basis down their delta chain,
     lie in a pack the store lost (``located`` holds them and their bases: db/chunks.locate_closure),
     and the lost packs (lost_packs). Such a chunk is mended by storing it again, plain."""
-    lost = lost_packs(reg, located.values())
+    lost = lost_packs(reg, located.values(), sizes)
     if not lost:
         return set(), {}
-    bad: set[str] = set()
-    for i in ids:
-        c = located.get(i)
-        while c is not None:
-            if c.pack_id in lost:
-                bad.add(i)
-                break
-            c = located.get(c.basis_id) if c.basis_id else None
-    return bad, lost
+    return {i for i in ids if through_lost(i, located, lost)}, lost
+
+
+def through_lost(chunk_id: str, located: dict[str, StoredChunk], lost: Container[str]) -> bool:
+    """Whether ``chunk_id``'s bytes, or those of a basis down its delta chain, lie in a ``lost`` pack."""
+    c = located.get(chunk_id)
+    while c is not None:
+        if c.pack_id in lost:
+            return True
+        c = located.get(c.basis_id) if c.basis_id else None
+    return False
 
 
 def warn_mending(lost: dict[str, str], chunks: int) -> None:
@@ -76,3 +91,15 @@ def warn_mending(lost: dict[str, str], chunks: int) -> None:
     log.warning("pack %s%s is lost from the blob store (%s): this push stores its %d chunks that lay there again; "
                 "versions that use the pack's other chunks cannot be pulled until it is restored from a backup",
                 first, more, why, chunks)
+
+
+def warn_lost_bases(lost: dict[str, str], chunks: int | None = None) -> None:
+    """Said where a push's new chunks could not lean on the basis chosen for them: stored against a
+    readable basis further down its chain, or plain, so the push costs more bytes, and the pack
+    stays lost for the versions that use it."""
+    first, why = next(iter(lost.items()))
+    more = f" and {len(lost) - 1} more" if len(lost) > 1 else ""
+    count = f"{chunks} " if chunks is not None else ""
+    log.warning("pack %s%s is lost from the blob store (%s): %snew chunks of this push are stored without deltas "
+                "against the chunks that lay there; versions that use them cannot be pulled until it is restored "
+                "from a backup", first, more, why, count)

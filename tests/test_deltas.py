@@ -372,15 +372,60 @@ def test_a_push_whose_basis_is_damaged_in_storage_stops_with_that_error(reg, fam
     assert [v.name for v in reg.versions("fam")] == ["base"]
 
 
-def test_a_push_whose_basis_pack_is_lost_from_storage_stops_with_that_error(reg, fam):
-    """Packs gone from storage while their chunks are still recorded: damage, not a prune (which
-    deletes the rows first), so the push stops instead of storing its chunks plain."""
+def _lose_packs_of(reg, ids) -> set[str]:
+    """Delete from the blob store, by hand, every pack that holds one of ``ids`` (storage that lost data)."""
+    packs = {c.pack_id for i, c in reg.locate(ids).items() if i in ids}  # not their bases' packs
+    for p in packs:
+        reg.blobs.delete(pack_key(p))
+    return packs
+
+
+@pytest.mark.parametrize("when", ["before the push", "while it encodes"])
+def test_a_push_whose_basis_pack_is_lost_from_storage_stores_its_chunks_without_it(when, reg, fam, tmp_path, caplog):
+    """Packs gone from storage while their chunks are still recorded (deleted by hand): a push whose
+    new chunks would be deltas against chunks there stopped with exit 5. Lost before the push, the
+    basis is not chosen; lost after the choice, it is found unreadable when read: either way the
+    chunks are stored plain, with a warning naming the pack, and the version pulls byte for byte."""
+    from tests.hooks import OnSend
+
     reg.push(fam["base"], "fam", "base")
-    for key in reg.blobs.list("packs/"):
-        (reg.blobs.root / key).unlink()
-    with pytest.raises(StorageError, match="missing.*still records basis chunk .*restore it from a backup"):
-        reg.push(fam["full-med"], "fam", "full-med")
-    assert [v.name for v in reg.versions("fam")] == ["base"]
+    base_ids = set(reg.manifest("fam", "base")[1].chunk_ids())
+    if when == "before the push":
+        lost, progress = _lose_packs_of(reg, base_ids), None
+    else:
+        progress = OnSend(lambda: _lose_packs_of(reg, base_ids))
+    res = reg.push(fam["full-med"], "fam", "full-med", parent="base", progress=progress)
+    lost = lost if progress is None else progress.results[0]
+    assert res.new_chunks > 0 and [v.name for v in reg.versions("fam")] == ["base", "full-med"]
+    located = reg.locate(reg.manifest("fam", "full-med")[1].chunk_ids())
+    assert not {c.basis_id for c in located.values() if c.basis_id} & base_ids
+    assert not {c.pack_id for c in located.values()} & lost
+    reg.pull("fam", "full-med", tmp_path / "out")
+    assert filecmp.cmp(tmp_path / "out", fam["full-med"], shallow=False)
+    assert any("is lost from the blob store" in r.getMessage() and r.getMessage().split()[1] in lost
+               for r in caplog.records), caplog.text
+
+
+def test_a_basis_in_a_lost_pack_gives_way_to_a_readable_one_down_its_chain(reg, tmp_path):
+    """v1 is stored as deltas against base, and v1's packs are lost: v2 (parent v1) is stored as
+    deltas against base's chunks, which still decode, instead of stopping or going plain."""
+    t = synth.base_tensors()
+    paths = []
+    for i in range(3):
+        paths.append(synth.write(tmp_path / f"v{i}.safetensors", t))
+        t = synth.dense_update(t, seed=100 + i)
+    reg.push(paths[0], "fam", "v0")
+    reg.push(paths[1], "fam", "v1", parent="v0")
+    v0 = set(reg.manifest("fam", "v0")[1].chunk_ids())
+    v1 = set(reg.manifest("fam", "v1")[1].chunk_ids()) - v0
+    assert any(c.basis_id in v0 for c in reg.locate(v1).values())
+    _lose_packs_of(reg, v1)
+    reg.push(paths[2], "fam", "v2", parent="v1")
+    located = reg.locate(set(reg.manifest("fam", "v2")[1].chunk_ids()) - v0 - v1)
+    bases = {c.basis_id for c in located.values() if c.basis_id}
+    assert bases and bases <= v0, bases  # down the chain, not plain
+    reg.pull("fam", "v2", tmp_path / "out")
+    assert filecmp.cmp(tmp_path / "out", paths[2], shallow=False)
 
 
 def test_full_fine_tune_is_stored_as_small_deltas(reg, fam, tmp_path):

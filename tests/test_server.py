@@ -1310,3 +1310,47 @@ def test_a_push_over_http_mends_chunks_whose_pack_was_lost_before_or_during_it(s
                 cache.close()
     finally:
         local.close()
+
+
+@pytest.mark.parametrize("when", ["before the push", "after its negotiation"])
+def test_a_push_over_http_whose_basis_pack_was_lost_stores_its_chunks_without_it(when, servers, server_env, fam,
+                                                                                  tmp_path):
+    """The bases a server picks for a push's new chunks lie in packs deleted from the bucket by
+    hand: the upload stopped with a 503 (exit 5, 'restore it from a backup'), though the push needs
+    none of those bytes. Lost before the negotiation, no basis there is suggested; lost after it,
+    the upload finds the basis unreadable: either way the chunks are stored plain, the push commits,
+    and the version pulls byte for byte."""
+    from registry.blobs.packs import pack_key
+    from registry.client.cache import NodeCache
+    from registry.client.remote import RemoteRegistry
+    from registry.config import Settings
+    from registry.registry import Registry
+
+    (srv,) = servers(1)
+    local = Registry(Settings.from_env(server_env))
+
+    def lose_the_base() -> set[str]:
+        ids = set(local.manifest("fam", "base")[1].chunk_ids())
+        packs = {c.pack_id for i, c in local.locate(ids).items() if i in ids}
+        for p in packs:
+            local.blobs.delete(pack_key(p))
+        return packs
+
+    try:
+        with RemoteRegistry(srv.url, token=token(server_env, "admin")) as remote:
+            remote.push(fam["base"], "fam", "base")
+            hook = OnSend(lose_the_base) if when == "after its negotiation" else None
+            lost = lose_the_base() if hook is None else None
+            res = remote.push(fam["full-med"], "fam", "full-med", parent="base", progress=hook)
+            lost = lost if hook is None else hook.results[0]
+            assert res.new_chunks > 0 and lost
+            located = local.locate(local.manifest("fam", "full-med")[1].chunk_ids())
+            assert not {c.pack_id for c in located.values()} & lost
+            cache = NodeCache(tmp_path / "node-cache")
+            try:
+                remote.pull("fam", "full-med", tmp_path / "out", cache=cache)
+            finally:
+                cache.close()
+            assert filecmp.cmp(tmp_path / "out", fam["full-med"], shallow=False)
+    finally:
+        local.close()
