@@ -116,7 +116,9 @@ class Settings:
         return self.database_url.startswith("sqlite")
 
     @classmethod
-    def from_env(cls, env: dict | None = None, **overrides) -> "Settings":
+    def from_env(cls, env: dict | None = None, *, blobs: bool = True, **overrides) -> "Settings":
+        """``blobs=False`` for a command that never opens the blob store (``db upgrade``): its URL is
+        then not checked here, and open_blob_store checks it wherever it is opened."""
         env = dict(os.environ if env is None else env)
         home = expand_user("MFSREG_HOME", env.get("MFSREG_HOME") or str(Path.home() / ".mfsreg"))
         if not home.is_absolute():  # a relative one (or ' ') made a registry in each directory a command ran from
@@ -138,7 +140,8 @@ class Settings:
             s3_max_attempts=_attempts(env, "MFSREG_S3_MAX_ATTEMPTS", DEFAULT_S3_MAX_ATTEMPTS),
         )
         values.update(overrides)
-        parse_blob_url(values["blob_url"])  # a bad one is refused (exit 2) before anything connects
+        if blobs:
+            parse_blob_url(values["blob_url"])  # a bad one is refused (exit 2) before anything connects
         return cls(**values)
 
 

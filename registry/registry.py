@@ -181,7 +181,7 @@ class Registry:
 
 def upgrade_database(settings: Settings | None = None) -> str:
     """Apply pending migrations (``mfsreg db upgrade``); returns the revision now in force."""
-    settings = settings or Settings.from_env()
+    settings = settings or Settings.from_env(blobs=False)  # migrations touch no blob
     engine = create_db_engine(settings.database_url)
     try:
         with read_tx(engine):

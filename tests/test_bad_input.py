@@ -962,6 +962,18 @@ def test_a_bad_blob_url_is_refused_in_one_line_without_its_secret(url, says, see
     assert snapshot(home) == before and not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("url", ["s3://Bad_Bucket/p", f"s3://AKIAMFSREG:{SECRET}@bucket/p", "file://"])
+def test_db_upgrade_runs_whatever_the_blob_url(url, home_env):
+    """`mfsreg db upgrade` never opens the blob store: a malformed MFSREG_BLOB_URL (as a migrate job
+    may carry, sharing the api's environment) refused it with exit 2; it now upgrades, and a command
+    that opens the store still refuses in one line."""
+    env = dict(home_env, MFSREG_BLOB_URL=url)
+    assert mfsreg_json("db", "upgrade", env=env)["revision"]
+    proc = mfsreg("ls", env=env, check=False)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "MFSREG_BLOB_URL" in proc.stderr, proc.stderr
+    assert SECRET not in proc.stderr
+
+
 def test_a_good_s3_blob_url_with_a_trailing_slash_is_taken(s3_blob_url, tmp_path):
     from registry.blobs import open_blob_store
 
