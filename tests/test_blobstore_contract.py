@@ -288,6 +288,50 @@ def test_s3_unreachable_endpoint(monkeypatch):
         assert endpoint in msg and "MFSREG_S3_ENDPOINT_URL" in msg
 
 
+@pytest.mark.parametrize("variable", ["AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"])
+def test_s3_an_endpoint_set_the_aws_way_is_addressed_path_style(variable, s3_bucket, monkeypatch, tmp_path):
+    """An endpoint in botocore's own variables instead of MFSREG_S3_ENDPOINT_URL: the client got no
+    path-style setting of ours, so an AWS config file's addressing_style = virtual (or a botocore
+    that does not force path style for configured endpoints) sent requests to bucket.host, which a
+    MinIO or moto server by name does not answer. It is now treated as MFSREG_S3_ENDPOINT_URL is."""
+    endpoint, bucket = s3_bucket
+    by_name = endpoint.replace("127.0.0.1", "localhost")  # an IP would be addressed path-style anyway
+    config = tmp_path / "aws-config"
+    config.write_text("[default]\ns3 =\n    addressing_style = virtual\n")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(config))
+    monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
+    monkeypatch.setenv(variable, by_name)
+    store = S3BlobStore(bucket, "p", max_attempts=1, connect_timeout=2, read_timeout=5)
+    sent: list[str] = []
+    store._s3.meta.events.register("before-send", lambda request, **_: sent.append(request.url))
+    store.put("k", b"hello")
+    assert store.get("k") == b"hello" and store.size("k") == 5
+    assert sent and all(u.startswith(f"{by_name}/{bucket}/") for u in sent), sent
+    assert store.endpoint_url == by_name and store.endpoint_setting == variable
+    monkeypatch.setenv("AWS_IGNORE_CONFIGURED_ENDPOINT_URLS", "true")  # botocore's switch, kept
+    assert S3BlobStore(bucket, "p").endpoint_setting == "MFSREG_S3_ENDPOINT_URL"
+
+
+def test_s3_a_bad_or_dead_endpoint_set_the_aws_way_is_named_as_such(monkeypatch):
+    """Messages named MFSREG_S3_ENDPOINT_URL (\"MFSREG_S3_ENDPOINT_URL=None: Invalid endpoint\") for an
+    endpoint that came from AWS_ENDPOINT_URL_S3; they name the variable it came from."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", "not a url")
+    with pytest.raises(InvalidRequest) as info:
+        S3BlobStore("bucket", "p")
+    assert _one_line(info.value).startswith("AWS_ENDPOINT_URL_S3='not a url': ")
+    endpoint = f"http://127.0.0.1:{_closed_port()}"
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", endpoint)
+    with pytest.raises(StorageError) as info:
+        S3BlobStore("bucket", "p", max_attempts=1, connect_timeout=1).size("k")
+    msg = _one_line(info.value)
+    assert endpoint in msg and "check AWS_ENDPOINT_URL_S3 " in msg, msg
+    with pytest.raises(StorageError) as info:  # the explicit setting comes first, and is named
+        S3BlobStore("bucket", "p", endpoint_url=endpoint, max_attempts=1, connect_timeout=1).size("k")
+    assert "check MFSREG_S3_ENDPOINT_URL " in _one_line(info.value)
+
+
 def test_s3_missing_bucket(s3_server):
     store = S3BlobStore("no-such-bucket-mfsreg", "p", endpoint_url=s3_server)
     for call in (lambda: store.put("k", b"x"), lambda: store.get("k"), lambda: store.size("k"), lambda: list(store.list())):

@@ -10,6 +10,7 @@ StorageError here; no botocore exception leaves this module.
 from __future__ import annotations
 
 import io
+import os
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -48,6 +49,22 @@ MULTIPART_CHUNK = 16 * MiB
 _STREAM_ERRORS = (IncompleteReadError, ResponseStreamingError, ReadTimeoutError)
 _STREAM_TRIES = 3
 _STREAM_BACKOFF = 0.2  # seconds before the second read, doubled for each one after
+# botocore reads an endpoint from these too (the S3 one first), as it reads credentials from the
+# environment; MFSREG_S3_ENDPOINT_URL comes before them, as a client's endpoint_url does in botocore
+_ENDPOINT_VARIABLES = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
+
+
+def configured_endpoint(endpoint_url: str | None) -> tuple[str | None, str]:
+    """The endpoint to give the client, and the setting it came from (for messages): an endpoint set
+    the AWS way is given to the client as MFSREG_S3_ENDPOINT_URL's is, so that it gets the same
+    path-style requests, whatever botocore's version or an AWS config file's addressing_style."""
+    if endpoint_url:
+        return endpoint_url, "MFSREG_S3_ENDPOINT_URL"
+    if os.environ.get("AWS_IGNORE_CONFIGURED_ENDPOINT_URLS", "").strip().lower() != "true":  # botocore's switch
+        for name in _ENDPOINT_VARIABLES:
+            if os.environ.get(name, "").strip():
+                return os.environ[name].strip(), name
+    return None, "MFSREG_S3_ENDPOINT_URL"
 
 
 class S3BlobStore(BlobStore):
@@ -70,6 +87,7 @@ class S3BlobStore(BlobStore):
         self.url = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
         self.max_workers = max_workers
         self.read_timeout, self.max_attempts = read_timeout, max_attempts
+        endpoint_url, self.endpoint_setting = configured_endpoint(endpoint_url)
         config = Config(
             # total_max_attempts counts the first try; botocore's "max_attempts" counts only the
             # retries (5 of them made six tries of 60 s each against an endpoint gone silent)
@@ -90,7 +108,7 @@ class S3BlobStore(BlobStore):
                 "s3", endpoint_url=endpoint_url, region_name=session.region_name or "us-east-1", config=config
             )
         except ValueError as exc:  # botocore's "Invalid endpoint: ..."
-            raise InvalidRequest(f"MFSREG_S3_ENDPOINT_URL={endpoint_url!r}: {exc}: give a URL such as "
+            raise InvalidRequest(f"{self.endpoint_setting}={endpoint_url!r}: {exc}: give a URL such as "
                                  "http://127.0.0.1:9000") from None
         except BotoCoreError as exc:  # an AWS_PROFILE that does not exist, an AWS config file that does not parse
             raise InvalidRequest(f"the AWS configuration for {self.url} cannot be used: {exc}: fix AWS_PROFILE or "
@@ -125,7 +143,7 @@ class S3BlobStore(BlobStore):
                 # a 404 to a put, delete or list names no missing blob: whatever answered is not
                 # the bucket's S3 (another server's page, a proxy's path)
                 raise StorageError(f"S3 {op} of {key or self.url} was answered 404 ({code or 'no S3 error code'}) by "
-                                   f"{self.endpoint_url}: check MFSREG_S3_ENDPOINT_URL and MFSREG_BLOB_URL") from None
+                                   f"{self.endpoint_url}: check {self.endpoint_setting} and MFSREG_BLOB_URL") from None
             if code == "InvalidRange" or status == 416:
                 raise NotFound(f"blob {key}: requested range is outside the object") from None
             if code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch") or status == 403:
@@ -146,7 +164,7 @@ class S3BlobStore(BlobStore):
             ) from None
         except ConnectionError:
             raise StorageError(
-                f"cannot reach S3 endpoint {self.endpoint_url}: check MFSREG_S3_ENDPOINT_URL and that the server is up"
+                f"cannot reach S3 endpoint {self.endpoint_url}: check {self.endpoint_setting} and that the server is up"
             ) from None
         except (BotoCoreError, Boto3Error) as exc:
             raise StorageError(f"S3 {op} of {key or self.url} failed: {exc}") from None
