@@ -70,7 +70,7 @@ def cap_depth(basis_id: str, located: dict[str, StoredChunk], lost: Container[st
     store lost (``lost``, registry/lost.py) cannot be read, so the next one down the chain is taken
     (a chunk below the lost one still decodes). None: store the chunk plain."""
     b = located.get(basis_id)
-    while b is not None and (b.depth >= MAX_DEPTH or through_lost(b.id, located, lost)):
+    while b is not None and (b.depth >= MAX_DEPTH or (lost and through_lost(b.id, located, lost))):
         b = located.get(b.basis_id) if b.basis_id else None
     return b.id if b is not None else None
 

@@ -73,7 +73,8 @@ def negotiate(reg, family: str, version: str, doc: object, parent: str | None = 
     if mend:
         warn_mending(lost, len(mend))
     # no basis is suggested in a lost pack either: receive_batch could not read it
-    bases, _ = plan_deltas(reg, family, parent, [(f.chunks, f.tensors) for f in manifest.files], ids, missing, pack_sizes)
+    bases, _ = plan_deltas(reg, family, parent, [(f.chunks, f.tensors) for f in manifest.files], ids, missing,
+                           pack_sizes)
     bases = {c: b for c, b in bases.items() if c not in mend}
     missing |= mend
     return {
