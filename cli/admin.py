@@ -1,4 +1,4 @@
-"""Admin commands: `db upgrade` and `family quorum` (where the metadata database is), `prune`."""
+"""Admin commands: `db upgrade`, `family quorum` and `check` (where the metadata database is), `prune`."""
 
 from __future__ import annotations
 
@@ -104,3 +104,56 @@ def prune(
     if res.waiting_packs:
         typer.echo(f"{n(res.waiting_packs, 'unlisted pack')} ({human_bytes(res.waiting_bytes)}: retired, or being written) "
                    f"wait out --min-age {min_age}; a later prune deletes those no push records")
+
+
+def check(
+    family: str = typer.Option(None, "--family", "-f", help="One family; without it, the whole registry."),
+    read_data: bool = typer.Option(False, "--read-data", help="Also read every chunk, decode it and hash it against "
+                                   "its id (reads all the stored bytes; without it, each pack is only looked up)."),
+    json_: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Check that the blob store holds every byte the stored versions need; name what is lost or
+    damaged and the versions that cannot be pulled because of it. Changes nothing; exits 4 when
+    something is wrong. Runs where the database is (MFSREG_DATABASE_URL and MFSREG_BLOB_URL)."""
+    from registry.registry import Registry
+
+    local_only("check")
+    with Registry() as reg, progress_for(json_) as progress:
+        res = reg.check(family, read_data, progress)
+    if json_:
+        emit_json(res.to_dict())
+    else:
+        _say_checked(res, read_data)
+    if not res.ok:
+        raise typer.Exit(4)
+
+
+def _say_checked(res, read_data: bool) -> None:
+    def n(count: int, what: str) -> str:
+        return f"{count} {what}{'' if count == 1 else 's'}"
+
+    scope = "the registry" if res.scope == "registry" else res.scope
+    head = (f"checked {n(res.versions, 'version')} of {scope}: {n(res.chunks, 'chunk')} in {n(res.packs, 'pack')} "
+            f"({human_bytes(res.stored_bytes)} stored)")
+    if res.ok:
+        typer.echo(f"{head}, " + ("every chunk read and verified: all intact" if read_data else
+                                  "every pack present and whole (--read-data also reads and verifies each chunk)"))
+        return
+    problems = [n(len(res.lost_packs), "pack") + " lost"] if res.lost_packs else []
+    if res.damaged_chunks:
+        problems.append(n(len(res.damaged_chunks), "chunk") + " damaged")
+    typer.echo(f"{head}: {', '.join(problems)}; {n(len(res.broken_versions), 'version')} cannot be pulled")
+    shown = 10
+    lines = [f"pack {p}: {why}" for p, why in res.lost_packs.items()]
+    lines += [f"pack {p}: {n(d['chunks'], 'chunk')} damaged ({d['first']})" for p, d in res.damaged_packs.items()]
+    lines += [f"cannot be pulled: {v}" for v in res.broken_versions]
+    for line in lines[:3 * shown]:
+        typer.echo(f"  {line}")
+    if len(lines) > 3 * shown:
+        typer.echo(f"  ... and {len(lines) - 3 * shown} more (--json lists them all)")
+    if res.lost_packs:
+        typer.echo("restore the lost packs from a backup (and check that MFSREG_BLOB_URL names this registry's store), "
+                   "or push each listed version's file again: a push stores anew the chunks of lost packs it holds")
+    if res.damaged_packs:
+        typer.echo("restore the damaged packs from a backup, or move each out of the blob store (it then counts as "
+                   "lost) and push each listed version's file again")

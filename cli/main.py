@@ -22,6 +22,7 @@ app.command()(versions.delete)
 # the list of commands shows a docstring's first paragraph with its line breaks: one line instead
 app.command(short_help="Delete the chunks no version needs and give back their space.")(admin.prune)
 app.command()(stats.stats)
+app.command(short_help="Check that the blob store holds every byte the stored versions need.")(admin.check)
 app.add_typer(admin.db_app, name="db")
 app.add_typer(admin.family_app, name="family")
 app.command()(server.serve)

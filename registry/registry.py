@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from registry import ingest, prune, rebuild
+from registry.check import CheckResult, check as check_registry
 from registry.blobs import open_blob_store
 from registry.blobs.local import LocalBlobStore
 from registry.blobs.packs import StoredChunk, read_payloads
@@ -163,6 +164,11 @@ class Registry:
             changed, dropped = tier_db.remove_member(conn, fam.id, ids, fam.member_count, fam.base_quorum)
             version_db.set_member_count(conn, fam.id, fam.member_count - 1)
         return DeleteResult(family, version, changed, len(dropped))
+
+    def check(self, family: str | None = None, read_data: bool = False, progress: Progress | None = None) -> CheckResult:
+        """Which packs and chunks the stored versions need are lost or damaged, and which versions
+        cannot be pulled because of them (registry/check.py); changes nothing."""
+        return check_registry(self, family, read_data, progress)
 
     def prune(self, min_age: float = prune.DEFAULT_MIN_AGE, max_unused: float = prune.DEFAULT_MAX_UNUSED,
               dry_run: bool = False, progress: Progress | None = None) -> PruneResult:

@@ -1,0 +1,162 @@
+"""`mfsreg check`: does the blob store still hold every byte that the stored versions need?
+
+A pull finds a lost pack only when someone asks for a version that needs it, and node caches can
+hide the loss for months. ``check`` asks the whole registry (or one family) at once, as restic's
+check does: each pack that a version's chunks (and the bases of their deltas) lie in is looked up
+(registry/lost.py: missing, or shorter than its chunks), and with ``read_data`` every such chunk is
+read, decoded and hashed against its id. What is wrong is named together with the versions that can
+no longer be pulled because of it; nothing is changed, so a check can run beside pushes and pulls.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from registry.blobs.packs import StoredChunk, read_payloads
+from registry.db import chunks as chunk_db
+from registry.db import versions as version_db
+from registry.db.engine import read_tx
+from registry.errors import IntegrityError, NotFound
+from registry.lost import lost_packs
+from registry.parallel import sized_batches, windowed_map
+from registry.progress import NullProgress, Progress
+from registry.rebuild import closure, decode_verified
+
+READ_BATCH = 64 << 20  # stored bytes read and decoded at a time with read_data: what memory holds at once
+
+
+@dataclass
+class CheckResult:
+    scope: str  # a family's name, or "registry"
+    versions: int
+    chunks: int  # distinct chunks the versions need, bases included
+    packs: int  # distinct packs they lie in
+    stored_bytes: int  # their encoded bytes
+    read_bytes: int = 0  # encoded bytes read and checked (read_data), bases read again included
+    lost_packs: dict[str, str] = field(default_factory=dict)  # pack id -> what is wrong with it
+    damaged_chunks: dict[str, str] = field(default_factory=dict)  # chunk id -> why it fails (read_data)
+    # pack id -> {"chunks": its damaged chunks, "first": "chunk <id>: why"} (read_data)
+    damaged_packs: dict[str, dict] = field(default_factory=dict)
+    unreadable_chunks: int = 0  # chunks that cannot be rebuilt: in a lost pack, damaged, or down a chain through one
+    broken_versions: list[str] = field(default_factory=list)  # "family/version" that cannot be pulled
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return not (self.lost_packs or self.damaged_chunks)
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__, ok=self.ok)
+
+
+def check(reg, family: str | None = None, read_data: bool = False, progress: Progress | None = None) -> CheckResult:
+    progress = progress or NullProgress()
+    t0 = time.perf_counter()
+    with read_tx(reg.engine) as conn:  # one snapshot: the versions and where their chunks were
+        if family is not None:
+            version_db.get_family(conn, family)  # NotFound, in one line, for a family that does not exist
+        rows = version_db.list_versions(conn, family)
+        needs = {f"{r.family}/{r.name}": version_db.version_chunk_ids(conn, r.id) for r in rows}
+        located = chunk_db.locate_closure(conn, {i for ids in needs.values() for i in ids})
+    result = CheckResult(
+        scope=family or "registry", versions=len(rows), chunks=len(located),
+        packs=len({c.pack_id for c in located.values()}), stored_bytes=sum(c.stored_size for c in located.values()),
+    )
+    result.lost_packs = lost_packs(reg, located.values())
+    if read_data:
+        result.damaged_chunks, result.read_bytes = _read_all(reg, located, result.lost_packs, progress)
+        for i, why in result.damaged_chunks.items():
+            pack = result.damaged_packs.setdefault(located[i].pack_id, {"chunks": 0, "first": f"chunk {i}: {why}"})
+            pack["chunks"] += 1
+    bad = _unreadable(located, set(result.lost_packs), set(result.damaged_chunks))
+    # a version row names a chunk with no row of its own: the records, not the store, lost it
+    bad |= {i for ids in needs.values() for i in ids if i not in located}
+    result.unreadable_chunks = len(bad)
+    result.broken_versions = [v for v, ids in needs.items() if not bad.isdisjoint(ids)]
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+def _unreadable(located: dict[str, StoredChunk], lost: set[str], damaged: set[str]) -> set[str]:
+    """Chunks whose own bytes, or a basis's down their delta chain, are lost or damaged."""
+    verdict: dict[str, bool] = {}
+
+    def bad(i: str) -> bool:
+        chain = []
+        while i not in verdict:
+            c = located.get(i)
+            if c is None or c.pack_id in lost or i in damaged:
+                verdict[i] = True
+                break
+            if not c.basis_id:
+                verdict[i] = False
+                break
+            chain.append(i)
+            i = c.basis_id
+        for j in chain:  # each link is as readable as the end of the chain it leans on
+            verdict[j] = verdict[i]
+        return verdict[chain[0] if chain else i]
+
+    return {i for i in located if bad(i)}
+
+
+def _read_all(reg, located: dict[str, StoredChunk], lost: dict[str, str], progress: Progress) -> tuple[dict[str, str], int]:
+    """Read, decode and hash every chunk outside the lost packs, pack by pack, a batch at a time;
+    a delta's basis is read again with it where an earlier batch held it (bounded chains keep
+    that small). A pack found lost on the way is added to ``lost``. Returns (damaged chunk ->
+    why, encoded bytes read)."""
+    todo = sorted((c for c in located.values() if c.pack_id not in lost), key=lambda c: (c.pack_id, c.offset))
+    progress.start("verify", sum(c.stored_size for c in todo))
+    damaged: dict[str, str] = {}
+    read = 0
+    for batch in sized_batches(todo, lambda c: c.stored_size, READ_BATCH):
+        try:
+            order = closure([c.id for c in batch], located)
+        except IntegrityError as exc:  # a chain too long or circular: every chunk of the batch is suspect
+            damaged.update((c.id, str(exc)) for c in batch)
+            continue
+        wanted = [located[i] for i in order if located[i].pack_id not in lost]
+        try:
+            payloads = {c.id: p for c, p in read_payloads(reg.blobs, wanted)}
+        except NotFound:  # a pack went (or was cut short) since it was looked up: lost, as the lookup says
+            lost.update(lost_packs(reg, wanted))
+            continue
+        read += sum(c.stored_size for c in wanted)
+        damaged.update(_decode_levels(reg, order, located, payloads))
+        progress.advance("verify", sum(c.stored_size for c in batch))
+    return damaged, read
+
+
+def _decode_levels(reg, order: list[str], located: dict[str, StoredChunk], payloads: dict) -> dict[str, str]:
+    """Decode ``order`` (bases first) level by level on the registry's pool; a chunk whose basis
+    did not decode is left to _unreadable, not counted as damaged itself."""
+    level: dict[str, int] = {}
+    for i in order:
+        b = located[i].basis_id
+        level[i] = level[b] + 1 if b and b in level else 0
+    by_level: dict[int, list[str]] = defaultdict(list)
+    for i in order:
+        by_level[level[i]].append(i)
+    raw: dict[str, bytes] = {}
+    damaged: dict[str, str] = {}
+
+    def job(i: str) -> tuple[str, bytes | None, str | None]:
+        c = located[i]
+        if i not in payloads:  # its pack is lost: said once, for the pack
+            return i, None, None
+        if c.basis_id and c.basis_id not in raw:
+            return i, None, None
+        try:
+            return i, decode_verified(c, payloads[i], raw[c.basis_id] if c.basis_id else None), None
+        except IntegrityError as exc:
+            return i, None, str(exc).removeprefix(f"chunk {i} ")  # listed under its id already
+
+    for depth in sorted(by_level):
+        for i, data, why in windowed_map(reg.pool, job, by_level[depth]):
+            if data is not None:
+                raw[i] = data
+            elif why is not None:
+                damaged[i] = why
+    return damaged

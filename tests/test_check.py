@@ -1,0 +1,157 @@
+"""`mfsreg check`: lost and damaged packs are found, with the versions they break, and nothing changes.
+Each verdict is checked against what a pull of every version actually does."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from registry.blobs.packs import pack_key
+from registry.config import Settings
+from registry.errors import IntegrityError, NotFound, StorageError
+from registry.registry import Registry
+from tests.cli_run import mfsreg, mfsreg_json
+from tests.test_bad_input import snapshot
+
+
+def _push_family(reg: Registry, fam: dict) -> None:
+    for name, path in fam.items():
+        reg.push(path, "fam", name, parent=None if name == "base" else "base")
+
+
+def _pullable(reg: Registry, fam: dict, tmp_path: Path) -> dict[str, bool]:
+    """Which versions a pull rebuilds (a lost pack or a damaged chunk fails it)."""
+    out = {}
+    for name in fam:
+        try:
+            reg.pull("fam", name, tmp_path / f"pulled-{name}")
+            out[name] = True
+        except (StorageError, IntegrityError, NotFound):
+            out[name] = False
+    return out
+
+
+def _pack_of_a_delta(reg: Registry, version: str) -> str:
+    """The pack of a chunk that ``version`` stores as a delta (its basis lies elsewhere)."""
+    _, manifest = reg.manifest("fam", version)
+    located = reg.locate(manifest.chunk_ids())
+    return next(c.pack_id for c in located.values() if c.basis_id)
+
+
+def test_a_whole_registry_checks_clean(reg, fam, tmp_path):
+    _push_family(reg, fam)
+    res = reg.check()
+    assert res.ok and res.versions == len(fam) and not res.broken_versions and res.read_bytes == 0
+    ids = {i for name in fam for i in reg.manifest("fam", name)[1].chunk_ids()}
+    located = reg.locate(ids)
+    assert res.chunks == len(located) and res.packs == len({c.pack_id for c in located.values()})
+    assert res.stored_bytes == sum(c.stored_size for c in located.values())
+    read = reg.check(read_data=True)
+    assert read.ok and read.read_bytes >= read.stored_bytes and not read.damaged_chunks
+    assert all(_pullable(reg, fam, tmp_path).values())
+
+
+def test_a_lost_pack_names_exactly_the_versions_that_cannot_be_pulled(reg, fam, tmp_path):
+    _push_family(reg, fam)
+    pack = _pack_of_a_delta(reg, "full-med")
+    reg.blobs.delete(pack_key(pack))
+    for read_data in (False, True):
+        res = reg.check(read_data=read_data)
+        assert not res.ok and list(res.lost_packs) == [pack] and "missing" in res.lost_packs[pack]
+        assert not res.damaged_chunks and res.unreadable_chunks > 0
+        pulls = _pullable(reg, fam, tmp_path)
+        assert res.broken_versions == [f"fam/{v}" for v in fam if not pulls[v]] and "fam/full-med" in res.broken_versions
+        assert any(pulls.values())  # the other packs still serve some versions
+
+
+def test_a_pack_cut_short_is_lost_too(reg, fam, tmp_path):
+    _push_family(reg, fam)
+    pack = _pack_of_a_delta(reg, "lora-chat")
+    data = reg.blobs.get(pack_key(pack))
+    reg.blobs.delete(pack_key(pack))
+    reg.blobs.put(pack_key(pack), data[: len(data) // 2])
+    res = reg.check()
+    assert list(res.lost_packs) == [pack] and "bytes where its chunks need" in res.lost_packs[pack]
+    pulls = _pullable(reg, fam, tmp_path)
+    assert res.broken_versions == [f"fam/{v}" for v in fam if not pulls[v]] and "fam/lora-chat" in res.broken_versions
+
+
+def test_damaged_bytes_are_found_by_read_data_alone_with_what_leans_on_them(reg, fam, tmp_path):
+    """Flipped bytes keep a pack's size: only reading finds them; the versions named are those
+    whose pull fails, including those whose deltas lean on a damaged basis."""
+    _push_family(reg, fam)
+    _, manifest = reg.manifest("fam", "base")
+    located = reg.locate(manifest.chunk_ids())
+    basis_ids = {c.basis_id for name in fam for c in reg.locate(reg.manifest("fam", name)[1].chunk_ids()).values()
+                 if c.basis_id}
+    victim = next(c for c in located.values() if c.id in basis_ids)  # a base chunk that deltas decode against
+    key = pack_key(victim.pack_id)
+    data = bytearray(reg.blobs.get(key))
+    for at in range(victim.offset, victim.offset + victim.stored_size, 97):
+        data[at] ^= 0x5A
+    reg.blobs.delete(key)
+    reg.blobs.put(key, bytes(data))
+    assert reg.check().ok  # sizes alone look whole
+    res = reg.check(read_data=True)
+    assert not res.ok and not res.lost_packs and victim.id in res.damaged_chunks
+    assert res.damaged_packs[victim.pack_id]["chunks"] == len(res.damaged_chunks)
+    pulls = _pullable(reg, fam, tmp_path)
+    assert res.broken_versions == [f"fam/{v}" for v in fam if not pulls[v]]
+    assert "fam/base" in res.broken_versions and len(res.broken_versions) > 1  # a delta's basis: others break too
+
+
+def test_check_on_s3_finds_a_lost_pack(tmp_path, fam, s3_blob_url):
+    blob_url, endpoint = s3_blob_url
+    settings = Settings.from_env({"MFSREG_HOME": str(tmp_path / "home")}, blob_url=blob_url,
+                                 s3_endpoint_url=endpoint, chunk_size=64 << 10, pack_size=1 << 20)
+    with Registry(settings, migrate=True) as reg:
+        _push_family(reg, fam)
+        assert reg.check(read_data=True).ok
+        pack = _pack_of_a_delta(reg, "vocab-ext")
+        reg.blobs.delete(pack_key(pack))
+        res = reg.check(read_data=True)
+        pulls = _pullable(reg, fam, tmp_path)
+        assert list(res.lost_packs) == [pack] and res.broken_versions == [f"fam/{v}" for v in fam if not pulls[v]]
+
+
+def test_the_command_says_what_is_wrong_and_changes_nothing(home_env, fam, tmp_path):
+    home = Path(home_env["MFSREG_HOME"])
+    for name, path in fam.items():
+        mfsreg("push", path, "--family", "fam", "--version", name, env=home_env)
+    clean = mfsreg("check", "--read-data", env=home_env)
+    assert "all intact" in clean.stdout and clean.stderr == ""
+    packs = sorted((home / "blobs").rglob("*.pack"))
+    lost = packs[-1]
+    lost.rename(tmp_path / lost.name)  # moved away by hand
+    before = snapshot(home)
+    proc = mfsreg("check", env=home_env, check=False)
+    assert proc.returncode == 4 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"pack {lost.stem}: " in proc.stdout and "cannot be pulled: fam/" in proc.stdout, proc.stdout
+    assert "restore the lost packs from a backup" in proc.stdout, proc.stdout
+    as_json = mfsreg("check", "--json", env=home_env, check=False)
+    assert as_json.returncode == 4
+    res = json.loads(as_json.stdout)
+    assert res["ok"] is False and list(res["lost_packs"]) == [lost.stem]
+    for version in res["broken_versions"]:
+        pulled = mfsreg("pull", *version.split("/"), "-o", tmp_path / "out", env=home_env, check=False)
+        assert pulled.returncode == 5, pulled.stderr
+    assert snapshot(home) == before  # a check writes nothing
+    (tmp_path / lost.name).rename(lost)  # restored from the backup
+    assert mfsreg_json("check", "--family", "fam", env=home_env)["ok"] is True
+
+
+def test_the_command_refuses_what_it_cannot_check_in_one_line(home_env, fam):
+    mfsreg("push", fam["base"], "--family", "fam", "--version", "base", env=home_env)
+    for args, env, code, says in (
+        (["--family", "nofam"], home_env, 2, "family 'nofam' does not exist"),
+        ([], dict(home_env, MFSREG_URL="http://127.0.0.1:9"), 2, "acts on the registry's database directly"),
+        (["--bogus"], home_env, 2, "No such option"),
+    ):
+        proc = mfsreg("check", *args, env=env, check=False)
+        assert proc.returncode == code and proc.stderr.count("\n") == 1 and says in proc.stderr, (args, proc.stderr)
+
+
+def test_an_empty_registry_checks_clean(home_env):
+    res = mfsreg_json("check", env=home_env)
+    assert res["ok"] is True and res["versions"] == 0 and res["chunks"] == 0
+    assert "checked 0 versions of the registry" in mfsreg("check", env=home_env).stdout
