@@ -21,8 +21,8 @@ from api.limits import BodyLimit, read_body
 from api.query import strict_query
 from api.streams import broken_off
 from api.schemas import (
-    CommitRequest, DeleteResultModel, DownloadRequest, FamilyModel, NegotiateRequest, NegotiateResponse,
-    PruneResultModel, PushResultModel, UploadResponse, VersionModel,
+    CheckResultModel, CommitRequest, DeleteResultModel, DownloadRequest, FamilyModel, NegotiateRequest,
+    NegotiateResponse, PruneResultModel, PushResultModel, UploadResponse, VersionModel,
 )
 from registry import prune, service
 from registry.results import timestamp
@@ -121,6 +121,22 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
             raise Forbidden(f"prune acts on every family; this token is limited to {who.family_pattern!r}: "
                             "use an admin token created with --family '*'")
         return reg_of(request).prune(min_age, max_unused, dry_run).to_dict()
+
+    @app.get("/v1/check", response_model=CheckResultModel, tags=["admin"])
+    def check_store(request: Request, who: Principal = Depends(principal), family: str | None = Query(None),
+                    read_data: bool = Query(False, description="also read, decode and hash every chunk")):
+        """Whether the blob store holds every byte the stored versions need (`mfsreg check`): one
+        family with an admin token for it, the whole registry with one for every family. A check
+        finds problems, it is not one: the answer is a 200 either way (``ok``)."""
+        if family is not None:
+            check_name("family", family)
+            who.require("admin", family)
+        else:
+            who.require("admin")
+            if who.family_pattern != "*":
+                raise Forbidden(f"a check without a family reads every family; this token is limited to "
+                                f"{who.family_pattern!r}: give --family, or use an admin token created with --family '*'")
+        return reg_of(request).check(family, read_data).to_dict()
 
     @app.post("/v1/families/{family}/versions/{version}/negotiate", response_model=NegotiateResponse, tags=["push"])
     def negotiate(family: str, version: str, body: NegotiateRequest, request: Request, who: Principal = Depends(principal)):

@@ -93,6 +93,27 @@ class PruneResultModel(BaseModel):
     seconds: float
 
 
+class DamagedPackModel(BaseModel):
+    chunks: int
+    first: str
+
+
+class CheckResultModel(BaseModel):
+    scope: str
+    versions: int
+    chunks: int
+    packs: int
+    stored_bytes: int
+    read_bytes: int
+    lost_packs: dict[str, str]
+    damaged_chunks: dict[str, str]
+    damaged_packs: dict[str, DamagedPackModel]
+    unreadable_chunks: int
+    broken_versions: list[str]
+    seconds: float
+    ok: bool
+
+
 class DeleteResultModel(BaseModel):
     family: str
     version: str

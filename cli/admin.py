@@ -111,14 +111,13 @@ def check(
     read_data: bool = typer.Option(False, "--read-data", help="Also read every chunk, decode it and hash it against "
                                    "its id (reads all the stored bytes; without it, each pack is only looked up)."),
     json_: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    registry: str = RegistryOption,
 ) -> None:
     """Check that the blob store holds every byte the stored versions need; name what is lost or
     damaged and the versions that cannot be pulled because of it. Changes nothing; exits 4 when
-    something is wrong. Runs where the database is (MFSREG_DATABASE_URL and MFSREG_BLOB_URL)."""
-    from registry.registry import Registry
-
-    local_only("check")
-    with Registry() as reg, progress_for(json_) as progress:
+    something is wrong. With MFSREG_URL the server checks its store (an admin token: for the
+    family, or for every family)."""
+    with open_backend(registry) as reg, progress_for(json_) as progress:
         res = reg.check(family, read_data, progress)
     if json_:
         emit_json(res.to_dict())

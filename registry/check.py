@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
 
 from registry.blobs.packs import StoredChunk, read_payloads
 from registry.db import chunks as chunk_db
@@ -23,32 +22,9 @@ from registry.lost import lost_packs
 from registry.parallel import sized_batches, windowed_map
 from registry.progress import NullProgress, Progress
 from registry.rebuild import closure, decode_verified
+from registry.results import CheckResult
 
 READ_BATCH = 64 << 20  # stored bytes read and decoded at a time with read_data: what memory holds at once
-
-
-@dataclass
-class CheckResult:
-    scope: str  # a family's name, or "registry"
-    versions: int
-    chunks: int  # distinct chunks the versions need, bases included
-    packs: int  # distinct packs they lie in
-    stored_bytes: int  # their encoded bytes
-    read_bytes: int = 0  # encoded bytes read and checked (read_data), bases read again included
-    lost_packs: dict[str, str] = field(default_factory=dict)  # pack id -> what is wrong with it
-    damaged_chunks: dict[str, str] = field(default_factory=dict)  # chunk id -> why it fails (read_data)
-    # pack id -> {"chunks": its damaged chunks, "first": "chunk <id>: why"} (read_data)
-    damaged_packs: dict[str, dict] = field(default_factory=dict)
-    unreadable_chunks: int = 0  # chunks that cannot be rebuilt: in a lost pack, damaged, or down a chain through one
-    broken_versions: list[str] = field(default_factory=list)  # "family/version" that cannot be pulled
-    seconds: float = 0.0
-
-    @property
-    def ok(self) -> bool:
-        return not (self.lost_packs or self.damaged_chunks)
-
-    def to_dict(self) -> dict:
-        return dict(self.__dict__, ok=self.ok)
 
 
 def check(reg, family: str | None = None, read_data: bool = False, progress: Progress | None = None) -> CheckResult:

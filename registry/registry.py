@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from registry import ingest, prune, rebuild
-from registry.check import CheckResult, check as check_registry
+from registry.check import check as check_registry
 from registry.blobs import open_blob_store
 from registry.blobs.local import LocalBlobStore
 from registry.blobs.packs import StoredChunk, read_payloads
@@ -24,7 +24,7 @@ from registry.errors import NotFound, StorageError
 from registry.manifest import Manifest
 from registry.names import check_name
 from registry.progress import Progress
-from registry.results import DeleteResult, PruneResult
+from registry.results import CheckResult, DeleteResult, PruneResult
 from registry.stats import compute_stats
 from registry.tiers import check_quorum
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 
 from registry.errors import Conflict
@@ -104,3 +104,29 @@ def timestamp(value) -> str:
     """A row's time as every --json output and API answer writes it: ISO 8601 (the database hands
     back a datetime, or a string where it already was one)."""
     return value.isoformat() if hasattr(value, "isoformat") else str(value)
+
+
+@dataclass
+class CheckResult:
+    """What `mfsreg check` found (registry/check.py), embedded or as the server answers it."""
+
+    scope: str  # a family's name, or "registry"
+    versions: int
+    chunks: int  # distinct chunks the versions need, bases included
+    packs: int  # distinct packs they lie in
+    stored_bytes: int  # their encoded bytes
+    read_bytes: int = 0  # encoded bytes read and checked (read_data), bases read again included
+    lost_packs: dict[str, str] = field(default_factory=dict)  # pack id -> what is wrong with it
+    damaged_chunks: dict[str, str] = field(default_factory=dict)  # chunk id -> why it fails (read_data)
+    # pack id -> {"chunks": its damaged chunks, "first": "chunk <id>: why"} (read_data)
+    damaged_packs: dict[str, dict] = field(default_factory=dict)
+    unreadable_chunks: int = 0  # chunks that cannot be rebuilt: in a lost pack, damaged, or down a chain through one
+    broken_versions: list[str] = field(default_factory=list)  # "family/version" that cannot be pulled
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return not (self.lost_packs or self.damaged_chunks)
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__, ok=self.ok)

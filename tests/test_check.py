@@ -11,6 +11,7 @@ from registry.config import Settings
 from registry.errors import IntegrityError, NotFound, StorageError
 from registry.registry import Registry
 from tests.cli_run import mfsreg, mfsreg_json
+from tests.server import client_env, servers, server_env, token  # noqa: F401
 from tests.test_bad_input import snapshot
 
 
@@ -140,11 +141,38 @@ def test_the_command_says_what_is_wrong_and_changes_nothing(home_env, fam, tmp_p
     assert mfsreg_json("check", "--family", "fam", env=home_env)["ok"] is True
 
 
+def test_the_server_checks_its_store_for_an_admin(servers, server_env, fam, tmp_path):
+    """Over HTTP (Postgres, S3): the same verdict; the whole registry needs an admin token for every
+    family, one family an admin token for it; a read token is refused (exit 3 / 403)."""
+    (srv,) = servers(1)
+    pusher = client_env(tmp_path, srv.url, token(server_env, "push"))
+    for name, path in fam.items():
+        mfsreg("push", path, "--family", "fam", "--version", name, env=pusher)
+    mfsreg("push", fam["base"], "--family", "other", "--version", "base", env=pusher)
+    admin = client_env(tmp_path, srv.url, token(server_env, "admin"))
+    assert mfsreg_json("check", "--read-data", env=admin)["ok"] is True
+    with Registry(Settings.from_env(server_env)) as reg:
+        pack = _pack_of_a_delta(reg, "lora-chat")
+        reg.blobs.delete(pack_key(pack))
+        pulls = _pullable(reg, fam, tmp_path)
+    proc = mfsreg("check", "--json", env=admin, check=False)
+    assert proc.returncode == 4, proc.stderr
+    res = json.loads(proc.stdout)
+    assert list(res["lost_packs"]) == [pack] and res["broken_versions"] == [f"fam/{v}" for v in fam if not pulls[v]]
+    scoped = client_env(tmp_path, srv.url, token(server_env, "admin", "fam"))
+    one = mfsreg("check", "--family", "fam", env=scoped, check=False)
+    assert one.returncode == 4 and "cannot be pulled: fam/lora-chat" in one.stdout, one.stdout + one.stderr
+    for env, args, says in ((scoped, [], "give --family"), (client_env(tmp_path, srv.url, token(server_env, "read")),
+                                                             ["--family", "fam"], "admin")):
+        refused = mfsreg("check", *args, env=env, check=False)
+        assert refused.returncode == 3 and refused.stderr.count("\n") == 1 and says in refused.stderr, refused.stderr
+
+
 def test_the_command_refuses_what_it_cannot_check_in_one_line(home_env, fam):
     mfsreg("push", fam["base"], "--family", "fam", "--version", "base", env=home_env)
     for args, env, code, says in (
         (["--family", "nofam"], home_env, 2, "family 'nofam' does not exist"),
-        ([], dict(home_env, MFSREG_URL="http://127.0.0.1:9"), 2, "acts on the registry's database directly"),
+        (["--family", "../x"], home_env, 2, "family"),
         (["--bogus"], home_env, 2, "No such option"),
     ):
         proc = mfsreg("check", *args, env=env, check=False)

@@ -29,7 +29,7 @@ from registry.hashing import HashJob, encoded_chunks, missing_bytes
 from registry.manifest import Manifest, parse_doc
 from registry.names import check_name
 from registry.progress import NullProgress, Progress
-from registry.results import DeleteResult, FamilyRow, PruneResult, PushResult, VersionRow, existing_result
+from registry.results import CheckResult, DeleteResult, FamilyRow, PruneResult, PushResult, VersionRow, existing_result
 from registry.source import open_source
 from registry.tiers import TIERS
 from registry.wire import RAW_PER_BODY, Entry, StreamBrokeOff, build_batch, check_id, read_stream
@@ -390,6 +390,13 @@ class RemoteRegistry:
         params = {"min_age": min_age, "max_unused": max_unused, "dry_run": str(dry_run).lower()}
         return self._doc("POST", "/v1/prune", lambda d: PruneResult(**_dict(d)), params=params,
                          timeout=httpx.Timeout(None, connect=10.0))
+
+    def check(self, family: str | None = None, read_data: bool = False, progress: Progress | None = None) -> CheckResult:
+        """The server checks its blob store (an admin token: for ``family``, or for every family);
+        ``progress`` is not reported. No read timeout: --read-data reads every stored byte."""
+        params = {"read_data": str(read_data).lower(), **({"family": family} if family is not None else {})}
+        return self._doc("GET", "/v1/check", lambda d: CheckResult(**{k: v for k, v in _dict(d).items() if k != "ok"}),
+                         params=params, timeout=httpx.Timeout(None, connect=10.0))
 
     def health(self) -> dict:
         return self._doc("GET", "/healthz", _dict)
