@@ -30,7 +30,7 @@ from registry.db.locks import exclude_prune
 from registry import deltas, results
 from registry.deltas import BasisReader
 from registry.errors import Conflict, InvalidRequest, MissingChunks, NotFound, Pruned, StorageError
-from registry.lost import PackSizes, lost_packs, unreadable, warn_lost_bases, warn_mending
+from registry.lost import LostWarning, PackSizes, lost_packs, unreadable, warn_lost_bases
 from registry.hashing import HashJob, encoded_chunks, missing_bytes
 from registry.manifest import Manifest
 from registry.names import check_name, check_new_name
@@ -40,10 +40,12 @@ from registry.results import PushResult
 from registry.source import open_source
 
 def plan_deltas(reg, family: str, parent: str | None, new_files: list, ids: list[str],
-                missing: set[str], pack_sizes: PackSizes | None = None) -> tuple[dict[str, str], BasisReader | None]:
+                missing: set[str], pack_sizes: PackSizes | None = None,
+                warning: LostWarning | None = None) -> tuple[dict[str, str], BasisReader | None]:
     """Bases for the missing chunks (see registry/deltas.py) and a reader for their bytes.
     ``new_files`` holds (chunks, tensors) per file of the version being pushed; ``pack_sizes``, the
-    pack lookups this push made already (registry/lost.py)."""
+    pack lookups this push made already (registry/lost.py); ``warning``, where the caller says what
+    its push found lost in one warning (bases in a lost pack are added to it, not warned of here)."""
     if not reg.settings.delta or not missing or not any(tensors for _, tensors in new_files):
         return {}, None
     present = [i for i in ids if i not in missing]
@@ -71,7 +73,9 @@ def plan_deltas(reg, family: str, parent: str | None, new_files: list, ids: list
             moved += 1  # a readable basis further down, or none: the push stores more bytes
         if capped is not None:
             bases[cid] = capped
-    if moved:
+    if moved and warning is not None:
+        warning.moving(lost, moved)
+    elif moved:
         warn_lost_bases(lost, moved)
     reader = deltas.BasisReader(located, reg.read_payloads, decode_verified, locate=reg.locate)
     return bases, reader
@@ -311,15 +315,15 @@ def push(reg, path: Path, family: str, version: str, parent: str | None = None, 
         # stored, but in a pack the blob store lost (or down a delta chain through one): sent again
         pack_sizes: PackSizes = {}
         mend, lost = unreadable(reg, located, [i for i in ids if i in located], pack_sizes)
-        if mend:
-            warn_mending(lost, len(mend))
-            missing |= mend
+        warning = LostWarning().mending(lost, len(mend))  # said once, with the bases that lost pack costs
+        missing |= mend
         skipped = job.logical_bytes - missing_bytes(job, missing)
         progress.start("skip", skipped)
         progress.advance("skip", skipped)
         new_files = [(refs, f.header.tensors if f.header else ()) for refs, f in zip(job.file_chunks, source.files)]
         # chunks mended go plain: a delta would lean on the chain that lost them
-        bases, reader = plan_deltas(reg, family, parent, new_files, ids, missing - mend, pack_sizes)
+        bases, reader = plan_deltas(reg, family, parent, new_files, ids, missing - mend, pack_sizes, warning)
+        warning.say()
         added = upload_missing(reg, job, missing, reg.pool, progress, bases, reader, mend)
         manifest = job.manifest()  # waits for the file digests, which ran beside the encoding
         try:

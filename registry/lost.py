@@ -86,20 +86,49 @@ def through_lost(chunk_id: str, located: dict[str, StoredChunk], lost: Container
 def warn_mending(lost: dict[str, str], chunks: int) -> None:
     """Said on the server's log (or an embedded push's stderr): the pack's other chunks, which
     this push does not send, stay lost for every version that uses them."""
-    first, why = next(iter(lost.items()))
-    more = f" and {len(lost) - 1} more" if len(lost) > 1 else ""
-    log.warning("pack %s%s is lost from the blob store (%s): this push stores its %d chunks that lay there again; "
-                "versions that use the pack's other chunks cannot be pulled until it is restored from a backup",
-                first, more, why, chunks)
+    LostWarning().mending(lost, chunks).say()
 
 
 def warn_lost_bases(lost: dict[str, str], chunks: int | None = None) -> None:
     """Said where a push's new chunks could not lean on the basis chosen for them: stored against a
     readable basis further down its chain, or plain, so the push costs more bytes, and the pack
     stays lost for the versions that use it."""
-    first, why = next(iter(lost.items()))
-    more = f" and {len(lost) - 1} more" if len(lost) > 1 else ""
-    count = f"{chunks} " if chunks is not None else ""
-    log.warning("pack %s%s is lost from the blob store (%s): %snew chunks of this push are stored without deltas "
-                "against the chunks that lay there; versions that use them cannot be pulled until it is restored "
-                "from a backup", first, more, why, count)
+    LostWarning().moving(lost, chunks).say()
+
+
+class LostWarning:
+    """What one push found lost, said in one warning: the chunks it stores again (warn_mending) and
+    the new chunks it stores without the deltas planned against them (warn_lost_bases). A push that
+    does both over one pack named it twice."""
+
+    def __init__(self) -> None:
+        self.lost: dict[str, str] = {}
+        self.mended = 0
+        self.moved: int | None = 0  # None: some, not counted
+
+    def mending(self, lost: dict[str, str], chunks: int) -> LostWarning:
+        if chunks:
+            self.lost.update(lost)
+            self.mended += chunks
+        return self
+
+    def moving(self, lost: dict[str, str], chunks: int | None) -> LostWarning:
+        if chunks is None or chunks:
+            self.lost.update(lost)
+            self.moved = None if chunks is None or self.moved is None else self.moved + chunks
+        return self
+
+    def say(self) -> None:
+        if not self.lost:
+            return
+        first, why = next(iter(self.lost.items()))
+        more = f" and {len(self.lost) - 1} more" if len(self.lost) > 1 else ""
+        did = []
+        if self.mended:
+            did.append(f"this push stores its {self.mended} chunks that lay there again")
+        if self.moved != 0:
+            count = f"{self.moved} " if self.moved is not None else ""
+            did.append(f"{count}new chunks of this push are stored without deltas against the chunks that lay there")
+        them = "the pack's other chunks" if self.mended else "them"
+        log.warning("pack %s%s is lost from the blob store (%s): %s; versions that use %s cannot be pulled until it "
+                    "is restored from a backup", first, more, why, ", and ".join(did), them)

@@ -28,7 +28,7 @@ from registry.errors import (IntegrityError, InvalidModel, InvalidRequest, Missi
 from registry.deltas import BasisReader, cap_depth
 from registry.ingest import (check_cut, check_named_cut, check_new_cut, check_parent, check_push_names, commit_version,
                              existing_result, plan_deltas, store_chunks, stored_for, stored_layout)
-from registry.lost import PackSizes, lost_packs, unreadable, warn_mending
+from registry.lost import LostWarning, PackSizes, lost_packs, unreadable
 from registry.parallel import windowed_map
 from registry.results import PushResult, timestamp
 from registry.manifest import MAX_CHUNK_BYTES, SAFETENSORS, Manifest, parse_doc
@@ -70,11 +70,11 @@ def negotiate(reg, family: str, version: str, doc: object, parent: str | None = 
     # upload mends them (receive_batch), plain (no basis is suggested for them)
     pack_sizes: PackSizes = {}
     mend, lost = unreadable(reg, located, [i for i in ids if i in located], pack_sizes)
-    if mend:
-        warn_mending(lost, len(mend))
+    warning = LostWarning().mending(lost, len(mend))  # said once, with the bases that lost pack costs
     # no basis is suggested in a lost pack either: receive_batch could not read it
     bases, _ = plan_deltas(reg, family, parent, [(f.chunks, f.tensors) for f in manifest.files], ids, missing,
-                           pack_sizes)
+                           pack_sizes, warning)
+    warning.say()
     bases = {c: b for c, b in bases.items() if c not in mend}
     missing |= mend
     return {

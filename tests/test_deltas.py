@@ -406,6 +406,22 @@ def test_a_push_whose_basis_pack_is_lost_from_storage_stores_its_chunks_without_
                for r in caplog.records), caplog.text
 
 
+def test_a_push_that_mends_a_lost_pack_and_leans_on_no_basis_there_warns_once(reg, fam, tmp_path, caplog):
+    """A push that reuses chunks of a lost pack (stored again) and whose new chunks would be deltas
+    against chunks there (stored without them) warned twice, naming the pack each time: once now,
+    saying both."""
+    reg.push(fam["base"], "fam", "base")
+    lost = _lose_packs_of(reg, set(reg.manifest("fam", "base")[1].chunk_ids()))
+    with caplog.at_level("WARNING", logger="mfsreg"):
+        res = reg.push(fam["lora-chat"], "fam", "chat", parent="base")
+    said = [r.getMessage() for r in caplog.records if "is lost from the blob store" in r.getMessage()]
+    assert len(said) == 1 and said[0].split()[1] in lost, said
+    assert "stores its" in said[0] and "without deltas" in said[0], said
+    assert res.reused_chunks < res.chunks // 2  # the lost chunks were sent again
+    reg.pull("fam", "chat", tmp_path / "out")
+    assert filecmp.cmp(tmp_path / "out", fam["lora-chat"], shallow=False)
+
+
 def test_a_basis_in_a_lost_pack_gives_way_to_a_readable_one_down_its_chain(reg, tmp_path):
     """v1 is stored as deltas against base, and v1's packs are lost: v2 (parent v1) is stored as
     deltas against base's chunks, which still decode, instead of stopping or going plain."""
