@@ -20,7 +20,11 @@ class NegotiateResponse(BaseModel):
     existing_layout: str | None = Field(None, description="The stored version's layout (registry.manifest.Manifest."
                                         "layout: its files' chunks); a push of the same digest and another layout "
                                         "is refused.")
-    missing: list[str] = Field(description="Chunk ids the registry lacks, in first-use order.")
+    missing: list[str] = Field(description="Chunk ids the registry lacks, in first-use order; where the version "
+                               "exists, only those to mend (``mend``).")
+    mend: list[str] = Field([], description="Those of ``missing`` that are stored, in a pack the blob store lost: "
+                            "uploaded, they are stored again and the version that uses them pulls again. Where the "
+                            "version exists with this content, a client uploads these and commits nothing.")
     missing_bytes: int
     chunks: int
     bases: dict[str, str] = Field(description="Suggested delta basis per missing chunk id; send it with the chunk.")

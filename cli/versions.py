@@ -31,10 +31,15 @@ def push(
         emit_json(result.to_dict())
         return
     verb = "already stored" if result.existed else "pushed"
+    mended = ""
+    if result.mended_chunks:
+        # a remote push says what it sent; an embedded one stored them itself
+        moved = f"{human_bytes(result.sent_bytes)} sent" if result.sent_bytes else f"{human_bytes(result.new_bytes)} stored"
+        mended = f"; mended {result.mended_chunks} chunks that the blob store had lost ({moved})"
     typer.echo(
         f"{verb} {result.family}/{result.version} {result.digest[:19]}: {human_bytes(result.logical_bytes)} logical, "
         f"{human_bytes(result.new_bytes)} new, {result.reused_chunks}/{result.chunks} chunks reused "
-        f"in {result.seconds:.2f}s"
+        f"in {result.seconds:.2f}s{mended}"
     )
 
 

@@ -11,6 +11,7 @@ Concurrency: uploads of two pushes run side by side; a chunk both of them send i
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from collections.abc import Callable, Iterable, Iterator
 from collections.abc import Set as AbstractSet
 from concurrent.futures import ThreadPoolExecutor
@@ -30,7 +31,7 @@ from registry.db.locks import exclude_prune
 from registry import deltas, results
 from registry.deltas import BasisReader
 from registry.errors import Conflict, InvalidRequest, MissingChunks, NotFound, Pruned, StorageError
-from registry.lost import LostWarning, PackSizes, lost_packs, unreadable, warn_lost_bases
+from registry.lost import LostWarning, PackSizes, lost_packs, unreadable, warn_lost_bases, warn_mending
 from registry.hashing import HashJob, encoded_chunks, missing_bytes
 from registry.manifest import Manifest
 from registry.names import check_name, check_new_name
@@ -309,9 +310,10 @@ def push(reg, path: Path, family: str, version: str, parent: str | None = None, 
         with read_tx(reg.engine) as conn:
             existing = version_db.find_version(conn, family, version)
             missing = chunk_db.missing_ids(conn, ids)
-            located = chunk_db.locate_closure(conn, [i for i in ids if i not in missing]) if existing is None else {}
+            located = chunk_db.locate_closure(conn, [i for i in ids if i not in missing])
         if existing is not None:
-            return existing_result(reg, existing, job.manifest(), family, version, t0)
+            done = existing_result(reg, existing, job.manifest(), family, version, t0)  # other content: refused
+            return mend_existing(reg, job, done, located, progress, t0)
         # stored, but in a pack the blob store lost (or down a delta chain through one): sent again
         pack_sizes: PackSizes = {}
         mend, lost = unreadable(reg, located, [i for i in ids if i in located], pack_sizes)
@@ -342,7 +344,24 @@ def push(reg, path: Path, family: str, version: str, parent: str | None = None, 
         family=family, version=version, digest=manifest.digest, logical_bytes=manifest.logical_bytes,
         new_bytes=added, new_chunks=len(missing), reused_chunks=len(ids) - len(missing), chunks=len(ids),
         files=len(manifest.files), tier_changes=changed, existed=False, seconds=time.perf_counter() - t0,
+        mended_chunks=len(mend),
     )
+
+
+def mend_existing(reg, job: HashJob, done: PushResult, located: dict[str, StoredChunk], progress: Progress,
+                  t0: float) -> PushResult:
+    """A push of a version that is stored with this content: those of its chunks whose bytes (or a
+    basis's, down their delta chains) lie in a pack the blob store lost are stored again, plain, and
+    their rows pointed at the new copies, so that the version pulls again (``mfsreg check`` names such
+    versions and says to push their files again). Nothing else is done; with nothing lost, this is one
+    size lookup per distinct pack."""
+    mend, lost = unreadable(reg, located, job.chunk_ids())
+    if not mend:
+        return done
+    warn_mending(lost, len(mend))
+    added = upload_missing(reg, job, mend, reg.pool, progress, mend=mend)
+    return replace(done, new_bytes=added, new_chunks=len(mend), reused_chunks=done.chunks - len(mend),
+                   mended_chunks=len(mend), seconds=time.perf_counter() - t0)
 
 
 def existing_result(reg, row, manifest: Manifest, family: str, version: str, t0: float) -> PushResult:

@@ -43,9 +43,12 @@ class PushResult:
     chunks: int
     files: int
     tier_changes: int
-    existed: bool  # the same version with the same digest was already there: nothing was done
+    existed: bool  # the same version with the same digest was already there: nothing was committed
     seconds: float
     sent_bytes: int = 0  # chunk payload bytes sent to a server (remote pushes; batch framing excluded)
+    # chunks stored again because the pack their stored copy lay in was lost (registry/lost.py):
+    # counted in new_chunks too; a re-push of an existing version (existed) mends only these
+    mended_chunks: int = 0
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)

@@ -28,7 +28,7 @@ from registry.errors import (IntegrityError, InvalidModel, InvalidRequest, Missi
 from registry.deltas import BasisReader, cap_depth
 from registry.ingest import (check_cut, check_named_cut, check_new_cut, check_parent, check_push_names, commit_version,
                              existing_result, plan_deltas, store_chunks, stored_for, stored_layout)
-from registry.lost import LostWarning, PackSizes, lost_packs, unreadable
+from registry.lost import LostWarning, PackSizes, lost_packs, unreadable, warn_mending
 from registry.parallel import windowed_map
 from registry.results import PushResult, timestamp
 from registry.manifest import MAX_CHUNK_BYTES, SAFETENSORS, Manifest, parse_doc
@@ -49,7 +49,8 @@ def negotiate(reg, family: str, version: str, doc: object, parent: str | None = 
     them: registry/access.py), and for each a suggested basis: the server stores an uploaded chunk
     as a delta against it when that is smaller (the client never needs the basis bytes).
     The manifest may be a draft (file sha256s null): a client negotiates and uploads while its
-    file digests are still being computed, and sends them with the commit."""
+    file digests are still being computed, and sends them with the commit. ``mend`` lists those of
+    the missing chunks that are stored, in a pack the blob store lost (registry/lost.py)."""
     check_push_names(family, version, parent)
     manifest = parse_doc(doc, draft=True)
     ids = manifest.chunk_ids()
@@ -59,13 +60,15 @@ def negotiate(reg, family: str, version: str, doc: object, parent: str | None = 
         existing = version_db.find_version(conn, family, version)
         fam = version_db.find_family(conn, family)
         missing = chunk_db.missing_ids(conn, ids)
-        located = chunk_db.locate_closure(conn, [i for i in ids if i not in missing]) if existing is None else {}
+        located = chunk_db.locate_closure(conn, [i for i in ids if i not in missing])
         missing |= access.unproven(conn, who, family, [i for i in ids if i not in missing])
     # before anything is uploaded
     if fam is None:
         check_new_cut(family, manifest.cut_size())
     elif existing is None:
         check_cut(manifest, family, fam.chunk_size)
+    if existing is not None:
+        return _negotiate_existing(reg, existing, manifest, located)
     # stored in a pack the blob store lost: listed as missing, so the client sends them and the
     # upload mends them (receive_batch), plain (no basis is suggested for them)
     pack_sizes: PackSizes = {}
@@ -80,11 +83,41 @@ def negotiate(reg, family: str, version: str, doc: object, parent: str | None = 
     return {
         "bases": bases,
         "digest": manifest.digest,
-        "exists": existing is not None,
-        "existing_digest": existing.digest if existing else None,
-        "existing_layout": stored_layout(reg, existing) if existing else None,
+        "exists": False,
+        "existing_digest": None,
+        "existing_layout": None,
         "missing": [i for i in ids if i in missing],
+        "mend": [i for i in ids if i in mend],
         "missing_bytes": sum(sizes[i] for i in missing),
+        "chunks": len(ids),
+    }
+
+
+def _negotiate_existing(reg, existing, manifest: Manifest, located: dict[str, StoredChunk]) -> dict:
+    """The version exists: the client compares its digest and layout with the stored ones, and
+    commits nothing. Where its chunks are the stored version's (the same layout, and the same digest
+    unless a draft's is not known yet), those whose bytes, or a basis's down their delta chains, lie
+    in a pack the blob store lost are listed as missing and under ``mend``: the client sends them,
+    the upload stores them again, plain, and points their rows at the new copies (receive_batch), so
+    a re-push of the version's file mends it. With nothing lost this is one size lookup per pack."""
+    ids = manifest.chunk_ids()
+    layout = stored_layout(reg, existing)
+    mend: set[str] = set()
+    if layout == manifest.layout and manifest.digest in (None, existing.digest):
+        mend, lost = unreadable(reg, located, ids)
+        if mend:
+            warn_mending(lost, len(mend))
+    sizes = manifest.chunk_sizes()
+    listed = [i for i in ids if i in mend]
+    return {
+        "bases": {},
+        "digest": manifest.digest,
+        "exists": True,
+        "existing_digest": existing.digest,
+        "existing_layout": layout,
+        "missing": listed,
+        "mend": listed,
+        "missing_bytes": sum(sizes[i] for i in mend),
         "chunks": len(ids),
     }
 

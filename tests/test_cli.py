@@ -58,6 +58,24 @@ def test_human_output_and_db_upgrade(home_env, fam, tmp_path):
     assert "v1" in mfsreg("ls", "fam", env=home_env).stdout
 
 
+def test_pushing_a_version_whose_pack_was_lost_again_says_what_it_mended(home_env, fam, tmp_path):
+    """A pack deleted from MFSREG_HOME's blob store by hand: the version's pull exits 5; pushing its
+    file again under its own name exits 0, says how many chunks it stored again, and the version
+    pulls byte for byte; a re-push with nothing lost says nothing of mending."""
+    from pathlib import Path
+
+    mfsreg("push", fam["base"], "--family", "fam", "--version", "v1", env=home_env)
+    for pack in (Path(home_env["MFSREG_HOME"]) / "blobs" / "packs").rglob("*.pack"):
+        pack.unlink()
+    assert mfsreg("pull", "fam", "v1", "-o", tmp_path / "broken", env=home_env, check=False).returncode == 5
+    out = mfsreg("push", fam["base"], "--family", "fam", "--version", "v1", env=home_env).stdout
+    assert out.startswith("already stored fam/v1") and "; mended " in out and "stored)" in out, out
+    mfsreg("pull", "fam", "v1", "-o", tmp_path / "v1.out", env=home_env)
+    assert filecmp.cmp(tmp_path / "v1.out", fam["base"], shallow=False)
+    again = mfsreg_json("push", fam["base"], "--family", "fam", "--version", "v1", env=home_env)
+    assert again["existed"] and again["mended_chunks"] == 0 and again["new_bytes"] == 0, again
+
+
 def test_tables_show_whole_names_and_one_familys_stats_leave_out_the_family_column(home_env, fam):
     """On an 80-column terminal the registry-wide versions table cut 'lastlayers-code' to
     'lastlayers-…'; a name is folded instead, and stats --family drops the column every row repeats."""

@@ -281,3 +281,51 @@ def test_a_push_that_finds_its_stored_chunks_pack_lost_sends_them_again_and_mend
         assert packs[0] not in {c.pack_id for c in reg.locate(manifest.chunk_ids()).values()}
         # and the next push finds everything whole: nothing sent
         assert reg.push(fam["base"], "fam", "third").new_chunks == 0
+
+
+@pytest.mark.parametrize("store", ["local", "s3"])
+def test_a_repush_of_an_existing_version_mends_what_its_lost_pack_held(store, settings, fam, tmp_path, request):
+    """A version that cannot be pulled because a pack was deleted from the blob store by hand: pushing
+    its file again under its own name answered 'already stored' and mended nothing. It now stores
+    again the chunks that lay there (and those leaning on them down a delta chain), plain, points
+    their rows at the new copies and reports them (existed, mended_chunks); the version pulls byte for
+    byte. A re-push with nothing lost stores nothing, and other content under the name is refused."""
+    from dataclasses import replace
+
+    from registry.blobs.packs import pack_key
+
+    if store == "s3":
+        blob_url, endpoint = request.getfixturevalue("s3_blob_url")
+        settings = replace(settings, blob_url=blob_url, s3_endpoint_url=endpoint)
+    with Registry(settings, migrate=True) as reg:
+        reg.push(fam["base"], "fam", "base")
+        reg.push(fam["full-med"], "fam", "med", parent="base")  # deltas against base's chunks
+        assert reg.push(fam["base"], "fam", "base").new_bytes == 0  # nothing lost: nothing stored
+        base_ids = reg.manifest("fam", "base")[1].chunk_ids()
+        med = reg.manifest("fam", "med")[1].chunk_ids()
+        leaning = {i for i, c in reg.locate(med).items() if i in med and c.basis_id in base_ids}
+        assert leaning
+        packs = sorted({c.pack_id for i, c in reg.locate(base_ids).items() if i in base_ids})
+        for p in packs:
+            reg.blobs.delete(pack_key(p))
+        for name in ("base", "med"):
+            with pytest.raises(StorageError, match="storage lost data"):
+                reg.pull("fam", name, tmp_path / f"{name}.broken")
+        with pytest.raises(Conflict, match="already exists with other content"):
+            reg.push(fam["lora-chat"], "fam", "base")  # refused as before, mending nothing
+
+        res = reg.push(fam["full-med"], "fam", "med", parent="base")  # its chunks leaning on lost ones
+        assert res.existed and res.mended_chunks >= len(leaning) and res.new_bytes > 0, res
+        assert res.new_chunks == res.mended_chunks and res.reused_chunks == res.chunks - res.mended_chunks
+        reg.pull("fam", "med", tmp_path / "med.out")
+        assert filecmp.cmp(tmp_path / "med.out", fam["full-med"], shallow=False)
+        located = reg.locate(med)
+        assert not {c.pack_id for c in located.values()} & set(packs)
+
+        res = reg.push(fam["base"], "fam", "base")
+        assert res.existed and res.mended_chunks > 0 and res.new_bytes > 0, res
+        reg.pull("fam", "base", tmp_path / "base.out")
+        assert filecmp.cmp(tmp_path / "base.out", fam["base"], shallow=False)
+        again = reg.push(fam["base"], "fam", "base")
+        assert again.existed and again.mended_chunks == 0 and again.new_bytes == 0 and again.new_chunks == 0
+        assert reg.versions("fam")[0].digest == res.digest and len(reg.versions("fam")) == 2

@@ -1354,3 +1354,47 @@ def test_a_push_over_http_whose_basis_pack_was_lost_stores_its_chunks_without_it
             assert filecmp.cmp(tmp_path / "out", fam["full-med"], shallow=False)
     finally:
         local.close()
+
+
+def test_a_repush_over_http_of_an_existing_version_mends_what_its_lost_pack_held(servers, server_env, fam, tmp_path):
+    """Pushing the file of a version that cannot be pulled (a pack deleted from the bucket by hand)
+    again under its own name: negotiation said it exists and the client stopped, 'already stored',
+    mending nothing. Now negotiation lists the chunks that lay in the lost pack (and those leaning on
+    them as deltas) under ``mend``, the client uploads them and commits nothing, and the version pulls
+    byte for byte; through a token scoped to the family, as the mend of a new version's push allows.
+    With nothing lost the re-push sends nothing; other content under the name is refused as before."""
+    from registry.blobs.packs import pack_key
+    from registry.config import Settings
+    from registry.registry import Registry
+
+    (srv,) = servers(1)
+    env = client_env(tmp_path, srv.url, token(server_env, "push", "fam"))
+    mfsreg_json("push", fam["base"], "--family", "fam", "--version", "base", env=env)
+    mfsreg_json("push", fam["full-med"], "--family", "fam", "--version", "med", "--parent", "base", env=env)
+    same = mfsreg_json("push", fam["base"], "--family", "fam", "--version", "base", env=env)
+    assert same["existed"] and same["sent_bytes"] == 0 and same["mended_chunks"] == 0, same
+    with Registry(Settings.from_env(server_env)) as local:
+        ids = set(local.manifest("fam", "base")[1].chunk_ids())
+        packs = {c.pack_id for i, c in local.locate(ids).items() if i in ids}
+        for p in packs:
+            local.blobs.delete(pack_key(p))
+    for name in ("base", "med"):
+        broken = mfsreg("pull", "fam", name, "-o", tmp_path / f"{name}.broken", env=env, check=False)
+        assert broken.returncode == 5 and "storage lost data" in broken.stderr, broken.stderr
+    other = mfsreg("push", fam["lora-chat"], "--family", "fam", "--version", "base", env=env, check=False)
+    assert other.returncode == 2 and "already exists with other content" in other.stderr, other.stderr
+
+    said = mfsreg("push", fam["full-med"], "--family", "fam", "--version", "med", "--parent", "base", env=env)
+    assert said.stdout.startswith("already stored fam/med") and "; mended " in said.stdout, said.stdout
+    assert "chunks that the blob store had lost (" in said.stdout and " sent)" in said.stdout, said.stdout
+    mended = mfsreg_json("push", fam["base"], "--family", "fam", "--version", "base", env=env)
+    assert mended["existed"] and mended["mended_chunks"] > 0 and mended["sent_bytes"] > 0, mended
+    assert mended["new_chunks"] == mended["mended_chunks"], mended
+    for name, src in (("base", "base"), ("med", "full-med")):
+        mfsreg("pull", "fam", name, "-o", tmp_path / f"{name}.out", env=env)
+        assert filecmp.cmp(tmp_path / f"{name}.out", fam[src], shallow=False), name
+    again = mfsreg_json("push", fam["base"], "--family", "fam", "--version", "base", env=env)
+    assert again["existed"] and again["sent_bytes"] == 0 and again["mended_chunks"] == 0, again
+    with Registry(Settings.from_env(server_env)) as local:
+        located = local.locate(set(local.manifest("fam", "med")[1].chunk_ids()) | ids)
+        assert not {c.pack_id for c in located.values()} & packs

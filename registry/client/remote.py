@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import time
 from collections import deque
+from dataclasses import replace
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -172,10 +173,12 @@ class RemoteRegistry:
                 neg = negotiate(draft)
             if neg["exists"]:
                 manifest = job.manifest()
-                return existing_result(neg["existing_digest"], manifest.logical_bytes, len(manifest.files),
+                done = existing_result(neg["existing_digest"], manifest.logical_bytes, len(manifest.files),
                                        manifest.digest, neg["chunks"], family, version, t0,
-                                       neg.get("existing_layout"), manifest.layout)
+                                       neg.get("existing_layout"), manifest.layout)  # other content: refused
+                return self._mend_existing(family, job, draft, done, set(neg.get("mend", ())), progress, t0)
             missing = set(neg["missing"])
+            mended = set(neg.get("mend", ())) & missing
             skipped = draft.logical_bytes - missing_bytes(draft, missing)
             progress.start("skip", skipped)
             progress.advance("skip", skipped)
@@ -191,10 +194,23 @@ class RemoteRegistry:
                 lost = set(neg["missing"])
                 more_sent, more_added = self._upload(family, job, manifest, lost, NullProgress(), neg.get("bases", {}))
                 sent, added, missing = sent + more_sent, added + more_added, missing | lost
+                mended |= set(neg.get("mend", ())) & lost
                 res = self._doc("POST", f"{base}/commit", _committed, json=commit)
         return PushResult(**{**res, "new_bytes": added, "new_chunks": len(missing),
                              "reused_chunks": res["chunks"] - len(missing), "sent_bytes": sent,
-                             "seconds": time.perf_counter() - t0})
+                             "seconds": time.perf_counter() - t0, "mended_chunks": len(mended)})
+
+    def _mend_existing(self, family: str, job: HashJob, draft: Manifest, done: PushResult, mend: set[str],
+                       progress: Progress, t0: float) -> PushResult:
+        """The version is stored with this content: the chunks the server listed to mend (stored
+        in a pack its blob store lost) are uploaded, which stores them again there, and nothing is
+        committed. A server older than mending lists none, and the push is 'already stored' as before."""
+        mend &= set(job.chunk_ids())
+        if not mend:
+            return done
+        sent, added = self._upload(family, job, draft, mend, progress, {})
+        return replace(done, new_bytes=added, new_chunks=len(mend), reused_chunks=done.chunks - len(mend),
+                       sent_bytes=sent, mended_chunks=len(mend), seconds=time.perf_counter() - t0)
 
     def _upload(self, family: str, job: HashJob, manifest: Manifest, missing: set[str], progress: Progress,
                 bases: dict[str, str]) -> tuple[int, int]:
@@ -429,6 +445,7 @@ def _negotiation(d) -> dict:
     else:
         [check_id(i) for i in _list(d["missing"])]
         [check_id(i) and check_id(b) for i, b in _dict(d.get("bases", {})).items()]
+    [check_id(i) for i in _list(d.get("mend", []))]
     return d
 
 
