@@ -60,17 +60,21 @@ def test_human_output_and_db_upgrade(home_env, fam, tmp_path):
 
 def test_pushing_a_version_whose_pack_was_lost_again_says_what_it_mended(home_env, fam, tmp_path):
     """A pack deleted from MFSREG_HOME's blob store by hand: the version's pull exits 5; pushing its
-    file again under its own name exits 0, says how many chunks it stored again, and the version
-    pulls byte for byte; a re-push with nothing lost says nothing of mending."""
+    file again under its own name (what `mfsreg check` says to do) exits 0, says how many chunks it
+    stored again, the version pulls byte for byte and check finds all whole; a re-push with nothing
+    lost mends nothing."""
     from pathlib import Path
 
     mfsreg("push", fam["base"], "--family", "fam", "--version", "v1", env=home_env)
     for pack in (Path(home_env["MFSREG_HOME"]) / "blobs" / "packs").rglob("*.pack"):
         pack.unlink()
     assert mfsreg("pull", "fam", "v1", "-o", tmp_path / "broken", env=home_env, check=False).returncode == 5
+    told = mfsreg("check", env=home_env, check=False)
+    assert told.returncode == 4 and "push each listed version's file again" in told.stdout, told.stdout
     out = mfsreg("push", fam["base"], "--family", "fam", "--version", "v1", env=home_env).stdout
     assert out.startswith("already stored fam/v1") and "; mended " in out and "stored)" in out, out
     mfsreg("pull", "fam", "v1", "-o", tmp_path / "v1.out", env=home_env)
+    assert mfsreg("check", env=home_env).returncode == 0  # what check said to do, done
     assert filecmp.cmp(tmp_path / "v1.out", fam["base"], shallow=False)
     again = mfsreg_json("push", fam["base"], "--family", "fam", "--version", "v1", env=home_env)
     assert again["existed"] and again["mended_chunks"] == 0 and again["new_bytes"] == 0, again
