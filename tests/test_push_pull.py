@@ -274,7 +274,7 @@ def test_a_push_that_finds_its_stored_chunks_pack_lost_sends_them_again_and_mend
         with pytest.raises(StorageError, match=f"storage lost data .*{packs[0]}"):
             reg.pull("fam", "base", tmp_path / "broken.out")
         res = reg.push(fam["base"], "fam", "again")
-        assert res.new_chunks > 0 and res.new_bytes > 0, res
+        assert res.new_chunks > 0 and res.new_bytes > 0 and res.mended_chunks == res.new_chunks, res
         for name in ("again", "base"):
             reg.pull("fam", name, tmp_path / f"{name}.out")
             assert filecmp.cmp(tmp_path / f"{name}.out", fam["base"], shallow=False), name

@@ -1295,11 +1295,11 @@ def test_a_push_over_http_mends_chunks_whose_pack_was_lost_before_or_during_it(s
             remote.push(fam["base"], "fam", "base")
             lose_a_pack_of("base")
             again = remote.push(fam["base"], "fam", "base-again")
-            assert again.new_chunks > 0 and again.sent_bytes > 0, again
+            assert again.new_chunks > 0 and again.sent_bytes > 0 and again.mended_chunks == again.new_chunks, again
             remote.push(fam["lora-chat"], "fam", "chat")
             hook = OnSend(lambda: lose_a_pack_of("chat"))  # after negotiation, before the commit
             late = remote.push(fam["lora-chat"], "fam", "chat-again", progress=hook)
-            assert hook.results and late.sent_bytes > 0
+            assert hook.results and late.sent_bytes > 0 and late.mended_chunks > 0, late
             cache = NodeCache(tmp_path / "node-cache")
             try:
                 for name, src in (("base", "base"), ("base-again", "base"), ("chat", "lora-chat"),
