@@ -12,9 +12,9 @@ from __future__ import annotations
 import os
 import time
 from collections import deque
-from dataclasses import replace
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
