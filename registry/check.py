@@ -24,7 +24,9 @@ from registry.progress import NullProgress, Progress
 from registry.rebuild import closure, decode_verified
 from registry.results import CheckResult
 
-READ_BATCH = 64 << 20  # stored bytes read and decoded at a time with read_data: what memory holds at once
+# chunk bytes, decoded, checked at a time with read_data (plus the bases their deltas need): what
+# memory holds at once. Counted raw, not stored: a batch of deltas can decode to ten times its size
+READ_BATCH = 64 << 20
 
 
 def check(reg, family: str | None = None, read_data: bool = False, progress: Progress | None = None) -> CheckResult:
@@ -87,7 +89,7 @@ def _read_all(reg, located: dict[str, StoredChunk], lost: dict[str, str], progre
     progress.start("verify", sum(c.stored_size for c in todo))
     damaged: dict[str, str] = {}
     read = 0
-    for batch in sized_batches(todo, lambda c: c.stored_size, READ_BATCH):
+    for batch in sized_batches(todo, lambda c: c.size, READ_BATCH):
         try:
             order = closure([c.id for c in batch], located)
         except IntegrityError as exc:  # a chain too long or circular: every chunk of the batch is suspect
