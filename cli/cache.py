@@ -123,14 +123,14 @@ def verify(json_: bool = typer.Option(False, "--json")) -> None:
 
     if (none := missing_cache_stats()) is not None:  # a mistyped MFSREG_CACHE_DIR stays as it was
         if json_:
-            emit_json({"chunks": 0, "files": 0, "bytes": 0, "damaged_chunks": [], "damaged_files": []})
+            emit_json({"chunks": 0, "files": 0, "bytes": 0, "damaged_chunks": [], "damaged_files": [], "damaged_dirs": []})
         else:
             typer.echo(f"{none['path']}: no cache there yet, nothing to verify")
         return
     cache = NodeCache()
     with progress_for(json_) as progress:
         result = verify_cache(cache, progress)
-    damaged = len(result["damaged_chunks"]) + len(result["damaged_files"])
+    damaged = len(result["damaged_chunks"]) + len(result["damaged_files"]) + len(result["damaged_dirs"])
     if json_:
         emit_json(result)
     else:

@@ -1169,6 +1169,48 @@ def test_a_fifo_or_directory_at_a_cached_chunks_name_is_damage_not_a_hang(publis
         node.close()
 
 
+def test_a_file_at_a_chunk_shards_name_is_damage_the_cache_repairs(published, fam, tmp_path):
+    """A regular file standing where a shard directory of the cache goes (chunks/ab, made by hand
+    or another tool): a pull raised the raw NotADirectoryError of the temp file it could not make
+    there, and `cache verify` passed over it, listing only directories. Now a pull or load puts the
+    directory back and fetches the chunks; verify reports the shard, removes what stands there and
+    drops the index rows of the chunks that were under it."""
+    _, env = published
+    mfsreg_json("pull", "fam", "lora-chat", "-o", tmp_path / "first", env=env)
+    cached = cached_ids(env)
+    victims = sorted({i[:2]: i for i in cached}.values())[:3]  # chunks of three different shards
+    shard = lambda i: _cache_file(env, i).parent  # noqa: E731
+
+    def block(i: str) -> None:
+        shutil.rmtree(shard(i))
+        shard(i).write_text("not a directory")
+
+    block(victims[0])
+    res = mfsreg_json("pull", "fam", "lora-chat", "-o", tmp_path / "pulled", env=env)
+    assert filecmp.cmp(tmp_path / "pulled", fam["lora-chat"], shallow=False)
+    assert shard(victims[0]).is_dir() and chunk_id(_cache_file(env, victims[0]).read_bytes()) == victims[0]
+    assert res["fetched_bytes"] > 0
+    block(victims[1])  # a load, the same
+    node = Node(env["MFSREG_URL"], env["MFSREG_TOKEN"], env["MFSREG_CACHE_DIR"])
+    try:
+        _equal_to_file(load_tensors("fam", "lora-chat", node=node), fam["lora-chat"])
+    finally:
+        node.close()
+    assert chunk_id(_cache_file(env, victims[1]).read_bytes()) == victims[1]
+    block(victims[2])
+    proc = mfsreg("cache", "verify", "--json", env=env, check=False)
+    assert proc.returncode == 4, proc.stdout + proc.stderr
+    got = json.loads(proc.stdout)
+    assert got["damaged_dirs"] == [f"chunks/{victims[2][:2]}"] and got["damaged_chunks"] == [], got
+    assert not os.path.lexists(shard(victims[2]))
+    gone = [i for i in cached if i[:2] == victims[2][:2]]
+    rows = sqlite3.connect(Path(env["MFSREG_CACHE_DIR"]) / "index.db").execute("SELECT key FROM entries").fetchall()
+    assert not {r[0] for r in rows} & set(gone)  # the size limit no longer counts them
+    assert mfsreg("cache", "verify", env=env).returncode == 0
+    mfsreg_json("pull", "fam", "lora-chat", "-o", tmp_path / "again", env=env)
+    assert filecmp.cmp(tmp_path / "again", fam["lora-chat"], shallow=False)
+
+
 def test_a_damaged_cached_basis_is_fetched_again(published, fam, tmp_path):
     """A delta decodes against its basis from the node cache: a basis whose cache file rotted is
     dropped and fetched again, not trusted (every pull of the member would fail, blamed on the

@@ -220,11 +220,52 @@ class NodeCache:
         for chunk_id, raw, tier, family in items:
             path = self.chunk_file(chunk_id)
             if replace or not _plain(path):  # a directory there fails the rename, in one line
-                # read-only: CPU tensors map these files (registry/client/mapping.py), so an edit in
-                # place would change live weights under a model that was checked once
-                atomic_write(path, raw, mode=0o444)
+                self._write_chunk(chunk_id, path, raw)
             rows.append((chunk_id, len(raw), tier, family))
         self.record(rows)
+
+    def _write_chunk(self, chunk_id: str, path: str, raw: bytes) -> None:
+        # read-only: CPU tensors map these files (registry/client/mapping.py), so an edit in
+        # place would change live weights under a model that was checked once
+        try:
+            atomic_write(path, raw, mode=0o444)
+        except NotADirectoryError:
+            # Something that is not a directory stands at the chunk's shard (chunks/ab): no writer
+            # makes one, so it is damage, and the shard's chunks are lost anyway. Put the directory
+            # back and write again (a chunks/ that is itself a file is _make_dir's one line).
+            self.clear_shard(chunk_id[:2])
+            _make_dir(Path(path).parent)
+            atomic_write(path, raw, mode=0o444)
+
+    def clear_shard(self, prefix: str) -> bool:
+        """Remove what stands at the shard directory chunks/<prefix> if it is not a directory (a
+        file, a link, a fifo); whether something went. A shard another process has just put back
+        as a directory stays."""
+        path = f"{self._chunks}/{prefix}"
+        try:
+            if stat.S_ISDIR(os.lstat(path).st_mode):
+                return False
+            os.unlink(path)
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):  # gone, or a directory by now
+            return False
+        except OSError as exc:
+            raise StorageError(f"cannot remove {path}, which stands where the node cache keeps a directory of chunks: "
+                               f"{exc.strerror}: remove it by hand, or set MFSREG_CACHE_DIR to a cache of your own") from None
+        return True
+
+    def forget_missing(self, prefix: str) -> int:
+        """Drop the index rows of chunks named chunks/<prefix>/... whose files are not there (the
+        shard was lost): the size limit would count them until an eviction. Returns how many."""
+        keys = [r[0] for r in self._conn().execute("SELECT key FROM entries WHERE substr(key, 1, 2) = ?", (prefix,))]
+        gone = [k for k in keys if not os.path.lexists(self.chunk_file(k))]
+        self.forget(gone)
+        return len(gone)
+
+    def forget(self, chunk_ids: list[str]) -> None:
+        """Drop chunks' rows, and leave their files alone."""
+        with self._db() as db:
+            for table in ("entries", "family_base", "family_rank"):
+                db.executemany(f"DELETE FROM {table} WHERE key = ?", [(k,) for k in chunk_ids])
 
     def discard(self, chunk_id: str, seen: os.stat_result | None = None) -> None:
         """Drop one chunk (found damaged or cut short on disk): its rows, then its file. ``seen``:
@@ -233,10 +274,7 @@ class NodeCache:
         path = self.chunk_path(chunk_id)
         if seen is not None and not _same_file(path, seen):
             return
-        with self._db() as db:
-            db.execute("DELETE FROM entries WHERE key = ?", (chunk_id,))
-            db.execute("DELETE FROM family_base WHERE key = ?", (chunk_id,))
-            db.execute("DELETE FROM family_rank WHERE key = ?", (chunk_id,))
+        self.forget([chunk_id])
         path.unlink(missing_ok=True)
 
     def failed_again(self, chunk_id: str) -> IntegrityError:
@@ -385,6 +423,14 @@ class NodeCache:
             named = _CHUNK_NAME if kind == "chunk" else _FILE_NAME
             if named.fullmatch(e.name) and not e.is_file(follow_symlinks=False):
                 yield kind, e
+
+    def shard_blockers(self) -> Iterator[os.DirEntry]:
+        """What stands at a shard directory's name in chunks/ (two hex digits) and is not a
+        directory: a file, a link, a fifo. No writer makes these; listings pass them over, and
+        each stops every chunk of its shard being written."""
+        for e in os.scandir(self._chunks):
+            if _SHARD_NAME.fullmatch(e.name) and not e.is_dir(follow_symlinks=False):
+                yield e
 
     def _disk_entries(self) -> Iterator[tuple[str, os.DirEntry]]:
         """Every entry in chunks/' subdirectories ("chunk") and in files/ ("file")."""
@@ -632,6 +678,7 @@ def is_temp(name: str) -> bool:
     return name.startswith(".") and name.endswith(".tmp")
 
 
+_SHARD_NAME = re.compile(r"[0-9a-f]{2}")
 _CHUNK_NAME = re.compile(r"[0-9a-f]{32}")
 _FILE_NAME = re.compile(r"[0-9a-f]{64}")
 

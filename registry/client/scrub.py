@@ -1,8 +1,8 @@
 """A scrub of the node cache: every chunk file hashed against the id it is named by, every
 materialised file against its sha256, and whatever fails dropped (it is fetched again when next
-needed), as is anything but a plain file at such a name. Loads and pulls check what they use as
-they go; a scrub finds damage in the rest before a load does, and tells an operator that a node's
-disk is losing bytes."""
+needed), as is anything but a plain file at such a name, and anything but a directory at a shard's
+name (chunks/ab). Loads and pulls check what they use as they go; a scrub finds damage in the rest
+before a load does, and tells an operator that a node's disk is losing bytes."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def verify_cache(cache: NodeCache, progress: Progress | None = None) -> dict:
             except FileNotFoundError:
                 continue  # evicted by a pull since the listing
     progress.start("verify", sum(size for _, _, size in found))
-    damaged: dict[str, list[str]] = {"chunk": [], "file": []}
+    damaged: dict[str, list[str]] = {"chunk": [], "file": [], "dir": []}
     for kind, e, size in found:
         try:
             with MappedFile(Path(e.path)) as mf:
@@ -53,5 +53,12 @@ def verify_cache(cache: NodeCache, progress: Progress | None = None) -> dict:
         if e.path in (str(cache.chunk_path(e.name)), str(cache.file_path(e.name))) and not os.path.lexists(e.path):
             (cache.discard if kind == "chunk" else cache.discard_file)(e.name)
         damaged[kind].append(e.name)
+    for e in cache.shard_blockers():
+        # a file (or link, fifo) where a shard directory goes: its chunks were lost with the
+        # directory, and none could be written there again
+        if cache.clear_shard(e.name):
+            cache.forget_missing(e.name)
+            damaged["dir"].append(f"chunks/{e.name}")
     return {"chunks": sum(k == "chunk" for k, _, _ in found), "files": sum(k == "file" for k, _, _ in found),
-            "bytes": sum(size for _, _, size in found), "damaged_chunks": damaged["chunk"], "damaged_files": damaged["file"]}
+            "bytes": sum(size for _, _, size in found), "damaged_chunks": damaged["chunk"], "damaged_files": damaged["file"],
+            "damaged_dirs": damaged["dir"]}
