@@ -1211,6 +1211,49 @@ def test_a_file_at_a_chunk_shards_name_is_damage_the_cache_repairs(published, fa
     assert filecmp.cmp(tmp_path / "again", fam["lora-chat"], shallow=False)
 
 
+def _bound_by_modes(*args, env: dict) -> subprocess.CompletedProcess:
+    """`mfsreg ARGS` as a user whom file modes bind: as root (tests may run so), without the
+    capabilities that pass over them, so that a chunk file of mode 000 cannot be opened."""
+    cmd = [MFSREG, *map(str, args)]
+    if os.geteuid() == 0:
+        caps = "-dac_override,-dac_read_search,-fowner"
+        cmd = [shutil.which("setpriv"), f"--bounding-set={caps}", f"--inh-caps={caps}", "--", *cmd]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_a_cached_chunk_this_user_may_not_read_is_replaced_where_the_cache_is_writable(published, fam, tmp_path):
+    """A chunk file of mode 000 (a chmod by hand, a restore that lost modes) stopped every pull in
+    one line, though the cache is this user's to write and a rename over the file repairs it, as it
+    does a file that fails its check. Now it counts as damage: fetched again and renamed over it,
+    and `cache verify` drops it. Only where the user may not write its shard does the one line stay."""
+    _, env = published
+    mfsreg_json("pull", "fam", "lora-chat", "-o", tmp_path / "first", env=env)
+    victim, other = sorted(cached_ids(env))[:2]
+    _cache_file(env, victim).chmod(0)
+    proc = _bound_by_modes("pull", "fam", "lora-chat", "-o", tmp_path / "pulled", "--json", env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["fetched_bytes"] > 0
+    assert filecmp.cmp(tmp_path / "pulled", fam["lora-chat"], shallow=False)
+    assert _cache_file(env, victim).stat().st_mode & 0o777 == 0o444
+    assert chunk_id(_cache_file(env, victim).read_bytes()) == victim
+    _cache_file(env, other).chmod(0)
+    proc = _bound_by_modes("cache", "verify", "--json", env=env)
+    assert proc.returncode == 4 and json.loads(proc.stdout)["damaged_chunks"] == [other], proc.stdout + proc.stderr
+    assert not _cache_file(env, other).exists()
+    shard = _cache_file(env, victim).parent
+    _cache_file(env, victim).chmod(0)
+    shard.chmod(0o555)
+    try:
+        for args in (("pull", "fam", "lora-chat", "-o", tmp_path / "again"), ("cache", "verify")):
+            proc = _bound_by_modes(*args, env=env)
+            assert proc.returncode == 5 and proc.stderr.count("\n") == 1, proc.stderr
+            assert f"cannot read {_cache_file(env, victim)} in the node cache: Permission denied: check its " \
+                   "permissions" in proc.stderr, proc.stderr
+        assert not (tmp_path / "again").exists()
+    finally:
+        shard.chmod(0o755)
+
+
 def test_a_damaged_cached_basis_is_fetched_again(published, fam, tmp_path):
     """A delta decodes against its basis from the node cache: a basis whose cache file rotted is
     dropped and fetched again, not trusted (every pull of the member would fail, blamed on the

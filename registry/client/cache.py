@@ -553,8 +553,9 @@ CACHE_READ_FLAGS = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_N
 def open_plain(path: str) -> tuple[int, os.stat_result] | None:
     """A descriptor of the plain file at ``path`` (a cache file), open for reading, and its stat;
     None where nothing is there, or something that is not a plain file (a directory, a link, a fifo,
-    a socket or a device): what a cache's readers take for a missing or damaged entry, fetched again
-    and written over. A file this user may not read is a one-line StorageError."""
+    a socket or a device), or a file this user may not read but may replace: what a cache's readers
+    take for a missing or damaged entry, fetched again and written over. A file this user may
+    neither read nor replace is a one-line StorageError."""
     try:
         fd = os.open(path, CACHE_READ_FLAGS)
     except (FileNotFoundError, NotADirectoryError):
@@ -562,8 +563,11 @@ def open_plain(path: str) -> tuple[int, os.stat_result] | None:
     except OSError as exc:
         if exc.errno in (errno.ELOOP, errno.ENXIO, errno.EISDIR, errno.EMLINK):  # a link (EMLINK on BSD); a socket
             return None
-        raise StorageError(f"cannot read {path} in the node cache: {exc.strerror}: check its permissions, or set "
-                           "MFSREG_CACHE_DIR to a cache of your own") from None
+        if exc.errno in (errno.EACCES, errno.EPERM) and may_replace(path):
+            # cache files are written 0444, so one without read permission was changed after (a
+            # chmod by hand, a restore that lost modes): damage a rename over it repairs
+            return None
+        raise unreadable(path, exc) from None
     try:
         st = os.fstat(fd)
     except BaseException:
@@ -573,6 +577,18 @@ def open_plain(path: str) -> tuple[int, os.stat_result] | None:
         os.close(fd)
         return None
     return fd, st
+
+
+def may_replace(path: str) -> bool:
+    """Whether this user may rename a file over ``path`` (and unlink it): its directory writable."""
+    return os.access(os.path.dirname(path), os.W_OK | os.X_OK)
+
+
+def unreadable(path: str, exc: OSError) -> StorageError:
+    """The one line for a cache file this user may neither read nor replace (a shared cache another
+    user owns)."""
+    return StorageError(f"cannot read {path} in the node cache: {exc.strerror}: check its permissions, or set "
+                        "MFSREG_CACHE_DIR to a cache of your own")
 
 
 def _read_plain(path: str) -> tuple[bytes, os.stat_result] | None:

@@ -11,7 +11,7 @@ import shutil
 from pathlib import Path
 
 from registry.chunking import MappedFile, chunk_id, file_sha256
-from registry.client.cache import NodeCache, is_temp
+from registry.client.cache import NodeCache, is_temp, may_replace, unreadable
 from registry.progress import NullProgress, Progress
 
 
@@ -35,6 +35,13 @@ def verify_cache(cache: NodeCache, progress: Progress | None = None) -> dict:
                 seen = mf.opened  # the file hashed (a stat before the open could name another)
         except FileNotFoundError:
             continue  # evicted meanwhile
+        except PermissionError as exc:  # as a pull takes it: damage where it may be replaced
+            if not may_replace(e.path):
+                raise unreadable(e.path, exc) from None
+            try:
+                ok, seen = False, os.stat(e.path, follow_symlinks=False)
+            except FileNotFoundError:
+                continue
         if not ok:
             # only the file found damaged: a good copy another process fetched meanwhile stays
             (cache.discard if kind == "chunk" else cache.discard_file)(e.name, seen)
