@@ -26,7 +26,7 @@ def open_backend(url: str | None = None):
     if url:
         from registry.client.remote import RemoteRegistry
 
-        backend = RemoteRegistry(url, token=os.environ.get("MFSREG_TOKEN"))
+        backend = RemoteRegistry(url, token=os.environ.get("MFSREG_TOKEN") or None)  # empty: unset
     else:
         from registry.registry import Registry
 

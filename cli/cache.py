@@ -149,4 +149,4 @@ def _remote(registry: str | None):
 
     if not registry:
         raise InvalidRequest("the node cache serves a remote registry: set MFSREG_URL or pass --registry")
-    return RemoteRegistry(registry, token=os.environ.get("MFSREG_TOKEN"))
+    return RemoteRegistry(registry, token=os.environ.get("MFSREG_TOKEN") or None)  # empty: unset

@@ -928,6 +928,29 @@ def test_an_empty_url_or_token_is_refused_not_read_from_the_environment(tmp_path
         node.close()
 
 
+def test_an_empty_token_is_refused_by_the_registry_client_as_by_a_node(tmp_path, monkeypatch):
+    """RemoteRegistry(url, token='') sent no token, quietly, where Node(token='') is refused as the
+    mistake it most likely is (an unset variable): both refuse it now. An empty MFSREG_TOKEN still
+    counts as unset, as every empty MFSREG_* variable does."""
+    from registry.errors import InvalidRequest
+
+    with pytest.raises(InvalidRequest, match="^token='' is empty: give one, or leave token= out to send none$"):
+        RemoteRegistry("http://127.0.0.1:9", token="")
+    with RemoteRegistry("http://127.0.0.1:9") as remote:
+        assert "authorization" not in remote.http.headers
+    monkeypatch.setenv("MFSREG_URL", "http://127.0.0.1:9")
+    monkeypatch.setenv("MFSREG_TOKEN", "")
+    node = Node(cache_dir=str(tmp_path / "c"))
+    try:
+        assert "authorization" not in node.remote.http.headers
+    finally:
+        node.close()
+    env = client_env(tmp_path, "http://127.0.0.1:9", None, MFSREG_TOKEN="")
+    for args in (("ls",), ("cache", "warm", "fam")):
+        proc = mfsreg(*args, env=env, check=False)
+        assert proc.returncode == 5 and "cannot reach the registry at http://127.0.0.1:9" in proc.stderr, proc.stderr
+
+
 def test_cache_commands_that_only_read_make_no_cache(tmp_path):
     """cache stats, unpin, prune and verify on a MFSREG_CACHE_DIR that is not there (mistyped): an
     empty answer (the pin refused), and no directory made (each made the whole tree, an empty cache)."""

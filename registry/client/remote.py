@@ -70,13 +70,33 @@ def _chunk_rows(doc: dict) -> Iterator[tuple[str, tuple]]:
         yield i, (encoding, stored, basis, size, tier)
 
 
-class RemoteRegistry:
+class Closable:
+    """An object of the node's client whose ``close()`` ends its use: work asked of it afterwards is
+    refused in one line (its HTTP client raised httpx's RuntimeError, "the client has been closed",
+    which read as an internal error). ``closed_note``: what the error adds, for a class whose
+    results outlive it."""
+
+    closed = False
+    closed_note = ""
+
+    def check_open(self, user: str = "") -> None:
+        """``user``: who works through this object, as the error names it ("this ResidentModel
+        loads through ")."""
+        if self.closed:
+            name = type(self).__name__
+            raise InvalidRequest((f"the {name} {user}is closed" if user else f"this {name} is closed")
+                                 + f": make a new one{self.closed_note}")
+
+
+class RemoteRegistry(Closable):
     def __init__(self, url: str, token: str | None = None, chunk_size: int | None = None, workers: int | None = None,
                  timeout: float = 300.0):
         if not url.startswith(("http://", "https://")):
             raise InvalidRequest(f"registry URL {url!r} must start with http:// or https://")
         _check_url(url)
         self.url = url.rstrip("/")
+        if token is not None and not token:  # most likely an unset variable: no token is None, said so
+            raise InvalidRequest("token='' is empty: give one, or leave token= out to send none")
         if token and not (token.isascii() and token.isprintable() and " " not in token):
             # an HTTP header cannot carry it (httpx raises UnicodeEncodeError, or a protocol error
             # that reads like an unreachable server): a copy that took in a newline, a quote, a letter
@@ -108,12 +128,8 @@ class RemoteRegistry:
 
     # -- HTTP plumbing ----------------------------------------------------------------------------
 
-    def _check_open(self) -> None:
-        if self.closed:  # httpx's RuntimeError ("the client has been closed") said so, as an internal error
-            raise InvalidRequest("this RemoteRegistry is closed: make a new one")
-
     def _request(self, method: str, path: str, **kw) -> httpx.Response:
-        self._check_open()
+        self.check_open()
         try:
             resp = self.http.request(method, path, **kw)
         except httpx.TransportError as exc:
@@ -328,7 +344,7 @@ class RemoteRegistry:
 
     def _fetch_batch(self, family: str, chunks: list[StoredChunk]) -> Iterator[tuple[StoredChunk, bytes]]:
         by_id = {c.id: c for c in chunks}
-        self._check_open()
+        self.check_open()
         try:
             with self.http.stream("POST", f"/v1/families/{family}/chunks/download", json={"ids": list(by_id)}) as resp:
                 if resp.status_code >= 400:

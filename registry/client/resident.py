@@ -5,11 +5,12 @@ from __future__ import annotations
 import torch
 
 from registry.client.node import evict_quietly, gone_meanwhile
+from registry.client.remote import Closable
 from registry.client.torch_loader import Copier, Node, build, chunk_ids, fill, layout, target_device
-from registry.errors import InvalidRequest, NotFound, RegistryError
+from registry.errors import NotFound, RegistryError
 
 
-class ResidentModel:
+class ResidentModel(Closable):
     """One version of a family held on ``device`` in ``.tensors`` (name -> tensor).
 
     ``switch(version)`` moves to another version in place: a tensor whose dtype and shape stay the
@@ -26,11 +27,12 @@ class ResidentModel:
     None, and the next switch refills every tensor.
     """
 
+    closed_note = " (its tensors stay as they are)"
+
     def __init__(self, family: str, version: str, device: str | torch.device = "cpu", node: Node | None = None,
                  verify: bool = True):
         self.device = target_device(device)  # before anything is asked of the node
         self._own = node is None
-        self.closed = False
         if node is not None:
             node.check_open()
         self.node = node or Node()
@@ -45,8 +47,7 @@ class ResidentModel:
         self.loaded_bytes = sum(t.nbytes for t in self.tensors.values())  # the pieces tile every tensor
 
     def switch(self, version: str) -> int:
-        if self.closed:  # its client is closed: httpx's RuntimeError, or the pool's, said so
-            raise InvalidRequest("this ResidentModel is closed: make a new one (its tensors stay as they are)")
+        self.check_open()
         self.node.check_open("this ResidentModel loads through ")
         family, before = self.family, self.version
         target, new, renames, realloc, todo = self._plan(version)

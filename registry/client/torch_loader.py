@@ -28,7 +28,7 @@ from registry.chunking import ChunkRef, chunk_id
 from registry.client.cache import NodeCache
 from registry.client.fetch import Fetcher, VersionInfo
 from registry.client.node import evict_quietly, gone_meanwhile, refetcher
-from registry.client.remote import RemoteRegistry
+from registry.client.remote import Closable, RemoteRegistry
 from registry.errors import IntegrityError, InvalidRequest, NotFound
 from registry.manifest import SAFETENSORS
 from registry.parallel import sized_batches, windowed_map
@@ -83,33 +83,26 @@ def layout(info: VersionInfo) -> dict[str, tuple[TensorSpan, list[Piece]]]:
     return out
 
 
-class Node:
+class Node(Closable):
     """What serving code needs on a node: the registry client, the node cache and a fetcher.
     Reads MFSREG_URL, MFSREG_TOKEN and MFSREG_CACHE_DIR for the arguments left out (None); an
     argument given empty is refused, as a cache_dir that is not an absolute path is (an empty
     MFSREG_* variable counts as unset, as everywhere)."""
 
     def __init__(self, url: str | None = None, token: str | None = None, cache_dir: str | None = None):
-        self.closed = False
         for name, value, env in (("url", url, "MFSREG_URL"), ("token", token, "MFSREG_TOKEN")):
             if value is not None and not value:  # an empty one fell back on the variable, unseen
                 raise InvalidRequest(f"{name}={value!r} is empty: give one, or leave {name}= out to use {env}")
         url = url or os.environ.get("MFSREG_URL")
         if not url:
             raise InvalidRequest("no registry to load from: set MFSREG_URL or pass url=")
-        self.remote = RemoteRegistry(url, token=token or os.environ.get("MFSREG_TOKEN"))
+        self.remote = RemoteRegistry(url, token=token or os.environ.get("MFSREG_TOKEN") or None)
         try:
             self.cache = NodeCache(cache_dir)
         except BaseException:
             self.remote.close()
             raise
         self.fetcher = Fetcher(self.remote, self.cache)
-
-    def check_open(self, user: str = "") -> None:
-        """Refuse work on a closed node in one line (its client would raise httpx's RuntimeError)."""
-        if self.closed:
-            raise InvalidRequest(f"the Node {user}is closed: make a new one" if user else
-                                 "this Node is closed: make a new one")
 
     def close(self) -> None:
         self.closed = True
