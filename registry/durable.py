@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -86,6 +87,18 @@ def create_beside(tmp: Path, dest: Path, flags: int) -> int:
         if exc.errno in NO_ROOM or exc.strerror is None:
             raise
         raise type(exc)(exc.errno, f"{exc.strerror} (making {dest.name} there)", str(dest.parent)) from None
+
+
+def replaced_mode(dest: Path) -> int | None:
+    """The permission bits a new file renamed over ``dest`` is to take: those of the file there
+    (through a link, its target's), as cp keeps an existing file's, so that an output made
+    read-only stays read-only; None where no file is there (the umask's then). Set-id and sticky
+    bits are not carried onto the new bytes (the kernel drops them from a file written to)."""
+    try:
+        st = os.stat(dest)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    return stat.S_IMODE(st.st_mode) & 0o777 if stat.S_ISREG(st.st_mode) else None
 
 
 def what_to_do(code: int | None) -> str:

@@ -24,7 +24,7 @@ from concurrent.futures import Executor, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
 from registry.chunking import ChunkRef, chunk_id
-from registry.durable import Placing, create_beside, sync_dir
+from registry.durable import Placing, create_beside, replaced_mode, sync_dir
 from registry.errors import IntegrityError
 from registry.manifest import FileEntry
 
@@ -102,7 +102,9 @@ class CheckedFile:
     def __init__(self, dest: Path, size: int, pool: Executor, mode: int | None = None):
         dest.parent.mkdir(parents=True, exist_ok=True)
         self.dest = dest
-        self.mode = mode  # set before the rename: the file never appears under ``dest`` with another
+        # set before the rename: the file never appears under ``dest`` with another; None: that
+        # of the file it replaces, if any (replaced_mode)
+        self.mode = mode
         self.tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex}.tmp")
         self.pool = pool
         self.checks: list[Future] = []
@@ -145,8 +147,9 @@ class CheckedFile:
 
     def commit(self, placing: Placing | None = None) -> None:
         self._stop_writeback()
-        if self.mode is not None:
-            os.fchmod(self.fd, self.mode)
+        mode = self.mode if self.mode is not None else replaced_mode(self.dest)
+        if mode is not None:
+            os.fchmod(self.fd, mode)
         os.fsync(self.fd)
         os.close(self.fd)
         self.fd = -1

@@ -1338,6 +1338,18 @@ def test_pulls_write_through_the_page_cache_unless_asked_otherwise(published, fa
     assert_written(tmp_path / "engine-2" / fam["last-code"].name, expected)
 
 
+def test_a_node_pull_over_a_file_keeps_that_files_mode(published, writes, fam, tmp_path):
+    """`mfsreg pull -o OUT` over a read-only OUT replaced it with a file of mode 0644: the new file
+    takes the permission bits of the one it replaces (as cp's does), both ways a node writes."""
+    _, env = published
+    out = tmp_path / "out.safetensors"
+    out.write_bytes(b"an older pull")
+    for kept in (0o444, 0o600):
+        out.chmod(kept)
+        mfsreg_json("pull", "fam", "lora-chat", "-o", out, env=env)
+        assert out.stat().st_mode & 0o7777 == kept and filecmp.cmp(out, fam["lora-chat"], shallow=False)
+
+
 def test_a_pull_writes_through_the_page_cache_where_o_direct_is_refused(published, fam, tmp_path, monkeypatch):
     """A filesystem that refuses O_DIRECT (at open here; tests/test_direct.py covers a refused
     first write) gets the file through the page cache instead: the same bytes, no error."""

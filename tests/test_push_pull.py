@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import filecmp
+import os
+import stat
 
 import pytest
 import torch
@@ -329,3 +331,37 @@ def test_a_repush_of_an_existing_version_mends_what_its_lost_pack_held(store, se
         again = reg.push(fam["base"], "fam", "base")
         assert again.existed and again.mended_chunks == 0 and again.new_bytes == 0 and again.new_chunks == 0
         assert reg.versions("fam")[0].digest == res.digest and len(reg.versions("fam")) == 2
+
+
+def _umask() -> int:
+    old = os.umask(0)
+    os.umask(old)
+    return old
+
+
+def test_a_pull_over_a_file_keeps_that_files_mode(reg, fam, tmp_path):
+    """A pull builds each file under a temp name and renames it over the one at its place: a file
+    made read-only (0444) came back 0644, its protection gone without a word. The new file takes
+    the permission bits of the file it replaces, as cp's does; a file new there gets the umask's."""
+    reg.push(fam["base"], "fam", "base")
+    out = tmp_path / "out.safetensors"
+    reg.pull("fam", "base", out)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o666 & ~_umask()
+    for kept in (0o444, 0o640):
+        out.chmod(kept)
+        reg.pull("fam", "base", out)
+        assert stat.S_IMODE(out.stat().st_mode) == kept and filecmp.cmp(out, fam["base"], shallow=False)
+    src = tmp_path / "ckpt"  # a directory version: each file its own
+    src.mkdir()
+    synth.sharded_dir(src, synth.base_tensors())
+    reg.push(src, "fam", "sharded")
+    pulled = tmp_path / "pulled"
+    reg.pull("fam", "sharded", pulled)
+    (pulled / "config.json").chmod(0o400)
+    shard = pulled / "model-00001-of-00002.safetensors"
+    shard.chmod(0o444)
+    reg.pull("fam", "sharded", pulled)
+    assert stat.S_IMODE((pulled / "config.json").stat().st_mode) == 0o400
+    assert stat.S_IMODE(shard.stat().st_mode) == 0o444
+    assert stat.S_IMODE((pulled / "tokenizer.json").stat().st_mode) == 0o666 & ~_umask()
+    assert filecmp.cmp(shard, src / shard.name, shallow=False)

@@ -59,7 +59,7 @@ def write_file(entry: FileEntry, dest: Path, cache: NodeCache, refetch: Callable
     ``arriving(id)``, when given, waits for a chunk that a fetch running alongside has not landed
     yet. ``refetch(ids)`` drops chunks' cache files and fetches them again (another process
     evicted them meanwhile, or they failed the check). ``mode``: the file's permissions as it
-    appears. ``placing``: renames it with the pull's other files, once all are written (else it is
+    appears (None: those of the file it replaces, else the umask's). ``placing``: renames it with the pull's other files, once all are written (else it is
     renamed at once). A file of DIRECT_MIN_BYTES or more goes around the page cache where ``direct_writes``
     says the user asked for it and the filesystem takes it."""
     with writing(dest):

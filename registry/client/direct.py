@@ -25,7 +25,7 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
-from registry.durable import Placing, create_beside, sync_dir
+from registry.durable import Placing, create_beside, replaced_mode, sync_dir
 
 ALIGN = 4096  # covers 512-byte and 4 KiB logical blocks
 BUFFER_BYTES = 8 << 20  # one write; a few of these are the whole staging memory
@@ -196,8 +196,9 @@ class DirectFile:
         while self.flights:
             self._land()
         os.ftruncate(self.fd, self.size)
-        if self.mode is not None:
-            os.fchmod(self.fd, self.mode)
+        mode = self.mode if self.mode is not None else replaced_mode(self.dest)  # as CheckedFile's
+        if mode is not None:
+            os.fchmod(self.fd, mode)
         os.fsync(self.fd)
         if placing is not None:
             placing.add(self.tmp, self.dest)
