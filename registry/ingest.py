@@ -11,10 +11,10 @@ Concurrency: uploads of two pushes run side by side; a chunk both of them send i
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 from collections.abc import Callable, Iterable, Iterator
 from collections.abc import Set as AbstractSet
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 from sqlalchemy import Connection

@@ -6,11 +6,12 @@ recorded chunk whose pack is missing or shorter than its bytes is damage: an obj
 a restore that missed it, a store swapped under the registry. A push that would reuse such a chunk
 sends it again instead (ingest.push, service.negotiate), and recording the new copy points the
 chunk's row at it (db/chunks.record_pack): the push mends what it needs, and no version is committed
-over bytes that cannot be read (service.commit checks again). A push of a version already stored with
-that content mends the version's chunks the same way and commits nothing (ingest.mend_existing,
-service._negotiate_existing): pushing its file again is how a version `mfsreg check` names is mended. A new chunk is not stored as a delta
-against a basis whose bytes lie in such a pack (deltas.cap_depth): it takes a basis further down the
-chain, or goes plain. A pull meets the same check before it streams (service.check_packs).
+over bytes that cannot be read (service.commit checks again). A push of a version already stored
+with that content mends the version's chunks the same way and commits nothing
+(ingest.mend_existing, service._negotiate_existing): pushing its file again is how a version that
+`mfsreg check` names is mended. A new chunk is not stored as a delta against a basis whose bytes
+lie in such a pack (deltas.cap_depth): it takes a basis further down the chain, or goes plain. A
+pull meets the same check before it streams (service.check_packs).
 """
 
 from __future__ import annotations
