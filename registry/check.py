@@ -81,11 +81,22 @@ def _unreadable(located: dict[str, StoredChunk], lost: set[str], damaged: set[st
 
 
 def _read_all(reg, located: dict[str, StoredChunk], lost: dict[str, str], progress: Progress) -> tuple[dict[str, str], int]:
-    """Read, decode and hash every chunk outside the lost packs, pack by pack, a batch at a time;
-    a delta's basis is read again with it where an earlier batch held it (bounded chains keep
-    that small). A pack found lost on the way is added to ``lost``. Returns (damaged chunk ->
+    """Read, decode and hash every chunk outside the lost packs, a batch at a time, each plain
+    chunk with the deltas on it; a basis is read again only where a batch ends between them. A pack found lost on the way is added to ``lost``. Returns (damaged chunk ->
     why, encoded bytes read)."""
-    todo = sorted((c for c in located.values() if c.pack_id not in lost), key=lambda c: (c.pack_id, c.offset))
+    # each plain chunk with the deltas that lean on it, down their chains: a batch then holds most
+    # bases its deltas need, and reads them once (in pack order, a batch of a full fine-tune's
+    # deltas read every base chunk again: twice the stored bytes in all)
+    roots: dict[str, StoredChunk] = {}
+
+    def root(c: StoredChunk) -> StoredChunk:
+        if c.id not in roots:
+            b = located.get(c.basis_id) if c.basis_id else None
+            roots[c.id] = c if b is None else root(b)
+        return roots[c.id]
+
+    todo = sorted((c for c in located.values() if c.pack_id not in lost),
+                  key=lambda c: (root(c).pack_id, root(c).offset, c.depth, c.pack_id, c.offset))
     progress.start("verify", sum(c.stored_size for c in todo))
     damaged: dict[str, str] = {}
     read = 0
