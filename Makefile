@@ -34,6 +34,7 @@ bench: install
 	$(BIN)/python -m benchmarks.bench_node
 	$(BIN)/python -m benchmarks.page_mapping
 	$(BIN)/python -m benchmarks.bench_prune
+	$(BIN)/python -m benchmarks.bench_check
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info registry/*.so registry/client/*.so
