@@ -113,6 +113,7 @@ class CheckResultModel(BaseModel):
     damaged_chunks: dict[str, str]
     damaged_packs: dict[str, DamagedPackModel]
     unreadable_chunks: int
+    unrecorded_chunks: int
     broken_versions: list[str]
     seconds: float
     ok: bool

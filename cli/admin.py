@@ -141,6 +141,8 @@ def _say_checked(res, read_data: bool) -> None:
     problems = [n(len(res.lost_packs), "pack") + " lost"] if res.lost_packs else []
     if res.damaged_chunks:
         problems.append(n(len(res.damaged_chunks), "chunk") + " damaged")
+    if res.unrecorded_chunks:
+        problems.append(n(res.unrecorded_chunks, "chunk") + " the versions need missing from the database")
     typer.echo(f"{head}: {', '.join(problems)}; {n(len(res.broken_versions), 'version')} cannot be pulled")
     shown = 10
     lines = [f"pack {p}: {why}" for p, why in res.lost_packs.items()]
@@ -156,3 +158,6 @@ def _say_checked(res, read_data: bool) -> None:
     if res.damaged_packs:
         typer.echo("restore the damaged packs from a backup, or move each out of the blob store (it then counts as "
                    "lost) and push each listed version's file again")
+    if res.unrecorded_chunks:
+        typer.echo("the database lost the rows of chunks its versions need: restore it from a backup (with the blob "
+                   "store of the same time)")

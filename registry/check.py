@@ -49,8 +49,10 @@ def check(reg, family: str | None = None, read_data: bool = False, progress: Pro
             pack = result.damaged_packs.setdefault(located[i].pack_id, {"chunks": 0, "first": f"chunk {i}: {why}"})
             pack["chunks"] += 1
     bad = _unreadable(located, set(result.lost_packs), set(result.damaged_chunks))
-    # a version row names a chunk with no row of its own: the records, not the store, lost it
-    bad |= {i for ids in needs.values() for i in ids if i not in located}
+    # a version names a chunk with no row of its own (no foreign key holds it): the records lost it
+    unrecorded = {i for ids in needs.values() for i in ids if i not in located}
+    result.unrecorded_chunks = len(unrecorded)
+    bad |= unrecorded
     result.unreadable_chunks = len(bad)
     result.broken_versions = [v for v, ids in needs.items() if not bad.isdisjoint(ids)]
     result.seconds = time.perf_counter() - t0

@@ -124,12 +124,13 @@ class CheckResult:
     # pack id -> {"chunks": its damaged chunks, "first": "chunk <id>: why"} (read_data)
     damaged_packs: dict[str, dict] = field(default_factory=dict)
     unreadable_chunks: int = 0  # chunks that cannot be rebuilt: in a lost pack, damaged, or down a chain through one
+    unrecorded_chunks: int = 0  # chunks a version needs that have no row in the database (records lost)
     broken_versions: list[str] = field(default_factory=list)  # "family/version" that cannot be pulled
     seconds: float = 0.0
 
     @property
     def ok(self) -> bool:
-        return not (self.lost_packs or self.damaged_chunks)
+        return not (self.lost_packs or self.damaged_chunks or self.unrecorded_chunks)
 
     def to_dict(self) -> dict:
         return dict(self.__dict__, ok=self.ok)

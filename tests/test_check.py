@@ -101,6 +101,25 @@ def test_damaged_bytes_are_found_by_read_data_alone_with_what_leans_on_them(reg,
     assert "fam/base" in res.broken_versions and len(res.broken_versions) > 1  # a delta's basis: others break too
 
 
+def test_a_chunk_row_the_database_lost_is_named_too(reg, fam, tmp_path):
+    """No foreign key ties a version's chunk list to the chunk rows: a row deleted by hand leaves a
+    version that names a chunk the registry cannot locate, which its pull cannot rebuild."""
+    from sqlalchemy import delete
+
+    from registry.db.engine import write_tx
+    from registry.db.models import chunks
+
+    _push_family(reg, fam)
+    own = set(reg.manifest("fam", "vocab-ext")[1].chunk_ids()) - set(reg.manifest("fam", "base")[1].chunk_ids())
+    gone = sorted(own)[0]
+    with write_tx(reg.engine) as conn:
+        conn.execute(delete(chunks).where(chunks.c.id == gone))
+    res = reg.check()
+    assert not res.ok and res.unrecorded_chunks == 1 and not res.lost_packs
+    pulls = _pullable(reg, fam, tmp_path)
+    assert res.broken_versions == [f"fam/{v}" for v in fam if not pulls[v]] and "fam/vocab-ext" in res.broken_versions
+
+
 def test_check_on_s3_finds_a_lost_pack(tmp_path, fam, s3_blob_url):
     blob_url, endpoint = s3_blob_url
     settings = Settings.from_env({"MFSREG_HOME": str(tmp_path / "home")}, blob_url=blob_url,
