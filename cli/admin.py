@@ -90,19 +90,16 @@ def prune(
         emit_json(res.to_dict())
         return
 
-    def n(count: int, what: str) -> str:
-        return f"{count} {what}{'' if count == 1 else 's'}"
-
-    chunks = f"{n(res.deleted_chunks, 'chunk')} no version needs ({human_bytes(res.deleted_chunk_bytes)})"
-    packs = f"{n(res.repacked_packs, 'pack')} ({human_bytes(res.moved_bytes)}"
-    blobs = f"{n(res.deleted_packs, 'pack blob')}, freeing {human_bytes(res.freed_bytes)}"
+    chunks = f"{_n(res.deleted_chunks, 'chunk')} no version needs ({human_bytes(res.deleted_chunk_bytes)})"
+    packs = f"{_n(res.repacked_packs, 'pack')} ({human_bytes(res.moved_bytes)}"
+    blobs = f"{_n(res.deleted_packs, 'pack blob')}, freeing {human_bytes(res.freed_bytes)}"
     if dry_run:
         head = f"would delete {chunks}; would repack {packs} to move); would delete {blobs}"
     else:
         head = f"deleted {chunks}; repacked {packs} moved); deleted {blobs}"
     typer.echo(head)
     if res.waiting_packs:
-        typer.echo(f"{n(res.waiting_packs, 'unlisted pack')} ({human_bytes(res.waiting_bytes)}: retired, or being written) "
+        typer.echo(f"{_n(res.waiting_packs, 'unlisted pack')} ({human_bytes(res.waiting_bytes)}: retired, or being written) "
                    f"wait out --min-age {min_age}; a later prune deletes those no push records")
 
 
@@ -128,25 +125,22 @@ def check(
 
 
 def _say_checked(res, read_data: bool) -> None:
-    def n(count: int, what: str) -> str:
-        return f"{count} {what}{'' if count == 1 else 's'}"
-
     scope = "the registry" if res.scope == "registry" else res.scope
-    head = (f"checked {n(res.versions, 'version')} of {scope}: {n(res.chunks, 'chunk')} in {n(res.packs, 'pack')} "
+    head = (f"checked {_n(res.versions, 'version')} of {scope}: {_n(res.chunks, 'chunk')} in {_n(res.packs, 'pack')} "
             f"({human_bytes(res.stored_bytes)} stored)")
     if res.ok:
         typer.echo(f"{head}, " + ("every chunk read and verified: all intact" if read_data else
                                   "every pack present and whole (--read-data also reads and verifies each chunk)"))
         return
-    problems = [n(len(res.lost_packs), "pack") + " lost"] if res.lost_packs else []
+    problems = [_n(len(res.lost_packs), "pack") + " lost"] if res.lost_packs else []
     if res.damaged_chunks:
-        problems.append(n(len(res.damaged_chunks), "chunk") + " damaged")
+        problems.append(_n(len(res.damaged_chunks), "chunk") + " damaged")
     if res.unrecorded_chunks:
-        problems.append(n(res.unrecorded_chunks, "chunk") + " the versions need missing from the database")
-    typer.echo(f"{head}: {', '.join(problems)}; {n(len(res.broken_versions), 'version')} cannot be pulled")
+        problems.append(_n(res.unrecorded_chunks, "chunk") + " the versions need missing from the database")
+    typer.echo(f"{head}: {', '.join(problems)}; {_n(len(res.broken_versions), 'version')} cannot be pulled")
     shown = 10
     lines = [f"pack {p}: {why}" for p, why in res.lost_packs.items()]
-    lines += [f"pack {p}: {n(d['chunks'], 'chunk')} damaged ({d['first']})" for p, d in res.damaged_packs.items()]
+    lines += [f"pack {p}: {_n(d['chunks'], 'chunk')} damaged ({d['first']})" for p, d in res.damaged_packs.items()]
     lines += [f"cannot be pulled: {v}" for v in res.broken_versions]
     for line in lines[:3 * shown]:
         typer.echo(f"  {line}")
@@ -161,3 +155,8 @@ def _say_checked(res, read_data: bool) -> None:
     if res.unrecorded_chunks:
         typer.echo("the database lost the rows of chunks its versions need: restore it from a backup (with the blob "
                    "store of the same time)")
+
+
+def _n(count: int, what: str) -> str:
+    """"1 pack", "2 packs"."""
+    return f"{count} {what}{'' if count == 1 else 's'}"

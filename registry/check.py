@@ -11,17 +11,16 @@ no longer be pulled because of it; nothing is changed, so a check can run beside
 from __future__ import annotations
 
 import time
-from collections import defaultdict
 
 from registry.blobs.packs import StoredChunk, read_payloads
 from registry.db import chunks as chunk_db
 from registry.db import versions as version_db
 from registry.db.engine import read_tx
 from registry.errors import IntegrityError, NotFound
-from registry.lost import lost_packs
+from registry.lost import lost_packs, through_lost
 from registry.parallel import sized_batches, windowed_map
 from registry.progress import NullProgress, Progress
-from registry.rebuild import closure, decode_verified
+from registry.rebuild import closure, decode_verified, levels
 from registry.results import CheckResult
 
 # chunk bytes, decoded, checked at a time with read_data (plus the bases their deltas need): what
@@ -36,7 +35,8 @@ def check(reg, family: str | None = None, read_data: bool = False, progress: Pro
         if family is not None:
             version_db.get_family(conn, family)  # NotFound, in one line, for a family that does not exist
         rows = version_db.list_versions(conn, family)
-        needs = {f"{r.family}/{r.name}": version_db.version_chunk_ids(conn, r.id) for r in rows}
+        lists = version_db.chunk_ids_by_version(conn, family)  # one query, not one per version
+        needs = {f"{r.family}/{r.name}": lists.get(r.id, []) for r in rows}
         located = chunk_db.locate_closure(conn, {i for ids in needs.values() for i in ids})
     result = CheckResult(
         scope=family or "registry", versions=len(rows), chunks=len(located),
@@ -48,44 +48,22 @@ def check(reg, family: str | None = None, read_data: bool = False, progress: Pro
         for i, why in result.damaged_chunks.items():
             pack = result.damaged_packs.setdefault(located[i].pack_id, {"chunks": 0, "first": f"chunk {i}: {why}"})
             pack["chunks"] += 1
-    bad = _unreadable(located, set(result.lost_packs), set(result.damaged_chunks))
     # a version names a chunk with no row of its own (no foreign key holds it): the records lost it
     unrecorded = {i for ids in needs.values() for i in ids if i not in located}
     result.unrecorded_chunks = len(unrecorded)
-    bad |= unrecorded
+    broken = set(result.damaged_chunks) | unrecorded
+    bad = {i for i in located if through_lost(i, located, result.lost_packs, broken)} | unrecorded
     result.unreadable_chunks = len(bad)
     result.broken_versions = [v for v, ids in needs.items() if not bad.isdisjoint(ids)]
     result.seconds = time.perf_counter() - t0
     return result
 
 
-def _unreadable(located: dict[str, StoredChunk], lost: set[str], damaged: set[str]) -> set[str]:
-    """Chunks whose own bytes, or a basis's down their delta chain, are lost or damaged."""
-    verdict: dict[str, bool] = {}
-
-    def bad(i: str) -> bool:
-        chain = []
-        while i not in verdict:
-            c = located.get(i)
-            if c is None or c.pack_id in lost or i in damaged:
-                verdict[i] = True
-                break
-            if not c.basis_id:
-                verdict[i] = False
-                break
-            chain.append(i)
-            i = c.basis_id
-        for j in chain:  # each link is as readable as the end of the chain it leans on
-            verdict[j] = verdict[i]
-        return verdict[chain[0] if chain else i]
-
-    return {i for i in located if bad(i)}
-
-
 def _read_all(reg, located: dict[str, StoredChunk], lost: dict[str, str], progress: Progress) -> tuple[dict[str, str], int]:
     """Read, decode and hash every chunk outside the lost packs, a batch at a time, each plain
-    chunk with the deltas on it; a basis is read again only where a batch ends between them. A pack found lost on the way is added to ``lost``. Returns (damaged chunk ->
-    why, encoded bytes read)."""
+    chunk with the deltas on it; a basis is read again only where a batch ends between them. A
+    pack found lost on the way is added to ``lost``. Returns (damaged chunk -> why, encoded bytes
+    read)."""
     # each plain chunk with the deltas that lean on it, down their chains: a batch then holds most
     # bases its deltas need, and reads them once (in pack order, a batch of a full fine-tune's
     # deltas read every base chunk again: twice the stored bytes in all)
@@ -122,14 +100,7 @@ def _read_all(reg, located: dict[str, StoredChunk], lost: dict[str, str], progre
 
 def _decode_levels(reg, order: list[str], located: dict[str, StoredChunk], payloads: dict) -> dict[str, str]:
     """Decode ``order`` (bases first) level by level on the registry's pool; a chunk whose basis
-    did not decode is left to _unreadable, not counted as damaged itself."""
-    level: dict[str, int] = {}
-    for i in order:
-        b = located[i].basis_id
-        level[i] = level[b] + 1 if b and b in level else 0
-    by_level: dict[int, list[str]] = defaultdict(list)
-    for i in order:
-        by_level[level[i]].append(i)
+    did not decode is not counted as damaged itself: check() finds it through its basis."""
     raw: dict[str, bytes] = {}
     damaged: dict[str, str] = {}
 
@@ -144,8 +115,8 @@ def _decode_levels(reg, order: list[str], located: dict[str, StoredChunk], paylo
         except IntegrityError as exc:
             return i, None, str(exc).removeprefix(f"chunk {i} ")  # listed under its id already
 
-    for depth in sorted(by_level):
-        for i, data, why in windowed_map(reg.pool, job, by_level[depth]):
+    for level in levels(order, located):
+        for i, data, why in windowed_map(reg.pool, job, level):
             if data is not None:
                 raw[i] = data
             elif why is not None:

@@ -76,13 +76,16 @@ def unreadable(reg, located: dict[str, StoredChunk], ids: Iterable[str],
     return {i for i in ids if through_lost(i, located, lost)}, lost
 
 
-def through_lost(chunk_id: str, located: dict[str, StoredChunk], lost: Container[str]) -> bool:
-    """Whether ``chunk_id``'s bytes, or those of a basis down its delta chain, lie in a ``lost`` pack."""
-    c = located.get(chunk_id)
-    while c is not None:
-        if c.pack_id in lost:
+def through_lost(chunk_id: str, located: dict[str, StoredChunk], lost: Container[str],
+                 bad: Container[str] = frozenset()) -> bool:
+    """Whether ``chunk_id``'s bytes, or those of a basis down its delta chain, lie in a ``lost``
+    pack, or are one of the ``bad`` chunks (mfsreg check's damaged and unrecorded ones)."""
+    i: str | None = chunk_id
+    while i is not None:
+        c = located.get(i)
+        if i in bad or (c is not None and c.pack_id in lost):
             return True
-        c = located.get(c.basis_id) if c.basis_id else None
+        i = c.basis_id if c is not None else None
     return False
 
 

@@ -201,6 +201,21 @@ def closure(ids: list[str], located: dict[str, StoredChunk], have: Callable[[str
     return order
 
 
+def levels(order: list[str], located: dict[str, StoredChunk]) -> list[list[str]]:
+    """``order`` (bases first, as closure gives it) cut into decode levels: plain chunks and deltas
+    whose basis is not in ``order`` first, then each delta one level after its basis, so that a
+    level decodes in parallel once the one before it is done."""
+    level: dict[str, int] = {}
+    out: list[list[str]] = []
+    for i in order:
+        b = located[i].basis_id
+        level[i] = level[b] + 1 if b and b in level else 0
+        if level[i] == len(out):
+            out.append([])
+        out[level[i]].append(i)
+    return out
+
+
 def decode_batch(ids: list[str], located: dict[str, StoredChunk], payloads: PayloadSource,
                  pool: ThreadPoolExecutor, known: Callable[[str], bytes | None] | None = None) -> dict[str, bytes]:
     """Raw bytes of ``ids`` (and of the bases they need), fetched in one go, decoded level by level
@@ -221,13 +236,8 @@ def decode_batch(ids: list[str], located: dict[str, StoredChunk], payloads: Payl
     missing = [i for i in order if i not in fetched]
     if missing:
         raise IntegrityError(f"chunk {missing[0]} was not delivered by the store")
-    level: dict[str, int] = {}
-    for i in order:  # bases come first in ``order``
-        b = located[i].basis_id
-        level[i] = level[b] + 1 if b and b in level else 0
     raw: dict[str, bytes] = dict(known_raw)
-    for depth in range(max(level.values(), default=-1) + 1):
-        todo = [i for i in order if level[i] == depth]
+    for todo in levels(order, located):
 
         def job(i: str) -> tuple[str, bytes]:
             c, p = fetched[i]

@@ -122,6 +122,19 @@ def version_chunk_ids(conn: Connection, version_id: int) -> list[str]:
     return list(conn.execute(select(version_chunks.c.chunk_id).where(version_chunks.c.version_id == version_id)).scalars())
 
 
+def chunk_ids_by_version(conn: Connection, family: str | None = None) -> dict[int, list[str]]:
+    """version id -> the chunk ids it needs (version_chunk_ids), for one family's versions or every
+    version, in one query."""
+    q = select(version_chunks.c.version_id, version_chunks.c.chunk_id)
+    if family is not None:
+        q = (q.join(versions, versions.c.id == version_chunks.c.version_id)
+             .join(families, families.c.id == versions.c.family_id).where(families.c.name == family))
+    out: dict[int, list[str]] = {}
+    for vid, cid in conn.execute(q):
+        out.setdefault(vid, []).append(cid)
+    return out
+
+
 def delete_version(conn: Connection, version_id: int) -> None:
     # Children keep their lineage: they now descend from the deleted version's own parent (none for a root).
     grandparent = conn.execute(select(versions.c.parent_id).where(versions.c.id == version_id)).scalar_one()
