@@ -1297,6 +1297,37 @@ def test_a_damaged_cached_basis_is_fetched_again(published, fam, tmp_path):
     assert res["fetched_bytes"] == expected + basis_stored
 
 
+def test_a_cached_basis_this_user_may_not_read_is_written_over_once_fetched(published, fam, tmp_path):
+    """A delta's basis whose cache file this user may not read (mode 000, in a cache the user may
+    write) is fetched to decode the delta, as a damaged one is; but the copy fetched was not written
+    over the file (only a missing file was written), so the file stayed unreadable and every later
+    decode against that basis fetched it again."""
+    _, env = published
+    mfsreg_json("cache", "warm", "fam", "--tier", "base", env=env)
+    remote = Node(env["MFSREG_URL"], env["MFSREG_TOKEN"], env["MFSREG_CACHE_DIR"]).remote
+    doc = remote.version_doc("fam", "full-med")
+    rows, own = doc["chunks"], set(remote.manifest_of(doc).chunk_ids())
+    # a basis only the deltas reach: one that is also a chunk of full-med is read by the assembly,
+    # which writes it over on its own
+    basis = next(b for b in sorted({rows[i][2] for i in own if rows[i][2]} - own) if _cache_file(env, b).exists())
+    users = [i for i in own if rows[i][2] == basis and not _cache_file(env, i).exists()]
+    expected = sum(rows[i][1] for i in own if not _cache_file(env, i).exists())
+    basis_stored = rows[basis][1]
+    _cache_file(env, basis).chmod(0)
+    proc = _bound_by_modes("pull", "fam", "full-med", "-o", tmp_path / "first", "--json", env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert filecmp.cmp(tmp_path / "first", fam["full-med"], shallow=False)
+    assert json.loads(proc.stdout)["fetched_bytes"] == expected + basis_stored
+    assert _cache_file(env, basis).stat().st_mode & 0o777 == 0o444  # the fetched copy, renamed over it
+    assert chunk_id(_cache_file(env, basis).read_bytes()) == basis
+    for i in users:  # the deltas' own chunks gone again (evicted, say): decoding them needs the basis
+        _cache_file(env, i).unlink()
+    proc = _bound_by_modes("pull", "fam", "full-med", "-o", tmp_path / "again", "--json", env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert filecmp.cmp(tmp_path / "again", fam["full-med"], shallow=False)
+    assert users and json.loads(proc.stdout)["fetched_bytes"] == sum(rows[i][1] for i in users)  # the basis not again
+
+
 def test_a_pack_lost_behind_the_first_of_a_batch_is_reported_before_the_stream(published, server_env, tmp_path):
     """The server checks every pack of a download batch before it streams: with the first pack it
     would read still there and a later one gone, the pull gets the storage error in one line, not

@@ -23,7 +23,7 @@ import stat
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Set as AbstractSet
 from pathlib import Path
 
 from registry.chunking import chunk_id as chunk_id_of
@@ -211,15 +211,18 @@ class NodeCache:
         """Store verified raw bytes (the caller checked them against the id)."""
         self.put_many([(chunk_id, raw, tier, family)])
 
-    def put_many(self, items: Iterable[tuple[str, bytes, str | None, str | None]], replace: bool = False) -> None:
+    def put_many(self, items: Iterable[tuple[str, bytes, str | None, str | None]],
+                 replace: bool | AbstractSet[str] = False) -> None:
         """Store many verified chunks: each file written atomically, then one index transaction.
         ``replace``: write over a file already there (one found missing, cut short or damaged, and
         fetched again): renamed over it, so a reader sees the old file or the new, and a good copy
-        another process wrote meanwhile is only replaced by the same bytes."""
+        another process wrote meanwhile is only replaced by the same bytes. True for every item, or
+        the set of ids to write over (the others are written only where no file stands)."""
         rows = []
         for chunk_id, raw, tier, family in items:
             path = self.chunk_file(chunk_id)
-            if replace or not _plain(path):  # a directory there fails the rename, in one line
+            over = replace if isinstance(replace, bool) else chunk_id in replace
+            if over or not _plain(path):  # a directory there fails the rename, in one line
                 self._write_chunk(chunk_id, path, raw)
             rows.append((chunk_id, len(raw), tier, family))
         self.record(rows)

@@ -154,8 +154,19 @@ class Fetcher:
                 received += len(p)
                 yield c, p
 
-        raw = decode_batch(batch, located, payloads, self.remote.pool, known=self.cache.get_verified)
-        self.cache.put_many(((i, data, tiers.get(i), family) for i, data in raw.items()), replace=replace)
+        # Bases whose cache file stands but could not be used (one this user may not read: a damaged
+        # one is dropped by get_verified itself) come back with the batch, and are written over that
+        # file: passed over as "already there", it would be fetched again by every later decode.
+        stale: set[str] = set()
+
+        def known(i: str) -> bytes | None:
+            data = self.cache.get_verified(i)
+            if data is None and self.cache.has(i):
+                stale.add(i)
+            return data
+
+        raw = decode_batch(batch, located, payloads, self.remote.pool, known=known)
+        self.cache.put_many(((i, data, tiers.get(i), family) for i, data in raw.items()), replace=replace or stale)
         if landed is not None:
             landed(raw.keys())
         return received, len(raw)
