@@ -123,7 +123,8 @@ def verify(json_: bool = typer.Option(False, "--json")) -> None:
 
     if (none := missing_cache_stats()) is not None:  # a mistyped MFSREG_CACHE_DIR stays as it was
         if json_:
-            emit_json({"chunks": 0, "files": 0, "bytes": 0, "damaged_chunks": [], "damaged_files": [], "damaged_dirs": []})
+            emit_json({"chunks": 0, "files": 0, "bytes": 0, "damaged_chunks": [], "damaged_files": [], "damaged_dirs": [],
+                       "unrecorded_files_found": 0})
         else:
             typer.echo(f"{none['path']}: no cache there yet, nothing to verify")
         return

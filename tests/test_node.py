@@ -1491,6 +1491,80 @@ def test_prune_counts_and_evicts_files_a_killed_writer_left_unrecorded(tmp_path)
     assert cached_ids(env) == [chunk_id(kept)]  # the unknown one went first: it ranks as unique
 
 
+_FULL_INDEX = """
+import os, resource, signal, sys
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead of killing
+from registry.chunking import chunk_id
+from registry.client.cache import NodeCache
+from registry.errors import StorageError
+root, hard = sys.argv[1], resource.getrlimit(resource.RLIMIT_FSIZE)[1]
+cache = NodeCache(root)
+first = os.urandom(1000)
+cache.put(chunk_id(first), first, "base", "fam")
+# a chunk file that does not fit, after three that do: the three are renamed into place first
+resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, hard))
+try:
+    cache.put_many((chunk_id(b), b, "base", "fam") for b in [os.urandom(1000 + i) for i in range(3)] + [os.urandom(300_000)])
+except StorageError as exc:
+    print(exc)
+# the chunk files fit, and the index's write-ahead log may not grow: the rows are not written
+resource.setrlimit(resource.RLIMIT_FSIZE, (os.path.getsize(root + "/index.db-wal"), hard))
+try:
+    cache.put_many((chunk_id(b), b, "group", "fam") for b in [os.urandom(2000 + i) for i in range(20)])
+except StorageError as exc:
+    print(exc)
+NodeCache(root).close()  # an opening while the disk is still full: it opens, and cannot record them yet
+print(os.path.exists(root + "/unrecorded"))
+"""
+
+
+def test_stats_count_the_chunks_whose_index_rows_a_full_disk_stopped(tmp_path):
+    """A full disk (here a file size limit, ulimit -f, which fails writes with EFBIG as a full disk
+    does with ENOSPC) that stops the index's write after a batch of chunk files was renamed into
+    place, or stops a chunk file after others of its batch were: those files stood in the cache
+    with no rows, and `cache stats` and the size limit left them out until a `cache prune`. Now
+    the files written before a failed one are recorded, and a failed index write leaves a marker
+    from which the next opening of the cache records them (or `cache verify` does)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MFSREG_")}
+    env["MFSREG_CACHE_DIR"] = str(tmp_path / "c")
+    proc = subprocess.run([sys.executable, "-c", _FULL_INDEX, str(tmp_path / "c")], capture_output=True, text=True,
+                          timeout=120)
+    said = proc.stdout.splitlines()
+    assert proc.returncode == 0 and len(said) == 3, proc
+    assert said[0].startswith(f"the node cache cannot take {tmp_path / 'c' / 'chunks'}") and "File too large" in said[0], said
+    assert said[1].startswith(f"the node cache's index {tmp_path / 'c' / 'index.db'} cannot be used"), said
+    assert said[2] == "True", said  # the marker stays while its files cannot be recorded
+    on_disk = [p.stat().st_size for p in (tmp_path / "c" / "chunks").rglob("*") if p.is_file()]
+    assert len(on_disk) == 24 and not [p for p in (tmp_path / "c" / "chunks").rglob(".*")]  # no temp file
+    stats = mfsreg_json("cache", "stats", env=env)
+    assert stats["chunks"] == 24 and stats["bytes"] == sum(on_disk), stats
+    # what the registry told of the four recorded in time; the rest are ranked as unknown (unique)
+    # until a pull or load that uses them tells their tiers again
+    assert stats["by_tier"]["base"]["entries"] == 4 and stats["by_tier"]["unique"]["entries"] == 20, stats
+    assert not (tmp_path / "c" / "unrecorded").exists()
+    assert mfsreg_json("cache", "verify", env=env)["unrecorded_files_found"] == 0
+
+
+def test_cache_verify_records_intact_files_that_have_no_row(tmp_path):
+    """`cache verify` walks every file: one that passes and has no row (its writer killed, or the
+    marker of a failed index write lost) is recorded, as `cache prune` records it."""
+    from registry.client.cache import atomic_write
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MFSREG_")}
+    env["MFSREG_CACHE_DIR"] = str(tmp_path / "c")
+    cache = NodeCache(tmp_path / "c")
+    try:
+        kept, lost = os.urandom(4000), os.urandom(6000)
+        cache.put(chunk_id(kept), kept, "base", "fam")
+        atomic_write(cache.chunk_file(chunk_id(lost)), lost, mode=0o444)  # the file, and no row
+    finally:
+        cache.close()
+    assert mfsreg_json("cache", "stats", env=env)["bytes"] == 4000
+    res = mfsreg_json("cache", "verify", env=env)
+    assert res["unrecorded_files_found"] == 1 and res["damaged_chunks"] == [], res
+    assert mfsreg_json("cache", "stats", env=env)["bytes"] == 10_000
+
+
 def test_cache_verify_drops_what_is_damaged_and_keeps_the_rest(tmp_path):
     """`mfsreg cache verify` hashes every chunk against its name and every materialised file
     against its sha256: a flipped byte, a cut-short chunk and a damaged file are dropped (files and

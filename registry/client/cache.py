@@ -5,6 +5,8 @@ Layout under MFSREG_CACHE_DIR (default $XDG_CACHE_HOME/mfsreg where that is abso
                      read-only
   files/<sha256>     whole files materialised for engines (`pull --to-dir` hardlinks them)
   index.db           SQLite (stdlib, WAL): size, tier, pin and last use per entry
+  unrecorded         present while files may stand without index rows (a write to the index
+                     failed, say on a full disk): the next opening records them, then removes it
 
 Several processes on one node share it safely: each write goes to a unique temp name and is renamed
 into place (the same id always holds the same bytes, so a lost race costs nothing), and the index
@@ -36,6 +38,7 @@ FILE_RANK = -1
 RANK = {tier: i for i, tier in enumerate(EVICTION_ORDER)}  # unique 0, group 1, base 2
 UNKNOWN_RANK = RANK["unique"]
 STALE_TEMP_SECONDS = 3600  # temp files older than this were left by a writer that died
+UNRECORDED = "unrecorded"  # the marker of files that may lack rows (see the module docstring)
 
 
 def default_cache_dir() -> Path:
@@ -132,6 +135,7 @@ class NodeCache:
                 db.execute("INSERT OR IGNORE INTO family_base (family, key) SELECT family, key FROM entries "
                            "WHERE rank = ? AND family IS NOT NULL", (RANK["base"],))
                 db.execute("PRAGMA user_version = 1")
+        self._record_unrecorded()
 
     # -- index ------------------------------------------------------------------------------------
 
@@ -150,6 +154,29 @@ class NodeCache:
 
     def _db(self):
         return _Tx(self._conn(), self._index)
+
+    def _mark_unrecorded(self) -> None:
+        """Leave the marker that files may stand without rows: a write of rows for files already on
+        disk failed. Best effort: an empty file needs no data block, so it is made on most full
+        disks; where it is not, `cache prune` and `cache verify` still record those files."""
+        try:
+            os.close(os.open(self.root / UNRECORDED, os.O_WRONLY | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644))
+        except OSError:
+            pass
+
+    def _record_unrecorded(self) -> None:
+        """Where the marker stands, record the files that have no row (one walk of the cache), so that
+        stats and the size limit count them again. The marker goes first: a writer that fails while
+        the walk runs marks again. Where the rows still cannot be written (the disk still full), the
+        marker is put back for the next opening, and the cache opens all the same."""
+        try:
+            os.unlink(self.root / UNRECORDED)
+        except OSError:  # none (the common case), another opener took it, or not ours to remove
+            return
+        try:
+            self.record_orphans()
+        except StorageError:
+            self._mark_unrecorded()
 
     def close(self) -> None:
         conn = getattr(self._local, "conn", None)
@@ -219,12 +246,22 @@ class NodeCache:
         another process wrote meanwhile is only replaced by the same bytes. True for every item, or
         the set of ids to write over (the others are written only where no file stands)."""
         rows = []
-        for chunk_id, raw, tier, family in items:
-            path = self.chunk_file(chunk_id)
-            over = replace if isinstance(replace, bool) else chunk_id in replace
-            if over or not _plain(path):  # a directory there fails the rename, in one line
-                self._write_chunk(chunk_id, path, raw)
-            rows.append((chunk_id, len(raw), tier, family))
+        try:
+            for chunk_id, raw, tier, family in items:
+                path = self.chunk_file(chunk_id)
+                over = replace if isinstance(replace, bool) else chunk_id in replace
+                if over or not _plain(path):  # a directory there fails the rename, in one line
+                    self._write_chunk(chunk_id, path, raw)
+                rows.append((chunk_id, len(raw), tier, family))
+        except BaseException:
+            # the files renamed into place before the one that failed (a full disk, an interrupt)
+            # stay: recorded, or they would go uncounted by stats and the size limit
+            if rows:
+                try:
+                    self.record(rows)
+                except Exception:  # noqa: BLE001  (record left the marker; the first error is the one to report)
+                    pass
+            raise
         self.record(rows)
 
     def _write_chunk(self, chunk_id: str, path: str, raw: bytes) -> None:
@@ -307,15 +344,21 @@ class NodeCache:
         now = time.time()
         items = list(items)
         rows = [(k, n, RANK.get(t, UNKNOWN_RANK) if t else UNKNOWN_RANK, fam, now) for k, n, t, fam in items]
-        with self._db() as db:
-            db.executemany(
-                "INSERT INTO entries (key, size, rank, family, last_used) VALUES (?, ?, ?, ?, ?) "
-                "ON CONFLICT(key) DO UPDATE SET rank = MAX(rank, excluded.rank), last_used = excluded.last_used, "
-                "family = COALESCE(entries.family, excluded.family)",
-                rows,
-            )
-            _rerank(db, [(fam, k, r) for k, _, r, fam, _ in rows if fam is not None])
-            _note_base(db, [(k, t, fam) for k, _, t, fam in items])
+        try:
+            with self._db() as db:
+                db.executemany(
+                    "INSERT INTO entries (key, size, rank, family, last_used) VALUES (?, ?, ?, ?, ?) "
+                    "ON CONFLICT(key) DO UPDATE SET rank = MAX(rank, excluded.rank), last_used = excluded.last_used, "
+                    "family = COALESCE(entries.family, excluded.family)",
+                    rows,
+                )
+                _rerank(db, [(fam, k, r) for k, _, r, fam, _ in rows if fam is not None])
+                _note_base(db, [(k, t, fam) for k, _, t, fam in items])
+        except StorageError:
+            # the files are on disk and the index does not know them (a full disk stopped the
+            # write): stats and the size limit would leave them out until a prune found them
+            self._mark_unrecorded()
+            raise
 
     def touch(self, chunk_ids: Iterable[str]) -> None:
         now = time.time()
@@ -341,10 +384,14 @@ class NodeCache:
     def add_file(self, sha256: str, size: int) -> None:
         """A materialised file's row, used now (made if its writer died before it): one statement,
         so that no eviction ever sees it ranked as anything but a file."""
-        with self._db() as db:
-            db.execute("INSERT INTO entries (key, size, rank, family, last_used) VALUES (?, ?, ?, NULL, ?) "
-                       "ON CONFLICT(key) DO UPDATE SET size = excluded.size, rank = excluded.rank, "
-                       "last_used = excluded.last_used", (f"file:{sha256}", size, FILE_RANK, time.time()))
+        try:
+            with self._db() as db:
+                db.execute("INSERT INTO entries (key, size, rank, family, last_used) VALUES (?, ?, ?, NULL, ?) "
+                           "ON CONFLICT(key) DO UPDATE SET size = excluded.size, rank = excluded.rank, "
+                           "last_used = excluded.last_used", (f"file:{sha256}", size, FILE_RANK, time.time()))
+        except StorageError:
+            self._mark_unrecorded()  # as record does: the file is there, its row is not
+            raise
 
     # -- pins, recent pulls -------------------------------------------------------------------------
 
@@ -482,7 +529,8 @@ class NodeCache:
                 files.append((key[5:], size))
             else:
                 chunks.append((key, size, None, None))
-        self.record(chunks)  # one transaction for them all
+        if chunks:  # (no write lock taken where there is nothing to record: a scrub of a whole cache)
+            self.record(chunks)  # one transaction for them all
         for sha256, size in files:
             self.add_file(sha256, size)
         return len(chunks) + len(files)
