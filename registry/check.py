@@ -6,11 +6,17 @@ check does: each pack that a version's chunks (and the bases of their deltas) li
 (registry/lost.py: missing, or shorter than its chunks), and with ``read_data`` every such chunk is
 read, decoded and hashed against its id. What is wrong is named together with the versions that can
 no longer be pulled because of it; nothing is changed, so a check can run beside pushes and pulls.
+
+A push with ``mend_damaged`` (``mfsreg push --mend-damaged``) reads its stored version's chunks the
+same way (``unreadable_or_damaged``) and stores again those that do not read back.
 """
 
 from __future__ import annotations
 
+import logging
 import time
+
+from collections.abc import Iterable
 
 from registry.blobs.packs import StoredChunk, read_payloads
 from registry.db import chunks as chunk_db
@@ -26,6 +32,8 @@ from registry.results import CheckResult
 # chunk bytes, decoded, checked at a time with read_data (plus the bases their deltas need): what
 # memory holds at once. Counted raw, not stored: a batch of deltas can decode to ten times its size
 READ_BATCH = 64 << 20
+
+log = logging.getLogger("mfsreg")
 
 
 def check(reg, family: str | None = None, read_data: bool = False, progress: Progress | None = None) -> CheckResult:
@@ -44,7 +52,7 @@ def check(reg, family: str | None = None, read_data: bool = False, progress: Pro
     )
     result.lost_packs = lost_packs(reg, located.values())
     if read_data:
-        result.damaged_chunks, result.read_bytes = _read_all(reg, located, result.lost_packs, progress)
+        result.damaged_chunks, result.read_bytes = find_damaged(reg, located, result.lost_packs, progress)
         for i, why in result.damaged_chunks.items():
             pack = result.damaged_packs.setdefault(located[i].pack_id, {"chunks": 0, "first": f"chunk {i}: {why}"})
             pack["chunks"] += 1
@@ -59,7 +67,33 @@ def check(reg, family: str | None = None, read_data: bool = False, progress: Pro
     return result
 
 
-def _read_all(reg, located: dict[str, StoredChunk], lost: dict[str, str], progress: Progress) -> tuple[dict[str, str], int]:
+def unreadable_or_damaged(reg, located: dict[str, StoredChunk], ids: Iterable[str], progress: Progress | None = None
+                          ) -> tuple[set[str], dict[str, str], dict[str, str]]:
+    """lost.unreadable, and also reading every chunk of ``located`` (the stored ``ids`` and their
+    bases: db/chunks.locate_closure) outside the lost packs, decoding and hashing it: those of
+    ``ids`` whose bytes, or a basis's down their delta chain, lie in a lost pack or are damaged;
+    with the lost packs and the damaged chunks (id -> why). Such a chunk is mended by storing it
+    again, plain. Reads every stored byte ``located`` names: only on request."""
+    lost = lost_packs(reg, located.values())
+    damaged, _ = find_damaged(reg, located, lost, progress or NullProgress())
+    return {i for i in ids if through_lost(i, located, lost, damaged)}, lost, damaged
+
+
+def warn_damaged(damaged: dict[str, str], located: dict[str, StoredChunk], mended: set[str]) -> None:
+    """Said where a push stores again chunks whose stored bytes are damaged. A damaged basis that
+    the version itself does not use is not sent (its deltas are, plain): it stays damaged for the
+    other versions that use it, and this says so."""
+    if not damaged or not mended:
+        return
+    first, why = min(damaged.items())
+    left = sorted(set(damaged) - mended)
+    rest = (f"; {len(left)} damaged chunks this version does not use (first: {left[0]}, a basis of its deltas) stay "
+            "damaged for the versions that use them (mfsreg check --read-data names them)") if left else ""
+    log.warning("%d stored chunks are damaged (first: chunk %s in pack %s: %s): this push stores again the %d chunks "
+                "of the version that need them%s", len(damaged), first, located[first].pack_id, why, len(mended), rest)
+
+
+def find_damaged(reg, located: dict[str, StoredChunk], lost: dict[str, str], progress: Progress) -> tuple[dict[str, str], int]:
     """Read, decode and hash every chunk outside the lost packs, a batch at a time, each plain
     chunk with the deltas on it; a basis is read again only where a batch ends between them. A
     pack found lost on the way is added to ``lost``. Returns (damaged chunk -> why, encoded bytes

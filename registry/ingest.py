@@ -31,7 +31,9 @@ from registry.db.locks import exclude_prune
 from registry import deltas, results
 from registry.deltas import BasisReader
 from registry.errors import Conflict, InvalidRequest, MissingChunks, NotFound, Pruned, StorageError
-from registry.lost import LostWarning, PackSizes, lost_packs, unreadable, warn_lost_bases, warn_mending
+from registry.check import unreadable_or_damaged, warn_damaged
+from registry.lost import (LostWarning, PackSizes, lost_packs, through_lost, unreadable, warn_lost_bases,
+                           warn_mending)
 from registry.hashing import HashJob, encoded_chunks, missing_bytes
 from registry.manifest import Manifest
 from registry.names import check_name, check_new_name
@@ -298,7 +300,11 @@ def commit_version(reg, family: str, version: str, parent: str | None, manifest:
     return changed, None
 
 
-def push(reg, path: Path, family: str, version: str, parent: str | None = None, progress: Progress | None = None) -> PushResult:
+def push(reg, path: Path, family: str, version: str, parent: str | None = None, progress: Progress | None = None,
+         mend_damaged: bool = False) -> PushResult:
+    """Store a version (see the module's docstring). ``mend_damaged``: where the version is stored
+    already with this content, read, decode and hash every stored chunk it needs, and store again
+    those whose bytes are damaged as well as those lost (mend_existing); a new version ignores it."""
     progress = progress or NullProgress()
     t0 = time.perf_counter()
     check_push_names(family, version, parent)
@@ -313,7 +319,7 @@ def push(reg, path: Path, family: str, version: str, parent: str | None = None, 
             located = chunk_db.locate_closure(conn, [i for i in ids if i not in missing])
         if existing is not None:
             done = existing_result(reg, existing, job.manifest(), family, version, t0)  # other content: refused
-            return mend_existing(reg, job, done, located, progress, t0)
+            return mend_existing(reg, job, done, located, progress, t0, mend_damaged)
         # stored, but in a pack the blob store lost (or down a delta chain through one): sent again
         pack_sizes: PackSizes = {}
         mend, lost = unreadable(reg, located, [i for i in ids if i in located], pack_sizes)
@@ -349,16 +355,23 @@ def push(reg, path: Path, family: str, version: str, parent: str | None = None, 
 
 
 def mend_existing(reg, job: HashJob, done: PushResult, located: dict[str, StoredChunk], progress: Progress,
-                  t0: float) -> PushResult:
+                  t0: float, read_data: bool = False) -> PushResult:
     """A push of a version that is stored with this content: those of its chunks whose bytes (or a
     basis's, down their delta chains) lie in a pack the blob store lost are stored again, plain, and
     their rows pointed at the new copies, so that the version pulls again (``mfsreg check`` names such
     versions and says to push their files again). Nothing else is done; with nothing lost, this is one
-    size lookup per distinct pack."""
-    mend, lost = unreadable(reg, located, job.chunk_ids())
+    size lookup per distinct pack. With ``read_data`` (push --mend-damaged) every stored chunk the
+    version needs is also read, decoded and hashed as ``mfsreg check --read-data`` does, and those
+    whose bytes (or a basis's) are damaged are stored again the same way: a pack's size cannot show
+    flipped bytes, and reading is as costly as a pull, so it is asked for."""
+    if read_data:
+        mend, lost, damaged = unreadable_or_damaged(reg, located, job.chunk_ids(), progress)
+    else:
+        (mend, lost), damaged = unreadable(reg, located, job.chunk_ids()), {}
     if not mend:
         return done
-    warn_mending(lost, len(mend))
+    warn_mending(lost, len({i for i in mend if through_lost(i, located, lost)}))
+    warn_damaged(damaged, located, mend)
     added = upload_missing(reg, job, mend, reg.pool, progress, mend=mend)
     return replace(done, new_bytes=added, new_chunks=len(mend), reused_chunks=done.chunks - len(mend),
                    mended_chunks=len(mend), seconds=time.perf_counter() - t0)

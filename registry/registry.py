@@ -63,8 +63,8 @@ class Registry:
     # -- push / pull ---------------------------------------------------------------------------
 
     def push(self, path: Path, family: str, version: str, parent: str | None = None,
-             progress: Progress | None = None) -> ingest.PushResult:
-        return ingest.push(self, Path(path), family, version, parent, progress)
+             progress: Progress | None = None, mend_damaged: bool = False) -> ingest.PushResult:
+        return ingest.push(self, Path(path), family, version, parent, progress, mend_damaged)
 
     def manifest(self, family: str, version: str) -> tuple[version_db.VersionRow, Manifest]:
         with read_tx(self.engine) as conn:

@@ -202,3 +202,60 @@ def test_an_empty_registry_checks_clean(home_env):
     res = mfsreg_json("check", env=home_env)
     assert res["ok"] is True and res["versions"] == 0 and res["chunks"] == 0
     assert "checked 0 versions of the registry" in mfsreg("check", env=home_env).stdout
+
+
+def _damage(reg: Registry, chunk) -> None:
+    """Flip bytes of ``chunk`` where its pack holds them, keeping the pack's size (bit rot, a bad
+    copy): only reading finds it."""
+    key = pack_key(chunk.pack_id)
+    data = bytearray(reg.blobs.get(key))
+    for at in range(chunk.offset, chunk.offset + chunk.stored_size, 97):
+        data[at] ^= 0x5A
+    reg.blobs.delete(key)
+    reg.blobs.put(key, bytes(data))
+
+
+def _basis_of_a_delta(reg: Registry, version: str):
+    """A chunk of base's, plain, that a delta of ``version`` (not itself in ``version``) decodes against."""
+    base = reg.locate(reg.manifest("fam", "base")[1].chunk_ids())
+    ids = set(reg.manifest("fam", version)[1].chunk_ids())
+    bases = {c.basis_id for i, c in reg.locate(ids).items() if i in ids and c.basis_id}
+    return next(c for i, c in sorted(base.items()) if i in bases and i not in ids and not c.basis_id)
+
+
+def test_a_repush_with_mend_damaged_stores_damaged_chunks_again(reg, fam, tmp_path):
+    """A damaged chunk (its pack present, its bytes wrong) is not mended by an identical re-push,
+    which only looks packs up; with mend_damaged the re-push reads, decodes and hashes every chunk the
+    version needs, down its deltas' chains, and stores again (plain) those that do not read back.
+    A delta leaning on a damaged basis the version does not use is stored again itself, leaving the
+    basis damaged for base; base's own re-push then mends the basis for every version."""
+    import filecmp
+
+    _push_family(reg, fam)
+    victim = _basis_of_a_delta(reg, "full-med")
+    _damage(reg, victim)
+    res = reg.check(read_data=True)
+    assert not res.ok and victim.id in res.damaged_chunks and "fam/full-med" in res.broken_versions
+
+    plain = reg.push(fam["full-med"], "fam", "full-med", parent="base")
+    assert plain.existed and plain.mended_chunks == 0 and plain.new_bytes == 0  # looked up only: nothing seen
+    assert reg.check(read_data=True).broken_versions == res.broken_versions
+
+    med = reg.push(fam["full-med"], "fam", "full-med", parent="base", mend_damaged=True)
+    assert med.existed and med.mended_chunks > 0 and med.new_chunks == med.mended_chunks and med.new_bytes > 0, med
+    reg.pull("fam", "full-med", tmp_path / "med.out")
+    assert filecmp.cmp(tmp_path / "med.out", fam["full-med"], shallow=False)
+    # the basis, which full-med no longer leans on, is base's to mend
+    after = reg.check(read_data=True)
+    assert list(after.damaged_chunks) == [victim.id] and "fam/base" in after.broken_versions
+
+    base = reg.push(fam["base"], "fam", "base", mend_damaged=True)
+    assert base.existed and base.mended_chunks > 0, base
+    assert reg.locate([victim.id])[victim.id].pack_id != victim.pack_id  # the row points at the new copy
+    assert reg.check(read_data=True).ok
+    assert all(_pullable(reg, fam, tmp_path).values())
+    reg.pull("fam", "base", tmp_path / "base.out")
+    assert filecmp.cmp(tmp_path / "base.out", fam["base"], shallow=False)
+    again = reg.push(fam["base"], "fam", "base", mend_damaged=True)
+    assert again.existed and again.mended_chunks == 0 and again.new_bytes == 0  # nothing damaged: nothing stored
+    assert len(reg.versions("fam")) == len(fam)  # nothing committed
