@@ -143,7 +143,7 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
         """Step 1 of a push: which of the manifest's chunks must be uploaded."""
         check_name("family", family)
         who.require("push", family)
-        return service.negotiate(reg_of(request), family, version, body.manifest, body.parent, who)
+        return service.negotiate(reg_of(request), family, version, body.manifest, body.parent, who, body.mend_damaged)
 
     @app.post("/v1/families/{family}/chunks", response_model=UploadResponse, tags=["push"],
               openapi_extra={"requestBody": {"content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}})

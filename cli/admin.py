@@ -150,8 +150,8 @@ def _say_checked(res, read_data: bool) -> None:
         typer.echo("restore the lost packs from a backup (and check that MFSREG_BLOB_URL names this registry's store), "
                    "or push each listed version's file again: a push stores anew the chunks of lost packs it holds")
     if res.damaged_packs:
-        typer.echo("restore the damaged packs from a backup, or move each out of the blob store (it then counts as "
-                   "lost) and push each listed version's file again")
+        typer.echo("restore the damaged packs from a backup, or push each listed version's file again with "
+                   "--mend-damaged: the push reads the version's stored chunks and stores again those that are damaged")
     if res.unrecorded_chunks:
         typer.echo("the database lost the rows of chunks its versions need: restore it from a backup (with the blob "
                    "store of the same time)")

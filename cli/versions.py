@@ -20,13 +20,17 @@ def push(
     family: str = typer.Option(..., "--family", "-f", help="Family name, e.g. qwen7b."),
     version: str = typer.Option(..., "--version", "-v", help="Version name, e.g. medical-v3."),
     parent: str = typer.Option(None, "--parent", help="The version this one was fine-tuned from."),
+    mend_damaged: bool = typer.Option(False, "--mend-damaged", help="Where the version is already stored with this "
+                                      "content: read, decode and hash every stored chunk it needs (as check "
+                                      "--read-data does, costing a pull's reads) and store again those whose bytes "
+                                      "are damaged. Chunks of lost packs are stored again without it."),
     json_: bool = JsonOption,
     registry: str = RegistryOption,
 ) -> None:
     """Store one version of a family; only chunks the registry lacks are written."""
     source = _given_path(path, "PATH")
     with open_backend(registry) as reg, progress_for(json_) as progress:
-        result = reg.push(source, family, version, parent=parent, progress=progress)
+        result = reg.push(source, family, version, parent=parent, progress=progress, mend_damaged=mend_damaged)
     if json_:
         emit_json(result.to_dict())
         return
@@ -35,7 +39,8 @@ def push(
     if result.mended_chunks:
         # a remote push says what it sent; an embedded one stored them itself
         moved = f"{human_bytes(result.sent_bytes)} sent" if result.sent_bytes else f"{human_bytes(result.new_bytes)} stored"
-        mended = f"; mended {result.mended_chunks} chunks that the blob store had lost ({moved})"
+        what = "had lost or damaged" if mend_damaged else "had lost"
+        mended = f"; mended {result.mended_chunks} chunks that the blob store {what} ({moved})"
     typer.echo(
         f"{verb} {result.family}/{result.version} {result.digest[:19]}: {human_bytes(result.logical_bytes)} logical, "
         f"{human_bytes(result.new_bytes)} new, {result.reused_chunks}/{result.chunks} chunks reused "

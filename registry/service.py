@@ -28,7 +28,8 @@ from registry.errors import (IntegrityError, InvalidModel, InvalidRequest, Missi
 from registry.deltas import BasisReader, cap_depth
 from registry.ingest import (check_cut, check_named_cut, check_new_cut, check_parent, check_push_names, commit_version,
                              existing_result, plan_deltas, store_chunks, stored_for, stored_layout)
-from registry.lost import LostWarning, PackSizes, lost_packs, unreadable, warn_mending
+from registry.check import unreadable_or_damaged, warn_damaged
+from registry.lost import LostWarning, PackSizes, lost_packs, through_lost, unreadable, warn_mending
 from registry.parallel import windowed_map
 from registry.results import PushResult, timestamp
 from registry.manifest import MAX_CHUNK_BYTES, SAFETENSORS, Manifest, parse_doc
@@ -44,13 +45,15 @@ def _check_encoding(name: str) -> None:
 
 
 def negotiate(reg, family: str, version: str, doc: object, parent: str | None = None,
-              who: Principal | None = None) -> dict:
+              who: Principal | None = None, mend_damaged: bool = False) -> dict:
     """Which chunks to upload (those not stored, and those ``who`` may not use without sending
     them: registry/access.py), and for each a suggested basis: the server stores an uploaded chunk
     as a delta against it when that is smaller (the client never needs the basis bytes).
     The manifest may be a draft (file sha256s null): a client negotiates and uploads while its
     file digests are still being computed, and sends them with the commit. ``mend`` lists those of
-    the missing chunks that are stored, in a pack the blob store lost (registry/lost.py)."""
+    the missing chunks that are stored, in a pack the blob store lost (registry/lost.py), and with
+    ``mend_damaged`` where the version exists, those whose stored bytes are damaged too
+    (_negotiate_existing); a new version ignores it."""
     check_push_names(family, version, parent)
     manifest = parse_doc(doc, draft=True)
     ids = manifest.chunk_ids()
@@ -68,7 +71,7 @@ def negotiate(reg, family: str, version: str, doc: object, parent: str | None = 
     elif existing is None:
         check_cut(manifest, family, fam.chunk_size)
     if existing is not None:
-        return _negotiate_existing(reg, existing, manifest, located)
+        return _negotiate_existing(reg, existing, manifest, located, mend_damaged)
     # stored in a pack the blob store lost: listed as missing, so the client sends them and the
     # upload mends them (receive_batch), plain (no basis is suggested for them)
     pack_sizes: PackSizes = {}
@@ -88,25 +91,33 @@ def negotiate(reg, family: str, version: str, doc: object, parent: str | None = 
         "existing_layout": None,
         "missing": [i for i in ids if i in missing],
         "mend": [i for i in ids if i in mend],
+        "mend_damaged": False,
         "missing_bytes": sum(sizes[i] for i in missing),
         "chunks": len(ids),
     }
 
 
-def _negotiate_existing(reg, existing, manifest: Manifest, located: dict[str, StoredChunk]) -> dict:
+def _negotiate_existing(reg, existing, manifest: Manifest, located: dict[str, StoredChunk],
+                        mend_damaged: bool = False) -> dict:
     """The version exists: the client compares its digest and layout with the stored ones, and
     commits nothing. Where its chunks are the stored version's (the same layout, and the same digest
     unless a draft's is not known yet), those whose bytes, or a basis's down their delta chains, lie
     in a pack the blob store lost are listed as missing and under ``mend``: the client sends them,
     the upload stores them again, plain, and points their rows at the new copies (receive_batch), so
-    a re-push of the version's file mends it. With nothing lost this is one size lookup per pack."""
+    a re-push of the version's file mends it. With nothing lost this is one size lookup per pack.
+    With ``mend_damaged`` every chunk the version needs is also read, decoded and hashed (as mfsreg
+    check --read-data does: a pull's reads), and those whose bytes, or a basis's, are damaged are
+    listed the same way; receive_batch finds them damaged again before it stores them."""
     ids = manifest.chunk_ids()
     layout = stored_layout(reg, existing)
     mend: set[str] = set()
     if layout == manifest.layout and manifest.digest in (None, existing.digest):
-        mend, lost = unreadable(reg, located, ids)
-        if mend:
-            warn_mending(lost, len(mend))
+        if mend_damaged:
+            mend, lost, damaged = unreadable_or_damaged(reg, located, ids)
+            warn_damaged(damaged, located, mend)
+        else:
+            mend, lost = unreadable(reg, located, ids)
+        warn_mending(lost, len({i for i in mend if through_lost(i, located, lost)}))
     sizes = manifest.chunk_sizes()
     listed = [i for i in ids if i in mend]
     return {
@@ -117,6 +128,7 @@ def _negotiate_existing(reg, existing, manifest: Manifest, located: dict[str, St
         "existing_layout": layout,
         "missing": listed,
         "mend": listed,
+        "mend_damaged": mend_damaged,  # a server older than it leaves this out: the client says it mended nothing damaged
         "missing_bytes": sum(sizes[i] for i in mend),
         "chunks": len(ids),
     }
@@ -167,6 +179,9 @@ def receive_batch(reg, family: str, body: bytes, who: Principal | None = None) -
     # bytes could not be compared with the stored ones (access.compare_stored), and an xxh3 id
     # alone must not decide what another family's pulls get.
     mend, lost = unreadable(reg, stored_here, [e.id for e, _ in entries if e.id in stored_here])
+    # and a stored chunk whose bytes are damaged (negotiate listed it, asked to mend_damaged): the
+    # same, but never one a scoped token must prove, which compare_stored reads back anyway
+    mend |= _damaged_uploads(reg, [e.id for e, _ in entries if e.id in stored_here and e.id not in mend | proving])
     if mend & proving:
         raise StorageError(f"the registry's storage lost data ({next(iter(lost.values()))}): a push through this token "
                            "cannot mend it; tell the registry's operator")
@@ -227,6 +242,21 @@ def receive_batch(reg, family: str, body: bytes, who: Principal | None = None) -
         # counts every chunk sent, at the size sent, whether stored now, before, or as a delta.
         added = sum(e.length for e, _ in entries)
     return {"received": len(entries), "new_bytes": added}
+
+
+def _damaged_uploads(reg, ids: list[str]) -> set[str]:
+    """Those of the stored chunks ``ids`` (uploaded again, in packs the store holds, and not ones
+    a scoped token must prove it holds) whose stored bytes, or a basis's, do not read back: read,
+    decoded and hashed, to be stored again. A client uploads a stored chunk only where negotiate
+    listed it to mend (push --mend-damaged), or where another push stored it after the
+    negotiation, so an ordinary push reads nothing here but for such a race. The server keeps no
+    state between the negotiation and the upload, so it reads them again rather than take the
+    client's word that they are damaged."""
+    if not ids:
+        return set()
+    with read_tx(reg.engine) as conn:
+        located = chunk_db.locate_closure(conn, ids)
+    return unreadable_or_damaged(reg, located, ids)[0]
 
 
 def _check_headers(reg, manifest: Manifest, who: Principal | None = None, family: str = "") -> None:

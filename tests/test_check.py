@@ -259,3 +259,68 @@ def test_a_repush_with_mend_damaged_stores_damaged_chunks_again(reg, fam, tmp_pa
     again = reg.push(fam["base"], "fam", "base", mend_damaged=True)
     assert again.existed and again.mended_chunks == 0 and again.new_bytes == 0  # nothing damaged: nothing stored
     assert len(reg.versions("fam")) == len(fam)  # nothing committed
+
+
+def test_the_command_names_mend_damaged_and_the_push_mends_a_pack_damaged_on_disk(home_env, fam, tmp_path):
+    """A byte flipped inside a pack file of MFSREG_HOME's blob store: check --read-data says to push
+    again with --mend-damaged; a plain re-push mends nothing and says nothing of it, the flagged one
+    says what it mended, and then check finds all intact and the pull is byte for byte."""
+    import filecmp
+
+    mfsreg("push", fam["base"], "--family", "fam", "--version", "v1", env=home_env)
+    with Registry(Settings.from_env(home_env)) as reg:
+        _, manifest = reg.manifest("fam", "v1")
+        chunk = sorted(reg.locate(manifest.chunk_ids()).values(), key=lambda c: c.id)[0]
+    (path,) = (Path(home_env["MFSREG_HOME"]) / "blobs").rglob(f"{chunk.pack_id}.pack")
+    with open(path, "r+b") as f:
+        f.seek(chunk.offset + chunk.stored_size // 2)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    told = mfsreg("check", "--read-data", env=home_env, check=False)
+    assert told.returncode == 4 and "1 chunk damaged" in told.stdout, told.stdout
+    assert "again with --mend-damaged" in told.stdout, told.stdout
+
+    plain = mfsreg("push", fam["base"], "--family", "fam", "--version", "v1", env=home_env).stdout
+    assert plain.startswith("already stored fam/v1") and "mended" not in plain, plain
+    assert mfsreg("check", "--read-data", env=home_env, check=False).returncode == 4
+
+    out = mfsreg("push", fam["base"], "--family", "fam", "--version", "v1", "--mend-damaged", env=home_env)
+    assert out.stdout.startswith("already stored fam/v1") and "; mended 1 chunks that the blob store had lost or " \
+        "damaged (" in out.stdout, out.stdout
+    assert "damaged" in out.stderr and out.stderr.count("\n") == 1, out.stderr  # one warning, no traceback
+    assert mfsreg("check", "--read-data", env=home_env).returncode == 0
+    mfsreg("pull", "fam", "v1", "-o", tmp_path / "v1.out", env=home_env)
+    assert filecmp.cmp(tmp_path / "v1.out", fam["base"], shallow=False)
+
+
+def test_a_repush_over_http_with_mend_damaged_mends_a_damaged_chunk(servers, server_env, fam, tmp_path):
+    """Through a server (Postgres, S3) and a token scoped to the family: negotiation reads the stored
+    version when asked (mend_damaged) and lists its damaged chunks under ``mend``; the upload reads
+    them again, finds them damaged and stores them anew. Without the flag nothing is sent or mended."""
+    import filecmp
+
+    (srv,) = servers(1)
+    env = client_env(tmp_path, srv.url, token(server_env, "push", "fam"))
+    mfsreg("push", fam["base"], "--family", "fam", "--version", "base", env=env)
+    mfsreg("push", fam["full-med"], "--family", "fam", "--version", "med", "--parent", "base", env=env)
+    with Registry(Settings.from_env(server_env)) as local:
+        ids = set(local.manifest("fam", "base")[1].chunk_ids())
+        victim = next(c for i, c in sorted(local.locate(ids).items()) if i in ids)
+        _damage(local, victim)
+    admin = client_env(tmp_path, srv.url, token(server_env, "admin", "fam"))
+    told = mfsreg("check", "--family", "fam", "--read-data", env=admin, check=False)
+    assert told.returncode == 4 and "again with --mend-damaged" in told.stdout, told.stdout
+
+    plain = mfsreg_json("push", fam["base"], "--family", "fam", "--version", "base", env=env)
+    assert plain["existed"] and plain["sent_bytes"] == 0 and plain["mended_chunks"] == 0, plain
+    assert mfsreg("pull", "fam", "base", "-o", tmp_path / "broken", env=env, check=False).returncode != 0
+
+    mended = mfsreg_json("push", fam["base"], "--family", "fam", "--version", "base", "--mend-damaged", env=env)
+    assert mended["existed"] and mended["mended_chunks"] >= 1 and mended["sent_bytes"] > 0, mended
+    assert mfsreg_json("check", "--family", "fam", "--read-data", env=admin)["ok"] is True
+    for name, src in (("base", "base"), ("med", "full-med")):
+        mfsreg("pull", "fam", name, "-o", tmp_path / f"{name}.out", env=env)
+        assert filecmp.cmp(tmp_path / f"{name}.out", fam[src], shallow=False), name
+    again = mfsreg_json("push", fam["base"], "--family", "fam", "--version", "base", "--mend-damaged", env=env)
+    assert again["existed"] and again["sent_bytes"] == 0 and again["mended_chunks"] == 0, again

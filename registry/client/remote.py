@@ -163,7 +163,7 @@ class RemoteRegistry(Closable):
     # -- push -------------------------------------------------------------------------------------
 
     def push(self, path: Path, family: str, version: str, parent: str | None = None,
-             progress: Progress | None = None) -> PushResult:
+             progress: Progress | None = None, mend_damaged: bool = False) -> PushResult:
         progress = progress or NullProgress()
         t0 = time.perf_counter()
         check_name("family", family)
@@ -176,8 +176,12 @@ class RemoteRegistry(Closable):
         with HashJob(source, chunk_size, progress) as job:
             # Negotiate and upload while the whole-file sha256s (the slowest hash) still run on
             # their own thread; they are needed only by the commit.
+            # mend_damaged is sent only when asked: without it the request is the one older servers know
+            asked = {"mend_damaged": True} if mend_damaged else {}
+
             def negotiate(m: Manifest) -> dict:
-                return self._doc("POST", f"{base}/negotiate", _negotiation, json={"manifest": m.to_doc(), "parent": parent})
+                return self._doc("POST", f"{base}/negotiate", _negotiation,
+                                 json={"manifest": m.to_doc(), "parent": parent, **asked})
 
             draft = job.draft()
             try:
@@ -192,6 +196,12 @@ class RemoteRegistry(Closable):
                 done = existing_result(neg["existing_digest"], manifest.logical_bytes, len(manifest.files),
                                        manifest.digest, neg["chunks"], family, version, t0,
                                        neg.get("existing_layout"), manifest.layout)  # other content: refused
+                if mend_damaged and neg.get("mend_damaged") is not True:
+                    # an older server ignores the field: it read nothing, and "already stored" would
+                    # read as "nothing was damaged"
+                    raise InvalidRequest(f"the server at {self.url} is older than push --mend-damaged: it did not read "
+                                         "the version's stored chunks, so nothing damaged was mended; upgrade it, or "
+                                         "push without --mend-damaged to mend only lost packs")
                 return self._mend_existing(family, job, draft, done, set(neg.get("mend", ())), progress, t0)
             missing = set(neg["missing"])
             mended = set(neg.get("mend", ())) & missing
