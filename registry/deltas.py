@@ -16,8 +16,8 @@ from collections.abc import Callable, Container, Iterable, Sequence
 
 from registry.blobs.packs import StoredChunk
 from registry.chunking import ChunkRef
-from registry.errors import NotFound
-from registry.lost import through_lost, warn_lost_bases
+from registry.errors import IntegrityError, NotFound
+from registry.lost import through_lost, warn_damaged_basis, warn_lost_bases
 from registry.safetensors import TensorSpan
 
 MAX_DEPTH = 3  # a pull decodes at most this many deltas on top of a plain chunk
@@ -95,6 +95,7 @@ class BasisReader:
         self._lock = threading.Lock()
         self._payloads: dict[str, bytes] = {}
         self._skipped_packs: set[str] = set()  # packs a prune emptied, or storage lost, since ``located`` was read
+        self._damaged: set[str] = set()  # chunks whose stored bytes do not decode to their id (bit rot)
 
     def _chain(self, chunk_id: str | None) -> list[str]:
         """``chunk_id`` and the bases its delta decodes against, as far as ``located`` knows them."""
@@ -131,10 +132,20 @@ class BasisReader:
         pack found so is remembered, so the other chunks it held are neither read nor looked up
         again."""
         chain = self._chain(chunk_id)
-        if any(self.located[i].pack_id in self._skipped_packs for i in chain):
+        if any(self.located[i].pack_id in self._skipped_packs or i in self._damaged for i in chain):
             return None
         try:
             return self.raw(chunk_id)
+        except IntegrityError as exc:
+            # A chunk of the chain is damaged where it is stored (its pack is there, its bytes are
+            # not): the push failed, for a fault in bytes it does not even store. Its new chunk goes
+            # plain; the damage is the stored versions' to mend (check --read-data, push --mend-damaged).
+            with self._lock:
+                fresh = not self._damaged & set(chain)
+                self._damaged |= set(chain)
+            if fresh:
+                warn_damaged_basis(chunk_id, str(exc))
+            return None
         except NotFound as exc:
             now = self._locate(chain)
             moved = {self.located[i].pack_id for i in chain if i not in now or now[i].pack_id != self.located[i].pack_id}

@@ -102,6 +102,15 @@ def warn_lost_bases(lost: dict[str, str], chunks: int | None = None) -> None:
     LostWarning().moving(lost, chunks).say()
 
 
+def warn_damaged_basis(chunk_id: str, why: str) -> None:
+    """Said where a push's new chunk could not lean on the basis chosen for it because a chunk of
+    that basis's chain is damaged in its pack: the new chunk is stored plain, and the damage stays
+    for the versions that use it."""
+    log.warning("basis chunk %s cannot be read back (%s): this push stores the new chunks planned against it "
+                "without deltas; `mfsreg check --read-data` names the versions the damage breaks, and a push of "
+                "each again with --mend-damaged mends them", chunk_id, why)
+
+
 class LostWarning:
     """What one push found lost, said in one warning: the chunks it stores again (warn_mending) and
     the new chunks it stores without the deltas planned against them (warn_lost_bases). A push that

@@ -324,3 +324,48 @@ def test_a_repush_over_http_with_mend_damaged_mends_a_damaged_chunk(servers, ser
         assert filecmp.cmp(tmp_path / f"{name}.out", fam[src], shallow=False), name
     again = mfsreg_json("push", fam["base"], "--family", "fam", "--version", "base", "--mend-damaged", env=env)
     assert again["existed"] and again["sent_bytes"] == 0 and again["mended_chunks"] == 0, again
+
+
+def test_a_new_push_whose_basis_is_damaged_stores_its_chunks_plain(reg, fam, tmp_path, caplog):
+    """A fine-tune pushed anew while a base chunk it would lean on is damaged in its pack is stored
+    (those chunks plain, with one warning that names the chunk and what to run), where the push
+    failed on a chunk it does not even store; the damage stays for base, as check says."""
+    import filecmp
+
+    reg.push(fam["base"], "fam", "base")
+    reg.push(fam["full-med"], "fam", "full-med", parent="base")
+    victim = _basis_of_a_delta(reg, "full-med")
+    reg.delete("fam", "full-med")
+    reg.prune(min_age=0)  # full-med's deltas are gone: a new push must encode them again
+    _damage(reg, reg.locate([victim.id])[victim.id])
+    with caplog.at_level("WARNING", logger="mfsreg"):
+        res = reg.push(fam["full-med"], "fam", "med2", parent="base")
+    assert res.new_chunks > 0 and not res.existed
+    said = [r.getMessage() for r in caplog.records if victim.id in r.getMessage()]
+    assert len(said) == 1 and "--mend-damaged" in said[0], caplog.text
+    reg.pull("fam", "med2", tmp_path / "med2.out")
+    assert filecmp.cmp(tmp_path / "med2.out", fam["full-med"], shallow=False)
+    assert reg.locate([i for i in reg.manifest("fam", "med2")[1].chunk_ids()])  # recorded
+    after = reg.check(read_data=True)
+    assert list(after.damaged_chunks) == [victim.id] and "fam/med2" not in after.broken_versions, after
+
+
+def test_a_new_push_over_http_whose_basis_is_damaged_is_stored(servers, server_env, fam, tmp_path):
+    """The same through a server: the client asks for the basis it was offered, the server cannot
+    read it back, and the push still lands, byte-identical."""
+    import filecmp
+
+    (srv,) = servers(1)
+    env = client_env(tmp_path, srv.url, token(server_env, "push", "fam"))
+    mfsreg("push", fam["base"], "--family", "fam", "--version", "base", env=env)
+    mfsreg("push", fam["full-med"], "--family", "fam", "--version", "med", "--parent", "base", env=env)
+    with Registry(Settings.from_env(server_env)) as local:
+        victim = _basis_of_a_delta(local, "med")
+        local.delete("fam", "med")
+        local.prune(min_age=0)
+        _damage(local, local.locate([victim.id])[victim.id])
+    done = mfsreg("push", fam["full-med"], "--family", "fam", "--version", "med2", "--parent", "base", env=env,
+                  check=False)
+    assert done.returncode == 0, done.stderr
+    mfsreg("pull", "fam", "med2", "-o", tmp_path / "med2.out", env=env)
+    assert filecmp.cmp(tmp_path / "med2.out", fam["full-med"], shallow=False)
