@@ -35,6 +35,7 @@ bench: install
 	$(BIN)/python -m benchmarks.page_mapping
 	$(BIN)/python -m benchmarks.bench_prune
 	$(BIN)/python -m benchmarks.bench_check
+	$(BIN)/python -m benchmarks.bench_trained
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info registry/*.so registry/client/*.so
