@@ -18,8 +18,9 @@ beside how far training moved it from its parent (elements changed, and the norm
 the weights') and a bound for lossless per-element coding: the empirical entropy of each element's
 change from its parent's (as an integer on bf16's ordered scale), given the exponent of the parent's
 element, per tensor (what the delta encoding codes, with no cost for the model itself: no
-coder of each change alone, given only that exponent, does better on average; one that models
-changes in context is not bound by it). Sizes are deterministic for
+coder of each change alone, given only that exponent, does better on average), and the same given
+also the size of the previous element's change in its row (how much a coder of changes in context
+could gain). Sizes are deterministic for
 a given set of files: one run. Writes benchmarks/results/trained.json and prints markdown tables.
 """
 
@@ -48,21 +49,32 @@ def _ordered(bits: np.ndarray) -> np.ndarray:
     return np.where(b & 0x8000, -(b & 0x7FFF), b & 0x7FFF)
 
 
-def change_entropy_bytes(parent: Path, child: Path) -> float:
-    """Bytes of the order-0 entropy of the child's changes from the parent, given the parent
-    element's exponent, summed over tensors (see the module's doc)."""
+def _entropy_bits(context: np.ndarray, change: np.ndarray) -> float:
+    """Empirical entropy in bits of ``change`` given ``context`` (non-negative integers below 2**20
+    and 2**17): H(change, context) - H(context), as counts: sum n_g log2 n_g - sum c log2 c."""
+    _, counts = np.unique(context * 131072 + change, return_counts=True)
+    groups = np.bincount(context)
+    groups = groups[groups > 0].astype(np.float64)
+    return float((groups * np.log2(groups)).sum() - (counts * np.log2(counts.astype(np.float64))).sum())
+
+
+def change_entropy_bytes(parent: Path, child: Path) -> dict[str, float]:
+    """Bytes of the order-0 entropy of the child's changes from the parent, summed over tensors
+    (see the module's doc): given the parent element's exponent (``exponent``), and given that and
+    the size of the previous element's change in its row, up to 15 ulps (``previous``)."""
     p, c = load_file(str(parent)), load_file(str(child))
-    bits = 0.0
+    out = {"exponent": 0.0, "previous": 0.0}
     for name, t in c.items():
-        pb, cb = (x.view(torch.int16).numpy().view(np.uint16).ravel() for x in (p[name], t))
+        pb, cb = (x.view(torch.int16).numpy().view(np.uint16).reshape(x.shape[0] if x.dim() > 1 else 1, -1)
+                  for x in (p[name], t))
         exp = (pb.astype(np.int64) >> 7) & 0xFF
-        key = exp * 131072 + (_ordered(cb) - _ordered(pb) + 65535)
-        _, counts = np.unique(key, return_counts=True)
-        groups = np.bincount(exp)
-        groups = groups[groups > 0].astype(np.float64)
-        # H = sum over exponents g of n_g log2 n_g - sum over (g, change) of c log2 c
-        bits += float((groups * np.log2(groups)).sum() - (counts * np.log2(counts.astype(np.float64))).sum())
-    return bits / 8
+        change = _ordered(cb) - _ordered(pb)
+        prev = np.zeros_like(change)
+        prev[:, 1:] = np.minimum(np.abs(change[:, :-1]), 15)
+        key = (change + 65535).astype(np.int64).ravel()
+        out["exponent"] += _entropy_bits(exp.ravel(), key) / 8
+        out["previous"] += _entropy_bits((exp * 16 + prev).ravel(), key) / 8
+    return out
 
 
 def push_family(reg, paths: dict[str, Path]) -> dict[str, dict]:
@@ -135,7 +147,8 @@ def report(doc: dict) -> str:
         members.append([m, r.parent or "-", how, f"{moved['elements_changed']:.1%}" if moved else "-",
                         f"{moved['relative_change']:.2e}" if moved else "-", f"{d['new_bytes'] / MB:,.2f}",
                         f"{d['new_bytes'] / d['logical_bytes']:.3f}", f"{e['new_bytes'] / e['logical_bytes']:.3f}",
-                        f"{doc['change_entropy_bytes'][m] / d['logical_bytes']:.3f}" if r.parent else "-"])
+                        *((f"{doc['change_entropy_bytes'][m]['exponent'] / d['logical_bytes']:.3f}",
+                          f"{doc['change_entropy_bytes'][m]['previous'] / d['logical_bytes']:.3f}") if r.parent else ("-", "-"))])
     d = doc["storage"]["delta"]
     ratio = d["logical_bytes"] / d["stored_bytes"]
     fam = doc["family"]
@@ -147,10 +160,10 @@ def report(doc: dict) -> str:
         f"family ({'reached' if ratio >= REAL_FAMILY_GATE else 'not reached'} on this family; not that gate itself).", "",
         "### Per member: bytes its push stored anew", "",
         table(["member", "parent", "training", "elements changed", "|change| / |weights|", "new MB (deltas on)",
-               "new / logical, deltas on", "new / logical, exact dedup", "entropy bound / logical"], members), "",
+               "new / logical, deltas on", "new / logical, exact dedup", "entropy bound / logical", "with the previous change too"], members), "",
         "The entropy bound is what a lossless coder of each element's change alone, given its parent element's "
-        "exponent, needs at least (per tensor, the model free); a coder of changes in context (neighbours that move "
-        "alike) is not bound by it.", ""])
+        "exponent, needs at least (per tensor, the model free); the last column also gives it the size of the "
+        "previous element's change in its row, a context a coder could use.", ""])
 
 
 if __name__ == "__main__":
