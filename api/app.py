@@ -39,6 +39,8 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
         reg = registry or Registry(settings or Settings.from_env())
         app.state.registry = reg
         try:
+            if registry is None:  # a store that cannot be opened fails the start, not the first push
+                reg.open_blobs()
             yield
         finally:
             if registry is None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from cli.backend import RegistryOption, local_only, open_backend
+from cli.backend import RegistryOption, embedded, local_only, open_backend
 from cli.errors import usage_error_type
 from cli.output import emit_json, human_bytes
 from cli.progress import progress_for
@@ -38,7 +38,6 @@ def quorum(
 ) -> None:
     """Set a family's base quorum and re-tier its chunks."""
     from registry.errors import shown
-    from registry.registry import Registry
 
     usage_error = usage_error_type()
     for word in (family, value, *ctx.args):
@@ -50,7 +49,7 @@ def quorum(
         raise typer.BadParameter(f"{shown(value, 40)} is not a number: give a fraction in (0, 1], e.g. 0.5", param_hint="'value'")
     local_only("family quorum")
 
-    with Registry() as reg:
+    with embedded(blobs=False) as reg:  # re-tiering reads and writes only the database
         changed = reg.set_base_quorum(family, fraction)
     if json_:
         emit_json({"family": family, "base_quorum": fraction, "tier_changes": changed})

@@ -21,20 +21,30 @@ ServerOption = typer.Option(
 
 
 @contextmanager
-def open_backend(url: str | None = None):
-    """Yield an object with push/pull/manifest/families/versions/stats/delete."""
+def open_backend(url: str | None = None, *, blobs: bool = True):
+    """Yield an object with push/pull/manifest/families/versions/stats/delete. ``blobs=False`` for a
+    command that reads or changes only the database (ls, show, stats, delete): the embedded registry
+    then runs whatever MFSREG_BLOB_URL holds, since it never opens the store."""
     if url:
         from registry.client.remote import RemoteRegistry
 
         backend = RemoteRegistry(url, token=os.environ.get("MFSREG_TOKEN") or None)  # empty: unset
     else:
-        from registry.registry import Registry
-
-        backend = Registry()
+        backend = embedded(blobs=blobs)
     try:
         yield backend
     finally:
         backend.close()
+
+
+def embedded(*, blobs: bool = True):
+    """The embedded Registry. With ``blobs`` (a command that opens the blob store) a malformed
+    MFSREG_BLOB_URL is refused here, before the database is opened (or, on a new MFSREG_HOME, made);
+    without, it is never looked at: the store opens only on first use, and such a command has none."""
+    from registry.config import Settings
+    from registry.registry import Registry
+
+    return Registry(Settings.from_env(blobs=blobs))
 
 
 def local_only(command: str) -> None:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import typer
 
-from cli.backend import local_only
+from cli.backend import embedded, local_only
 from cli.output import emit_json, table
 
+# the token commands read and write only the database (embedded(blobs=False)): an admin can list,
+# create and revoke tokens while MFSREG_BLOB_URL is wrong or its S3 endpoint is down
 token_app = typer.Typer(help="API tokens (runs against the database, not over HTTP).", no_args_is_help=True)
 
 
@@ -70,10 +72,9 @@ def create(
 ) -> None:
     """Create a token; it is printed once and stored only as a hash."""
     from registry.auth import create_token
-    from registry.registry import Registry
 
     local_only("token create")
-    with Registry() as reg:
+    with embedded(blobs=False) as reg:
         secret = create_token(reg.engine, scope, family, description)
     if json_:
         emit_json({"token": secret, "scope": scope, "family": family})
@@ -86,10 +87,9 @@ def list_(json_: bool = typer.Option(False, "--json")) -> None:
     """Tokens that are not revoked (their prefixes, never the secrets)."""
     from registry.auth import list_tokens
     from registry.results import timestamp
-    from registry.registry import Registry
 
     local_only("token list")
-    with Registry() as reg:
+    with embedded(blobs=False) as reg:
         rows = [dict(prefix=t.prefix, scope=t.role, family=t.family_pattern, description=t.description,
                      created_at=timestamp(t.created_at)) for t in list_tokens(reg.engine)]
     if json_:
@@ -103,10 +103,9 @@ def revoke(prefix: str = typer.Argument(..., help="The token's prefix, as `mfsre
     """Revoke a token by its prefix."""
     from registry.auth import revoke_token
     from registry.errors import NotFound
-    from registry.registry import Registry
 
     local_only("token revoke")
-    with Registry() as reg:
+    with embedded(blobs=False) as reg:
         if revoke_token(reg.engine, prefix) == 0:
             raise NotFound(f"no active token with prefix {prefix!r}: see `mfsreg token list`")
     typer.echo(f"revoked {prefix}")

@@ -14,7 +14,7 @@ def stats(
     registry: str = RegistryOption,
 ) -> None:
     """Logical vs stored bytes, the tiers, and what each version alone holds."""
-    with open_backend(registry) as reg:
+    with open_backend(registry, blobs=False) as reg:
         s = reg.stats(family)
     if json_:
         emit_json(s)

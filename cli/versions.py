@@ -101,7 +101,7 @@ def ls(
     registry: str = RegistryOption,
 ) -> None:
     """List families, or the versions of one family."""
-    with open_backend(registry) as reg:
+    with open_backend(registry, blobs=False) as reg:
         if family is None:
             fams = reg.families()
             rows = [dict(family=f.name, versions=f.member_count, base_quorum=f.base_quorum, chunk_size=f.chunk_size)
@@ -133,7 +133,7 @@ def show(
     registry: str = RegistryOption,
 ) -> None:
     """Show one version: digest, parent, files and their tensors and chunks."""
-    with open_backend(registry) as reg:
+    with open_backend(registry, blobs=False) as reg:
         row, manifest = reg.manifest(family, version)
     files = [
         dict(path=f.path, kind=f.kind, size=f.size, sha256=f.sha256, tensors=len(f.tensors), chunks=len(f.chunks))
@@ -159,7 +159,7 @@ def delete(
     registry: str = RegistryOption,
 ) -> None:
     """Delete a version; chunks other versions still need stay stored."""
-    with open_backend(registry) as reg:
+    with open_backend(registry, blobs=False) as reg:
         result = reg.delete(family, version)
     if json_:
         emit_json(result.to_dict())

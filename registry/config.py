@@ -117,8 +117,9 @@ class Settings:
 
     @classmethod
     def from_env(cls, env: dict | None = None, *, blobs: bool = True, **overrides) -> "Settings":
-        """``blobs=False`` for a command that never opens the blob store (``db upgrade``): its URL is
-        then not checked here, and open_blob_store checks it wherever it is opened."""
+        """``blobs=False`` for a command that never opens the blob store (``db upgrade``, ``ls``,
+        ``stats``, the token commands: cli/backend.py's embedded): its URL is then not checked here,
+        and open_blob_store checks it wherever it is opened (Registry.open_blobs)."""
         env = dict(os.environ if env is None else env)
         home = expand_user("MFSREG_HOME", env.get("MFSREG_HOME") or str(Path.home() / ".mfsreg"))
         if not home.is_absolute():  # a relative one (or ' ') made a registry in each directory a command ran from

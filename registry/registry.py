@@ -1,10 +1,15 @@
 """The Registry: one object that ties settings, metadata and blobs together.
 
 The CLI and the API call only this (and the value types it returns); they hold no logic of their own.
+The blob store is opened on first use, not with the Registry: listing, stats, tokens and quorum read
+only the database, and an admin must be able to run them while MFSREG_BLOB_URL is wrong or its S3
+endpoint is down. What does need the store (push, pull, check, prune) opens it before anything else,
+so that a bad store is refused before a byte is read or a row written.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -12,6 +17,7 @@ from pathlib import Path
 from registry import ingest, prune, rebuild
 from registry.check import check as check_registry
 from registry.blobs import open_blob_store
+from registry.blobs.base import BlobStore
 from registry.blobs.local import LocalBlobStore
 from registry.blobs.packs import StoredChunk, read_payloads
 from registry.config import Settings
@@ -37,10 +43,25 @@ class Registry:
         with read_tx(self.engine):
             pass  # surfaces an unreachable database as a StorageError before anything else
         schema.ensure_current(self.engine, auto_upgrade=auto)
-        s = self.settings
-        self.blobs = open_blob_store(s.blob_url, s.s3_endpoint_url, connect_timeout=s.s3_connect_timeout,
-                                     read_timeout=s.s3_read_timeout, max_attempts=s.s3_max_attempts)
+        self._blobs: BlobStore | None = None
+        self._blobs_lock = threading.Lock()  # a server's request threads may be the first to ask at once
         self.pool = ThreadPoolExecutor(max_workers=self.settings.workers, thread_name_prefix="mfsreg")
+
+    def open_blobs(self) -> BlobStore:
+        """The blob store, opened the first time it is asked for (InvalidRequest for an
+        MFSREG_BLOB_URL that names no usable store, asked again each time until one opens).
+        Opening it contacts nothing: on S3 the first request is the first use's."""
+        if self._blobs is None:
+            with self._blobs_lock:
+                if self._blobs is None:
+                    s = self.settings
+                    self._blobs = open_blob_store(s.blob_url, s.s3_endpoint_url, connect_timeout=s.s3_connect_timeout,
+                                                  read_timeout=s.s3_read_timeout, max_attempts=s.s3_max_attempts)
+        return self._blobs
+
+    @property
+    def blobs(self) -> BlobStore:
+        return self.open_blobs()
 
     def ping(self) -> None:
         """Raise StorageError unless the metadata database answers and the blob store can be
@@ -64,6 +85,7 @@ class Registry:
 
     def push(self, path: Path, family: str, version: str, parent: str | None = None,
              progress: Progress | None = None, mend_damaged: bool = False) -> ingest.PushResult:
+        self.open_blobs()  # before the file is read or the family made: a bad store is refused first
         return ingest.push(self, Path(path), family, version, parent, progress, mend_damaged)
 
     def manifest(self, family: str, version: str) -> tuple[version_db.VersionRow, Manifest]:
@@ -83,6 +105,7 @@ class Registry:
         """Rebuild the version at ``out`` (a file, or a directory for a single file to go in), or
         with ``to_dir`` as the files of the directory ``out``, made if missing."""
         t0 = time.perf_counter()
+        self.open_blobs()  # a bad store is refused first, as for a push, whether or not the version exists
         with read_tx(self.engine) as conn:  # one snapshot: the version and where its chunks were, together
             row, manifest = _manifest_in(conn, family, version)
             located = chunk_db.locate_closure(conn, manifest.chunk_ids())
@@ -168,11 +191,13 @@ class Registry:
     def check(self, family: str | None = None, read_data: bool = False, progress: Progress | None = None) -> CheckResult:
         """Which packs and chunks the stored versions need are lost or damaged, and which versions
         cannot be pulled because of them (registry/check.py); changes nothing."""
+        self.open_blobs()
         return check_registry(self, family, read_data, progress)
 
     def prune(self, min_age: float = prune.DEFAULT_MIN_AGE, max_unused: float = prune.DEFAULT_MAX_UNUSED,
               dry_run: bool = False, progress: Progress | None = None) -> PruneResult:
         """Delete the chunks no version needs and give back their space (registry/prune.py)."""
+        self.open_blobs()  # before it deletes a row: a prune that cannot reach the blobs must change nothing
         return prune.prune(self, min_age, max_unused, dry_run, progress)
 
     def set_base_quorum(self, family: str, quorum: float) -> int:

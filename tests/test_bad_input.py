@@ -332,7 +332,7 @@ def test_a_file_blob_url_with_a_host_is_refused(fam, tmp_path):
     # no path, or a relative one: an internal error (ValueError from Path.as_uri) once
     for url in ("file://", "file:mfsreg-test-blobs"):
         env["MFSREG_BLOB_URL"] = url
-        for args in (["ls"], ["push", fam["base"], "--family", "fam", "--version", "v1"]):
+        for args in (["check"], ["push", fam["base"], "--family", "fam", "--version", "v1"]):
             proc = mfsreg(*args, env=env, check=False)
             assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
             assert "has no absolute path" in proc.stderr and "file:///" in proc.stderr, proc.stderr
@@ -358,7 +358,8 @@ def test_a_home_with_a_space_keeps_its_packs_inside_it(fam, tmp_path):
 
 def test_a_store_left_at_its_escaped_path_is_named_with_the_move_that_fixes_it(fam, tmp_path):
     """An earlier mfsreg kept a home-with-a-space's packs at the literal '%20' path: opening the
-    decoded path alone would find none of them, so every command says where they are."""
+    decoded path alone would find none of them, so every command that opens the blob store says
+    where they are (ls, which reads only the database, lists the versions as ever)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MFSREG_")}
     home = tmp_path / "my home"
     env.update(MFSREG_HOME=str(home))
@@ -370,7 +371,8 @@ def test_a_store_left_at_its_escaped_path_is_named_with_the_move_that_fixes_it(f
         return snapshot(home)[0], sorted((p.name, p.read_bytes()) for p in left.rglob("*") if p.is_file())
     before = state()
     assert before[1]
-    for args in (["ls", "fam"], ["pull", "fam", "v1", "-o", str(tmp_path / "out")],
+    assert [v["version"] for v in mfsreg_json("ls", "fam", env=env)["versions"]] == ["v1"]
+    for args in (["check"], ["pull", "fam", "v1", "-o", str(tmp_path / "out")],
                  ["push", fam["lora-chat"], "--family", "fam", "--version", "chat"]):
         proc = mfsreg(*args, env=env, check=False)
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
@@ -953,7 +955,7 @@ def test_a_bad_blob_url_is_refused_in_one_line_without_its_secret(url, says, see
     home = Path(seeded["MFSREG_HOME"])
     before = snapshot(home)
     env = dict(seeded, MFSREG_BLOB_URL=url, MFSREG_S3_ENDPOINT_URL="http://127.0.0.1:9")
-    for args in (["ls"], ["push", fam["lora-chat"], "--family", "fam", "--version", "chat"],
+    for args in (["check"], ["push", fam["lora-chat"], "--family", "fam", "--version", "chat"],
                  ["pull", "fam", "base", "-o", tmp_path / "out"], ["serve", "--port", free_port()]):
         proc = mfsreg(*args, env=env, check=False, timeout=60)
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1, (args, proc.stderr)
@@ -969,9 +971,74 @@ def test_db_upgrade_runs_whatever_the_blob_url(url, home_env):
     that opens the store still refuses in one line."""
     env = dict(home_env, MFSREG_BLOB_URL=url)
     assert mfsreg_json("db", "upgrade", env=env)["revision"]
-    proc = mfsreg("ls", env=env, check=False)
+    proc = mfsreg("check", env=env, check=False)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "MFSREG_BLOB_URL" in proc.stderr, proc.stderr
     assert SECRET not in proc.stderr
+
+
+# what reads or changes only the database; the blob store is never opened for them
+DATABASE_ONLY = (["ls"], ["ls", "fam"], ["show", "fam", "base"], ["stats"], ["stats", "--family", "fam"],
+                 ["token", "list"], ["family", "quorum", "fam", "1"], ["db", "upgrade"])
+
+
+def _needs_blobs(fam, out: Path) -> tuple:
+    return (["push", fam["lora-chat"], "--family", "fam", "--version", "chat"], ["pull", "fam", "base", "-o", out],
+            ["check"], ["prune", "--min-age", "0"])
+
+
+@pytest.mark.parametrize("setting, says", [
+    ({"MFSREG_BLOB_URL": "bogus://x"}, "MFSREG_BLOB_URL is neither a file:///path nor an s3://bucket/prefix URL"),
+    ({"MFSREG_BLOB_URL": f"s3://AKIAMFSREG:{SECRET}@bucket/p"}, "MFSREG_BLOB_URL holds credentials"),
+    ({"MFSREG_BLOB_URL": "s3://mfsreg-packs/p", "MFSREG_S3_ENDPOINT_URL": "not a url"},
+     "MFSREG_S3_ENDPOINT_URL='not a url'"),
+])
+def test_database_only_commands_run_whatever_the_blob_store_settings(setting, says, seeded, fam, tmp_path):
+    """ls, show, stats, tokens, family quorum and delete never open the blob store: a malformed
+    MFSREG_BLOB_URL (or S3 endpoint) refused them all with exit 2, so an admin could not so much as
+    list tokens. The commands that do need the store still refuse in one line, exit 2, and change
+    nothing."""
+    home = Path(seeded["MFSREG_HOME"])
+    env = dict(seeded, **setting)
+    for args in DATABASE_ONLY:
+        mfsreg(*args, env=env)
+    secret = mfsreg_json("token", "create", "--scope", "admin", env=env)["token"]
+    before = snapshot(home)
+    for args in _needs_blobs(fam, tmp_path / "out"):
+        proc = mfsreg(*args, env=env, check=False)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, (args, proc.stderr)
+        assert says in proc.stderr and SECRET not in proc.stderr, (args, proc.stderr)
+    assert snapshot(home) == before and not (tmp_path / "out").exists()
+    assert mfsreg("token", "revoke", secret[:10], env=env).stdout.startswith("revoked")
+    assert mfsreg_json("token", "list", env=env)["tokens"] == []
+    assert mfsreg_json("delete", "fam", "base", env=env)["version"] == "base"
+    assert mfsreg_json("ls", "fam", env=env)["versions"] == []
+
+
+def test_database_only_commands_never_contact_an_s3_endpoint(seeded, fam, tmp_path):
+    """An S3 endpoint that is down (it takes connections and never answers): the commands that
+    read or change only the database run, and not one connection reaches the endpoint; a push,
+    which needs it, connects, fails in one line within its timeouts (exit 5) and changes nothing."""
+    from tests.test_blobstore_contract import silent_endpoint
+
+    home = Path(seeded["MFSREG_HOME"])
+    sock, endpoint = silent_endpoint()
+    try:
+        sock.settimeout(0)
+        env = dict(seeded, MFSREG_BLOB_URL="s3://mfsreg-packs/p", MFSREG_S3_ENDPOINT_URL=endpoint,
+                   MFSREG_S3_READ_TIMEOUT="1", MFSREG_S3_MAX_ATTEMPTS="1", AWS_ACCESS_KEY_ID="testing",
+                   AWS_SECRET_ACCESS_KEY="testing", AWS_EC2_METADATA_DISABLED="true")
+        for args in (*DATABASE_ONLY, ["token", "create"]):
+            mfsreg(*args, env=env, timeout=60)
+        with pytest.raises(BlockingIOError):  # nobody knocked
+            sock.accept()
+        before = snapshot(home)
+        proc = mfsreg("push", fam["lora-chat"], "--family", "fam", "--version", "chat", env=env, check=False, timeout=60)
+        assert proc.returncode == 5 and proc.stderr.count("\n") == 1, proc.stderr
+        assert endpoint in proc.stderr and "did not answer" in proc.stderr, proc.stderr
+        sock.accept()[0].close()  # the push did: the check above can fail
+        assert snapshot(home) == before
+    finally:
+        sock.close()
 
 
 def test_a_good_s3_blob_url_with_a_trailing_slash_is_taken(s3_blob_url, tmp_path):
