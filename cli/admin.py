@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import typer
+from typer.core import TyperCommand
 
 from cli.backend import RegistryOption, embedded, local_only, open_backend
 from cli.errors import usage_error_type
@@ -27,11 +28,27 @@ def upgrade(json_: bool = typer.Option(False, "--json")) -> None:
         typer.echo(f"database schema at revision {rev}")
 
 
-# A negative value (a user's mistake, refused by its range check) would read as an unknown option,
-# so options are not parsed here; what looks like one and is not a number is refused as click would.
-@family_app.command("quorum", context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+class NumbersNotOptions(TyperCommand):
+    """A command whose arguments may be negative numbers: click would read ``-0.1`` as an unknown
+    option (``ignore_unknown_options`` keeps it an argument, for the range check to refuse). An
+    unknown option that is not a number is refused here, before click parses anything, so that it
+    is named as click names one, wherever it stands, even before a missing argument."""
+
+    def parse_args(self, ctx, args: list[str]) -> list[str]:
+        from registry.errors import shown
+
+        known = {opt for param in self.get_params(ctx) for opt in (*param.opts, *param.secondary_opts)}
+        for word in args:
+            if word == "--":  # what follows is arguments, as click reads it
+                break
+            name = word.partition("=")[0]
+            if word.startswith("-") and word != "-" and name not in known and _number(word) is None:
+                raise usage_error_type()(f"No such option: {shown(name, 60)[1:-1]}", ctx=ctx)
+        return super().parse_args(ctx, args)
+
+
+@family_app.command("quorum", cls=NumbersNotOptions, context_settings={"ignore_unknown_options": True})
 def quorum(
-    ctx: typer.Context,
     family: str = typer.Argument(...),
     value: str = typer.Argument(..., help="Fraction of members that must use a chunk for it to be base, in (0, 1]."),
     json_: bool = typer.Option(False, "--json"),
@@ -39,12 +56,6 @@ def quorum(
     """Set a family's base quorum and re-tier its chunks."""
     from registry.errors import shown
 
-    usage_error = usage_error_type()
-    for word in (family, value, *ctx.args):
-        if word.startswith("-") and _number(word) is None:
-            raise usage_error(f"No such option: {shown(word.partition('=')[0], 60)[1:-1]}", ctx=ctx)
-    if ctx.args:
-        raise usage_error(f"Got unexpected extra argument ({ctx.args[0]})", ctx=ctx)
     if (fraction := _number(value)) is None:
         raise typer.BadParameter(f"{shown(value, 40)} is not a number: give a fraction in (0, 1], e.g. 0.5", param_hint="'value'")
     local_only("family quorum")

@@ -112,12 +112,16 @@ def test_tables_show_whole_names_and_one_familys_stats_leave_out_the_family_colu
 
 
 def test_bad_option_values_are_one_line(home_env, fam):
-    for value in ("2.0", "-0.1"):  # a negative one was read as an unknown option: 'No such option: -0'
+    for value in ("2.0", "-0.1", "-1e-3"):  # a negative one was read as an unknown option: 'No such option: -0'
         proc = mfsreg("family", "quorum", "nofam", value, env=home_env, check=False)
         assert proc.returncode == 2 and f"base_quorum {float(value)} is out of range" in proc.stderr, proc.stderr
+    proc = mfsreg("family", "quorum", "nofam", "--", "-0.5", env=home_env, check=False)  # after '--' too
+    assert proc.returncode == 2 and "base_quorum -0.5 is out of range" in proc.stderr, proc.stderr
     # and an unknown option, wherever it stands, is named as one (it read "Invalid value for 'value'")
-    for args, says in ((["--bogus", "nofam", "0.5"], "No such option: --bogus"), (["nofam", "--bogus", "0.5"], "No such option: --bogus"),
-                       (["nofam", "0.5", "7"], "unexpected extra argument (7)"), (["nofam", "half"], "'half' is not a number: give a fraction in (0, 1]"),
+    # alone, or with an argument missing, it is named too (it read "Missing argument 'VALUE'")
+    for args, says in ((["--bogus"], "No such option: --bogus"), (["nofam", "-x"], "No such option: -x"),
+                       (["--bogus", "nofam", "0.5"], "No such option: --bogus"), (["nofam", "--bogus", "0.5"], "No such option: --bogus"),
+                       (["nofam", "0.5", "7"], "unexpected extra argument(s) (7)"), (["nofam", "half"], "'half' is not a number: give a fraction in (0, 1]"),
                        (["nofam", "--bogus=3", "0.5"], "No such option: --bogus (see")):
         proc = mfsreg("family", "quorum", *args, env=home_env, check=False)
         assert proc.returncode == 2 and says in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
