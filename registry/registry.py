@@ -50,7 +50,8 @@ class Registry:
     def open_blobs(self) -> BlobStore:
         """The blob store, opened the first time it is asked for (InvalidRequest for an
         MFSREG_BLOB_URL that names no usable store, asked again each time until one opens).
-        Opening it contacts nothing: on S3 the first request is the first use's."""
+        Opening it sends nothing to the store (on S3 botocore makes its client, looking up the
+        credentials the usual AWS way): the first request to it is the first use's."""
         if self._blobs is None:
             with self._blobs_lock:
                 if self._blobs is None:

@@ -478,6 +478,26 @@ def test_s3_an_endpoint_that_never_answers_fails_in_bounded_time_naming_it(monke
         sock.close()
 
 
+def test_s3_opening_a_store_sends_nothing_to_its_endpoint(monkeypatch):
+    """Opening an S3 store makes its client and nothing more: the first request is the first use's
+    (a Registry opens its store only for the commands that use it, and an admin's database-only
+    commands must run while the endpoint is down). The endpoint is one that takes connections, so a
+    request sent at opening would show as one waiting to be accepted."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    sock, endpoint = silent_endpoint()
+    try:
+        sock.settimeout(0)
+        store = open_blob_store("s3://mfsreg-packs/p", endpoint, read_timeout=1, max_attempts=1)
+        with pytest.raises(BlockingIOError):  # nobody connected
+            sock.accept()
+        with pytest.raises(StorageError):
+            store.size("k")
+        sock.accept()[0].close()  # the first use did: the check above can fail
+    finally:
+        sock.close()
+
+
 def test_s3_timeouts_default_to_about_a_minute_and_bad_settings_are_refused(s3_server):
     config = S3BlobStore("mfsreg-packs", "p", endpoint_url=s3_server)._s3.meta.config
     assert config.connect_timeout == 5 and config.read_timeout == 20
