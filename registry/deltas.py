@@ -140,11 +140,14 @@ class BasisReader:
             # A chunk of the chain is damaged where it is stored (its pack is there, its bytes are
             # not): the push failed, for a fault in bytes it does not even store. Its new chunk goes
             # plain; the damage is the stored versions' to mend (check --read-data, push --mend-damaged).
+            # Set aside: the damaged chunk and those leaning on it, not the bases below it, which read.
+            bad = getattr(exc, "chunk_id", chunk_id)
+            gone = set(chain[: chain.index(bad) + 1]) if bad in chain else set(chain)
             with self._lock:
-                fresh = not self._damaged & set(chain)
-                self._damaged |= set(chain)
+                fresh = not self._damaged  # said once a push: the first damaged chunk stands for the rest
+                self._damaged |= gone
             if fresh:
-                warn_damaged_basis(chunk_id, str(exc))
+                warn_damaged_basis(bad, str(exc))
             return None
         except NotFound as exc:
             now = self._locate(chain)
@@ -173,7 +176,11 @@ class BasisReader:
             except NotFound as exc:
                 exc.pack_id = c.pack_id  # which pack of the chain failed: ``usable`` sets only that one aside
                 raise
-        data = self._decode(c, payload, basis)
+        try:
+            data = self._decode(c, payload, basis)
+        except IntegrityError as exc:
+            exc.chunk_id = chunk_id  # which chunk of the chain is damaged: ``usable`` sets aside only it and those above
+            raise
         with self._lock:
             if chunk_id not in self._cache:
                 self._cache[chunk_id] = data

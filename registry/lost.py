@@ -103,12 +103,12 @@ def warn_lost_bases(lost: dict[str, str], chunks: int | None = None) -> None:
 
 
 def warn_damaged_basis(chunk_id: str, why: str) -> None:
-    """Said where a push's new chunk could not lean on the basis chosen for it because a chunk of
-    that basis's chain is damaged in its pack: the new chunk is stored plain, and the damage stays
-    for the versions that use it."""
-    log.warning("basis chunk %s cannot be read back (%s): this push stores the new chunks planned against it "
-                "without deltas; `mfsreg check --read-data` names the versions the damage breaks, and a push of "
-                "each again with --mend-damaged mends them", chunk_id, why)
+    """Said once a push where a new chunk could not lean on the basis chosen for it because a chunk
+    of that basis's chain is damaged in its pack: the new chunk is stored plain, and the damage
+    stays for the versions that use it."""
+    log.warning("basis chunk %s cannot be read back (%s): this push stores the new chunks planned against it (and "
+                "against any other damaged basis) without deltas; `mfsreg check --read-data` names the versions the "
+                "damage breaks, and a push of each again with --mend-damaged mends them", chunk_id, why)
 
 
 class LostWarning:

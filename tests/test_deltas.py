@@ -357,9 +357,10 @@ def test_corrupt_delta_is_detected():
         decode_verified(chunk, payload[:-3] + b"xyz", base)
 
 
-def test_a_push_whose_basis_is_damaged_in_storage_stops_with_that_error(reg, fam):
-    """A basis whose stored bytes no longer decode to its id: the push stops with that one-line
-    error (not with a failure to unmap the file it was encoding) and commits nothing."""
+def test_a_push_whose_bases_are_damaged_in_storage_stores_its_chunks_plain(reg, fam, tmp_path, caplog):
+    """Bases whose stored bytes no longer decode to their ids (every chunk of base damaged in its
+    pack): the push stored nothing and stopped with that error, for bytes it does not store. Now
+    its chunks are stored plain, with one warning for the push, and it pulls byte for byte."""
     reg.push(fam["base"], "fam", "base")
     for c in reg.locate(reg.manifest("fam", "base")[1].chunk_ids()).values():
         with open(reg.blobs.root / pack_key(c.pack_id), "r+b") as f:
@@ -367,9 +368,16 @@ def test_a_push_whose_basis_is_damaged_in_storage_stops_with_that_error(reg, fam
             byte = f.read(1)[0]
             f.seek(-1, 1)
             f.write(bytes([byte ^ 0xFF]))
-    with pytest.raises(IntegrityError, match="chunk"):
-        reg.push(fam["full-med"], "fam", "full-med")
-    assert [v.name for v in reg.versions("fam")] == ["base"]
+    with caplog.at_level("WARNING", logger="mfsreg"):
+        res = reg.push(fam["full-med"], "fam", "full-med")
+    assert [v.name for v in reg.versions("fam")] == ["base", "full-med"]
+    said = [r.getMessage() for r in caplog.records if "cannot be read back" in r.getMessage()]
+    assert len(said) == 1 and "--mend-damaged" in said[0], caplog.text
+    assert res.new_chunks == res.chunks  # every chunk of full-med is new: none was a delta's to share
+    stored = reg.locate(reg.manifest("fam", "full-med")[1].chunk_ids()).values()
+    assert not any(codec.is_delta(c.encoding) or c.basis_id for c in stored)  # plain: no basis read back
+    reg.pull("fam", "full-med", tmp_path / "med.out")
+    assert filecmp.cmp(tmp_path / "med.out", fam["full-med"], shallow=False)
 
 
 def _lose_packs_of(reg, ids) -> set[str]:
