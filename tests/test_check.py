@@ -86,12 +86,7 @@ def test_damaged_bytes_are_found_by_read_data_alone_with_what_leans_on_them(reg,
     basis_ids = {c.basis_id for name in fam for c in reg.locate(reg.manifest("fam", name)[1].chunk_ids()).values()
                  if c.basis_id}
     victim = next(c for c in located.values() if c.id in basis_ids)  # a base chunk that deltas decode against
-    key = pack_key(victim.pack_id)
-    data = bytearray(reg.blobs.get(key))
-    for at in range(victim.offset, victim.offset + victim.stored_size, 97):
-        data[at] ^= 0x5A
-    reg.blobs.delete(key)
-    reg.blobs.put(key, bytes(data))
+    _damage(reg, victim)
     assert reg.check().ok  # sizes alone look whole
     res = reg.check(read_data=True)
     assert not res.ok and not res.lost_packs and victim.id in res.damaged_chunks
