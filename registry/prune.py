@@ -4,7 +4,8 @@ Deleting a version only drops its references: its chunks stay in their packs, so
 quick and a push of the same bytes can reuse them. Prune is the step that frees the space:
 
 - Needed chunks: every chunk a version uses. version_chunks holds each version's chunks and the
-  bases of its deltas (ingest.commit_version), so a basis stays as long as any delta needs it.
+  bases of its deltas (ingest.commit_version; a mend that re-chains chunks records it again:
+  db/chunks.rechain), so a basis stays as long as any delta needs it, and no longer.
   Also kept: chunks recorded within the grace period ``min_age`` (a push that uploaded them may not
   have committed yet), and, transitively, the bases of every chunk kept.
 - Every other chunk row is deleted, and so are the chunk claims (db/models.py) older than

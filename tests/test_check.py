@@ -10,9 +10,11 @@ from registry.blobs.packs import pack_key
 from registry.config import Settings
 from registry.errors import IntegrityError, NotFound, StorageError
 from registry.registry import Registry
+from registry.service import version_doc
 from tests.cli_run import mfsreg, mfsreg_json
 from tests.server import client_env, servers, server_env, token  # noqa: F401
 from tests.test_bad_input import snapshot
+from tests.test_tiers import expected_tiers
 
 
 def _push_family(reg: Registry, fam: dict) -> None:
@@ -218,6 +220,12 @@ def _basis_of_a_delta(reg: Registry, version: str):
     return next(c for i, c in sorted(base.items()) if i in bases and i not in ids and not c.basis_id)
 
 
+def _needing(reg: Registry, fam: dict, chunk_id: str) -> list[str]:
+    """The versions whose chunks, down the delta chains as stored now, include ``chunk_id``: worked
+    out from their manifests and the chunk rows, not from the chunk lists the registry recorded."""
+    return [f"fam/{v}" for v in fam if chunk_id in reg.locate(reg.manifest("fam", v)[1].chunk_ids())]
+
+
 def test_a_repush_with_mend_damaged_stores_damaged_chunks_again(reg, fam, tmp_path):
     """A damaged chunk (its pack present, its bytes wrong) is not mended by an identical re-push,
     which only looks packs up; with mend_damaged the re-push reads, decodes and hashes every chunk the
@@ -236,13 +244,20 @@ def test_a_repush_with_mend_damaged_stores_damaged_chunks_again(reg, fam, tmp_pa
     assert plain.existed and plain.mended_chunks == 0 and plain.new_bytes == 0  # looked up only: nothing seen
     assert reg.check(read_data=True).broken_versions == res.broken_versions
 
+    tag = version_doc(reg, "fam", "full-med")[1]
     med = reg.push(fam["full-med"], "fam", "full-med", parent="base", mend_damaged=True)
     assert med.existed and med.mended_chunks > 0 and med.new_chunks == med.mended_chunks and med.new_bytes > 0, med
     reg.pull("fam", "full-med", tmp_path / "med.out")
     assert filecmp.cmp(tmp_path / "med.out", fam["full-med"], shallow=False)
-    # the basis, which full-med no longer leans on, is base's to mend
+    # the basis, which full-med no longer leans on, is base's to mend: full-med no longer needs it,
+    # so check passes full-med, and the tiers and its document count it for the others alone
     after = reg.check(read_data=True)
     assert list(after.damaged_chunks) == [victim.id] and "fam/base" in after.broken_versions
+    assert after.broken_versions == _needing(reg, fam, victim.id) and "fam/full-med" not in after.broken_versions
+    assert reg.check("fam", read_data=True).broken_versions == after.broken_versions
+    assert reg.chunk_tiers("fam") == expected_tiers(reg, "fam")
+    doc, moved = version_doc(reg, "fam", "full-med")
+    assert moved != tag and victim.id not in doc["chunks"]  # a node's copy of the document is out of date
 
     base = reg.push(fam["base"], "fam", "base", mend_damaged=True)
     assert base.existed and base.mended_chunks > 0, base
@@ -254,6 +269,43 @@ def test_a_repush_with_mend_damaged_stores_damaged_chunks_again(reg, fam, tmp_pa
     again = reg.push(fam["base"], "fam", "base", mend_damaged=True)
     assert again.existed and again.mended_chunks == 0 and again.new_bytes == 0  # nothing damaged: nothing stored
     assert len(reg.versions("fam")) == len(fam)  # nothing committed
+
+
+def test_a_repush_that_mends_a_lost_basis_frees_it_once_no_version_needs_it(reg, fam, tmp_path):
+    """The pack of a basis that a delta of full-med decodes against is lost: full-med's re-push stores
+    those chunks again, plain, and from then on full-med no longer needs that basis. Check passes
+    it while the versions that still need the basis stay broken, its tiers and its document say
+    so, and once those versions are deleted, prune deletes the basis (rows, and the lost pack)."""
+    import filecmp
+
+    _push_family(reg, fam)
+    victim = _basis_of_a_delta(reg, "full-med")
+    reg.blobs.delete(pack_key(victim.pack_id))
+    assert "fam/full-med" in reg.check().broken_versions
+    tag = version_doc(reg, "fam", "full-med")[1]
+
+    med = reg.push(fam["full-med"], "fam", "full-med", parent="base")
+    assert med.existed and med.mended_chunks > 0, med
+    assert victim.id not in reg.locate(reg.manifest("fam", "full-med")[1].chunk_ids())
+    for read_data in (False, True):
+        res = reg.check(read_data=read_data)
+        assert list(res.lost_packs) == [victim.pack_id] and "fam/full-med" not in res.broken_versions
+        pulls = _pullable(reg, fam, tmp_path)
+        assert res.broken_versions == [f"fam/{v}" for v in fam if not pulls[v]] and pulls["full-med"]
+    assert reg.chunk_tiers("fam") == expected_tiers(reg, "fam")
+    doc, moved = version_doc(reg, "fam", "full-med")
+    assert moved != tag and victim.id not in doc["chunks"]
+
+    for name in fam:
+        if name != "full-med":
+            reg.delete("fam", name)
+    assert reg.check().ok  # nothing left needs the lost pack
+    reg.prune(min_age=0)
+    assert victim.id not in reg.locate([victim.id])  # the old basis is gone with the versions that needed it
+    assert reg.chunk_tiers("fam") == expected_tiers(reg, "fam")
+    assert reg.check(read_data=True).ok
+    reg.pull("fam", "full-med", tmp_path / "med.out")
+    assert filecmp.cmp(tmp_path / "med.out", fam["full-med"], shallow=False)
 
 
 def test_the_command_names_mend_damaged_and_the_push_mends_a_pack_damaged_on_disk(home_env, fam, tmp_path):

@@ -1,17 +1,22 @@
-"""Queries on stored chunks and packs: which ids are missing, recording packs, locating chunks."""
+"""Queries on stored chunks and packs: which ids are missing, recording packs (and what a mend that
+re-chains chunks changes in the versions that need them), locating chunks."""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Sequence, Set
 
-from sqlalchemy import Connection, and_, bindparam, select, update
+from sqlalchemy import Connection, and_, bindparam, delete, select, update
 
 from registry.blobs.packs import StoredChunk
+from registry.db import tiers as tier_db
+from registry.db import versions as version_db
 from registry.db.dialect import batches, insert
-from registry.db.locks import exclude_prune
-from registry.db.models import chunks, family_chunks, version_chunks, versions
+from registry.db.locks import exclude_prune, exclude_writers
+from registry.db.models import chunks, families, family_chunks, version_chunks, versions
 from registry.db.prune import list_pack
 from registry.errors import Pruned
+from registry.manifest import Manifest
 
 
 def missing_ids(conn: Connection, ids: Sequence[str]) -> set[str]:
@@ -28,14 +33,19 @@ def record_pack(conn: Connection, pack_id: str, size: int, stored: Sequence[Stor
     chunks; returns the stored bytes of the chunks that were new, or mended.
 
     ``mend`` names chunks sent again because the pack their row points into was lost from the blob
-    store (registry/lost.py): where such a row is found, it is pointed at this copy instead.
+    store (registry/lost.py): where such a row is found, it is pointed at this copy instead, and
+    where that changes its delta chain, the versions that need it record anew what they need
+    (rechain), in this transaction.
 
     A chunk that a concurrent push recorded first keeps its first location (ON CONFLICT DO
     NOTHING); the copy in this pack is dead weight until prune repacks it (registry/prune.py).
     Refused (Pruned) when a prune deleted the basis of one of its deltas after the push chose it:
     recorded, the delta could never be decoded, and a re-run would take it for stored.
     """
-    exclude_prune(conn)
+    if mend.isdisjoint(c.id for c in stored):
+        exclude_prune(conn)
+    else:  # a mend may re-chain chunks, and with them what versions need: see rechain
+        exclude_writers(conn)
     bases = {c.basis_id for c in stored if c.basis_id} - {c.id for c in stored}
     gone = missing_ids(conn, list(bases))
     if gone:
@@ -57,12 +67,14 @@ def record_pack(conn: Connection, pack_id: str, size: int, stored: Sequence[Stor
     added = {i: n for i, n in result}
     again = [r for r in rows if r["id"] in mend and r["id"] not in added]
     if again:
+        before = locate(conn, [r["id"] for r in again])
         stmt = (
             update(chunks).where(chunks.c.id == bindparam("cid"))
             .values(encoding=bindparam("encoding"), stored_size=bindparam("stored_size"), pack_id=pack_id,
                     offset=bindparam("offset"), basis_id=bindparam("basis_id"), depth=bindparam("depth"))
         )
         conn.execute(stmt, [dict(r, cid=r["id"]) for r in again])
+        rechain(conn, [r["id"] for r in again if before[r["id"]].basis_id != r["basis_id"]])
     return sum(added.values()) + sum(r["stored_size"] for r in again)
 
 
@@ -79,6 +91,75 @@ def repoint_plain(conn: Connection, pack_id: str, size: int, stored: Sequence[St
     )
     conn.execute(stmt, [dict(cid=c.id, enc=c.encoding, n=c.stored_size, off=c.offset)
                         for c in sorted(stored, key=lambda c: c.id)])
+
+
+def rechain(conn: Connection, ids: Sequence[str]) -> int:
+    """The chunks ``ids`` were just pointed at copies with other delta chains (a mend stores them
+    again plain: record_pack): each version that needs one gets its chunk list (version_chunks, which
+    tiers, prune and check read) made its own chunks and their bases down the chains as they are
+    now, and its family's tiers follow (db/tiers.change_uses). Otherwise it would go on naming the
+    old bases: check would name it broken while an old basis stayed lost or damaged though it
+    pulls, tiers would count them, and prune would keep them forever. Returns the list entries
+    added and dropped.
+
+    The caller holds exclude_writers (db/locks.py), so no commit reads chains while they change:
+    one that read the old ones would record the old bases after this looked its versions up. The
+    families are then locked, in name order, as delete and commit lock theirs, and their versions
+    looked up under the locks, so that none is deleted meanwhile."""
+    if not ids:
+        return 0
+    names: set[str] = set()
+    for batch in batches(list(ids)):
+        names.update(conn.execute(
+            select(families.c.name).distinct().select_from(version_chunks)
+            .join(versions, versions.c.id == version_chunks.c.version_id)
+            .join(families, families.c.id == versions.c.family_id)
+            .where(version_chunks.c.chunk_id.in_(batch))).scalars())
+    changed = 0
+    for name in sorted(names):
+        fam = version_db.lock_family(conn, name)
+        listed: dict[int, set[str]] = {}
+        for vid in _versions_using(conn, fam.id, ids):
+            listed[vid] = set(version_db.version_chunk_ids(conn, vid))
+        own = {vid: Manifest.from_bytes(version_db.read_manifest(conn, vid)).chunk_ids() for vid in listed}
+        located = locate_closure(conn, {i for o in own.values() for i in o})  # once for all: members share most
+        uses: Counter[str] = Counter()
+        for vid, had in listed.items():
+            need = _needed(own[vid], located)
+            gained, lost = sorted(need - had), sorted(had - need)
+            if lost:
+                conn.execute(delete(version_chunks).where(version_chunks.c.version_id == vid,
+                                                          version_chunks.c.chunk_id == bindparam("cid")),
+                             [dict(cid=c) for c in lost])
+            if gained:
+                conn.execute(version_chunks.insert(), [dict(version_id=vid, chunk_id=c) for c in gained])
+            uses.update(dict.fromkeys(gained, 1))
+            uses.subtract(dict.fromkeys(lost, 1))
+            changed += len(gained) + len(lost)
+        if listed:
+            tier_db.change_uses(conn, fam.id, uses, fam.member_count, fam.base_quorum)
+    return changed
+
+
+def _versions_using(conn: Connection, family_id: int, ids: Sequence[str]) -> set[int]:
+    found: set[int] = set()
+    for batch in batches(list(ids)):
+        found.update(conn.execute(
+            select(version_chunks.c.version_id).distinct()
+            .join(versions, versions.c.id == version_chunks.c.version_id)
+            .where(versions.c.family_id == family_id, version_chunks.c.chunk_id.in_(batch))).scalars())
+    return found
+
+
+def _needed(own: Iterable[str], located: dict[str, StoredChunk]) -> set[str]:
+    """``own`` and the bases of their deltas, down the chains in ``located``. A chunk without a row
+    stays listed: check names it as unrecorded."""
+    need: set[str] = set()
+    for i in own:
+        while i is not None and i not in need:
+            need.add(i)
+            i = located[i].basis_id if i in located else None
+    return need
 
 
 def locate(conn: Connection, ids: Iterable[str]) -> dict[str, StoredChunk]:
@@ -106,9 +187,10 @@ def locate_closure(conn: Connection, ids: Iterable[str]) -> dict[str, StoredChun
 def version_chunk_table(conn: Connection, version_id: int) -> dict[str, list]:
     """chunk id -> [encoding, stored bytes, basis id, raw bytes, tier] for every chunk a version
     needs, in one join: what a node reads before a pull or a load. A commit records the version's
-    chunks and the bases of their deltas (ingest.commit_version), so this is the same closure as
-    ``locate_closure`` of its manifest; locating a thousand ids through IN lists, and building full
-    rows for them, took most of that request. The family is looked up first and given as a
+    chunks and the bases of their deltas (ingest.commit_version; a mend that re-chains them records
+    them again: rechain), so this is the same closure as ``locate_closure`` of its manifest;
+    locating a thousand ids through IN lists, and building full rows for them, took most of that
+    request. The family is looked up first and given as a
     constant: joined through versions.family_id, which the planner cannot know in advance, Postgres
     hashed the whole family_chunks table (every family's) and scanned all chunks, so the document
     took time in the size of the registry, not of the version (224 ms against 89 at 1.75M rows)."""

@@ -13,7 +13,9 @@
   retired. Prune (registry/prune.py) claims each once ``since`` is older than its grace period (so
   that a pull which located chunks in a retired pack just before can finish), deletes the blob,
   then the row.
-- version_chunks: which distinct chunks each version needs (for stats, tiers and delete).
+- version_chunks: which distinct chunks each version needs (for stats, tiers and delete): its own and
+  the bases of their deltas, down the chains; written by its commit, and again by a mend that changes
+  the chain of one of them (db/chunks.rechain).
 - family_chunks: per family and chunk, how many members use it and its tier; rebalanced
   incrementally (registry/tiers.py) so a push never re-reads every member.
 - chunk_claims: chunks a push to a family uploaded (bytes re-hashed by the server), so its commit

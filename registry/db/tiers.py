@@ -6,9 +6,9 @@ and returns how many rows changed tier so that callers (and tests) can see the w
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
-from sqlalchemy import Connection, and_, case, delete, func, select, update
+from sqlalchemy import Connection, and_, bindparam, case, delete, func, select, update
 
 from registry.db.dialect import batches, insert
 from registry.db.models import families
@@ -89,6 +89,34 @@ def remove_member(conn: Connection, family_id: int, chunk_ids: Sequence[str], me
             .values(tier=BASE)
         ).rowcount
     return changed, dropped
+
+
+def change_uses(conn: Connection, family_id: int, uses: Mapping[str, int], members: int,
+                quorum: float) -> tuple[int, list[str]]:
+    """Members now need other chunks, none joining or leaving: a mend re-chained chunks they use
+    (db/chunks.rechain). ``uses`` gives per chunk how many more members use it (fewer where
+    negative); returns (rows that changed tier, ids no member uses now). The member count, and so
+    the threshold, is unchanged: only the chunks named can change tier. Always bumps the epoch:
+    the re-chained chunks' rows in the members' documents changed, even where no tier moved."""
+    bump_epoch(conn, family_id)
+    more = [dict(family_id=family_id, chunk_id=c, users=n, tier=UNIQUE) for c, n in sorted(uses.items()) if n > 0]
+    if more:
+        stmt = insert(conn, fc)
+        stmt = stmt.on_conflict_do_update(index_elements=[fc.c.family_id, fc.c.chunk_id],
+                                          set_={"users": fc.c.users + stmt.excluded.users})
+        conn.execute(stmt, more)
+    fewer = sorted(c for c, n in uses.items() if n < 0)
+    if fewer:
+        conn.execute(update(fc).where(fc.c.family_id == family_id, fc.c.chunk_id == bindparam("cid"))
+                     .values(users=fc.c.users - bindparam("n")), [dict(cid=c, n=-uses[c]) for c in fewer])
+    dropped: list[str] = []
+    for batch in batches(fewer):
+        dropped += conn.execute(
+            select(fc.c.chunk_id).where(fc.c.family_id == family_id, fc.c.chunk_id.in_(batch), fc.c.users <= 0)
+        ).scalars()
+    for batch in batches(dropped):
+        conn.execute(delete(fc).where(fc.c.family_id == family_id, fc.c.chunk_id.in_(batch)))
+    return _retier(conn, family_id, [c for c, n in uses.items() if n], members, quorum), dropped
 
 
 def recompute(conn: Connection, family_id: int, members: int, quorum: float) -> int:
