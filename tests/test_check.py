@@ -308,6 +308,37 @@ def test_a_repush_that_mends_a_lost_basis_frees_it_once_no_version_needs_it(reg,
     assert filecmp.cmp(tmp_path / "med.out", fam["full-med"], shallow=False)
 
 
+def test_a_mend_waits_for_a_commit_in_flight(reg, fam):
+    """A mend changes chains, and with them what versions need, which a commit reads: a commit that
+    read the old chains beside it would record the old bases. So recording a mended pack waits for
+    every transaction holding the lock commits hold (Postgres: taken exclusively; SQLite: the write
+    lock), here one that holds it a second."""
+    import threading
+    import time
+
+    from registry.db.engine import write_tx
+    from registry.db.locks import exclude_prune
+
+    _push_family(reg, fam)
+    reg.blobs.delete(pack_key(_pack_of_a_delta(reg, "full-med")))
+    holding, ended = threading.Event(), []
+
+    def commit_in_flight():
+        with write_tx(reg.engine) as conn:
+            exclude_prune(conn)
+            holding.set()
+            time.sleep(1.0)
+            ended.append(time.monotonic())
+
+    t = threading.Thread(target=commit_in_flight)
+    t.start()
+    holding.wait(10)
+    assert reg.push(fam["full-med"], "fam", "full-med", parent="base").mended_chunks > 0
+    mended = time.monotonic()
+    t.join()
+    assert mended >= ended[0]
+
+
 def test_the_command_names_mend_damaged_and_the_push_mends_a_pack_damaged_on_disk(home_env, fam, tmp_path):
     """A byte flipped inside a pack file of MFSREG_HOME's blob store: check --read-data says to push
     again with --mend-damaged; a plain re-push mends nothing and says nothing of it, the flagged one
