@@ -129,7 +129,8 @@ def detach_foreign_chains(reg, who: Principal | None, family: str, ids: Sequence
     use, and point its row there, so that a version of ``family`` needs only chunks it proved it
     holds. The registry decodes them itself (their bytes equal what the push uploaded, by id).
     Another family that used the delta now reads the plain copy: the same bytes, a little more
-    storage. ``go_on(conn)``, asked only when there is something to copy, in the same read
+    storage, and no longer needs the delta's bases (db/chunks.rechain records that in the copy's
+    transaction). ``go_on(conn)``, asked only when there is something to copy, in the same read
     transaction, may refuse (raise) or skip (False) the copies first: a commit's checks, which a
     commit needing no copy leaves to its own transaction. Returns how many were detached."""
     if reads_everything(who):

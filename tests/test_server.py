@@ -825,8 +825,15 @@ def test_a_scoped_push_gets_plain_copies_of_chunks_stored_against_another_family
     secret_only = sorted(set(httpx.get(f"{srv.url}/v1/families/secret/versions/base", headers=admin).json()["chunks"]) - own)
     r = httpx.post(f"{srv.url}/v1/families/qwen/chunks/download", json={"ids": secret_only[:3]}, headers=scoped)
     assert r.status_code == 404
-    after = httpx.get(f"{srv.url}/v1/families/secret/versions/med", headers=admin).json()["chunks"]
+    after_doc = httpx.get(f"{srv.url}/v1/families/secret/versions/med", headers=admin).json()
+    after = after_doc["chunks"]
     assert not any(after[i][2] for i in deltas & own)  # the shared chunks are plain now, for both families
+    # and secret's med needs no longer the bases they leaned on: its list is its chunks' closure now
+    need, todo = set(), set(Manifest.from_doc(after_doc["manifest"]).chunk_ids())
+    while todo:
+        need |= todo
+        todo = {after[i][2] for i in todo if i in after and after[i][2]} - need
+    assert set(after) == need and set(before) - need
     for family, env in (("qwen", scoped_env), ("secret", admin_env)):
         mfsreg("pull", family, "med", "-o", tmp_path / f"{family}.out", env=env)
         assert filecmp.cmp(tmp_path / f"{family}.out", fam["full-med"], shallow=False)

@@ -81,9 +81,11 @@ def record_pack(conn: Connection, pack_id: str, size: int, stored: Sequence[Stor
 def repoint_plain(conn: Connection, pack_id: str, size: int, stored: Sequence[StoredChunk]) -> None:
     """A durable pack of plain copies of stored chunks (registry/access.py), and those chunks' rows
     pointed at it: no longer deltas. Their old copies are dead weight until prune repacks them. A
-    chunk deleted meanwhile (a prune) stays deleted: the commit that needed it finds it missing."""
-    exclude_prune(conn)
+    chunk deleted meanwhile (a prune) stays deleted: the commit that needed it finds it missing.
+    The versions that used the deltas no longer need their bases: rechain, as a mend does."""
+    exclude_writers(conn)  # chains change, as in a mend (rechain)
     list_pack(conn, pack_id, size)
+    before = locate(conn, [c.id for c in stored])
     stmt = (
         update(chunks).where(chunks.c.id == bindparam("cid"))
         .values(encoding=bindparam("enc"), stored_size=bindparam("n"), pack_id=pack_id, offset=bindparam("off"),
@@ -91,6 +93,7 @@ def repoint_plain(conn: Connection, pack_id: str, size: int, stored: Sequence[St
     )
     conn.execute(stmt, [dict(cid=c.id, enc=c.encoding, n=c.stored_size, off=c.offset)
                         for c in sorted(stored, key=lambda c: c.id)])
+    rechain(conn, sorted(i for i, c in before.items() if c.basis_id is not None))
 
 
 def rechain(conn: Connection, ids: Sequence[str]) -> int:

@@ -7,7 +7,8 @@ the unlisted packs whose blobs it deletes. A transaction that relies on stored c
 announced pack staying (a commit; recording a pack, whose deltas need their stored bases) must not
 interleave with those: it would rely on something deleted under it. On Postgres such transactions
 take a shared advisory lock and prune's check the exclusive one; on SQLite nothing is needed, since
-writers take turns (BEGIN IMMEDIATE). Recording a pack that mends chunks takes the exclusive one too:
+writers take turns (BEGIN IMMEDIATE). Recording a pack that mends chunks, or holds a scoped push's
+plain copies of stored ones (registry/access.py), takes the exclusive one too:
 it may change their delta chains, and so what versions need (db/chunks.rechain), which a commit
 reads; a commit that read the old chains beside it would record bases no longer needed.
 """
