@@ -1030,10 +1030,44 @@ def test_a_damaged_cache_index_is_one_line_and_a_new_one_recovers_the_chunks(tmp
         proc = mfsreg(*args, env=env, check=False)
         assert proc.returncode == 5 and proc.stderr.count("\n") == 1, (args, proc.stderr)
         assert "index" in proc.stderr and "delete it" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
-        assert "cache prune --max-size SIZE` records them again" in proc.stderr, proc.stderr  # a bare prune needs a limit
+        assert "the next opening of the cache records them again" in proc.stderr, proc.stderr
     index.unlink()  # as the message says: the chunk files stay and are recorded again
-    assert mfsreg_json("cache", "prune", "--max-size", "1G", env=env)["unrecorded_files_found"] == 1
-    assert mfsreg_json("cache", "stats", env=env)["chunks"] == 1
+    assert mfsreg_json("cache", "stats", env=env)["chunks"] == 1  # by the opening that made the new index
+    assert mfsreg_json("cache", "prune", "--max-size", "1G", env=env)["unrecorded_files_found"] == 0
+
+
+def _on_disk(env: dict) -> list[int]:
+    """The sizes of the chunk and materialised files in the cache (temp files left out)."""
+    root = Path(env["MFSREG_CACHE_DIR"])
+    return [p.stat().st_size for d in ("chunks", "files") for p in (root / d).rglob("*")
+            if p.is_file() and not p.name.startswith(".")]
+
+
+def test_a_new_index_records_the_chunks_already_cached(published, fam, tmp_path):
+    """An index deleted (found damaged) or lost beside a full cache: the new one knew none of the
+    chunk files until a `cache prune` or `cache verify`, so `cache stats` said the cache was empty
+    and the size limit let it grow past itself. The opening that makes the new index records them."""
+    _, env = published
+    for m in ("lora-chat", "last-code"):
+        mfsreg_json("pull", "fam", m, "-o", tmp_path / f"{m}.out", env=env)
+    before = mfsreg_json("cache", "stats", env=env)
+    on_disk = _on_disk(env)
+    assert before["chunks"] == len(on_disk) and before["bytes"] == sum(on_disk), before
+    index = Path(env["MFSREG_CACHE_DIR"]) / "index.db"
+    for f in index.parent.glob("index.db*"):
+        f.unlink()
+    stats = mfsreg_json("cache", "stats", env=env)
+    assert stats["chunks"] == len(on_disk) and stats["bytes"] == sum(on_disk), stats
+    assert not (index.parent / "unrecorded").exists()
+    # the limit counts them: a pull of a third member evicts the others' chunks down to it
+    limit = fam["full-med"].stat().st_size + 200_000
+    assert sum(on_disk) > limit
+    mfsreg_json("pull", "fam", "full-med", "-o", tmp_path / "full-med.out", env=dict(env, MFSREG_CACHE_MAX=str(limit)))
+    assert filecmp.cmp(tmp_path / "full-med.out", fam["full-med"], shallow=False)
+    on_disk = _on_disk(env)
+    assert sum(on_disk) <= limit, (sum(on_disk), limit)
+    stats = mfsreg_json("cache", "stats", env=env)
+    assert stats["chunks"] == len(on_disk) and stats["bytes"] == sum(on_disk), stats
 
 
 def _cache_file(env: dict, chunk_id: str) -> Path:

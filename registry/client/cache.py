@@ -6,7 +6,8 @@ Layout under MFSREG_CACHE_DIR (default $XDG_CACHE_HOME/mfsreg where that is abso
   files/<sha256>     whole files materialised for engines (`pull --to-dir` hardlinks them)
   index.db           SQLite (stdlib, WAL): size, tier, pin and last use per entry
   unrecorded         present while files may stand without index rows (a write to the index
-                     failed, say on a full disk): the next opening records them, then removes it
+                     failed, say on a full disk, or a new index.db was made beside cached files):
+                     the next opening records them, then removes it
 
 Several processes on one node share it safely: each write goes to a unique temp name and is renamed
 into place (the same id always holds the same bytes, so a lost race costs nothing), and the index
@@ -131,9 +132,18 @@ class NodeCache:
             raise index_error(self._index, exc) from None
         with self._db() as db:
             if db.execute("PRAGMA user_version").fetchone()[0] < 1:
-                # a cache from before family_base: what its rows knew (one family per chunk)
-                db.execute("INSERT OR IGNORE INTO family_base (family, key) SELECT family, key FROM entries "
-                           "WHERE rank = ? AND family IS NOT NULL", (RANK["base"],))
+                if db.execute("SELECT 1 FROM entries LIMIT 1").fetchone() is None:
+                    # A new index (or an empty one from before family_base): where chunks/ or files/
+                    # already hold entries, the index was deleted (damaged) or lost, and those files
+                    # have no rows, so stats and the size limit would leave them out. The marker is
+                    # left before the version is written: an opener killed before the walk below
+                    # leaves it for the next one. (An empty cache costs two directory reads.)
+                    if _holds_any(self._chunks) or _holds_any(self.root / "files"):
+                        self._mark_unrecorded()
+                else:
+                    # a cache from before family_base: what its rows knew (one family per chunk)
+                    db.execute("INSERT OR IGNORE INTO family_base (family, key) SELECT family, key FROM entries "
+                               "WHERE rank = ? AND family IS NOT NULL", (RANK["base"],))
                 db.execute("PRAGMA user_version = 1")
         self._record_unrecorded()
 
@@ -652,6 +662,15 @@ def _read_plain(path: str) -> tuple[bytes, os.stat_result] | None:
         return f.readall(), st
 
 
+def _holds_any(path: str | os.PathLike) -> bool:
+    """Whether the directory at ``path`` has any entry at all (one read of it)."""
+    try:
+        with os.scandir(path) as it:
+            return next(it, None) is not None
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+
+
 def _plain(path: str) -> bool:
     """Whether a plain file stands at ``path`` (not following a link): one lstat."""
     try:
@@ -689,8 +708,8 @@ def index_error(path: Path, exc: sqlite3.DatabaseError) -> StorageError:
         return StorageError(f"the node cache's index {path} cannot be opened or written ({exc}): this user may not "
                             "write to that cache; check its permissions, or set MFSREG_CACHE_DIR to a cache of your own")
     return StorageError(f"the node cache's index {path} cannot be used ({exc}): free space if the disk is full; "
-                        "if the file is damaged, delete it (the cached chunks stay, and `mfsreg cache prune "
-                        "--max-size SIZE` records them again)")
+                        "if the file is damaged, delete it (the cached chunks stay, and the next opening of the "
+                        "cache records them again)")
 
 
 class _Tx:
