@@ -1925,6 +1925,76 @@ def test_a_tier_that_moves_down_lowers_the_chunks_rank(tmp_path):
         cache.close()
 
 
+def test_a_chunk_recorded_as_used_after_another_process_evicted_it_gets_no_row(tmp_path):
+    """A load (or `cache warm`) that found a chunk cached records it as used; where another process
+    evicted it in between, that made its row again, for a file that was gone: `cache stats` counted
+    its bytes until an eviction picked the row. Two caches over one directory, as two processes."""
+    import hashlib
+
+    from registry.client.cache import atomic_write
+
+    cache, chunks = _ranked_cache(tmp_path)
+    other = NodeCache(tmp_path / "ranked")
+    x, y, _ = chunks
+    try:
+        cache.put_many([(x, chunks[x], "unique", "f"), (y, chunks[y], "base", "f")])
+        data = os.urandom(3000)  # a materialised file, as a --to-dir pull leaves one
+        sha = hashlib.sha256(data).hexdigest()
+        atomic_write(str(cache.file_path(sha)), data, mode=0o444)
+        cache.add_file(sha, len(data))
+        assert other.has(x) and other.file_path(sha).exists()  # what the other process found
+        cache.evict(max_bytes=4096)  # the file, then the unique chunk
+        assert not cache.has(x) and not cache.file_path(sha).exists() and cache.has(y)
+        other.record([(x, 4096, "unique", "f"), (y, 4096, "base", "f")])  # as a load notes what it used
+        other.add_file(sha, len(data))  # as a --to-dir pull notes the file it linked
+        assert other.stats()["bytes"] == 4096 and other.stats()["chunks"] == 1, other.stats()
+    finally:
+        other.close()
+        cache.close()
+
+
+@pytest.mark.parametrize("how", ["evict", "discard"])
+def test_no_row_is_made_between_a_removals_commit_and_its_unlink(tmp_path, monkeypatch, how):
+    """Eviction (and the drop of a damaged chunk) committed the rows' deletion and then removed the
+    files: a process recording the chunk as used in between made its row again while the file still
+    stood, and the file went after. Here the other process records at the moment of the unlink; the
+    files now go under the index's write lock, so it waits, and finds no file."""
+    from registry.client.cache import atomic_write
+
+    cache, chunks = _ranked_cache(tmp_path)
+    other = NodeCache(tmp_path / "ranked")
+    x, _, _ = chunks
+    try:
+        if how == "evict":
+            cache.put(x, chunks[x], "unique", "f")
+        else:  # a file at x's name that is not x's bytes, with its row
+            atomic_write(cache.chunk_file(x), b"\0" * 4096, mode=0o444)
+            cache.record([(x, 4096, "unique", "f")])
+        real_unlink, waited = os.unlink, []
+
+        def unlink_while_another_records(path, *args, **kwargs):
+            if os.fspath(path) == cache.chunk_file(x) and not waited:
+                t = threading.Thread(target=other.record, args=([(x, 4096, "unique", "f")],))
+                t.start()
+                t.join(timeout=0.5)  # done at once where nothing holds the lock
+                waited.append(t)
+            return real_unlink(path, *args, **kwargs)
+
+        monkeypatch.setattr(os, "unlink", unlink_while_another_records)
+        if how == "evict":
+            cache.evict(max_bytes=0)
+        else:
+            assert cache.get_verified(x) is None
+        monkeypatch.undo()
+        assert waited, "the file was never unlinked"
+        waited[0].join(timeout=60)
+        assert not cache.has(x)
+        assert other.stats()["chunks"] == 0 and other.stats()["bytes"] == 0, other.stats()
+    finally:
+        other.close()
+        cache.close()
+
+
 def test_a_cached_chunk_evicted_during_a_pull_is_fetched_at_once_not_after_the_fetch(published, fam, tmp_path):
     """A chunk the pull found cached, then evicted by another process before the assembly reached
     it, is fetched again at once: the assembly waited for the whole background fetch to end first,

@@ -306,26 +306,32 @@ class NodeCache:
     def forget_missing(self, prefix: str) -> int:
         """Drop the index rows of chunks named chunks/<prefix>/... whose files are not there (the
         shard was lost): the size limit would count them until an eviction. Returns how many."""
-        keys = [r[0] for r in self._conn().execute("SELECT key FROM entries WHERE substr(key, 1, 2) = ?", (prefix,))]
-        gone = [k for k in keys if not os.path.lexists(self.chunk_file(k))]
-        self.forget(gone)
+        # looked for under the write lock: a chunk another process places and records meanwhile
+        # keeps its row (record makes rows under the same lock)
+        with self._db() as db:
+            keys = [r[0] for r in db.execute("SELECT key FROM entries WHERE substr(key, 1, 2) = ?", (prefix,))]
+            gone = [k for k in keys if not os.path.lexists(self.chunk_file(k))]
+            _forget(db, gone)
         return len(gone)
 
     def forget(self, chunk_ids: list[str]) -> None:
         """Drop chunks' rows, and leave their files alone."""
         with self._db() as db:
-            for table in ("entries", "family_base", "family_rank"):
-                db.executemany(f"DELETE FROM {table} WHERE key = ?", [(k,) for k in chunk_ids])
+            _forget(db, chunk_ids)
 
     def discard(self, chunk_id: str, seen: os.stat_result | None = None) -> None:
         """Drop one chunk (found damaged or cut short on disk): its rows, then its file. ``seen``:
         the stat of the file found damaged; if another file is there now (another process fetched
         the chunk again meanwhile), that one stays."""
         path = self.chunk_path(chunk_id)
-        if seen is not None and not _same_file(path, seen):
-            return
-        self.forget([chunk_id])
-        path.unlink(missing_ok=True)
+        # rows and file together under the write lock: a process that found the file a moment ago
+        # and records it as used cannot make its row again between the two (record looks for the
+        # file under that lock)
+        with self._db() as db:
+            if seen is not None and not _same_file(path, seen):
+                return
+            _forget(db, [chunk_id])
+            path.unlink(missing_ok=True)
 
     def failed_again(self, chunk_id: str) -> IntegrityError:
         """The error for a chunk that is missing or damaged even after it was fetched again."""
@@ -341,27 +347,45 @@ class NodeCache:
         """Drop one materialised file (found damaged): its row, then the file (links elsewhere keep
         theirs). ``seen``: as for discard."""
         path = self.file_path(sha256)
-        if seen is not None and not _same_file(path, seen):
-            return
-        with self._db() as db:
+        with self._db() as db:  # as discard does
+            if seen is not None and not _same_file(path, seen):
+                return
             db.execute("DELETE FROM entries WHERE key = ?", (f"file:{sha256}",))
-        path.unlink(missing_ok=True)
+            path.unlink(missing_ok=True)
 
     def record(self, items: Iterable[tuple[str, int, str | None, str | None]]) -> None:
         """Rows for entries on disk (key, size, tier, family), used now; a file without one (its
         writer died before recording it) gets one. A chunk's rank is the highest its families give
-        it, each as it told last (an entry no family has told keeps the highest it was given)."""
+        it, each as it told last (an entry no family has told keeps the highest it was given).
+
+        A row is made only for a file that stands at its name while the write lock is held:
+        eviction and discard remove files under that lock too, so a caller that found a chunk
+        cached before another process evicted it never makes a row for the file that went (which
+        stats and the size limit would count until an eviction picked that row)."""
         now = time.time()
         items = list(items)
         rows = [(k, n, RANK.get(t, UNKNOWN_RANK) if t else UNKNOWN_RANK, fam, now) for k, n, t, fam in items]
         try:
             with self._db() as db:
-                db.executemany(
-                    "INSERT INTO entries (key, size, rank, family, last_used) VALUES (?, ?, ?, ?, ?) "
-                    "ON CONFLICT(key) DO UPDATE SET rank = MAX(rank, excluded.rank), last_used = excluded.last_used, "
-                    "family = COALESCE(entries.family, excluded.family)",
-                    rows,
-                )
+                # the rows there are updated in place; a load of cached chunks (every key has its row)
+                # stops here, with no stat of its files and no query more than before
+                updated = db.executemany(
+                    "UPDATE entries SET rank = MAX(rank, ?), last_used = ?, family = COALESCE(family, ?) WHERE key = ?",
+                    [(r, t, fam, k) for k, _, r, fam, t in rows],
+                ).rowcount
+                if rows and updated != len(rows):
+                    known = {r[0] for r in _rows_in(db, "SELECT key FROM entries WHERE key IN ({})",
+                                                    list(dict.fromkeys(k for k, *_ in rows)))}
+                    gone = {k for k, *_ in rows if k not in known and not _plain(self.chunk_file(k))}
+                    if gone:
+                        rows = [r for r in rows if r[0] not in gone]
+                        items = [i for i in items if i[0] not in gone]
+                    db.executemany(
+                        "INSERT INTO entries (key, size, rank, family, last_used) VALUES (?, ?, ?, ?, ?) "
+                        "ON CONFLICT(key) DO UPDATE SET rank = MAX(rank, excluded.rank), last_used = excluded.last_used, "
+                        "family = COALESCE(entries.family, excluded.family)",  # (a key given twice)
+                        [r for r in rows if r[0] not in known],
+                    )
                 _rerank(db, [(fam, k, r) for k, _, r, fam, _ in rows if fam is not None])
                 _note_base(db, [(k, t, fam) for k, _, t, fam in items])
         except StorageError:
@@ -393,12 +417,17 @@ class NodeCache:
 
     def add_file(self, sha256: str, size: int) -> None:
         """A materialised file's row, used now (made if its writer died before it): one statement,
-        so that no eviction ever sees it ranked as anything but a file."""
+        so that no eviction ever sees it ranked as anything but a file. As for chunks (record), a
+        row is made only while the file stands: an eviction may have taken it since it was used."""
         try:
             with self._db() as db:
+                key = f"file:{sha256}"
+                if (db.execute("SELECT 1 FROM entries WHERE key = ?", (key,)).fetchone() is None
+                        and not _plain(str(self.file_path(sha256)))):
+                    return
                 db.execute("INSERT INTO entries (key, size, rank, family, last_used) VALUES (?, ?, ?, NULL, ?) "
                            "ON CONFLICT(key) DO UPDATE SET size = excluded.size, rank = excluded.rank, "
-                           "last_used = excluded.last_used", (f"file:{sha256}", size, FILE_RANK, time.time()))
+                           "last_used = excluded.last_used", (key, size, FILE_RANK, time.time()))
         except StorageError:
             self._mark_unrecorded()  # as record does: the file is there, its row is not
             raise
@@ -448,8 +477,11 @@ class NodeCache:
              "ON p.family = b.family WHERE b.key = entries.key) ORDER BY rank, last_used")
         # The total, the choice and the deletion in one write transaction: two pulls finishing
         # together would otherwise each count the other's chunks as still there and both evict,
-        # emptying the cache far below its limit. Index rows go first, then the files: a reader
-        # that finds no file fetches the chunk again, and no row ever points at a deleted file.
+        # emptying the cache far below its limit. The files go inside it too: a process that found
+        # a victim cached and records it as used waits for the lock, then finds no file and makes
+        # no row (committed first and deleted after, its row came back for a file about to go, and
+        # stats counted bytes that were not there). A reader that finds no file fetches it again.
+        failed = None
         with self._db() as db:
             total = db.execute("SELECT COALESCE(SUM(size), 0) FROM entries").fetchone()[0]
             if total <= limit:
@@ -459,15 +491,21 @@ class NodeCache:
                     break
                 if key in keep:
                     continue
+                path = str(self.file_path(key[5:])) if key.startswith("file:") else self.chunk_file(key)
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
+                except OSError as exc:  # the rows of the files that went still go; this one's stays
+                    failed = exc
+                    break
                 victims.append(key)
                 total -= size
                 removed += 1
                 freed += size
-            db.executemany("DELETE FROM entries WHERE key = ?", [(k,) for k in victims])
-            db.executemany("DELETE FROM family_base WHERE key = ?", [(k,) for k in victims])
-            db.executemany("DELETE FROM family_rank WHERE key = ?", [(k,) for k in victims])
-        for key in victims:
-            (self.file_path(key[5:]) if key.startswith("file:") else self.chunk_path(key)).unlink(missing_ok=True)
+            _forget(db, victims)
+        if failed is not None:
+            raise failed
         return removed, freed
 
     def disk_files(self) -> Iterator[tuple[str, os.DirEntry]]:
@@ -565,6 +603,12 @@ def _stats(root: Path, max_bytes: int | None, rows: list[tuple[int, int, int]], 
         "path": str(root), "max_bytes": max_bytes, "bytes": sum(b for _, _, b in rows),
         "chunks": sum(n for r, n, _ in rows if r != FILE_RANK), "by_tier": by, "pinned_families": pinned,
     }
+
+
+def _forget(db: sqlite3.Connection, keys: list[str]) -> None:
+    """Delete every row of ``keys``, inside the caller's transaction."""
+    for table in ("entries", "family_base", "family_rank"):
+        db.executemany(f"DELETE FROM {table} WHERE key = ?", [(k,) for k in keys])
 
 
 def _rows_in(db: sqlite3.Connection, query: str, keys: list[str]) -> Iterator[tuple]:
