@@ -1957,8 +1957,8 @@ def test_a_chunk_recorded_as_used_after_another_process_evicted_it_gets_no_row(t
 def test_no_row_is_made_between_a_removals_commit_and_its_unlink(tmp_path, monkeypatch, how):
     """Eviction (and the drop of a damaged chunk) committed the rows' deletion and then removed the
     files: a process recording the chunk as used in between made its row again while the file still
-    stood, and the file went after. Here the other process records at the moment of the unlink; the
-    files now go under the index's write lock, so it waits, and finds no file."""
+    stood, and the file went after. Here the other process records at the moment the file leaves
+    its name; the files now go under the index's write lock, so it waits, and finds no file."""
     from registry.client.cache import atomic_write
 
     cache, chunks = _ranked_cache(tmp_path)
@@ -1970,29 +1970,79 @@ def test_no_row_is_made_between_a_removals_commit_and_its_unlink(tmp_path, monke
         else:  # a file at x's name that is not x's bytes, with its row
             atomic_write(cache.chunk_file(x), b"\0" * 4096, mode=0o444)
             cache.record([(x, 4096, "unique", "f")])
-        real_unlink, waited = os.unlink, []
+        waited = []
 
-        def unlink_while_another_records(path, *args, **kwargs):
-            if os.fspath(path) == cache.chunk_file(x) and not waited:
-                t = threading.Thread(target=other.record, args=([(x, 4096, "unique", "f")],))
-                t.start()
-                t.join(timeout=0.5)  # done at once where nothing holds the lock
-                waited.append(t)
-            return real_unlink(path, *args, **kwargs)
+        def while_another_records(real):
+            def call(path, *args, **kwargs):
+                if os.fspath(path) == cache.chunk_file(x) and not waited:  # the file leaves its name
+                    t = threading.Thread(target=other.record, args=([(x, 4096, "unique", "f")],))
+                    t.start()
+                    t.join(timeout=0.5)  # done at once where nothing holds the lock
+                    waited.append(t)
+                return real(path, *args, **kwargs)
+            return call
 
-        monkeypatch.setattr(os, "unlink", unlink_while_another_records)
+        for name in ("unlink", "rename"):  # a drop renames the file aside first
+            monkeypatch.setattr(os, name, while_another_records(getattr(os, name)))
         if how == "evict":
             cache.evict(max_bytes=0)
         else:
             assert cache.get_verified(x) is None
         monkeypatch.undo()
-        assert waited, "the file was never unlinked"
+        assert waited, "the file never left its name"
         waited[0].join(timeout=60)
         assert not cache.has(x)
         assert other.stats()["chunks"] == 0 and other.stats()["bytes"] == 0, other.stats()
     finally:
         other.close()
         cache.close()
+
+
+def test_a_good_copy_placed_while_a_damaged_one_is_dropped_stays(tmp_path, monkeypatch):
+    """A damaged chunk file is dropped by the one that found it (get_verified, `cache verify`);
+    another process fetching the chunk again renames its good copy into place at any moment. The
+    drop checked the file at the name was the damaged one, then unlinked the name: a good copy
+    renamed in between was deleted. Here the good copy lands before each file-system call the drop
+    makes in turn, and stays every time."""
+    from registry.client.cache import atomic_write
+
+    good = bytes(range(256)) * 16
+    x = chunk_id(good)
+    points = 0
+    for k in range(10):
+        cache = NodeCache(tmp_path / f"c{k}")
+        path = cache.chunk_file(x)
+        atomic_write(path, b"\0" * len(good), mode=0o444)  # damaged: not x's bytes
+        cache.record([(x, len(good), "unique", "f")])
+        calls, busy = [], []
+
+        def spy(real):
+            def call(*args, **kwargs):
+                if not busy and any(os.fspath(a).startswith(os.path.dirname(path)) for a in args[:2]):
+                    if len(calls) == k:
+                        busy.append(1)  # the other process, renaming its good copy into place
+                        atomic_write(path, good, mode=0o444)
+                        busy.clear()
+                    calls.append(real.__name__)
+                return real(*args, **kwargs)
+            return call
+
+        for name in ("stat", "lstat", "rename", "replace", "unlink"):
+            monkeypatch.setattr(os, name, spy(getattr(os, name)))
+        try:
+            assert cache.get_verified(x) is None  # the damaged file, found so
+        finally:
+            monkeypatch.undo()
+        try:
+            if len(calls) <= k:  # no call left to put the good copy before: every point was tried
+                break
+            with open(path, "rb") as f:
+                assert chunk_id(f.read()) == x, (k, calls)
+            assert not [p for p in Path(path).parent.iterdir() if p.name.startswith(".")], (k, calls)  # nothing left aside
+            points += 1
+        finally:
+            cache.close()
+    assert points >= 2, points
 
 
 def test_a_cached_chunk_evicted_during_a_pull_is_fetched_at_once_not_after_the_fetch(published, fam, tmp_path):

@@ -108,15 +108,6 @@ CREATE TABLE IF NOT EXISTS pulls (family TEXT, version TEXT, last_used REAL, PRI
 """
 
 
-def _same_file(path: Path, seen: os.stat_result) -> bool:
-    """Whether ``path`` is still the file ``seen`` was taken of (or is gone)."""
-    try:
-        now = os.stat(path)
-    except FileNotFoundError:
-        return True
-    return (now.st_dev, now.st_ino) == (seen.st_dev, seen.st_ino)
-
-
 class NodeCache:
     def __init__(self, root: Path | None = None, max_bytes: int | None = None):
         self.root = cache_root(root) if root is not None else default_cache_dir()
@@ -323,15 +314,38 @@ class NodeCache:
         """Drop one chunk (found damaged or cut short on disk): its rows, then its file. ``seen``:
         the stat of the file found damaged; if another file is there now (another process fetched
         the chunk again meanwhile), that one stays."""
-        path = self.chunk_path(chunk_id)
-        # rows and file together under the write lock: a process that found the file a moment ago
-        # and records it as used cannot make its row again between the two (record looks for the
-        # file under that lock)
+        self._drop(self.chunk_file(chunk_id), chunk_id, seen)
+
+    def _drop(self, path: str, key: str, seen: os.stat_result | None) -> None:
+        """Remove the file at ``path`` and the rows of ``key``: those of a chunk (all its tables),
+        or a materialised file's entry. Rows and file go together under the write lock, so that a
+        process that found the file a moment ago and records it as used cannot make its row again
+        between the two (record looks for the file under that lock)."""
         with self._db() as db:
-            if seen is not None and not _same_file(path, seen):
+            if seen is not None:
+                # The file is renamed aside first, and its identity checked there: a check at its
+                # name followed by an unlink of that name removed a good copy another process
+                # renamed into place between the two. Renamed aside, what is checked is what goes.
+                aside = _temp_name(path)
+                try:
+                    os.rename(path, aside)
+                except FileNotFoundError:  # gone already (evicted, or dropped by another): its rows go
+                    _forget(db, [key])
+                    return
+                now = os.lstat(aside)
+                if (now.st_dev, now.st_ino) != (seen.st_dev, seen.st_ino):
+                    # a good copy placed since the damaged file was read: back to its name (a copy
+                    # placed there since holds the same bytes), and its rows stay
+                    os.rename(aside, path)
+                    return
+                _forget(db, [key])
+                os.unlink(aside)
                 return
-            _forget(db, [chunk_id])
-            path.unlink(missing_ok=True)
+            _forget(db, [key])
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
 
     def failed_again(self, chunk_id: str) -> IntegrityError:
         """The error for a chunk that is missing or damaged even after it was fetched again."""
@@ -346,12 +360,7 @@ class NodeCache:
     def discard_file(self, sha256: str, seen: os.stat_result | None = None) -> None:
         """Drop one materialised file (found damaged): its row, then the file (links elsewhere keep
         theirs). ``seen``: as for discard."""
-        path = self.file_path(sha256)
-        with self._db() as db:  # as discard does
-            if seen is not None and not _same_file(path, seen):
-                return
-            db.execute("DELETE FROM entries WHERE key = ?", (f"file:{sha256}",))
-            path.unlink(missing_ok=True)
+        self._drop(str(self.file_path(sha256)), f"file:{sha256}", seen)
 
     def record(self, items: Iterable[tuple[str, int, str | None, str | None]]) -> None:
         """Rows for entries on disk (key, size, tier, family), used now; a file without one (its
@@ -803,6 +812,13 @@ def _use_wal(conn: sqlite3.Connection, path: Path, wait: float = 60.0) -> None:
         time.sleep(0.005)
 
 
+def _temp_name(path: str) -> str:
+    """A unique hidden temp name beside ``path`` (what is_temp knows, and sweep_temps removes once
+    an hour old: one a killed process left)."""
+    head, _, name = path.rpartition("/")
+    return f"{head}/.{name}.{uuid.uuid4().hex}.tmp"
+
+
 def is_temp(name: str) -> bool:
     """Whether a file name is one of atomic_write's temp names (hidden, ending in .tmp)."""
     return name.startswith(".") and name.endswith(".tmp")
@@ -822,8 +838,8 @@ def atomic_write(path: str, data, mode: int = 0o644) -> None:
     missing. The temp name is random, not the pid: processes in other pid namespaces (containers)
     may share the cache. The mode is set exactly, whatever the umask, so every user of a shared
     cache can read its files."""
-    head, _, name = path.rpartition("/")
-    tmp = f"{head}/.{name}.{uuid.uuid4().hex}.tmp"
+    tmp = _temp_name(path)
+    head = tmp.rpartition("/")[0]
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
     try:
         try:
