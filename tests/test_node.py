@@ -1503,9 +1503,10 @@ def test_prune_removes_temp_files_that_killed_writers_left(tmp_path):
     assert not old.exists() and not old_file.exists() and fresh.exists() and chunk.read_bytes() == data
 
 
-def test_prune_counts_and_evicts_files_a_killed_writer_left_unrecorded(tmp_path):
-    """A writer killed between renaming a chunk into place and recording it leaves a file the index
-    does not know: prune records it, so that the limit counts it and it can be evicted."""
+def _cache_with_an_unrecorded_file(tmp_path) -> tuple[dict, str]:
+    """A node cache holding a recorded chunk of 4,000 bytes and, as a writer killed between
+    renaming a chunk into place and recording it leaves one, a 6,000-byte chunk file without a
+    row; the environment of CLI commands on it, and the recorded chunk's id."""
     from registry.client.cache import atomic_write
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("MFSREG_")}
@@ -1518,11 +1519,18 @@ def test_prune_counts_and_evicts_files_a_killed_writer_left_unrecorded(tmp_path)
     finally:
         cache.close()
     assert mfsreg_json("cache", "stats", env=env)["bytes"] == 4000
+    return env, chunk_id(kept)
+
+
+def test_prune_counts_and_evicts_files_a_killed_writer_left_unrecorded(tmp_path):
+    """A writer killed between renaming a chunk into place and recording it leaves a file the index
+    does not know: prune records it, so that the limit counts it and it can be evicted."""
+    env, kept = _cache_with_an_unrecorded_file(tmp_path)
     res = mfsreg_json("cache", "prune", "--max-size", "1G", env=env)
     assert res["unrecorded_files_found"] == 1 and res["bytes"] == 10_000
     res = mfsreg_json("cache", "prune", "--max-size", "5000", env=env)
     assert res["unrecorded_files_found"] == 0 and res["removed"] == 1 and res["bytes"] == 4000
-    assert cached_ids(env) == [chunk_id(kept)]  # the unknown one went first: it ranks as unique
+    assert cached_ids(env) == [kept]  # the unknown one went first: it ranks as unique
 
 
 _FULL_INDEX = """
@@ -1582,18 +1590,7 @@ def test_stats_count_the_chunks_whose_index_rows_a_full_disk_stopped(tmp_path):
 def test_cache_verify_records_intact_files_that_have_no_row(tmp_path):
     """`cache verify` walks every file: one that passes and has no row (its writer killed, or the
     marker of a failed index write lost) is recorded, as `cache prune` records it."""
-    from registry.client.cache import atomic_write
-
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MFSREG_")}
-    env["MFSREG_CACHE_DIR"] = str(tmp_path / "c")
-    cache = NodeCache(tmp_path / "c")
-    try:
-        kept, lost = os.urandom(4000), os.urandom(6000)
-        cache.put(chunk_id(kept), kept, "base", "fam")
-        atomic_write(cache.chunk_file(chunk_id(lost)), lost, mode=0o444)  # the file, and no row
-    finally:
-        cache.close()
-    assert mfsreg_json("cache", "stats", env=env)["bytes"] == 4000
+    env, _ = _cache_with_an_unrecorded_file(tmp_path)
     res = mfsreg_json("cache", "verify", env=env)
     assert res["unrecorded_files_found"] == 1 and res["damaged_chunks"] == [], res
     assert mfsreg_json("cache", "stats", env=env)["bytes"] == 10_000
