@@ -11,7 +11,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 from registry.progress import NullProgress
 
 LABELS = {"hash": "hashed", "skip": "skipped (stored)", "send": "sent", "fetch": "fetched", "write": "written", "verify": "checked",
-          "repack": "repacked"}
+          "repack": "repacked", "server": "on the server"}
 
 
 class RichProgress:
@@ -19,7 +19,7 @@ class RichProgress:
         self._p = progress
         self._tasks: dict[str, int] = {}
 
-    def start(self, task: str, total: int) -> None:
+    def start(self, task: str, total: int | None) -> None:
         if task in self._tasks:
             self._p.update(self._tasks[task], total=total)
         else:

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from registry.blobs.packs import pack_key
+from registry.client.remote import RemoteRegistry
 from registry.config import Settings
 from registry.errors import IntegrityError, NotFound, StorageError
 from registry.registry import Registry
@@ -175,6 +176,19 @@ def test_the_server_checks_its_store_for_an_admin(servers, server_env, fam, tmp_
     assert proc.returncode == 4, proc.stderr
     res = json.loads(proc.stdout)
     assert list(res["lost_packs"]) == [pack] and res["broken_versions"] == [f"fam/{v}" for v in fam if not pulls[v]]
+    # through the client, the wait for the server's answer is one task of unknown size (a bar that pulses)
+    started = []
+
+    class Told:
+        def start(self, task, total):
+            started.append((task, total))
+
+        def advance(self, task, n):
+            pass
+
+    admin_token = admin["MFSREG_TOKEN"]
+    with RemoteRegistry(srv.url, token=admin_token) as remote:
+        assert remote.check(progress=Told()).lost_packs == res["lost_packs"] and started == [("server", None)]
     scoped = client_env(tmp_path, srv.url, token(server_env, "admin", "fam"))
     one = mfsreg("check", "--family", "fam", env=scoped, check=False)
     assert one.returncode == 4 and "cannot be pulled: fam/lora-chat" in one.stdout, one.stdout + one.stderr

@@ -427,16 +427,20 @@ class RemoteRegistry(Closable):
         return self._doc("DELETE", f"/v1/families/{family}/versions/{version}", lambda d: DeleteResult(**_dict(d)))
 
     def prune(self, min_age: float, max_unused: float, dry_run: bool = False, progress: Progress | None = None) -> PruneResult:
-        """The server prunes its registry (admin token for every family); ``progress`` is not reported.
-        The answer comes when the run ends, however long a repack takes: no read timeout."""
+        """The server prunes its registry (admin token for every family); ``progress`` gets one task
+        of unknown size ("server") until the answer comes, when the run ends, however long a repack
+        takes: no read timeout."""
         params = {"min_age": min_age, "max_unused": max_unused, "dry_run": str(dry_run).lower()}
+        (progress or NullProgress()).start("server", None)  # the server reports nothing until it is done
         return self._doc("POST", "/v1/prune", lambda d: PruneResult(**_dict(d)), params=params,
                          timeout=httpx.Timeout(None, connect=10.0))
 
     def check(self, family: str | None = None, read_data: bool = False, progress: Progress | None = None) -> CheckResult:
         """The server checks its blob store (an admin token: for ``family``, or for every family);
-        ``progress`` is not reported. No read timeout: --read-data reads every stored byte."""
+        ``progress`` gets one task of unknown size ("server") until the answer comes. No read
+        timeout: --read-data reads every stored byte."""
         params = {"read_data": str(read_data).lower(), **({"family": family} if family is not None else {})}
+        (progress or NullProgress()).start("server", None)  # a bar that pulses: the wait is not a hang
         return self._doc("GET", "/v1/check", lambda d: CheckResult(**{k: v for k, v in _dict(d).items() if k != "ok"}),
                          params=params, timeout=httpx.Timeout(None, connect=10.0))
 
