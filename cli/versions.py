@@ -20,10 +20,11 @@ def push(
     family: str = typer.Option(..., "--family", "-f", help="Family name, e.g. qwen7b."),
     version: str = typer.Option(..., "--version", "-v", help="Version name, e.g. medical-v3."),
     parent: str = typer.Option(None, "--parent", help="The version this one was fine-tuned from."),
-    mend_damaged: bool = typer.Option(False, "--mend-damaged", help="Where the version is already stored with this "
-                                      "content: read, decode and hash every stored chunk it needs (as check "
-                                      "--read-data does, costing a pull's reads) and store again those whose bytes "
-                                      "are damaged. Chunks of lost packs are stored again without it."),
+    mend_damaged: bool = typer.Option(False, "--mend-damaged", help="Read, decode and hash every stored chunk the "
+                                      "version needs (as check --read-data does, costing a pull's reads) and store "
+                                      "again those whose bytes are damaged: a version already stored with this "
+                                      "content is mended, a new one stores them before it commits. Chunks of lost "
+                                      "packs are stored again without it."),
     json_: bool = JsonOption,
     registry: str = RegistryOption,
 ) -> None:

@@ -7,8 +7,9 @@ check does: each pack that a version's chunks (and the bases of their deltas) li
 read, decoded and hashed against its id. What is wrong is named together with the versions that can
 no longer be pulled because of it; nothing is changed, so a check can run beside pushes and pulls.
 
-A push with ``mend_damaged`` (``mfsreg push --mend-damaged``) reads its stored version's chunks the
-same way (``unreadable_or_damaged``) and stores again those that do not read back.
+A push with ``mend_damaged`` (``mfsreg push --mend-damaged``) reads the stored chunks its version
+needs the same way (``unreadable_or_damaged``), whether the version is stored already or new, and
+stores again those that do not read back.
 """
 
 from __future__ import annotations

@@ -302,9 +302,11 @@ def commit_version(reg, family: str, version: str, parent: str | None, manifest:
 
 def push(reg, path: Path, family: str, version: str, parent: str | None = None, progress: Progress | None = None,
          mend_damaged: bool = False) -> PushResult:
-    """Store a version (see the module's docstring). ``mend_damaged``: where the version is stored
-    already with this content, read, decode and hash every stored chunk it needs, and store again
-    those whose bytes are damaged as well as those lost (mend_existing); a new version ignores it."""
+    """Store a version (see the module's docstring). ``mend_damaged``: read, decode and hash every
+    stored chunk the version needs (its bases down the chains too) and store again, plain, those
+    whose bytes are damaged as well as those lost: where the version is stored already with this
+    content, that is all the push does (mend_existing); a new version's reused chunks are mended so
+    before it commits over them."""
     progress = progress or NullProgress()
     t0 = time.perf_counter()
     check_push_names(family, version, parent)
@@ -322,8 +324,16 @@ def push(reg, path: Path, family: str, version: str, parent: str | None = None, 
             return mend_existing(reg, job, done, located, progress, t0, mend_damaged)
         # stored, but in a pack the blob store lost (or down a delta chain through one): sent again
         pack_sizes: PackSizes = {}
-        mend, lost = unreadable(reg, located, [i for i in ids if i in located], pack_sizes)
-        warning = LostWarning().mending(lost, len(mend))  # said once, with the bases that lost pack costs
+        reused = [i for i in ids if i in located]
+        if mend_damaged:
+            # and, asked, those whose stored bytes (or a basis's) do not read back: a pack's size
+            # cannot show flipped bytes, and committing over them leaves a version no pull rebuilds
+            mend, lost, damaged = unreadable_or_damaged(reg, located, reused, progress, pack_sizes)
+        else:
+            (mend, lost), damaged = unreadable(reg, located, reused, pack_sizes), {}
+        through = len({i for i in mend if through_lost(i, located, lost)})
+        warning = LostWarning().mending(lost, through)  # said once, with the bases that lost pack costs
+        warn_damaged(damaged, located, mend)
         missing |= mend
         skipped = job.logical_bytes - missing_bytes(job, missing)
         progress.start("skip", skipped)

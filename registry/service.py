@@ -52,8 +52,9 @@ def negotiate(reg, family: str, version: str, doc: object, parent: str | None = 
     The manifest may be a draft (file sha256s null): a client negotiates and uploads while its
     file digests are still being computed, and sends them with the commit. ``mend`` lists those of
     the missing chunks that are stored, in a pack the blob store lost (registry/lost.py), and with
-    ``mend_damaged`` where the version exists, those whose stored bytes are damaged too
-    (_negotiate_existing); a new version ignores it."""
+    ``mend_damaged``, those whose stored bytes are damaged too (read, decoded and hashed, bases down
+    the chains included): a new version's reused chunks, or where the version exists, its own
+    (_negotiate_existing)."""
     check_push_names(family, version, parent)
     manifest = parse_doc(doc, draft=True)
     ids = manifest.chunk_ids()
@@ -75,8 +76,16 @@ def negotiate(reg, family: str, version: str, doc: object, parent: str | None = 
     # stored in a pack the blob store lost: listed as missing, so the client sends them and the
     # upload mends them (receive_batch), plain (no basis is suggested for them)
     pack_sizes: PackSizes = {}
-    mend, lost = unreadable(reg, located, [i for i in ids if i in located], pack_sizes)
-    warning = LostWarning().mending(lost, len(mend))  # said once, with the bases that lost pack costs
+    reused = [i for i in ids if i in located]
+    if mend_damaged:
+        # and, asked, those whose stored bytes (or a basis's) do not read back: listed the same way,
+        # and receive_batch reads them again before it stores them (ingest.push does the same)
+        mend, lost, damaged = unreadable_or_damaged(reg, located, reused, sizes=pack_sizes)
+    else:
+        (mend, lost), damaged = unreadable(reg, located, reused, pack_sizes), {}
+    through = len({i for i in mend if through_lost(i, located, lost)})
+    warning = LostWarning().mending(lost, through)  # said once, with the bases that lost pack costs
+    warn_damaged(damaged, located, mend)
     # no basis is suggested in a lost pack either: receive_batch could not read it
     bases, _ = plan_deltas(reg, family, parent, [(f.chunks, f.tensors) for f in manifest.files], ids, missing,
                            pack_sizes, warning)
@@ -91,7 +100,7 @@ def negotiate(reg, family: str, version: str, doc: object, parent: str | None = 
         "existing_layout": None,
         "missing": [i for i in ids if i in missing],
         "mend": [i for i in ids if i in mend],
-        "mend_damaged": False,
+        "mend_damaged": mend_damaged,  # a server older than it leaves this out or says false: see the client
         "missing_bytes": sum(sizes[i] for i in missing),
         "chunks": len(ids),
     }

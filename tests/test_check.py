@@ -285,6 +285,47 @@ def test_a_repush_with_mend_damaged_stores_damaged_chunks_again(reg, fam, tmp_pa
     assert len(reg.versions("fam")) == len(fam)  # nothing committed
 
 
+def _shared_plain_chunk(reg: Registry, version: str, other: str):
+    """A plain chunk that ``version`` stores and ``other`` uses too (a new push of its file reuses it)."""
+    ids = set(reg.manifest("fam", version)[1].chunk_ids())
+    theirs = set(reg.manifest("fam", other)[1].chunk_ids())
+    return next(c for i, c in sorted(reg.locate(ids).items()) if i in ids & theirs and not c.basis_id)
+
+
+def test_a_new_push_with_mend_damaged_stores_the_damaged_chunks_it_reuses_again(reg, fam, tmp_path, caplog):
+    """A new version that reuses a stored chunk whose bytes are damaged: without the flag it commits
+    over it (a pack's size shows nothing), and check names it broken; with mend_damaged the push
+    reads the chunks it reuses, stores the damaged one again, plain, and commits a version that
+    pulls byte for byte. The row moves to the new copy, so base, which shares it, is mended too."""
+    import filecmp
+
+    reg.push(fam["base"], "fam", "base")
+    reg.push(fam["vocab-ext"], "fam", "ext0", parent="base")
+    victim = _shared_plain_chunk(reg, "base", "ext0")
+    _damage(reg, victim)
+
+    plain = reg.push(fam["vocab-ext"], "fam", "ext", parent="base")
+    assert not plain.existed and plain.mended_chunks == 0, plain
+    res = reg.check(read_data=True)
+    assert list(res.damaged_chunks) == [victim.id] and {"fam/base", "fam/ext0", "fam/ext"} <= set(res.broken_versions)
+
+    with caplog.at_level("WARNING", logger="mfsreg"):
+        med = reg.push(fam["vocab-ext"], "fam", "ext2", parent="base", mend_damaged=True)
+    assert not med.existed and med.mended_chunks == 1 and med.new_chunks >= 1 and med.new_bytes > 0, med
+    assert any(victim.id in r.getMessage() and "damaged" in r.getMessage() for r in caplog.records), caplog.text
+    assert reg.locate([victim.id])[victim.id].pack_id != victim.pack_id  # the row points at the new copy
+    reg.pull("fam", "ext2", tmp_path / "ext2.out")
+    assert filecmp.cmp(tmp_path / "ext2.out", fam["vocab-ext"], shallow=False)
+    after = reg.check(read_data=True)
+    assert after.ok and not after.damaged_chunks, after  # ext and base use the same row: mended with it
+    assert reg.chunk_tiers("fam") == expected_tiers(reg, "fam")
+
+    copy = tmp_path / "copy.safetensors"  # every chunk reused, none damaged now: nothing stored again
+    copy.write_bytes(fam["base"].read_bytes())
+    again = reg.push(copy, "fam", "copy", mend_damaged=True)
+    assert not again.existed and again.mended_chunks == 0 and again.new_bytes == 0, again
+
+
 def test_a_repush_that_mends_a_lost_basis_frees_it_once_no_version_needs_it(reg, fam, tmp_path):
     """The pack of a basis that a delta of full-med decodes against is lost: full-med's re-push stores
     those chunks again, plain, and from then on full-med no longer needs that basis. Check passes
@@ -416,6 +457,40 @@ def test_a_repush_over_http_with_mend_damaged_mends_a_damaged_chunk(servers, ser
         assert filecmp.cmp(tmp_path / f"{name}.out", fam[src], shallow=False), name
     again = mfsreg_json("push", fam["base"], "--family", "fam", "--version", "base", "--mend-damaged", env=env)
     assert again["existed"] and again["sent_bytes"] == 0 and again["mended_chunks"] == 0, again
+
+
+def test_a_new_push_over_http_with_mend_damaged_mends_the_damaged_chunks_it_reuses(servers, server_env, fam, tmp_path):
+    """Through a server (Postgres, S3) and a token scoped to the family: a copy of base's file pushed
+    under a new name reuses every chunk. Without the flag it commits over a damaged one, which check
+    then names; with it the negotiation reads the reused chunks, lists the damaged one under
+    ``mend`` (answering mend_damaged for a new version too), the upload reads it again and stores it
+    anew, and the version commits and pulls byte for byte."""
+    import filecmp
+
+    (srv,) = servers(1)
+    env = client_env(tmp_path, srv.url, token(server_env, "push", "fam"))
+    copy = tmp_path / "copy.safetensors"
+    copy.write_bytes(fam["base"].read_bytes())
+    mfsreg("push", fam["base"], "--family", "fam", "--version", "base", env=env)
+    with Registry(Settings.from_env(server_env)) as local:
+        ids = set(local.manifest("fam", "base")[1].chunk_ids())
+        victim = next(c for i, c in sorted(local.locate(ids).items()) if i in ids and not c.basis_id)
+        _damage(local, victim)
+    admin = client_env(tmp_path, srv.url, token(server_env, "admin", "fam"))
+
+    plain = mfsreg_json("push", copy, "--family", "fam", "--version", "copy", env=env)
+    assert not plain["existed"] and plain["sent_bytes"] == 0 and plain["mended_chunks"] == 0, plain
+    told = json.loads(mfsreg("check", "--family", "fam", "--read-data", "--json", env=admin, check=False).stdout)
+    assert list(told["damaged_chunks"]) == [victim.id] and "fam/copy" in told["broken_versions"], told
+
+    mended = mfsreg_json("push", copy, "--family", "fam", "--version", "copy2", "--mend-damaged", env=env)
+    assert not mended["existed"] and mended["mended_chunks"] == 1 and mended["sent_bytes"] > 0, mended
+    assert mfsreg_json("check", "--family", "fam", "--read-data", env=admin)["ok"] is True  # one row, mended for all
+    for name in ("copy2", "copy", "base"):
+        mfsreg("pull", "fam", name, "-o", tmp_path / f"{name}.out", env=env)
+        assert filecmp.cmp(tmp_path / f"{name}.out", fam["base"], shallow=False), name
+    again = mfsreg_json("push", copy, "--family", "fam", "--version", "copy3", "--mend-damaged", env=env)
+    assert not again["existed"] and again["sent_bytes"] == 0 and again["mended_chunks"] == 0, again
 
 
 def test_a_new_push_whose_basis_is_damaged_stores_its_chunks_plain(reg, fam, tmp_path, caplog):

@@ -196,12 +196,14 @@ class RemoteRegistry(Closable):
                 done = existing_result(neg["existing_digest"], manifest.logical_bytes, len(manifest.files),
                                        manifest.digest, neg["chunks"], family, version, t0,
                                        neg.get("existing_layout"), manifest.layout)  # other content: refused
-                if mend_damaged and neg.get("mend_damaged") is not True:
-                    # an older server ignores the field: it read nothing, and "already stored" would
-                    # read as "nothing was damaged"
-                    raise InvalidRequest(f"the server at {self.url} is older than push --mend-damaged: it did not read "
-                                         "the version's stored chunks, so nothing damaged was mended; upgrade it, or "
-                                         "push without --mend-damaged to mend only lost packs")
+            if mend_damaged and neg.get("mend_damaged") is not True:
+                # an older server ignores the field (one of the release before, for a new version): it
+                # read nothing, so "already stored" would read as "nothing was damaged", and a new
+                # version would commit over damaged chunks. Said before anything is uploaded.
+                raise InvalidRequest(f"the server at {self.url} is older than push --mend-damaged: it did not read "
+                                     "the stored chunks this version needs, so nothing damaged was mended; upgrade "
+                                     "it, or push without --mend-damaged to mend only lost packs")
+            if neg["exists"]:
                 return self._mend_existing(family, job, draft, done, set(neg.get("mend", ())), progress, t0)
             missing = set(neg["missing"])
             mended = set(neg.get("mend", ())) & missing
