@@ -64,6 +64,12 @@ class Registry:
     def blobs(self) -> BlobStore:
         return self.open_blobs()
 
+    @blobs.setter
+    def blobs(self, store: BlobStore) -> None:
+        """Use ``store`` in place of the configured one (tests wrap the store to step in between
+        its calls; the library itself only reads it)."""
+        self._blobs = store
+
     def ping(self) -> None:
         """Raise StorageError unless the metadata database answers and the blob store can be
         reached (on S3 its bucket exists): what readiness means, since no push or pull works without
