@@ -73,13 +73,7 @@ def remove_member(conn: Connection, family_id: int, chunk_ids: Sequence[str], me
         conn.execute(
             update(fc).where(fc.c.family_id == family_id, fc.c.chunk_id.in_(batch)).values(users=fc.c.users - 1)
         )
-    dropped: list[str] = []
-    for batch in batches(ids):
-        dropped += conn.execute(
-            select(fc.c.chunk_id).where(fc.c.family_id == family_id, fc.c.chunk_id.in_(batch), fc.c.users <= 0)
-        ).scalars()
-    for batch in batches(dropped):
-        conn.execute(delete(fc).where(fc.c.family_id == family_id, fc.c.chunk_id.in_(batch)))
+    dropped = _drop_unused(conn, family_id, ids)
     changed = _retier(conn, family_id, ids, members, quorum)
     t0, t1 = threshold(members_before, quorum), threshold(members, quorum)
     if members > 0 and t1 < t0:
@@ -109,14 +103,20 @@ def change_uses(conn: Connection, family_id: int, uses: Mapping[str, int], membe
     if fewer:
         conn.execute(update(fc).where(fc.c.family_id == family_id, fc.c.chunk_id == bindparam("cid"))
                      .values(users=fc.c.users - bindparam("n")), [dict(cid=c, n=-uses[c]) for c in fewer])
+    dropped = _drop_unused(conn, family_id, fewer)
+    return _retier(conn, family_id, [c for c, n in uses.items() if n], members, quorum), dropped
+
+
+def _drop_unused(conn: Connection, family_id: int, ids: Sequence[str]) -> list[str]:
+    """Delete the family's rows of those of ``ids`` that no member uses any more; returns their ids."""
     dropped: list[str] = []
-    for batch in batches(fewer):
+    for batch in batches(list(ids)):
         dropped += conn.execute(
             select(fc.c.chunk_id).where(fc.c.family_id == family_id, fc.c.chunk_id.in_(batch), fc.c.users <= 0)
         ).scalars()
     for batch in batches(dropped):
         conn.execute(delete(fc).where(fc.c.family_id == family_id, fc.c.chunk_id.in_(batch)))
-    return _retier(conn, family_id, [c for c, n in uses.items() if n], members, quorum), dropped
+    return dropped
 
 
 def recompute(conn: Connection, family_id: int, members: int, quorum: float) -> int:
