@@ -24,7 +24,7 @@ from registry.db import chunks as chunk_db
 from registry.db import versions as version_db
 from registry.db.engine import read_tx
 from registry.errors import IntegrityError, NotFound
-from registry.lost import PackSizes, lost_packs, through_lost
+from registry.lost import PackSizes, lost_packs, through_lost, unreadable
 from registry.parallel import sized_batches, windowed_map
 from registry.progress import NullProgress, Progress
 from registry.rebuild import closure, decode_verified, levels
@@ -69,13 +69,17 @@ def check(reg, family: str | None = None, read_data: bool = False, progress: Pro
 
 
 def unreadable_or_damaged(reg, located: dict[str, StoredChunk], ids: Iterable[str], progress: Progress | None = None,
-                          sizes: PackSizes | None = None) -> tuple[set[str], dict[str, str], dict[str, str]]:
+                          sizes: PackSizes | None = None, read_data: bool = True
+                          ) -> tuple[set[str], dict[str, str], dict[str, str]]:
     """lost.unreadable, and also reading every chunk of ``located`` (the stored ``ids`` and their
     bases: db/chunks.locate_closure) outside the lost packs, decoding and hashing it: those of
     ``ids`` whose bytes, or a basis's down their delta chain, lie in a lost pack or are damaged;
     with the lost packs and the damaged chunks (id -> why). Such a chunk is mended by storing it
     again, plain. Reads every stored byte ``located`` names: only on request. ``sizes``: the pack
-    lookups the push made already (lost.lost_packs), so that its bases' packs are looked up once."""
+    lookups the push made already (lost.lost_packs), so that its bases' packs are looked up once.
+    ``read_data=False`` (a push without --mend-damaged): lost.unreadable alone, nothing damaged."""
+    if not read_data:
+        return *unreadable(reg, located, ids, sizes), {}
     lost = lost_packs(reg, located.values(), sizes)
     damaged, _ = find_damaged(reg, located, lost, progress or NullProgress())
     return {i for i in ids if through_lost(i, located, lost, damaged)}, lost, damaged

@@ -32,7 +32,7 @@ from registry import deltas, results
 from registry.deltas import BasisReader
 from registry.errors import Conflict, InvalidRequest, MissingChunks, NotFound, Pruned, StorageError
 from registry.check import unreadable_or_damaged, warn_damaged
-from registry.lost import (LostWarning, PackSizes, lost_packs, through_lost, unreadable, warn_lost_bases,
+from registry.lost import (LostWarning, PackSizes, lost_packs, through_lost, warn_lost_bases,
                            warn_mending)
 from registry.hashing import HashJob, encoded_chunks, missing_bytes
 from registry.manifest import Manifest
@@ -325,12 +325,9 @@ def push(reg, path: Path, family: str, version: str, parent: str | None = None, 
         # stored, but in a pack the blob store lost (or down a delta chain through one): sent again
         pack_sizes: PackSizes = {}
         reused = [i for i in ids if i in located]
-        if mend_damaged:
-            # and, asked, those whose stored bytes (or a basis's) do not read back: a pack's size
-            # cannot show flipped bytes, and committing over them leaves a version no pull rebuilds
-            mend, lost, damaged = unreadable_or_damaged(reg, located, reused, progress, pack_sizes)
-        else:
-            (mend, lost), damaged = unreadable(reg, located, reused, pack_sizes), {}
+        # and, asked, those whose stored bytes (or a basis's) do not read back: a pack's size
+        # cannot show flipped bytes, and committing over them leaves a version no pull rebuilds
+        mend, lost, damaged = unreadable_or_damaged(reg, located, reused, progress, pack_sizes, mend_damaged)
         through = len({i for i in mend if through_lost(i, located, lost)})
         warning = LostWarning().mending(lost, through)  # said once, with the bases that lost pack costs
         warn_damaged(damaged, located, mend)
@@ -374,10 +371,7 @@ def mend_existing(reg, job: HashJob, done: PushResult, located: dict[str, Stored
     version needs is also read, decoded and hashed as ``mfsreg check --read-data`` does, and those
     whose bytes (or a basis's) are damaged are stored again the same way: a pack's size cannot show
     flipped bytes, and reading is as costly as a pull, so it is asked for."""
-    if read_data:
-        mend, lost, damaged = unreadable_or_damaged(reg, located, job.chunk_ids(), progress)
-    else:
-        (mend, lost), damaged = unreadable(reg, located, job.chunk_ids()), {}
+    mend, lost, damaged = unreadable_or_damaged(reg, located, job.chunk_ids(), progress, read_data=read_data)
     if not mend:
         return done
     warn_mending(lost, len({i for i in mend if through_lost(i, located, lost)}))

@@ -77,12 +77,9 @@ def negotiate(reg, family: str, version: str, doc: object, parent: str | None = 
     # upload mends them (receive_batch), plain (no basis is suggested for them)
     pack_sizes: PackSizes = {}
     reused = [i for i in ids if i in located]
-    if mend_damaged:
-        # and, asked, those whose stored bytes (or a basis's) do not read back: listed the same way,
-        # and receive_batch reads them again before it stores them (ingest.push does the same)
-        mend, lost, damaged = unreadable_or_damaged(reg, located, reused, sizes=pack_sizes)
-    else:
-        (mend, lost), damaged = unreadable(reg, located, reused, pack_sizes), {}
+    # and, asked, those whose stored bytes (or a basis's) do not read back: listed the same way,
+    # and receive_batch reads them again before it stores them (ingest.push does the same)
+    mend, lost, damaged = unreadable_or_damaged(reg, located, reused, sizes=pack_sizes, read_data=mend_damaged)
     through = len({i for i in mend if through_lost(i, located, lost)})
     warning = LostWarning().mending(lost, through)  # said once, with the bases that lost pack costs
     warn_damaged(damaged, located, mend)
@@ -121,11 +118,8 @@ def _negotiate_existing(reg, existing, manifest: Manifest, located: dict[str, St
     layout = stored_layout(reg, existing)
     mend: set[str] = set()
     if layout == manifest.layout and manifest.digest in (None, existing.digest):
-        if mend_damaged:
-            mend, lost, damaged = unreadable_or_damaged(reg, located, ids)
-            warn_damaged(damaged, located, mend)
-        else:
-            mend, lost = unreadable(reg, located, ids)
+        mend, lost, damaged = unreadable_or_damaged(reg, located, ids, read_data=mend_damaged)
+        warn_damaged(damaged, located, mend)
         warn_mending(lost, len({i for i in mend if through_lost(i, located, lost)}))
     sizes = manifest.chunk_sizes()
     listed = [i for i in ids if i in mend]
