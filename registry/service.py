@@ -65,7 +65,8 @@ def negotiate(reg, family: str, version: str, doc: object, parent: str | None = 
         fam = version_db.find_family(conn, family)
         missing = chunk_db.missing_ids(conn, ids)
         located = chunk_db.locate_closure(conn, [i for i in ids if i not in missing])
-        missing |= access.unproven(conn, who, family, [i for i in ids if i not in missing])
+        unproven = access.unproven(conn, who, family, [i for i in ids if i not in missing])
+        missing |= unproven
     # before anything is uploaded
     if fam is None:
         check_new_cut(family, manifest.cut_size())
@@ -76,7 +77,10 @@ def negotiate(reg, family: str, version: str, doc: object, parent: str | None = 
     # stored in a pack the blob store lost: listed as missing, so the client sends them and the
     # upload mends them (receive_batch), plain (no basis is suggested for them)
     pack_sizes: PackSizes = {}
-    reused = [i for i in ids if i in located]
+    # Not the chunks this token must send anyway: they are another family's (listed missing like
+    # chunks stored nowhere, access.unproven), and naming them under mend, or reading them for
+    # damage, would tell the token what that family stores and in what state
+    reused = [i for i in ids if i in located and i not in unproven]
     # and, asked, those whose stored bytes (or a basis's) do not read back: listed the same way,
     # and receive_batch reads them again before it stores them (ingest.push does the same)
     mend, lost, damaged = unreadable_or_damaged(reg, located, reused, sizes=pack_sizes, read_data=mend_damaged)

@@ -677,6 +677,35 @@ def test_a_scoped_token_uses_another_familys_chunks_only_by_sending_their_bytes(
     assert filecmp.cmp(tmp_path / "chat.out", fam["lora-chat"], shallow=False)
 
 
+def test_a_scoped_negotiation_names_no_other_familys_lost_chunks_under_mend(servers, server_env, fam, tmp_path):
+    """A token scoped to qwen* negotiating a file whose chunks only another family stores, in a pack
+    the blob store lost: they are listed missing, as chunks stored nowhere are, and none under mend
+    (which would tell the token that the registry holds them, and that they are damaged), with or
+    without mend_damaged. A token that reads every family is told what to mend, as before."""
+    from registry.blobs.packs import pack_key
+    from registry.config import Settings
+    from registry.registry import Registry
+
+    (srv,) = servers(1)
+    admin_tok, scoped_tok = token(server_env, "admin"), token(server_env, "push", "qwen*")
+    mfsreg_json("push", fam["base"], "--family", "secret", "--version", "base",
+                env=client_env(tmp_path, srv.url, admin_tok))
+    m = hash_source(open_source(fam["base"]), 64 << 10, NullProgress())
+    with Registry(Settings.from_env(server_env)) as local:
+        for p in {c.pack_id for c in local.locate(set(m.chunk_ids())).values()}:
+            local.blobs.delete(pack_key(p))
+    url = f"{srv.url}/v1/families/qwen/versions/v1/negotiate"
+    for mend_damaged in (False, True):
+        body = {"manifest": m.to_doc(), "mend_damaged": mend_damaged}
+        r = httpx.post(url, json=body, headers={"Authorization": f"Bearer {scoped_tok}"})
+        assert r.status_code == 200, r.text
+        assert sorted(r.json()["missing"]) == sorted(m.chunk_ids()) and r.json()["mend"] == [], r.json()["mend"]
+        r = httpx.post(url, json=body, headers={"Authorization": f"Bearer {admin_tok}"})
+        assert r.status_code == 200 and sorted(r.json()["mend"]) == sorted(m.chunk_ids()), r.text
+    assert httpx.get(f"{srv.url}/v1/families/qwen/versions/v1",
+                     headers={"Authorization": f"Bearer {admin_tok}"}).status_code == 404
+
+
 def test_a_stored_chunk_proves_a_scoped_upload_only_by_equal_bytes(reg, fam):
     """A chunk id is an xxh3-128, not built to resist forged collisions: an upload through a scoped
     token claims a chunk another family stored only if its bytes are the stored ones, plain or
