@@ -5,7 +5,8 @@ the explicit parent; else the member that shares the most chunks with it (known 
 lookup); else the family's first version. Positions are (tensor name, chunk index in the tensor),
 so they match across shard layouts. A delta chain never grows past MAX_DEPTH: a basis that is
 already that deep is replaced by its own basis, one step closer to a plain chunk, and so is one
-that cannot be read because the blob store lost its pack (or one down its chain).
+that cannot be read because the blob store lost its pack (or one down its chain), or because the
+push's own read (--mend-damaged) found its bytes, or those of one down its chain, damaged.
 """
 
 from __future__ import annotations
@@ -64,13 +65,16 @@ def plan_bases(new_files: Iterable[tuple[Sequence[ChunkRef], Sequence[TensorSpan
     return out
 
 
-def cap_depth(basis_id: str, located: dict[str, StoredChunk], lost: Container[str] = frozenset()) -> str | None:
+def cap_depth(basis_id: str, located: dict[str, StoredChunk], lost: Container[str] = frozenset(),
+              damaged: Container[str] = frozenset()) -> str | None:
     """The basis to use instead of ``basis_id`` so that the new delta stays within MAX_DEPTH and
     can be encoded: a basis whose bytes, or those of a basis down its chain, lie in a pack the blob
-    store lost (``lost``, registry/lost.py) cannot be read, so the next one down the chain is taken
-    (a chunk below the lost one still decodes). None: store the chunk plain."""
+    store lost (``lost``, registry/lost.py) or are chunks this push has read and found ``damaged``
+    (push --mend-damaged: check.unreadable_or_damaged) cannot be read, so the next one down the
+    chain is taken (a chunk below the bad one still decodes). None: store the chunk plain."""
     b = located.get(basis_id)
-    while b is not None and (b.depth >= MAX_DEPTH or (lost and through_lost(b.id, located, lost))):
+    unreadable = lost or damaged
+    while b is not None and (b.depth >= MAX_DEPTH or (unreadable and through_lost(b.id, located, lost, damaged))):
         b = located.get(b.basis_id) if b.basis_id else None
     return b.id if b is not None else None
 

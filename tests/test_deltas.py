@@ -90,6 +90,24 @@ def test_delta_without_its_basis_is_refused():
         codec.decode(enc, payload, len(base))
 
 
+def test_a_basis_found_damaged_or_lost_gives_way_to_the_one_below_it():
+    """cap_depth steps down a chain past a basis that cannot be read: in a lost pack, or read and
+    found damaged by the push itself (--mend-damaged), or leaning on such a chunk; a chunk below
+    the bad one still serves, and with none below the new chunk goes plain."""
+    from registry.deltas import cap_depth
+
+    plain = StoredChunk("p", 8, "raw", 8, "pack-a", 0)
+    mid = StoredChunk("m", 8, "xor", 4, "pack-b", 0, "p", 1)
+    top = StoredChunk("t", 8, "xor", 4, "pack-c", 0, "m", 2)
+    located = {c.id: c for c in (plain, mid, top)}
+    assert cap_depth("t", located) == "t"
+    assert cap_depth("t", located, damaged={"m"}) == "p"  # t leans on the damaged m
+    assert cap_depth("t", located, damaged={"t"}) == "m"
+    assert cap_depth("t", located, damaged={"p"}) is None  # everything leans on p: plain
+    assert cap_depth("t", located, lost={"pack-b"}) == cap_depth("t", located, damaged={"m"})  # the same rule
+    assert cap_depth("t", located, {"pack-c"}, {"m"}) == "p"
+
+
 def test_small_bf16_differences_use_nibbles_and_large_ones_do_not():
     w = torch.randn(1 << 16) * 0.02
     base = w.to(torch.bfloat16).view(torch.uint8).numpy().tobytes()
