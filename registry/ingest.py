@@ -44,11 +44,15 @@ from registry.source import open_source
 
 def plan_deltas(reg, family: str, parent: str | None, new_files: list, ids: list[str],
                 missing: set[str], pack_sizes: PackSizes | None = None,
-                warning: LostWarning | None = None) -> tuple[dict[str, str], BasisReader | None]:
+                warning: LostWarning | None = None,
+                damaged: AbstractSet[str] = frozenset()) -> tuple[dict[str, str], BasisReader | None]:
     """Bases for the missing chunks (see registry/deltas.py) and a reader for their bytes.
     ``new_files`` holds (chunks, tensors) per file of the version being pushed; ``pack_sizes``, the
     pack lookups this push made already (registry/lost.py); ``warning``, where the caller says what
-    its push found lost in one warning (bases in a lost pack are added to it, not warned of here)."""
+    its push found lost in one warning (bases in a lost pack are added to it, not warned of here);
+    ``damaged``, the stored chunks this push read and found damaged (push --mend-damaged, which
+    warned of them already): no basis is taken on them, or on a chain through them, as for a lost
+    pack, so the basis reader neither reads them again nor warns of them a second time."""
     if not reg.settings.delta or not missing or not any(tensors for _, tensors in new_files):
         return {}, None
     present = [i for i in ids if i not in missing]
@@ -67,12 +71,14 @@ def plan_deltas(reg, family: str, parent: str | None, new_files: list, ids: list
         index = deltas.position_index((f.chunks, f.tensors) for f in basis_manifest.files)
         planned = deltas.plan_bases(new_files, index, missing)
         located = chunk_db.locate_closure(conn, set(planned.values()))
-    # a basis in a pack the blob store lost cannot be read: one further down its chain, or none (plain)
+    # a basis in a pack the blob store lost cannot be read, nor one found damaged: one further down
+    # its chain, or none (plain)
     lost = lost_packs(reg, located.values(), pack_sizes)
     bases, moved = {}, 0
     for cid, bid in planned.items():
-        capped = deltas.cap_depth(bid, located, lost)
-        if lost and capped != deltas.cap_depth(bid, located):
+        capped = deltas.cap_depth(bid, located, lost, damaged)
+        # counted for the lost packs' warning only where the lost pack, not the damage, moved it
+        if lost and capped != deltas.cap_depth(bid, located, damaged=damaged):
             moved += 1  # a readable basis further down, or none: the push stores more bytes
         if capped is not None:
             bases[cid] = capped
@@ -337,7 +343,8 @@ def push(reg, path: Path, family: str, version: str, parent: str | None = None, 
         progress.advance("skip", skipped)
         new_files = [(refs, f.header.tensors if f.header else ()) for refs, f in zip(job.file_chunks, source.files)]
         # chunks mended go plain: a delta would lean on the chain that lost them
-        bases, reader = plan_deltas(reg, family, parent, new_files, ids, missing - mend, pack_sizes, warning)
+        bases, reader = plan_deltas(reg, family, parent, new_files, ids, missing - mend, pack_sizes, warning,
+                                    damaged.keys())
         warning.say()
         added = upload_missing(reg, job, missing, reg.pool, progress, bases, reader, mend)
         manifest = job.manifest()  # waits for the file digests, which ran beside the encoding

@@ -87,9 +87,10 @@ def negotiate(reg, family: str, version: str, doc: object, parent: str | None = 
     through = len({i for i in mend if through_lost(i, located, lost)})
     warning = LostWarning().mending(lost, through)  # said once, with the bases that lost pack costs
     warn_damaged(damaged, located, mend)
-    # no basis is suggested in a lost pack either: receive_batch could not read it
+    # no basis is suggested in a lost pack either: receive_batch could not read it; nor one found
+    # damaged just now, which receive_batch would read again only to warn of it a second time
     bases, _ = plan_deltas(reg, family, parent, [(f.chunks, f.tensors) for f in manifest.files], ids, missing,
-                           pack_sizes, warning)
+                           pack_sizes, warning, damaged.keys())
     warning.say()
     bases = {c: b for c, b in bases.items() if c not in mend}
     missing |= mend

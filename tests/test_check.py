@@ -536,3 +536,103 @@ def test_a_new_push_over_http_whose_basis_is_damaged_is_stored(servers, server_e
     assert done.returncode == 0, done.stderr
     mfsreg("pull", "fam", "med2", "-o", tmp_path / "med2.out", env=env)
     assert filecmp.cmp(tmp_path / "med2.out", fam["full-med"], shallow=False)
+
+
+def _tied_to_base(fam: dict, tmp_path: Path) -> Path:
+    """full-med's tensors, each new and planned against base's at its place, with one of base's
+    tensors again under another name (tied weights): a push of it reuses that tensor's stored chunk
+    and plans a delta of full-med's tensor there against the same chunk."""
+    from safetensors.torch import load_file
+
+    from tests import synth
+
+    tensors = load_file(fam["full-med"])
+    tensors["tied.q_proj.weight"] = load_file(fam["base"])["model.layers.0.self_attn.q_proj.weight"]
+    return synth.write(tmp_path / "tied.safetensors", tensors, {"member": "tied"})
+
+
+def _reused_basis(reg: Registry, path: Path):
+    """The stored plain chunk that a push of ``path`` (from _tied_to_base) reuses: also the basis
+    that delta planning picks for the new chunk at its place."""
+    from registry.hashing import hash_source
+    from registry.progress import NullProgress
+    from registry.source import open_source
+
+    ids = hash_source(open_source(path), 64 << 10, NullProgress()).chunk_ids()
+    (chunk,) = [c for i, c in reg.locate(ids).items() if i in ids and not c.basis_id]
+    return chunk
+
+
+class _Reads:
+    """A registry's blob store that records the byte ranges read from it; all else goes to the store."""
+
+    def __init__(self, store):
+        self.store = store
+        self.ranges: list[tuple[str, tuple[int, int | None]]] = []
+
+    def __getattr__(self, name: str):
+        return getattr(self.store, name)
+
+    def get_ranges(self, key: str, ranges: list[tuple[int, int | None]]) -> list[bytes]:
+        self.ranges += [(key, r) for r in ranges]
+        return self.store.get_ranges(key, ranges)
+
+    def of(self, chunk) -> int:
+        """How many reads took in ``chunk``'s stored bytes."""
+        end = chunk.offset + chunk.stored_size
+        return sum(1 for key, (a, b) in self.ranges
+                   if key == pack_key(chunk.pack_id) and a < end and (b is None or b > chunk.offset))
+
+
+def test_a_new_push_with_mend_damaged_plans_no_delta_against_what_its_read_found_damaged(reg, fam, tmp_path, caplog):
+    """A new version reuses a stored chunk whose bytes are damaged and would lean a new chunk on it.
+    The mend's read finds it damaged; delta planning takes that for known, as it does a lost pack:
+    the new chunk is planned plain, so the damaged bytes are read once and said once, where the
+    basis reader read them again and warned a second time. The version pulls byte for byte, and
+    the mend leaves nothing damaged."""
+    import filecmp
+
+    reg.push(fam["base"], "fam", "base")
+    tied = _tied_to_base(fam, tmp_path)
+    victim = _reused_basis(reg, tied)
+    _damage(reg, victim)
+    reads = _Reads(reg.blobs)
+    reg.blobs = reads
+    try:
+        with caplog.at_level("WARNING", logger="mfsreg"):
+            med = reg.push(tied, "fam", "tied", parent="base", mend_damaged=True)
+    finally:
+        reg.blobs = reads.store
+    assert not med.existed and med.mended_chunks == 1, med
+    said = [r.getMessage() for r in caplog.records if victim.id in r.getMessage()]
+    assert len(said) == 1 and "damaged" in said[0], caplog.text
+    assert reads.of(victim) == 1, reads.ranges
+    reg.pull("fam", "tied", tmp_path / "tied.out")
+    assert filecmp.cmp(tmp_path / "tied.out", tied, shallow=False)
+    assert reg.check(read_data=True).ok
+    assert all(_pullable(reg, {"base": fam["base"], "tied": tied}, tmp_path).values())
+
+
+def test_a_new_push_over_http_with_mend_damaged_is_warned_of_a_damaged_basis_once(servers, server_env, fam, tmp_path):
+    """The same through a server: the negotiation's read finds the reused chunk damaged and
+    suggests it as no basis, so the upload does not try it as one: the server's log names it once."""
+    import filecmp
+
+    (srv,) = servers(1)
+    env = client_env(tmp_path, srv.url, token(server_env, "push", "fam"))
+    admin = client_env(tmp_path, srv.url, token(server_env, "admin", "fam"))
+    tied = _tied_to_base(fam, tmp_path)
+    mfsreg("push", fam["base"], "--family", "fam", "--version", "base", env=env)
+    with Registry(Settings.from_env(server_env)) as local:
+        victim = _reused_basis(local, tied)
+        _damage(local, victim)
+    med = mfsreg_json("push", tied, "--family", "fam", "--version", "tied", "--parent", "base", "--mend-damaged",
+                      env=env)
+    assert not med["existed"] and med["mended_chunks"] == 1, med
+    srv.log.flush()
+    log = Path(srv.log.name).read_text()
+    said = [line for line in log.splitlines() if victim.id in line]
+    assert len(said) == 1 and "damaged" in said[0], log
+    assert mfsreg_json("check", "--family", "fam", "--read-data", env=admin)["ok"] is True
+    mfsreg("pull", "fam", "tied", "-o", tmp_path / "tied.out", env=env)
+    assert filecmp.cmp(tmp_path / "tied.out", tied, shallow=False)
