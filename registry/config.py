@@ -110,16 +110,32 @@ class Settings:
     s3_connect_timeout: float = DEFAULT_S3_CONNECT_TIMEOUT  # seconds to open a connection to the S3 endpoint
     s3_read_timeout: float = DEFAULT_S3_READ_TIMEOUT  # seconds to wait for the endpoint's next bytes
     s3_max_attempts: int = DEFAULT_S3_MAX_ATTEMPTS  # tries of one S3 request, the first included
+    # The one-line refusal of a malformed MFSREG_S3_* value (the field above then holds its default),
+    # raised where an S3 store is opened (blob_store_options), not by every command: ls, stats and
+    # the token commands never open the store, and a local directory store reads none of them.
+    s3_error: str | None = None
 
     @property
     def embedded(self) -> bool:
         return self.database_url.startswith("sqlite")
 
+    def blob_store_options(self) -> dict:
+        """What open_blob_store takes besides the URL and endpoint: the S3 timeouts and attempts for
+        an s3 store, nothing for a local directory. InvalidRequest for a malformed URL, or for a
+        malformed S3 setting (s3_error) when the store is on S3."""
+        if parse_blob_url(self.blob_url)[0] != "s3":
+            return {}
+        if self.s3_error:
+            raise InvalidRequest(self.s3_error)
+        return dict(connect_timeout=self.s3_connect_timeout, read_timeout=self.s3_read_timeout,
+                    max_attempts=self.s3_max_attempts)
+
     @classmethod
     def from_env(cls, env: dict | None = None, *, blobs: bool = True, **overrides) -> "Settings":
         """``blobs=False`` for a command that never opens the blob store (``db upgrade``, ``ls``,
-        ``stats``, the token commands: cli/backend.py's embedded): its URL is then not checked here,
-        and open_blob_store checks it wherever it is opened (Registry.open_blobs)."""
+        ``stats``, the token commands: cli/backend.py's embedded): its URL and S3 settings are then
+        not checked here, and Registry.open_blobs checks them wherever the store is opened. With
+        ``blobs``, a malformed one is refused here, before the database is opened."""
         env = dict(os.environ if env is None else env)
         home = expand_user("MFSREG_HOME", env.get("MFSREG_HOME") or str(Path.home() / ".mfsreg"))
         if not home.is_absolute():  # a relative one (or ' ') made a registry in each directory a command ran from
@@ -136,14 +152,32 @@ class Settings:
             delta=_flag(env, "MFSREG_DELTA", True),
             anonymous_read=_flag(env, "MFSREG_ANONYMOUS_READ", False),
             max_body=_size(env, "MFSREG_MAX_BODY", DEFAULT_MAX_BODY),
-            s3_connect_timeout=_seconds(env, "MFSREG_S3_CONNECT_TIMEOUT", DEFAULT_S3_CONNECT_TIMEOUT),
-            s3_read_timeout=_seconds(env, "MFSREG_S3_READ_TIMEOUT", DEFAULT_S3_READ_TIMEOUT),
-            s3_max_attempts=_attempts(env, "MFSREG_S3_MAX_ATTEMPTS", DEFAULT_S3_MAX_ATTEMPTS),
         )
+        s3, s3_errors = _s3_settings(env)
+        values.update(s3)
         values.update(overrides)
-        if blobs:
-            parse_blob_url(values["blob_url"])  # a bad one is refused (exit 2) before anything connects
-        return cls(**values)
+        # the first malformed S3 setting that no override replaced, kept for when an S3 store opens
+        values.setdefault("s3_error", next((msg for f, msg in s3_errors.items() if f not in overrides), None))
+        settings = cls(**values)
+        if blobs:  # a bad URL, or a bad S3 setting for an s3 one, is refused (exit 2) before anything connects
+            settings.blob_store_options()
+        return settings
+
+
+def _s3_settings(env: dict) -> tuple[dict, dict]:
+    """The MFSREG_S3_* values by field, and by field the one-line refusal of each malformed one
+    (left at its default): the caller decides when to raise it (Settings.s3_error)."""
+    values, errors = {}, {}
+    for field_name, parse, name, default in (
+        ("s3_connect_timeout", _seconds, "MFSREG_S3_CONNECT_TIMEOUT", DEFAULT_S3_CONNECT_TIMEOUT),
+        ("s3_read_timeout", _seconds, "MFSREG_S3_READ_TIMEOUT", DEFAULT_S3_READ_TIMEOUT),
+        ("s3_max_attempts", _attempts, "MFSREG_S3_MAX_ATTEMPTS", DEFAULT_S3_MAX_ATTEMPTS),
+    ):
+        try:
+            values[field_name] = parse(env, name, default)
+        except InvalidRequest as exc:
+            values[field_name], errors[field_name] = default, exc.message
+    return values, errors
 
 
 def _seconds(env: dict, name: str, default: float) -> float:

@@ -49,15 +49,16 @@ class Registry:
 
     def open_blobs(self) -> BlobStore:
         """The blob store, opened the first time it is asked for (InvalidRequest for an
-        MFSREG_BLOB_URL that names no usable store, asked again each time until one opens).
+        MFSREG_BLOB_URL that names no usable store, or for a malformed MFSREG_S3_* setting of an
+        s3 one, asked again each time until one opens).
         Opening it sends nothing to the store (on S3 botocore makes its client, looking up the
         credentials the usual AWS way): the first request to it is the first use's."""
         if self._blobs is None:
             with self._blobs_lock:
                 if self._blobs is None:
                     s = self.settings
-                    self._blobs = open_blob_store(s.blob_url, s.s3_endpoint_url, connect_timeout=s.s3_connect_timeout,
-                                                  read_timeout=s.s3_read_timeout, max_attempts=s.s3_max_attempts)
+                    # a malformed S3 timeout is refused here, where it would be used (Settings.s3_error)
+                    self._blobs = open_blob_store(s.blob_url, s.s3_endpoint_url, **s.blob_store_options())
         return self._blobs
 
     @property
