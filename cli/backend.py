@@ -24,7 +24,7 @@ ServerOption = typer.Option(
 def open_backend(url: str | None = None, *, blobs: bool = True):
     """Yield an object with push/pull/manifest/families/versions/stats/delete. ``blobs=False`` for a
     command that reads or changes only the database (ls, show, stats, delete): the embedded registry
-    then runs whatever MFSREG_BLOB_URL holds, since it never opens the store."""
+    then runs whatever MFSREG_BLOB_URL and the MFSREG_S3_* settings hold, since it never opens the store."""
     if url:
         from registry.client.remote import RemoteRegistry
 
@@ -39,8 +39,9 @@ def open_backend(url: str | None = None, *, blobs: bool = True):
 
 def embedded(*, blobs: bool = True):
     """The embedded Registry. With ``blobs`` (a command that opens the blob store) a malformed
-    MFSREG_BLOB_URL is refused here, before the database is opened (or, on a new MFSREG_HOME, made);
-    without, it is never looked at: the store opens only on first use, and such a command has none."""
+    MFSREG_BLOB_URL, or for an s3 one a malformed MFSREG_S3_* timeout or attempts, is refused here,
+    before the database is opened (or, on a new MFSREG_HOME, made); without, they are never looked
+    at: the store opens only on first use, and such a command has none."""
     from registry.config import Settings
     from registry.registry import Registry
 

@@ -991,11 +991,17 @@ def _needs_blobs(fam, out: Path) -> tuple:
     ({"MFSREG_BLOB_URL": f"s3://AKIAMFSREG:{SECRET}@bucket/p"}, "MFSREG_BLOB_URL holds credentials"),
     ({"MFSREG_BLOB_URL": "s3://mfsreg-packs/p", "MFSREG_S3_ENDPOINT_URL": "not a url"},
      "MFSREG_S3_ENDPOINT_URL='not a url'"),
+    ({"MFSREG_BLOB_URL": "s3://mfsreg-packs/p", "MFSREG_S3_READ_TIMEOUT": "soon"},
+     "MFSREG_S3_READ_TIMEOUT='soon' is not a timeout"),
+    ({"MFSREG_BLOB_URL": "s3://mfsreg-packs/p", "MFSREG_S3_CONNECT_TIMEOUT": "-1"},
+     "MFSREG_S3_CONNECT_TIMEOUT='-1' is not a timeout"),
+    ({"MFSREG_BLOB_URL": "s3://mfsreg-packs/p", "MFSREG_S3_MAX_ATTEMPTS": "0"},
+     "MFSREG_S3_MAX_ATTEMPTS='0' is not a number of attempts"),
 ])
 def test_database_only_commands_run_whatever_the_blob_store_settings(setting, says, seeded, fam, tmp_path):
     """ls, show, stats, tokens, family quorum and delete never open the blob store: a malformed
-    MFSREG_BLOB_URL (or S3 endpoint) refused them all with exit 2, so an admin could not so much as
-    list tokens. The commands that do need the store still refuse in one line, exit 2, and change
+    MFSREG_BLOB_URL (or S3 endpoint, or S3 timeout) refused them all with exit 2, so an admin could
+    not so much as list tokens. The commands that do need the store still refuse in one line, exit 2, and change
     nothing."""
     home = Path(seeded["MFSREG_HOME"])
     env = dict(seeded, **setting)
@@ -1012,6 +1018,23 @@ def test_database_only_commands_run_whatever_the_blob_store_settings(setting, sa
     assert mfsreg_json("token", "list", env=env)["tokens"] == []
     assert mfsreg_json("delete", "fam", "base", env=env)["version"] == "base"
     assert mfsreg_json("ls", "fam", env=env)["versions"] == []
+
+
+def test_a_malformed_s3_timeout_stops_serve_at_start_up_and_a_local_store_ignores_it(seeded, fam, tmp_path):
+    """`mfsreg serve` over an S3 store refuses a malformed S3 timeout before it listens (one line,
+    exit 2), not on its first request. A local directory store reads no S3 setting (as it reads
+    no MFSREG_S3_ENDPOINT_URL), so the embedded default pushes and pulls whatever they hold."""
+    home = Path(seeded["MFSREG_HOME"])
+    before = snapshot(home)
+    proc = mfsreg("serve", "--port", free_port(), check=False, timeout=60,
+                  env=dict(seeded, MFSREG_BLOB_URL="s3://mfsreg-packs/p", MFSREG_S3_READ_TIMEOUT="1 minute"))
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "MFSREG_S3_READ_TIMEOUT='1 minute' is not a timeout" in proc.stderr, proc.stderr
+    assert snapshot(home) == before
+    env = dict(seeded, MFSREG_S3_READ_TIMEOUT="soon", MFSREG_S3_CONNECT_TIMEOUT="0", MFSREG_S3_MAX_ATTEMPTS="99")
+    assert mfsreg_json("push", fam["lora-chat"], "--family", "fam", "--version", "chat", env=env)["new_bytes"] > 0
+    mfsreg_json("pull", "fam", "chat", "-o", tmp_path / "out", env=env)
+    assert filecmp.cmp(tmp_path / "out", fam["lora-chat"], shallow=False)
 
 
 def test_database_only_commands_never_contact_an_s3_endpoint(seeded, fam, tmp_path):

@@ -505,8 +505,15 @@ def test_s3_timeouts_default_to_about_a_minute_and_bad_settings_are_refused(s3_s
     s = Settings.from_env({"MFSREG_HOME": "/x", "MFSREG_S3_CONNECT_TIMEOUT": "2", "MFSREG_S3_READ_TIMEOUT": "1m",
                            "MFSREG_S3_MAX_ATTEMPTS": "1"})
     assert (s.s3_connect_timeout, s.s3_read_timeout, s.s3_max_attempts) == (2, 60, 1)
+    s3 = {"MFSREG_HOME": "/x", "MFSREG_BLOB_URL": "s3://mfsreg-packs/p"}
     for name, value in (("MFSREG_S3_READ_TIMEOUT", "0"), ("MFSREG_S3_READ_TIMEOUT", "soon"),
                         ("MFSREG_S3_CONNECT_TIMEOUT", "-1"), ("MFSREG_S3_MAX_ATTEMPTS", "0"),
                         ("MFSREG_S3_MAX_ATTEMPTS", "2.5"), ("MFSREG_S3_MAX_ATTEMPTS", "99")):
         with pytest.raises(InvalidRequest, match=name):
-            Settings.from_env({"MFSREG_HOME": "/x", name: value})
+            Settings.from_env({**s3, name: value})
+        # a command that never opens the store reads the settings all the same, and the refusal
+        # comes where an S3 store is opened; a local directory store takes none of them
+        deferred = Settings.from_env({**s3, name: value}, blobs=False)
+        with pytest.raises(InvalidRequest, match=name):
+            deferred.blob_store_options()
+        assert Settings.from_env({"MFSREG_HOME": "/x", name: value}).blob_store_options() == {}
