@@ -94,7 +94,8 @@ def prune(
         raise InvalidRequest(f"--max-size {max_size!r} is not a size: {SIZE_HINT}") from None
     if (none := missing_cache_stats()) is not None:  # a mistyped MFSREG_CACHE_DIR stays as it was
         if json_:
-            emit_json({"removed": 0, "freed_bytes": 0, "bytes": 0, "temp_files_removed": 0, "unrecorded_files_found": 0})
+            emit_json({"removed": 0, "freed_bytes": 0, "bytes": 0, "temp_files_removed": 0, "unrecorded_files_found": 0,
+                       "in_use_bytes": 0})
         else:
             typer.echo(f"{none['path']}: no cache there yet, nothing to prune")
         return
@@ -104,12 +105,17 @@ def prune(
     orphans = cache.record_orphans()
     removed, freed = cache.evict(limit)
     temps = cache.sweep_temps()
+    total = cache.total_bytes()
+    # what pulls, loads and switches running now lease stays (eviction.py): said where it kept the cache over
+    in_use = cache.leased_bytes() if total > limit else 0
     if json_:
-        emit_json({"removed": removed, "freed_bytes": freed, "bytes": cache.total_bytes(), "temp_files_removed": temps,
-                   "unrecorded_files_found": orphans})
+        emit_json({"removed": removed, "freed_bytes": freed, "bytes": total, "temp_files_removed": temps,
+                   "unrecorded_files_found": orphans, "in_use_bytes": in_use})
     else:
         typer.echo(f"removed {removed} entries, freed {human_bytes(freed)}"
-                   + (f", and {temps} temp files left by killed writers" if temps else ""))
+                   + (f", and {temps} temp files left by killed writers" if temps else "")
+                   + (f"; {human_bytes(in_use)} in use by running pulls, loads or switches stays until they end"
+                      if in_use else ""))
 
 
 @cache_app.command("verify", short_help="Hash every cached chunk and file against its name; drop what is damaged.")

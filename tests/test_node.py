@@ -655,6 +655,120 @@ def test_cache_limit_holds_and_base_is_evicted_last(published, fam, tmp_path):
     assert len(set(cached_ids(env)) & base_tier) < len(base_tier)
 
 
+_LEASE_AND_DIE = """
+import os, sys
+from registry.client.cache import NodeCache
+cache = NodeCache(sys.argv[1])
+with cache.leased(sys.argv[2:]):
+    print("leased", flush=True)
+    os._exit(0)  # killed mid-pull: its lease is never released
+"""
+
+
+def test_another_process_eviction_passes_over_what_a_running_pull_leases(tmp_path):
+    """A chunk another process is using (leased: a pull, load or switch running) stays through this
+    process's eviction, the cache above its limit meanwhile; once released it goes like any other.
+    A lease left by a process that died holds nothing."""
+    user, evictor = NodeCache(tmp_path / "c"), NodeCache(tmp_path / "c", max_bytes=0)
+    try:
+        data = [bytes([k + 1]) * 4096 for k in range(3)]
+        ids = [chunk_id(d) for d in data]
+        user.put_many([(i, d, "unique", "fam") for i, d in zip(ids, data)])
+        with user.leased(ids[:2]):
+            assert evictor.evict() == (1, 4096)
+            assert [user.has(i) for i in ids] == [True, True, False]
+            assert evictor.stats()["bytes"] == 2 * 4096  # counted, over the limit, while leased
+            env = dict(os.environ, MFSREG_CACHE_DIR=str(tmp_path / "c"))
+            res = mfsreg_json("cache", "prune", "--max-size", "1", env=env)  # says what it had to keep
+            assert res["removed"] == 0 and res["bytes"] == res["in_use_bytes"] == 2 * 4096, res
+            said = mfsreg("cache", "prune", "--max-size", "1", env=env).stdout
+            assert "8.00 KiB in use by running pulls, loads or switches stays until they end" in said, said
+        assert evictor.leased_keys() == set()
+        assert evictor.evict() == (2, 2 * 4096) and not any(user.has(i) for i in ids)
+
+        user.put_many([(i, d, "unique", "fam") for i, d in zip(ids, data)])
+        proc = subprocess.run([sys.executable, "-c", _LEASE_AND_DIE, str(tmp_path / "c"), *ids],
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0 and proc.stdout.strip() == "leased", proc.stderr
+        assert evictor.leased_keys() == set(ids)  # its rows stayed ...
+        assert evictor.evict() == (3, 3 * 4096)  # ... and held nothing: its pid is gone
+        assert evictor.leased_keys() == set()
+    finally:
+        user.close()
+        evictor.close()
+
+
+def test_a_pull_keeps_its_chunks_through_another_process_eviction(published, fam, tmp_path):
+    """While a pull writes its file from cached chunks, another process evicts the cache down to
+    nothing: the pull's chunks stay (it leases them), so it fetches nothing again and the file is
+    whole; only the chunks it does not use go. Before leases the eviction took them from under it,
+    and each was fetched again (twice lost, the pull failed: 'keeps leaving the node cache')."""
+    from registry.client import node as node_pull
+    from registry.client.fetch import Fetcher
+    from registry.progress import NullProgress
+
+    _, env = published
+    cache_dir = tmp_path / "cache"
+    for member in ("base", "lora-chat"):  # cached: lora-chat's chunks, and base's it does not share
+        mfsreg("pull", "fam", member, "-o", tmp_path / f"{member}.first", env=dict(env, MFSREG_CACHE_DIR=str(cache_dir)))
+    cache, other = NodeCache(cache_dir), NodeCache(cache_dir, max_bytes=0)
+    remote = RemoteRegistry(env["MFSREG_URL"], token=env["MFSREG_TOKEN"])
+    try:
+        fetcher = Fetcher(remote, cache)
+        ids = set(fetcher.version("fam", "lora-chat").manifest.chunk_ids())
+        unused = set(cached_ids(dict(env, MFSREG_CACHE_DIR=str(cache_dir)))) - ids
+        assert ids <= set(cached_ids(dict(env, MFSREG_CACHE_DIR=str(cache_dir)))) and unused
+        evicted = []
+
+        class EvictAtWrite(NullProgress):  # another process's eviction, as the assembly starts
+            def start(self, task: str, total: int) -> None:
+                if task == "write":
+                    evicted.append(other.evict())
+
+        out = tmp_path / "out.safetensors"
+        res = node_pull.pull(fetcher, "fam", "lora-chat", out, EvictAtWrite())
+        assert filecmp.cmp(out, fam["lora-chat"], shallow=False)
+        assert evicted and evicted[0][0] == len(unused), evicted  # all it could take, and only those
+        assert res.fetched_bytes == 0 and res.cached_bytes > 0, res  # nothing fetched again
+        assert set(cached_ids(dict(env, MFSREG_CACHE_DIR=str(cache_dir)))) == ids
+        assert cache.leased_keys() == set()  # released once the pull is done
+    finally:
+        remote.close()
+        cache.close()
+        other.close()
+
+
+def test_a_load_and_a_switch_keep_what_they_fetched_through_another_process_eviction(published, fam, tmp_path):
+    """A load that fetches, and a switch, lease the chunks they copy from the moment they fetch them:
+    another process's eviction down to nothing, run just after each fetch, takes none of them (and
+    the tensors still equal the files)."""
+    _, env = published
+    node = Node(env["MFSREG_URL"], env["MFSREG_TOKEN"], str(tmp_path / "cache"))
+    other = NodeCache(tmp_path / "cache", max_bytes=0)
+    kept: list[bool] = []
+    real_ensure = node.fetcher.ensure
+
+    def ensure_then_evict(family, ids, *args, **kwargs):
+        stats = real_ensure(family, ids, *args, **kwargs)
+        other.evict()
+        kept.append(all(node.cache.has(i) for i in ids))
+        return stats
+
+    node.fetcher.ensure = ensure_then_evict
+    try:
+        _equal_to_file(load_tensors("fam", "base", node=node), fam["base"])
+        assert kept and all(kept), kept
+        model = ResidentModel("fam", "base", node=node)
+        kept.clear()
+        assert model.switch("lora-chat") > 0
+        assert kept and all(kept), kept
+        _equal_to_file(model.tensors, fam["lora-chat"])
+        assert node.cache.leased_keys() == set()
+    finally:
+        other.close()
+        node.close()
+
+
 def test_pinned_base_survives_prune(published, fam, tmp_path):
     _, env = published
     mfsreg_json("cache", "warm", "fam", "--tier", "base", env=env)  # pins the family's base tier

@@ -123,32 +123,34 @@ def pull(fetcher: Fetcher, family: str, version: str, out: Path, progress: Progr
     # what a pull brought stays, over the limit if need be: its chunks, and the files it materialised
     # (evicted first otherwise, they would be rebuilt by every --to-dir pull, never shared by links)
     protect = ids + ([f"file:{f.sha256}" for f in info.manifest.files] if to_dir else [])
-    worker = threading.Thread(target=fetch, name="mfsreg-pull-fetch", daemon=True)
-    worker.start()
-    assembled, failed = False, None
-    try:
-        with Placing() as placing:  # the version's files appear together, once all are written
-            if to_dir:
-                _materialise_dir(fetcher, info, out, progress, refetch, arrivals.wait, placing)
-            else:
-                progress.start("write", info.logical_bytes)
-                for entry, dest in plan:
-                    assemble.write_file(entry, dest, cache, refetch, fetcher.remote.pool, progress, arrivals.wait,
-                                        placing=placing)
-        assembled = True
-    except NotFound as exc:  # the fetch's error, raised where the assembly waited, or a refetch's
-        failed = exc
-    finally:
-        if not assembled:  # an error or an interrupt: what is still to fetch is not needed now
-            stop.set()
-        worker.join()  # the fetch writes into the cache: let its batches in flight land first
-        if not assembled or arrivals.error is not None:
-            evict_quietly(cache, protect)  # the limit holds after a failed pull too (what it fetched stays)
-    if failed is not None or arrivals.error is not None:
-        raise gone_meanwhile(fetcher, info, failed or arrivals.error) from None
-    stats = fetched["stats"]
-    cache.record_pull(family, version)
-    cache.evict(protect=protect)
+    # and, while it runs, leased: another process's eviction passes them over (cache eviction.py)
+    with cache.leased(protect):
+        worker = threading.Thread(target=fetch, name="mfsreg-pull-fetch", daemon=True)
+        worker.start()
+        assembled, failed = False, None
+        try:
+            with Placing() as placing:  # the version's files appear together, once all are written
+                if to_dir:
+                    _materialise_dir(fetcher, info, out, progress, refetch, arrivals.wait, placing)
+                else:
+                    progress.start("write", info.logical_bytes)
+                    for entry, dest in plan:
+                        assemble.write_file(entry, dest, cache, refetch, fetcher.remote.pool, progress, arrivals.wait,
+                                            placing=placing)
+            assembled = True
+        except NotFound as exc:  # the fetch's error, raised where the assembly waited, or a refetch's
+            failed = exc
+        finally:
+            if not assembled:  # an error or an interrupt: what is still to fetch is not needed now
+                stop.set()
+            worker.join()  # the fetch writes into the cache: let its batches in flight land first
+            if not assembled or arrivals.error is not None:
+                evict_quietly(cache, protect)  # the limit holds after a failed pull too (what it fetched stays)
+        if failed is not None or arrivals.error is not None:
+            raise gone_meanwhile(fetcher, info, failed or arrivals.error) from None
+        stats = fetched["stats"]
+        cache.record_pull(family, version)
+        cache.evict(protect=protect)
     # a chunk found cached and then fetched again (damaged, or evicted by another process) counts as fetched only
     recounted = stats.cached.intersection(refetched.chunk_ids)
     return PullResult(

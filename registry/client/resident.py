@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from registry.client.node import evict_quietly, gone_meanwhile
@@ -50,29 +52,31 @@ class ResidentModel(Closable):
         self.check_open()
         self.node.check_open("this ResidentModel loads through ")
         family, before = self.family, self.version
-        target, new, renames, realloc, todo = self._plan(version)
-        # Tensors are touched only from here on: whatever stops the switch now leaves a mix.
-        self.info, self.version = None, None  # set again only once every copy has landed
-        try:
-            for name, source in renames.items():
-                self.tensors[name] = self.tensors.pop(source)
-            for name in list(self.tensors):
-                if name not in new:
-                    del self.tensors[name]
-            for name in realloc:  # one at a time, each old one freed as its new one comes: no higher peak
-                self.tensors.pop(name, None)
-                self.tensors[name] = self.copier.empty(new[name][0])
-            copied = fill(self.node, target, new, self.copier, self.tensors, todo, cached=True,
-                          outcome="the switch stopped partway")
-        except RegistryError as exc:
-            raise _reworded(exc, f"switch of {family} to {version} stopped partway: {exc}; the tensors are a mix of "
-                                 f"{before or 'versions'} and {version}, and .version is None: switch again (to any "
-                                 "version: it refills every tensor) or make a new ResidentModel") from None
-        self.info, self.version = target, version
-        self.node.cache.record_pull(family, version)
-        return copied
+        # what it copies is leased from its fetch to its last copy (cache eviction.py)
+        with contextlib.ExitStack() as held:
+            target, new, renames, realloc, todo = self._plan(version, held)
+            # Tensors are touched only from here on: whatever stops the switch now leaves a mix.
+            self.info, self.version = None, None  # set again only once every copy has landed
+            try:
+                for name, source in renames.items():
+                    self.tensors[name] = self.tensors.pop(source)
+                for name in list(self.tensors):
+                    if name not in new:
+                        del self.tensors[name]
+                for name in realloc:  # one at a time, each old one freed as its new one comes: no higher peak
+                    self.tensors.pop(name, None)
+                    self.tensors[name] = self.copier.empty(new[name][0])
+                copied = fill(self.node, target, new, self.copier, self.tensors, todo, cached=True,
+                              outcome="the switch stopped partway")
+            except RegistryError as exc:
+                raise _reworded(exc, f"switch of {family} to {version} stopped partway: {exc}; the tensors are a mix of "
+                                     f"{before or 'versions'} and {version}, and .version is None: switch again (to any "
+                                     "version: it refills every tensor) or make a new ResidentModel") from None
+            self.info, self.version = target, version
+            self.node.cache.record_pull(family, version)
+            return copied
 
-    def _plan(self, version: str):
+    def _plan(self, version: str, held: contextlib.ExitStack):
         """What a switch to ``version`` copies, with every chunk of it brought into the node cache,
         before any tensor of the model is touched: (document, its layout, renames as {new name: the
         tensor it takes over}, names of the tensors to reallocate, pieces to copy by name)."""
@@ -97,6 +101,7 @@ class ResidentModel(Closable):
                 have = {(p.start, p.chunk.size, p.chunk.id) for p in prior[1]}
                 todo[name] = [p for p in pieces if (p.start, p.chunk.size, p.chunk.id) not in have]
             needed = chunk_ids({name: (None, pieces) for name, pieces in todo.items()})
+            held.enter_context(self.node.cache.leased(needed))  # until the switch's last copy
             self.node.fetcher.ensure(family, needed, target.located, target.tiers)
         except RegistryError as exc:
             if needed:

@@ -368,7 +368,10 @@ def fill(node: Node, info: VersionInfo, lay: dict, copier: Copier, targets: dict
                 node.fetcher.note_used(info.family, needed, info.located, info.tiers)
             copied = copier.copy_many([(targets[name], todo[name]) for name in names])
         else:
-            with contextlib.closing(_fetch_ahead(node.fetcher, info, chunk_groups)) as landed:
+            # leased while they are fetched and copied: another process's eviction passes them over
+            # (cache eviction.py). Not above: a warm load's copies take milliseconds, and a chunk
+            # evicted under them is fetched again by the copier.
+            with node.cache.leased(needed), contextlib.closing(_fetch_ahead(node.fetcher, info, chunk_groups)) as landed:
                 for k in landed:
                     copied += copier.copy_many([(targets[name], todo[name]) for name in groups[k]])
         done = True
