@@ -24,7 +24,7 @@ from registry.db import chunks as chunk_db
 from registry.db import versions as version_db
 from registry.db.engine import read_tx
 from registry.errors import IntegrityError, NotFound
-from registry.lost import PackSizes, lost_packs, through_lost, unreadable
+from registry.lost import LostWarning, PackSizes, lost_packs, through_lost, unreadable
 from registry.parallel import sized_batches, windowed_map
 from registry.progress import NullProgress, Progress
 from registry.rebuild import closure, decode_verified, levels
@@ -83,6 +83,17 @@ def unreadable_or_damaged(reg, located: dict[str, StoredChunk], ids: Iterable[st
     lost = lost_packs(reg, located.values(), sizes)
     damaged, _ = find_damaged(reg, located, lost, progress or NullProgress())
     return {i for i in ids if through_lost(i, located, lost, damaged)}, lost, damaged
+
+
+def to_mend(reg, located: dict[str, StoredChunk], ids: Iterable[str], progress: Progress | None = None,
+            sizes: PackSizes | None = None, read_data: bool = True) -> tuple[set[str], dict[str, str], LostWarning]:
+    """What a push stores again of the stored ``ids`` (unreadable_or_damaged, the same arguments),
+    and what it says of it: the damaged chunks are warned of now (warn_damaged), the lost packs go
+    into the LostWarning returned, for the caller to say once (with the bases its delta planning
+    finds in them too). Returns (chunks to mend, damaged chunks, that warning)."""
+    mend, lost, damaged = unreadable_or_damaged(reg, located, ids, progress, sizes, read_data)
+    warn_damaged(damaged, located, mend)
+    return mend, damaged, LostWarning().mending(lost, len({i for i in mend if through_lost(i, located, lost)}))
 
 
 def warn_damaged(damaged: dict[str, str], located: dict[str, StoredChunk], mended: set[str]) -> None:

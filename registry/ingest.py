@@ -31,9 +31,8 @@ from registry.db.locks import exclude_prune
 from registry import deltas, results
 from registry.deltas import BasisReader
 from registry.errors import Conflict, InvalidRequest, MissingChunks, NotFound, Pruned, StorageError
-from registry.check import unreadable_or_damaged, warn_damaged
-from registry.lost import (LostWarning, PackSizes, lost_packs, through_lost, warn_lost_bases,
-                           warn_mending)
+from registry.check import to_mend
+from registry.lost import LostWarning, PackSizes, lost_packs, warn_lost_bases
 from registry.hashing import HashJob, encoded_chunks, missing_bytes
 from registry.manifest import Manifest
 from registry.names import check_name, check_new_name
@@ -333,10 +332,7 @@ def push(reg, path: Path, family: str, version: str, parent: str | None = None, 
         reused = [i for i in ids if i in located]
         # and, asked, those whose stored bytes (or a basis's) do not read back: a pack's size
         # cannot show flipped bytes, and committing over them leaves a version no pull rebuilds
-        mend, lost, damaged = unreadable_or_damaged(reg, located, reused, progress, pack_sizes, mend_damaged)
-        through = len({i for i in mend if through_lost(i, located, lost)})
-        warning = LostWarning().mending(lost, through)  # said once, with the bases that lost pack costs
-        warn_damaged(damaged, located, mend)
+        mend, damaged, warning = to_mend(reg, located, reused, progress, pack_sizes, mend_damaged)
         missing |= mend
         skipped = job.logical_bytes - missing_bytes(job, missing)
         progress.start("skip", skipped)
@@ -378,11 +374,10 @@ def mend_existing(reg, job: HashJob, done: PushResult, located: dict[str, Stored
     version needs is also read, decoded and hashed as ``mfsreg check --read-data`` does, and those
     whose bytes (or a basis's) are damaged are stored again the same way: a pack's size cannot show
     flipped bytes, and reading is as costly as a pull, so it is asked for."""
-    mend, lost, damaged = unreadable_or_damaged(reg, located, job.chunk_ids(), progress, read_data=read_data)
+    mend, _, warning = to_mend(reg, located, job.chunk_ids(), progress, read_data=read_data)
     if not mend:
         return done
-    warn_mending(lost, len({i for i in mend if through_lost(i, located, lost)}))
-    warn_damaged(damaged, located, mend)
+    warning.say()
     added = upload_missing(reg, job, mend, reg.pool, progress, mend=mend)
     return replace(done, new_bytes=added, new_chunks=len(mend), reused_chunks=done.chunks - len(mend),
                    mended_chunks=len(mend), seconds=time.perf_counter() - t0)

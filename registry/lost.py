@@ -89,12 +89,6 @@ def through_lost(chunk_id: str, located: dict[str, StoredChunk], lost: Container
     return False
 
 
-def warn_mending(lost: dict[str, str], chunks: int) -> None:
-    """Said on the server's log (or an embedded push's stderr): the pack's other chunks, which
-    this push does not send, stay lost for every version that uses them."""
-    LostWarning().mending(lost, chunks).say()
-
-
 def warn_lost_bases(lost: dict[str, str], chunks: int | None = None) -> None:
     """Said where a push's new chunks could not lean on the basis chosen for them: stored against a
     readable basis further down its chain, or plain, so the push costs more bytes, and the pack

@@ -28,8 +28,8 @@ from registry.errors import (IntegrityError, InvalidModel, InvalidRequest, Missi
 from registry.deltas import BasisReader, cap_depth
 from registry.ingest import (check_cut, check_named_cut, check_new_cut, check_parent, check_push_names, commit_version,
                              existing_result, plan_deltas, store_chunks, stored_for, stored_layout)
-from registry.check import unreadable_or_damaged, warn_damaged
-from registry.lost import LostWarning, PackSizes, lost_packs, through_lost, unreadable, warn_mending
+from registry.check import to_mend, unreadable_or_damaged
+from registry.lost import PackSizes, lost_packs, unreadable
 from registry.parallel import windowed_map
 from registry.results import PushResult, timestamp
 from registry.manifest import MAX_CHUNK_BYTES, SAFETENSORS, Manifest, parse_doc
@@ -83,10 +83,7 @@ def negotiate(reg, family: str, version: str, doc: object, parent: str | None = 
     reused = [i for i in ids if i in located and i not in unproven]
     # and, asked, those whose stored bytes (or a basis's) do not read back: listed the same way,
     # and receive_batch reads them again before it stores them (ingest.push does the same)
-    mend, lost, damaged = unreadable_or_damaged(reg, located, reused, sizes=pack_sizes, read_data=mend_damaged)
-    through = len({i for i in mend if through_lost(i, located, lost)})
-    warning = LostWarning().mending(lost, through)  # said once, with the bases that lost pack costs
-    warn_damaged(damaged, located, mend)
+    mend, damaged, warning = to_mend(reg, located, reused, sizes=pack_sizes, read_data=mend_damaged)
     # no basis is suggested in a lost pack either: receive_batch could not read it; nor one found
     # damaged just now, which receive_batch would read again only to warn of it a second time
     bases, _ = plan_deltas(reg, family, parent, [(f.chunks, f.tensors) for f in manifest.files], ids, missing,
@@ -123,9 +120,8 @@ def _negotiate_existing(reg, existing, manifest: Manifest, located: dict[str, St
     layout = stored_layout(reg, existing)
     mend: set[str] = set()
     if layout == manifest.layout and manifest.digest in (None, existing.digest):
-        mend, lost, damaged = unreadable_or_damaged(reg, located, ids, read_data=mend_damaged)
-        warn_damaged(damaged, located, mend)
-        warn_mending(lost, len({i for i in mend if through_lost(i, located, lost)}))
+        mend, _, warning = to_mend(reg, located, ids, read_data=mend_damaged)
+        warning.say()
     sizes = manifest.chunk_sizes()
     listed = [i for i in ids if i in mend]
     return {
