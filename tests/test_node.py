@@ -691,10 +691,53 @@ def test_another_process_eviction_passes_over_what_a_running_pull_leases(tmp_pat
                               capture_output=True, text=True, timeout=60)
         assert proc.returncode == 0 and proc.stdout.strip() == "leased", proc.stderr
         assert evictor.leased_keys() == set(ids)  # its rows stayed ...
-        assert evictor.evict() == (3, 3 * 4096)  # ... and held nothing: its pid is gone
+        assert evictor.evict() == (3, 3 * 4096)  # ... and held nothing: its lock went with it
         assert evictor.leased_keys() == set()
+        assert not any((tmp_path / "c" / "holders").iterdir())  # nor does its lock file stay
     finally:
         user.close()
+        evictor.close()
+
+
+_LEASE_AND_WAIT = """
+import sys
+from registry.client.cache import NodeCache
+cache = NodeCache(sys.argv[1])
+with cache.leased(sys.argv[2:]):
+    print("leased", flush=True)
+    sys.stdin.read()  # a pull that runs until it is killed
+"""
+
+
+def test_a_lease_holds_while_its_holder_runs_whatever_pid_it_recorded(tmp_path):
+    """Processes sharing a cache from containers each see pids of their own: the pid a holder in
+    another container records names no process here (or another one), though it runs. Its lease
+    holds all the same, and holds nothing once it is killed. The row's pid is set to one that just
+    ended, as such a holder's reads from here."""
+    evictor = NodeCache(tmp_path / "c", max_bytes=0)
+    proc = None
+    try:
+        data = [bytes([k + 1]) * 4096 for k in range(3)]
+        ids = [chunk_id(d) for d in data]
+        evictor.put_many([(i, d, "unique", "fam") for i, d in zip(ids, data)])
+        proc = subprocess.Popen([sys.executable, "-c", _LEASE_AND_WAIT, str(tmp_path / "c"), *ids[:2]],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline().strip() == "leased"
+        ended = subprocess.Popen([sys.executable, "-c", ""])
+        ended.wait()
+        with sqlite3.connect(tmp_path / "c" / "index.db") as db:
+            db.execute("UPDATE holders SET pid = ?", (ended.pid,))
+        assert evictor.evict() == (1, 4096)  # the leased two stay
+        assert [evictor.has(i) for i in ids] == [True, True, False]
+        assert evictor.leased_keys() == set(ids[:2])
+        proc.kill()
+        proc.wait(timeout=60)
+        assert evictor.evict() == (2, 2 * 4096)
+        assert evictor.leased_keys() == set() and not any((tmp_path / "c" / "holders").iterdir())
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
         evictor.close()
 
 
@@ -767,6 +810,38 @@ def test_a_load_and_a_switch_keep_what_they_fetched_through_another_process_evic
     finally:
         other.close()
         node.close()
+
+
+def test_a_warm_keeps_what_it_fetched_through_another_process_eviction(published, fam, tmp_path, monkeypatch):
+    """A warm leases the tier it brings, and each recent member's chunks, while it runs: another
+    process's eviction down to nothing, just after each fetch, takes none of them (unpinned, so no
+    pin keeps them)."""
+    from registry.client.fetch import Fetcher
+    from registry.client.warm import warm_cache
+
+    _, env = published
+    cache_dir = tmp_path / "cache"
+    mfsreg("pull", "fam", "lora-chat", "-o", tmp_path / "first", env=dict(env, MFSREG_CACHE_DIR=str(cache_dir)))
+    cache, other = NodeCache(cache_dir), NodeCache(cache_dir, max_bytes=0)
+    kept: list[bool] = []
+    real_ensure = Fetcher.ensure
+
+    def ensure_then_evict(self, family, ids, *args, **kwargs):
+        stats = real_ensure(self, family, ids, *args, **kwargs)
+        other.evict()
+        kept.append(all(cache.has(i) for i in ids))
+        return stats
+
+    monkeypatch.setattr(Fetcher, "ensure", ensure_then_evict)
+    try:
+        res = warm_cache(RemoteRegistry(env["MFSREG_URL"], token=env["MFSREG_TOKEN"]), "fam", None, recent=1,
+                         pin=False, cache=cache)
+        assert len(kept) == 2 and all(kept), kept  # every tier, then lora-chat: both kept
+        assert res["chunks"] == len(cached_ids(dict(env, MFSREG_CACHE_DIR=str(cache_dir))))
+        assert cache.leased_keys() == set()
+    finally:
+        cache.close()
+        other.close()
 
 
 def test_pinned_base_survives_prune(published, fam, tmp_path):

@@ -8,8 +8,17 @@ processes share one cache, and another's eviction could take a chunk this one ha
 had just fetched again before it was copied; a second such loss stopped the pull ("keeps leaving
 the node cache"). So a pull holds its chunks in ``leases`` for as long as it runs: another process's
 eviction passes them over, leaving the cache above its limit for that long, and whichever finishes
-last brings it back under. A process killed mid-pull leaves its rows; they hold nothing once its pid
-is gone from this host, or once they are a day old (a pid used again, another host's rows).
+last brings it back under.
+
+A holder is alive while it holds an flock on its own file in the cache's ``holders`` folder; the
+kernel drops the lock when the process ends, however it ends. A process killed mid-pull leaves its
+rows and its file, and the next eviction finds the file unlocked and clears both. An flock, not
+the holder's pid: processes sharing one cache through a hostPath run in containers, each with pid
+numbers of its own (and, with the host's network, the host's name): a pid looked up from another
+container names no process there, or another one, and a live pull's lease was taken for dead. The
+lock is the same inode to every process of the host, whatever its namespaces. Where the lock cannot
+be taken or tested (no flock: Windows, a filesystem without locks), a lease holds until it is a day
+old (LEASE_MAX_SECONDS), as it does in any case.
 """
 
 from __future__ import annotations
@@ -20,6 +29,12 @@ import socket
 import time
 import uuid
 from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # Windows: leases hold by their age alone
+    fcntl = None
 
 from registry.client.indexdb import forget_rows
 from registry.errors import StorageError
@@ -31,19 +46,69 @@ RANK = {tier: i for i, tier in enumerate(EVICTION_ORDER)}  # unique 0, group 1, 
 UNKNOWN_RANK = RANK["unique"]
 LEASE_MAX_SECONDS = 24 * 3600  # past this a lease holds nothing, its holder alive or not (see above)
 _HOST = socket.gethostname()
+HOLDERS_DIR = "holders"  # in the cache's root: one lock file per live holder
 
 
-def _alive(pid: int) -> bool:
-    """Whether a process with this pid runs on this host (signal 0 checks, and sends nothing)."""
-    if os.name == "nt":  # os.kill there ends the process: the age limit alone frees such leases
-        return True
+def _holder_file(root: Path, holder: str) -> Path:
+    return root / HOLDERS_DIR / holder.rsplit(":", 1)[-1]  # its uuid: a plain file name
+
+
+def _hold(path: Path) -> int | None:
+    """A new lock file at ``path``, flocked (exclusive) while its fd stays open: None where it
+    cannot be made, or where an eviction took it for a dead holder's in the instant before it was
+    locked (it then tested the lock first, and removed the file). A lock the filesystem refuses
+    still leaves the file: its holder is then taken for alive until the age limit."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # another user's process (EPERM): alive
+        path.parent.mkdir(exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
+    except OSError:
+        return None
+    try:
+        if fcntl is not None:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:  # an eviction holds it to test it, and removes it
+                os.close(fd)
+                return None
+            except OSError:  # no locks on this filesystem
+                pass
+        if os.stat(path).st_ino != os.fstat(fd).st_ino:  # removed as a dead holder's before it was locked
+            os.close(fd)
+            return None
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _unhold(path: Path, fd: int) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(path)  # before the lock goes: no one finds the file unlocked while its rows stand
+    os.close(fd)
+
+
+def _gone(path: Path) -> bool:
+    """Whether the holder of the lock file ``path`` has ended: no file there (its rows outlived it:
+    a process killed between its release's two steps, or rows from a release before these files),
+    or a file no process holds locked, which then goes. False where the lock cannot be tested."""
+    if fcntl is None:
+        return False  # leases from a release before these files never lapse here but by age
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
         return True
-    return True
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:  # held: its process runs (or the lock cannot be tested here)
+        return False
+    else:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        return True
+    finally:
+        os.close(fd)
 
 
 class Eviction:
@@ -72,15 +137,21 @@ class Eviction:
         runs (see the module docstring). Best effort: where the index cannot be written (a full
         disk), the block runs unleased, as before leases, and another process's eviction may take a
         chunk, which is then fetched again."""
-        holder = f"{_HOST}:{os.getpid()}:{uuid.uuid4().hex}"
-        try:
-            with self._db() as db:
-                db.execute("INSERT INTO holders (holder, host, pid, since) VALUES (?, ?, ?, ?)",
-                           (holder, _HOST, os.getpid(), time.time()))
-                db.executemany("INSERT OR IGNORE INTO leases (holder, key) VALUES (?, ?)",
-                               [(holder, k) for k in dict.fromkeys(keys)])
-        except StorageError:
+        holder = f"{_HOST}:{os.getpid()}:{uuid.uuid4().hex}"  # host and pid for whoever reads the rows
+        lock_file = _holder_file(self.root, holder)
+        fd = _hold(lock_file)  # locked before the rows exist: no eviction finds rows without a live lock
+        if fd is None:
             holder = None
+        else:
+            try:
+                with self._db() as db:
+                    db.execute("INSERT INTO holders (holder, host, pid, since) VALUES (?, ?, ?, ?)",
+                               (holder, _HOST, os.getpid(), time.time()))
+                    db.executemany("INSERT OR IGNORE INTO leases (holder, key) VALUES (?, ?)",
+                                   [(holder, k) for k in dict.fromkeys(keys)])
+            except StorageError:
+                _unhold(lock_file, fd)
+                holder = None
         try:
             yield
         finally:
@@ -89,7 +160,9 @@ class Eviction:
                     with self._db() as db:
                         _release(db, [holder])
                 except StorageError:
-                    pass  # its rows hold nothing once this process is gone
+                    pass  # its rows hold nothing once its lock file is unlocked
+                finally:
+                    _unhold(lock_file, fd)
 
     def leased_bytes(self) -> int:
         """The bytes of cached entries some holder leases now (kept over the limit by evictions)."""
@@ -129,7 +202,7 @@ class Eviction:
             total = db.execute("SELECT COALESCE(SUM(size), 0) FROM entries").fetchone()[0]
             if total <= limit:
                 return 0, 0
-            _release(db, _lapsed(db))
+            _release(db, _lapsed(db, self.root))
             for key, size in db.execute(q).fetchall():
                 if total <= limit:
                     break
@@ -153,12 +226,19 @@ class Eviction:
         return removed, freed
 
 
-def _lapsed(db) -> list[str]:
-    """Holders whose leases hold nothing: their process is gone from this host, or they are older
-    than LEASE_MAX_SECONDS."""
+def _lapsed(db, root: Path) -> list[str]:
+    """Holders whose leases hold nothing: their lock file is gone or unlocked (their process ended),
+    or they are older than LEASE_MAX_SECONDS. Lock files no row names and no process holds (a
+    holder killed between making its file and writing its rows) go too."""
     now = time.time()
-    return [h for h, host, pid, since in db.execute("SELECT holder, host, pid, since FROM holders")
-            if now - since > LEASE_MAX_SECONDS or (host == _HOST and not _alive(pid))]
+    rows = db.execute("SELECT holder, since FROM holders").fetchall()
+    lapsed = [h for h, since in rows if now - since > LEASE_MAX_SECONDS or _gone(_holder_file(root, h))]
+    named = {_holder_file(root, h).name for h, _ in rows}
+    with contextlib.suppress(OSError), os.scandir(root / HOLDERS_DIR) as it:
+        for e in it:
+            if e.name not in named:
+                _gone(Path(e.path))
+    return lapsed
 
 
 def _release(db, holders: list[str]) -> None:

@@ -34,7 +34,8 @@ CREATE TABLE IF NOT EXISTS family_rank (family TEXT, key TEXT, rank INTEGER NOT 
 CREATE INDEX IF NOT EXISTS family_rank_key ON family_rank (key);
 CREATE TABLE IF NOT EXISTS pulls (family TEXT, version TEXT, last_used REAL, PRIMARY KEY (family, version));
 -- what pulls, loads and switches running now use (eviction.py's leases): another process's eviction
--- passes them over; a holder whose process is gone, or that is older than a day, holds nothing
+-- passes them over; a holder whose lock file is unlocked (its process ended), or that is older than a
+-- day, holds nothing; host and pid are there for whoever reads the rows
 CREATE TABLE IF NOT EXISTS holders (holder TEXT PRIMARY KEY, host TEXT NOT NULL, pid INTEGER NOT NULL, since REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS leases (holder TEXT, key TEXT, PRIMARY KEY (holder, key));
 CREATE INDEX IF NOT EXISTS leases_key ON leases (key);

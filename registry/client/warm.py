@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from registry.client.cache import NodeCache
 from registry.client.fetch import Fetcher
 from registry.client.node import evict_quietly
@@ -30,19 +32,24 @@ def warm_cache(remote: RemoteRegistry, family: str, tier: str | None = "base", r
         if pin and tier == "base":
             cache.pin(family)
         warm = list(ids)  # what the warm brings: kept over the limit if need be
+        # leased while the warm runs, as a pull's chunks are: another process's eviction passes them
+        # over (a delta's basis cached for it stays until it is decoded)
         try:
-            stats = fetcher.ensure(family, ids, located, tiers)
-            fetched = stats.fetched_bytes
-            cache.set_tiers(tiers, family)  # tiers move as members join: refresh what the cache believes
-            for version in cache.recent_pulls(family, recent) if recent else []:
-                try:
-                    info = fetcher.version(family, version)
-                except NotFound:  # deleted on the registry since it was pulled: no longer one to keep warm
-                    cache.forget_pull(family, version)
-                    continue
-                s = fetcher.ensure(family, info.manifest.chunk_ids(), info.located, info.tiers)
-                fetched += s.fetched_bytes
-                warm += s.chunk_ids
+            with contextlib.ExitStack() as held:
+                held.enter_context(cache.leased(ids))
+                stats = fetcher.ensure(family, ids, located, tiers)
+                fetched = stats.fetched_bytes
+                cache.set_tiers(tiers, family)  # tiers move as members join: refresh what the cache believes
+                for version in cache.recent_pulls(family, recent) if recent else []:
+                    try:
+                        info = fetcher.version(family, version)
+                    except NotFound:  # deleted on the registry since it was pulled: no longer one to keep warm
+                        cache.forget_pull(family, version)
+                        continue
+                    held.enter_context(cache.leased(info.manifest.chunk_ids()))
+                    s = fetcher.ensure(family, info.manifest.chunk_ids(), info.located, info.tiers)
+                    fetched += s.fetched_bytes
+                    warm += s.chunk_ids
         except BaseException:
             evict_quietly(cache, warm)  # the limit holds after a failed warm too
             raise
