@@ -1184,7 +1184,7 @@ def test_a_cache_index_held_or_not_ours_to_write_is_not_called_damaged(tmp_path)
     not to delete the shared index as a damaged one (the advice it gave for every SQLite error)."""
     import sqlite3
 
-    from registry.client.cache import index_error
+    from registry.client.indexdb import index_error
 
     NodeCache(tmp_path / "c").close()
     index = tmp_path / "c" / "index.db"
@@ -1696,7 +1696,7 @@ def _cache_with_an_unrecorded_file(tmp_path) -> tuple[dict, str]:
     """A node cache holding a recorded chunk of 4,000 bytes and, as a writer killed between
     renaming a chunk into place and recording it leaves one, a 6,000-byte chunk file without a
     row; the environment of CLI commands on it, and the recorded chunk's id."""
-    from registry.client.cache import atomic_write
+    from registry.client.cachefiles import atomic_write
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("MFSREG_")}
     env["MFSREG_CACHE_DIR"] = str(tmp_path / "c")
@@ -2117,7 +2117,7 @@ def test_a_chunk_recorded_as_used_after_another_process_evicted_it_gets_no_row(t
     its bytes until an eviction picked the row. Two caches over one directory, as two processes."""
     import hashlib
 
-    from registry.client.cache import atomic_write
+    from registry.client.cachefiles import atomic_write
 
     cache, chunks = _ranked_cache(tmp_path)
     other = NodeCache(tmp_path / "ranked")
@@ -2145,7 +2145,7 @@ def test_no_row_is_made_between_a_removals_commit_and_its_unlink(tmp_path, monke
     files: a process recording the chunk as used in between made its row again while the file still
     stood, and the file went after. Here the other process records at the moment the file leaves
     its name; the files now go under the index's write lock, so it waits, and finds no file."""
-    from registry.client.cache import atomic_write
+    from registry.client.cachefiles import atomic_write
 
     cache, chunks = _ranked_cache(tmp_path)
     other = NodeCache(tmp_path / "ranked")
@@ -2190,7 +2190,7 @@ def test_a_good_copy_placed_while_a_damaged_one_is_dropped_stays(tmp_path, monke
     drop checked the file at the name was the damaged one, then unlinked the name: a good copy
     renamed in between was deleted. Here the good copy lands before each file-system call the drop
     makes in turn, and stays every time."""
-    from registry.client.cache import atomic_write
+    from registry.client.cachefiles import atomic_write
 
     good = bytes(range(256)) * 16
     x = chunk_id(good)

@@ -31,7 +31,8 @@ from concurrent.futures import Executor
 from pathlib import Path
 
 from registry.chunking import ChunkRef, chunk_hasher, chunk_id
-from registry.client.cache import NodeCache, open_plain
+from registry.client.cache import NodeCache
+from registry.client.cachefiles import open_plain
 from registry.client.direct import DirectFile
 from registry.durable import Placing, writing
 from registry.filecheck import BATCH_BYTES, CheckedFile, check_tiling, write_at

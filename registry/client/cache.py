@@ -17,7 +17,7 @@ pinned family's base tier or one the current operation still needs.
 
 The parts, one module each: cachefiles.py (reading and writing files on disk), indexdb.py (the
 SQLite file), cacheindex.py (its rows, and the scan for files without them), eviction.py (tier
-order, pins, size limit); this module holds the layout and the chunks' reads, writes and drops.
+order, pins, leases, size limit); this module holds the layout and the chunks' reads, writes and drops.
 """
 
 from __future__ import annotations
@@ -30,33 +30,26 @@ from pathlib import Path
 
 from registry.chunking import chunk_id as chunk_id_of
 from registry.client.cachefiles import (
-    CACHE_READ_FLAGS,
     CHUNK_NAME,
     FILE_NAME,
     SHARD_NAME,
     STALE_TEMP_SECONDS,
     atomic_write,
-    directory_in_the_way,
     is_plain,
     is_temp,
     make_dir,
-    may_replace,
     open_plain,
     read_plain,
     temp_name,
-    unreadable,
 )
-from registry.client.cacheindex import UNRECORDED, CacheIndex
-from registry.client.eviction import FILE_RANK, RANK, UNKNOWN_RANK, Eviction
-from registry.client.indexdb import forget_rows, index_error
+from registry.client.cacheindex import CacheIndex
+from registry.client.eviction import FILE_RANK, RANK, Eviction
+from registry.client.indexdb import forget_rows
 from registry.errors import IntegrityError, InvalidRequest, StorageError
 
-# Names other modules import from here; they live in the modules above.
-__all__ = [
-    "CACHE_READ_FLAGS", "FILE_RANK", "RANK", "STALE_TEMP_SECONDS", "UNKNOWN_RANK", "UNRECORDED", "NodeCache",
-    "atomic_write", "cache_root", "default_cache_dir", "default_max_bytes", "directory_in_the_way",
-    "index_error", "is_temp", "may_replace", "missing_cache_stats", "open_plain", "unreadable",
-]
+# What other modules import from here; the file helpers, index and eviction names are imported
+# from their own modules (cachefiles.py, indexdb.py, eviction.py).
+__all__ = ["NodeCache", "cache_root", "default_cache_dir", "default_max_bytes", "missing_cache_stats"]
 
 
 def default_cache_dir() -> Path:

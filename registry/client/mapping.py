@@ -35,7 +35,7 @@ import weakref
 
 import torch
 
-from registry.client.cache import CACHE_READ_FLAGS
+from registry.client.cachefiles import CACHE_READ_FLAGS
 
 PAGE = mmap.PAGESIZE
 HUGE = 2 << 20  # a PMD-mapped page on x86-64 and arm64 with 4 KiB pages

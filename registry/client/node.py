@@ -12,7 +12,7 @@ from pathlib import Path
 
 from registry import rebuild
 from registry.client import assemble
-from registry.client.cache import directory_in_the_way
+from registry.client.cachefiles import directory_in_the_way
 from registry.client.fetch import Fetcher, FetchStats, VersionInfo
 from registry.durable import Placing
 from registry.errors import NotFound

@@ -11,7 +11,8 @@ import shutil
 from pathlib import Path
 
 from registry.chunking import MappedFile, chunk_id, file_sha256
-from registry.client.cache import NodeCache, is_temp, may_replace, unreadable
+from registry.client.cache import NodeCache
+from registry.client.cachefiles import is_temp, may_replace, unreadable
 from registry.progress import NullProgress, Progress
 
 
