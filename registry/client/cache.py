@@ -5,6 +5,8 @@ Layout under MFSREG_CACHE_DIR (default $XDG_CACHE_HOME/mfsreg where that is abso
                      read-only
   files/<sha256>     whole files materialised for engines (`pull --to-dir` hardlinks them)
   index.db           SQLite (stdlib, WAL): size, tier, pin and last use per entry
+  holders/<uuid>     one empty file per running pull, load, switch or warm that leases chunks,
+                     flocked while it runs (eviction.py)
   unrecorded         present while files may stand without index rows (a write to the index
                      failed, say on a full disk, or a new index.db was made beside cached files):
                      the next opening records them, then removes it
