@@ -812,6 +812,31 @@ def test_a_load_and_a_switch_keep_what_they_fetched_through_another_process_evic
         node.close()
 
 
+def test_an_eviction_removes_the_lock_files_no_running_holder_keeps(tmp_path):
+    """A holder killed after it made its lock file and before it wrote its rows leaves a file no row
+    names: the next eviction removes it, and leaves the file a running holder has locked."""
+    cache = NodeCache(tmp_path / "c", max_bytes=0)
+    proc = None
+    try:
+        data = b"x" * 4096
+        cache.put_many([(chunk_id(data), data, "unique", "fam")])
+        holders = tmp_path / "c" / "holders"
+        holders.mkdir(exist_ok=True)
+        (holders / "0123abcd").write_bytes(b"")  # left by a holder killed before its rows
+        proc = subprocess.Popen([sys.executable, "-c", _LEASE_AND_WAIT, str(tmp_path / "c"), "nothing-cached"],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline().strip() == "leased"
+        running = [p.name for p in holders.iterdir() if p.name != "0123abcd"]
+        assert len(running) == 1
+        assert cache.evict() == (1, 4096)
+        assert [p.name for p in holders.iterdir()] == running
+    finally:
+        if proc is not None:
+            proc.kill()
+            proc.wait()
+        cache.close()
+
+
 def test_a_warm_keeps_what_it_fetched_through_another_process_eviction(published, fam, tmp_path, monkeypatch):
     """A warm leases the tier it brings, and each recent member's chunks, while it runs: another
     process's eviction down to nothing, just after each fetch, takes none of them (unpinned, so no

@@ -82,9 +82,12 @@ def _hold(path: Path) -> int | None:
 
 
 def _unhold(path: Path, fd: int) -> None:
+    if fcntl is None:  # no locks to keep (and Windows removes no open file)
+        os.close(fd)
     with contextlib.suppress(OSError):
         os.unlink(path)  # before the lock goes: no one finds the file unlocked while its rows stand
-    os.close(fd)
+    if fcntl is not None:
+        os.close(fd)
 
 
 def _gone(path: Path) -> bool:
