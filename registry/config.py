@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from registry.blobs import parse_blob_url
+from registry.blobs import check_endpoint_url, configured_endpoint, parse_blob_url
 from registry.errors import InvalidRequest
 
 # 2 MiB, the size of a PMD-mapped page: a chunk file of it, mapped into a tensor on a 2 MiB boundary,
@@ -110,7 +110,8 @@ class Settings:
     s3_connect_timeout: float = DEFAULT_S3_CONNECT_TIMEOUT  # seconds to open a connection to the S3 endpoint
     s3_read_timeout: float = DEFAULT_S3_READ_TIMEOUT  # seconds to wait for the endpoint's next bytes
     s3_max_attempts: int = DEFAULT_S3_MAX_ATTEMPTS  # tries of one S3 request, the first included
-    # The one-line refusal of a malformed MFSREG_S3_* value (the field above then holds its default),
+    # The one-line refusal of a malformed MFSREG_S3_* value (a timeout or attempts field then holds
+    # its default; s3_endpoint_url keeps what was given), or of a malformed endpoint set the AWS way,
     # raised where an S3 store is opened (blob_store_options), not by every command: ls, stats and
     # the token commands never open the store, and a local directory store reads none of them.
     s3_error: str | None = None
@@ -122,7 +123,7 @@ class Settings:
     def blob_store_options(self) -> dict:
         """What open_blob_store takes besides the URL and endpoint: the S3 timeouts and attempts for
         an s3 store, nothing for a local directory. InvalidRequest for a malformed URL, or for a
-        malformed S3 setting (s3_error) when the store is on S3."""
+        malformed S3 setting or endpoint (s3_error) when the store is on S3."""
         if parse_blob_url(self.blob_url)[0] != "s3":
             return {}
         if self.s3_error:
@@ -153,7 +154,7 @@ class Settings:
             anonymous_read=_flag(env, "MFSREG_ANONYMOUS_READ", False),
             max_body=_size(env, "MFSREG_MAX_BODY", DEFAULT_MAX_BODY),
         )
-        s3, s3_errors = _s3_settings(env)
+        s3, s3_errors = _s3_settings(env, overrides.get("s3_endpoint_url", values["s3_endpoint_url"]))
         values.update(s3)
         values.update(overrides)
         # the first malformed S3 setting that no override replaced, kept for when an S3 store opens
@@ -164,10 +165,18 @@ class Settings:
         return settings
 
 
-def _s3_settings(env: dict) -> tuple[dict, dict]:
-    """The MFSREG_S3_* values by field, and by field the one-line refusal of each malformed one
-    (left at its default): the caller decides when to raise it (Settings.s3_error)."""
+def _s3_settings(env: dict, endpoint_url: str | None) -> tuple[dict, dict]:
+    """The MFSREG_S3_* timeouts and attempts by field, and by field the one-line refusal of each
+    malformed one (left at its default) and of a malformed endpoint (MFSREG_S3_ENDPOINT_URL, else
+    AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL, which S3BlobStore would take): the caller decides when to
+    raise it (Settings.s3_error). botocore refused a bad endpoint only once the database was open."""
     values, errors = {}, {}
+    endpoint, setting = configured_endpoint(endpoint_url, env)
+    if endpoint:
+        try:
+            check_endpoint_url(endpoint, setting)
+        except InvalidRequest as exc:
+            errors["s3_endpoint"] = exc.message  # of the endpoint in use, an override's included
     for field_name, parse, name, default in (
         ("s3_connect_timeout", _seconds, "MFSREG_S3_CONNECT_TIMEOUT", DEFAULT_S3_CONNECT_TIMEOUT),
         ("s3_read_timeout", _seconds, "MFSREG_S3_READ_TIMEOUT", DEFAULT_S3_READ_TIMEOUT),

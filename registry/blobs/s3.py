@@ -10,7 +10,6 @@ StorageError here; no botocore exception leaves this module.
 from __future__ import annotations
 
 import io
-import os
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -32,6 +31,7 @@ from botocore.exceptions import (
     ResponseStreamingError,
 )
 
+from registry.blobs import check_endpoint_url, configured_endpoint
 from registry.blobs.base import BlobStore, check_key
 from registry.config import DEFAULT_S3_CONNECT_TIMEOUT, DEFAULT_S3_MAX_ATTEMPTS, DEFAULT_S3_READ_TIMEOUT
 from registry.errors import InvalidRequest, NotFound, StorageError
@@ -49,22 +49,6 @@ MULTIPART_CHUNK = 16 * MiB
 _STREAM_ERRORS = (IncompleteReadError, ResponseStreamingError, ReadTimeoutError)
 _STREAM_TRIES = 3
 _STREAM_BACKOFF = 0.2  # seconds before the second read, doubled for each one after
-# botocore reads an endpoint from these too (the S3 one first), as it reads credentials from the
-# environment; MFSREG_S3_ENDPOINT_URL comes before them, as a client's endpoint_url does in botocore
-_ENDPOINT_VARIABLES = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
-
-
-def configured_endpoint(endpoint_url: str | None) -> tuple[str | None, str]:
-    """The endpoint to give the client, and the setting it came from (for messages): an endpoint set
-    the AWS way is given to the client as MFSREG_S3_ENDPOINT_URL's is, so that it gets the same
-    path-style requests, whatever botocore's version or an AWS config file's addressing_style."""
-    if endpoint_url:
-        return endpoint_url, "MFSREG_S3_ENDPOINT_URL"
-    if os.environ.get("AWS_IGNORE_CONFIGURED_ENDPOINT_URLS", "").strip().lower() != "true":  # botocore's switch
-        for name in _ENDPOINT_VARIABLES:
-            if os.environ.get(name, "").strip():
-                return os.environ[name].strip(), name
-    return None, "MFSREG_S3_ENDPOINT_URL"
 
 
 class S3BlobStore(BlobStore):
@@ -88,6 +72,8 @@ class S3BlobStore(BlobStore):
         self.max_workers = max_workers
         self.read_timeout, self.max_attempts = read_timeout, max_attempts
         endpoint_url, self.endpoint_setting = configured_endpoint(endpoint_url)
+        if endpoint_url:  # refused in one line here, not by botocore (or, for some, by every request)
+            check_endpoint_url(endpoint_url, self.endpoint_setting)
         config = Config(
             # total_max_attempts counts the first try; botocore's "max_attempts" counts only the
             # retries (5 of them made six tries of 60 s each against an endpoint gone silent)
