@@ -991,6 +991,8 @@ def _needs_blobs(fam, out: Path) -> tuple:
     ({"MFSREG_BLOB_URL": f"s3://AKIAMFSREG:{SECRET}@bucket/p"}, "MFSREG_BLOB_URL holds credentials"),
     ({"MFSREG_BLOB_URL": "s3://mfsreg-packs/p", "MFSREG_S3_ENDPOINT_URL": "not a url"},
      "MFSREG_S3_ENDPOINT_URL='not a url'"),
+    ({"MFSREG_BLOB_URL": "s3://mfsreg-packs/p", "MFSREG_S3_ENDPOINT_URL": "http://host:notaport"},
+     "MFSREG_S3_ENDPOINT_URL='http://host:notaport': has a port that is not a number"),
     ({"MFSREG_BLOB_URL": "s3://mfsreg-packs/p", "MFSREG_S3_READ_TIMEOUT": "soon"},
      "MFSREG_S3_READ_TIMEOUT='soon' is not a timeout"),
     ({"MFSREG_BLOB_URL": "s3://mfsreg-packs/p", "MFSREG_S3_CONNECT_TIMEOUT": "-1"},
@@ -1071,3 +1073,38 @@ def test_a_good_s3_blob_url_with_a_trailing_slash_is_taken(s3_blob_url, tmp_path
     store = open_blob_store(blob_url + "/", endpoint)
     store.put("k", b"x")
     assert open_blob_store(blob_url, endpoint).get("k") == b"x"
+
+
+@pytest.mark.parametrize("variable, endpoint, says", [
+    ("MFSREG_S3_ENDPOINT_URL", "not a url", "is not an http:// or https:// URL"),
+    ("MFSREG_S3_ENDPOINT_URL", "localhost:9000", "is not an http:// or https:// URL"),
+    ("MFSREG_S3_ENDPOINT_URL", "ftp://x", "is not an http:// or https:// URL"),
+    ("MFSREG_S3_ENDPOINT_URL", "http://", "names no host"),
+    ("MFSREG_S3_ENDPOINT_URL", "http://my host:9000", "holds a space"),
+    ("MFSREG_S3_ENDPOINT_URL", "http://-minio-:9000", "not a host name or address"),
+    ("MFSREG_S3_ENDPOINT_URL", "http://host:notaport", "port"),
+    ("MFSREG_S3_ENDPOINT_URL", "http://127.0.0.1:99999", "port"),
+    ("MFSREG_S3_ENDPOINT_URL", f"http://minio:{SECRET}@127.0.0.1:9000", "credentials"),
+    ("MFSREG_S3_ENDPOINT_URL", f"http://127.0.0.1:9000/?token={SECRET}", "'?' or '#'"),
+    ("AWS_ENDPOINT_URL_S3", "ftp://x", "is not an http:// or https:// URL"),
+])
+def test_a_malformed_s3_endpoint_is_refused_before_a_new_home_is_made(variable, endpoint, says, home_env, fam,
+                                                                      tmp_path):
+    """A malformed S3 endpoint was refused (by botocore) only once the database was open, so on a
+    new MFSREG_HOME push, pull, check, prune and serve made an empty registry.db before they failed;
+    some (ftp://x, http://host:notaport) were not refused at all, and each S3 request then failed
+    with exit 5. Each now refuses in one line (exit 2), naming the variable and the URL to give,
+    before anything is made; a local directory store still reads no endpoint."""
+    home = Path(home_env["MFSREG_HOME"])
+    env = dict(home_env, MFSREG_BLOB_URL="s3://mfsreg-packs/p", AWS_ACCESS_KEY_ID="testing",
+               AWS_SECRET_ACCESS_KEY="testing", AWS_EC2_METADATA_DISABLED="true", **{variable: endpoint})
+    for args in (*_needs_blobs(fam, tmp_path / "out"), ["serve", "--port", free_port()]):
+        proc = mfsreg(*args, env=env, check=False, timeout=60)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, (args, proc.stderr)
+        assert proc.stderr.startswith(f"mfsreg: error: {variable}") and says in proc.stderr, (args, proc.stderr)
+        assert "e.g. http://127.0.0.1:9000" in proc.stderr and "Traceback" not in proc.stderr, (args, proc.stderr)
+        assert SECRET not in proc.stderr + proc.stdout and "botocore" not in proc.stderr.lower(), proc.stderr
+        assert not home.exists(), (args, sorted(p.name for p in home.iterdir()))
+    assert not (tmp_path / "out").exists()
+    local = {k: v for k, v in env.items() if k != "MFSREG_BLOB_URL"}  # the embedded default: a local directory
+    assert mfsreg_json("push", fam["lora-chat"], "--family", "fam", "--version", "chat", env=local)["new_bytes"] > 0

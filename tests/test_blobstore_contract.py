@@ -508,7 +508,8 @@ def test_s3_timeouts_default_to_about_a_minute_and_bad_settings_are_refused(s3_s
     s3 = {"MFSREG_HOME": "/x", "MFSREG_BLOB_URL": "s3://mfsreg-packs/p"}
     for name, value in (("MFSREG_S3_READ_TIMEOUT", "0"), ("MFSREG_S3_READ_TIMEOUT", "soon"),
                         ("MFSREG_S3_CONNECT_TIMEOUT", "-1"), ("MFSREG_S3_MAX_ATTEMPTS", "0"),
-                        ("MFSREG_S3_MAX_ATTEMPTS", "2.5"), ("MFSREG_S3_MAX_ATTEMPTS", "99")):
+                        ("MFSREG_S3_MAX_ATTEMPTS", "2.5"), ("MFSREG_S3_MAX_ATTEMPTS", "99"),
+                        ("MFSREG_S3_ENDPOINT_URL", "ftp://x"), ("AWS_ENDPOINT_URL_S3", "http://host:notaport")):
         with pytest.raises(InvalidRequest, match=name):
             Settings.from_env({**s3, name: value})
         # a command that never opens the store reads the settings all the same, and the refusal
