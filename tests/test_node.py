@@ -364,6 +364,23 @@ def test_an_unverified_load_trusts_the_cache_and_a_scrub_finds_what_rotted(publi
         node.close()
 
 
+def test_an_unverified_load_from_a_kept_document_fetches_a_chunk_another_process_evicted(published, fam):
+    """An unchecked load from a kept document looks for no chunk file before it maps (build): one
+    another process evicted since is found missing by the mapping, fetched again on the registry's
+    answer, and the tensors come out whole."""
+    _, env = published
+    node = Node(env["MFSREG_URL"], env["MFSREG_TOKEN"], env["MFSREG_CACHE_DIR"])
+    try:
+        _equal_to_file(load_tensors("fam", "lora-chat", node=node, verify=False), fam["lora-chat"])  # its document kept
+        ids = chunk_ids(layout(node.fetcher.kept("fam", "lora-chat")))
+        gone = ids[len(ids) // 2]
+        _cache_file(env, gone).unlink()
+        _equal_to_file(load_tensors("fam", "lora-chat", node=node, verify=False), fam["lora-chat"])
+        assert chunk_id(_cache_file(env, gone).read_bytes()) == gone
+    finally:
+        node.close()
+
+
 def test_a_resident_model_that_cannot_load_closes_what_it_opened(published):
     """A failed first load leaves no object to close: the client, its connections and the cache's
     index go at once, not whenever the garbage collector runs."""
