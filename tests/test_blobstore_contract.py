@@ -518,3 +518,22 @@ def test_s3_timeouts_default_to_about_a_minute_and_bad_settings_are_refused(s3_s
         with pytest.raises(InvalidRequest, match=name):
             deferred.blob_store_options()
         assert Settings.from_env({"MFSREG_HOME": "/x", name: value}).blob_store_options() == {}
+
+
+@pytest.mark.parametrize("url", ["http://localhost:9000", "http://minio:9000/", "https://s3.us-east-1.amazonaws.com",
+                                 "http://[::1]:9000", "http://minio.internal.:9000", "HTTP://127.0.0.1:9000",
+                                 "https://gateway.example/s3/prefix"])
+def test_the_usual_s3_endpoints_are_taken(url):
+    from registry.blobs import check_endpoint_url
+
+    assert check_endpoint_url(url) == url
+
+
+@pytest.mark.parametrize("url", ["minioadmin:s3cret@localhost:9000", "http:/user:s3cret@host:9000",
+                                 "http:///user:s3cret@host", "http://user:s3cret@host:9000"])
+def test_an_endpoint_with_credentials_is_refused_without_quoting_them(url):
+    from registry.blobs import check_endpoint_url
+
+    with pytest.raises(InvalidRequest) as err:
+        check_endpoint_url(url)
+    assert "s3cret" not in str(err.value) and "MFSREG_S3_ENDPOINT_URL" in str(err.value), err.value

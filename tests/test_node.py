@@ -10,7 +10,9 @@ import http.server
 import json
 import mmap
 import os
+import select
 import shutil
+import socket
 import sqlite3
 import subprocess
 import sys
@@ -726,6 +728,13 @@ with cache.leased(sys.argv[2:]):
 """
 
 
+def _first_line(proc: subprocess.Popen, timeout: float = 60) -> str:
+    """The child's first line of output, or a failure once ``timeout`` passes (never a hung run)."""
+    ready, _, _ = select.select([proc.stdout], [], [], timeout)
+    assert ready, f"no output from the child within {timeout} s"
+    return proc.stdout.readline().strip()
+
+
 def test_a_lease_holds_while_its_holder_runs_whatever_pid_it_recorded(tmp_path):
     """Processes sharing a cache from containers each see pids of their own: the pid a holder in
     another container records names no process here (or another one), though it runs. Its lease
@@ -739,7 +748,7 @@ def test_a_lease_holds_while_its_holder_runs_whatever_pid_it_recorded(tmp_path):
         evictor.put_many([(i, d, "unique", "fam") for i, d in zip(ids, data)])
         proc = subprocess.Popen([sys.executable, "-c", _LEASE_AND_WAIT, str(tmp_path / "c"), *ids[:2]],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        assert proc.stdout.readline().strip() == "leased"
+        assert _first_line(proc) == "leased"
         ended = subprocess.Popen([sys.executable, "-c", ""])
         ended.wait()
         with sqlite3.connect(tmp_path / "c" / "index.db") as db:
@@ -839,18 +848,46 @@ def test_an_eviction_removes_the_lock_files_no_running_holder_keeps(tmp_path):
         cache.put_many([(chunk_id(data), data, "unique", "fam")])
         holders = tmp_path / "c" / "holders"
         holders.mkdir(exist_ok=True)
-        (holders / "0123abcd").write_bytes(b"")  # left by a holder killed before its rows
+        (holders / ("ab" * 16)).write_bytes(b"")  # left by a holder killed before its rows
+        (holders / "notes.txt").write_bytes(b"")  # not a lock file's name: not ours to remove
         proc = subprocess.Popen([sys.executable, "-c", _LEASE_AND_WAIT, str(tmp_path / "c"), "nothing-cached"],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        assert proc.stdout.readline().strip() == "leased"
-        running = [p.name for p in holders.iterdir() if p.name != "0123abcd"]
+        assert _first_line(proc) == "leased"
+        running = {p.name for p in holders.iterdir()} - {"ab" * 16, "notes.txt"}
         assert len(running) == 1
         assert cache.evict() == (1, 4096)
-        assert [p.name for p in holders.iterdir()] == running
+        assert {p.name for p in holders.iterdir()} == running | {"notes.txt"}
     finally:
         if proc is not None:
             proc.kill()
             proc.wait()
+        cache.close()
+
+
+def test_lease_rows_without_a_lock_file(tmp_path):
+    """Rows of the release before lock files hold while their pid runs on this host, and lapse once
+    it is gone; a row naming something other than a lock file lapses, and no file it names is touched."""
+    cache = NodeCache(tmp_path / "c", max_bytes=0)
+    try:
+        data = [bytes([k + 1]) * 4096 for k in range(3)]
+        ids = [chunk_id(d) for d in data]
+        cache.put_many([(i, d, "unique", "fam") for i, d in zip(ids, data)])
+        ended = subprocess.Popen([sys.executable, "-c", ""])
+        ended.wait()
+        victim = tmp_path / "victim"
+        victim.write_bytes(b"keep")
+        host = socket.gethostname()
+        with sqlite3.connect(tmp_path / "c" / "index.db") as db:
+            rows = [(f"{host}:{os.getpid()}:{'1' * 32}", os.getpid(), ids[0]),  # an old release's, running
+                    (f"{host}:{ended.pid}:{'2' * 32}", ended.pid, ids[1]),  # an old release's, ended
+                    ("flock:../../victim", os.getpid(), ids[2])]  # no lock file's name
+            db.executemany("INSERT INTO holders (holder, host, pid, since) VALUES (?, ?, ?, ?)",
+                           [(h, host, pid, time.time()) for h, pid, _ in rows])
+            db.executemany("INSERT INTO leases (holder, key) VALUES (?, ?)", [(h, k) for h, _, k in rows])
+        assert cache.evict() == (2, 2 * 4096)
+        assert [cache.has(i) for i in ids] == [True, False, False]
+        assert cache.leased_keys() == {ids[0]} and victim.read_bytes() == b"keep"
+    finally:
         cache.close()
 
 
@@ -876,9 +913,9 @@ def test_a_warm_keeps_what_it_fetched_through_another_process_eviction(published
 
     monkeypatch.setattr(Fetcher, "ensure", ensure_then_evict)
     try:
-        res = warm_cache(RemoteRegistry(env["MFSREG_URL"], token=env["MFSREG_TOKEN"]), "fam", None, recent=1,
+        res = warm_cache(RemoteRegistry(env["MFSREG_URL"], token=env["MFSREG_TOKEN"]), "fam", "base", recent=1,
                          pin=False, cache=cache)
-        assert len(kept) == 2 and all(kept), kept  # every tier, then lora-chat: both kept
+        assert len(kept) == 2 and all(kept), kept  # the base tier, then lora-chat's chunks: both kept
         assert res["chunks"] == len(cached_ids(dict(env, MFSREG_CACHE_DIR=str(cache_dir))))
         assert cache.leased_keys() == set()
     finally:

@@ -101,7 +101,7 @@ def check_endpoint_url(url: str, setting: str = "MFSREG_S3_ENDPOINT_URL") -> str
         parsed = urlsplit(url)
     except ValueError:  # an unclosed '[' (urllib's "Invalid IPv6 URL")
         parsed = None
-    if "@" in (url if parsed is None else parsed.netloc):
+    if "@" in url:  # anywhere: "key:secret@host" without a scheme has no netloc to look in
         raise InvalidRequest(f"{setting} holds credentials (a part before '@'), which mfsreg does not read from it: "
                              f"{_ENDPOINT_HINT}; {_AWS_CREDENTIALS}")
     if parsed is not None and (parsed.query or parsed.fragment):

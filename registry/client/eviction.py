@@ -16,15 +16,19 @@ rows and its file, and the next eviction finds the file unlocked and clears both
 the holder's pid: processes sharing one cache through a hostPath run in containers, each with pid
 numbers of its own (and, with the host's network, the host's name): a pid looked up from another
 container names no process there, or another one, and a live pull's lease was taken for dead. The
-lock is the same inode to every process of the host, whatever its namespaces. Where the lock cannot
-be taken or tested (no flock: Windows, a filesystem without locks), a lease holds until it is a day
-old (LEASE_MAX_SECONDS), as it does in any case.
+lock is the same inode to every process of the host, whatever its namespaces. Where a lock file is
+there but its lock cannot be tested (no flock: Windows; a filesystem without locks; a file this
+user cannot open), its lease holds until it is a day old (LEASE_MAX_SECONDS), as any lease does at
+most; where no lock file can be made (a read-only cache), the block runs unleased. Rows written by
+the release before these files (their holder not named ``flock:<uuid>``) lapse as they did then:
+once their pid is gone from this host, or after a day.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import socket
 import time
 import uuid
@@ -46,11 +50,39 @@ RANK = {tier: i for i, tier in enumerate(EVICTION_ORDER)}  # unique 0, group 1, 
 UNKNOWN_RANK = RANK["unique"]
 LEASE_MAX_SECONDS = 24 * 3600  # past this a lease holds nothing, its holder alive or not (see above)
 _HOST = socket.gethostname()
-HOLDERS_DIR = "holders"  # in the cache's root: one lock file per live holder
+HOLDERS_DIR = "holders"  # in the cache's root: one lock file per live holder, named by a uuid
 
 
-def _holder_file(root: Path, holder: str) -> Path:
-    return root / HOLDERS_DIR / holder.rsplit(":", 1)[-1]  # its uuid: a plain file name
+_LOCKED = "flock:"  # the start of a holder with a lock file: flock:<uuid hex>@<host>:<pid>
+_UUID_HEX = re.compile(r"[0-9a-f]{32}")
+
+
+def _new_holder() -> tuple[str, str]:
+    """A holder's name (host and pid in it for whoever reads the rows) and its lock file's name."""
+    name = uuid.uuid4().hex
+    return f"{_LOCKED}{name}@{_HOST}:{os.getpid()}", name
+
+
+def _lock_name(holder: str) -> str | None:
+    """The lock file name of a holder written with one; None for a row of the release before lock
+    files, or a row no holder of ours wrote (a name that is not a uuid never reaches a path)."""
+    if not holder.startswith(_LOCKED):
+        return None
+    name = holder[len(_LOCKED):len(_LOCKED) + 32]
+    return name if _UUID_HEX.fullmatch(name) and holder[len(_LOCKED) + 32:len(_LOCKED) + 33] == "@" else None
+
+
+def _alive(pid: int) -> bool:
+    """For rows of the release before lock files: whether a process with this pid runs on this host."""
+    if os.name == "nt":  # os.kill there ends the process: the age limit alone frees such leases
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process (EPERM): alive
+        return True
+    return True
 
 
 def _hold(path: Path) -> int | None:
@@ -60,7 +92,7 @@ def _hold(path: Path) -> int | None:
     still leaves the file: its holder is then taken for alive until the age limit."""
     try:
         path.parent.mkdir(exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
     except OSError:
         return None
     try:
@@ -72,9 +104,9 @@ def _hold(path: Path) -> int | None:
                 return None
             except OSError:  # no locks on this filesystem
                 pass
-        if os.stat(path).st_ino != os.fstat(fd).st_ino:  # removed as a dead holder's before it was locked
-            os.close(fd)
-            return None
+            if os.stat(path).st_ino != os.fstat(fd).st_ino:  # removed as a dead holder's before it was locked
+                os.close(fd)
+                return None
     except OSError:
         os.close(fd)
         return None
@@ -90,20 +122,24 @@ def _unhold(path: Path, fd: int) -> None:
         os.close(fd)
 
 
+_TEST_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
 def _gone(path: Path) -> bool:
-    """Whether the holder of the lock file ``path`` has ended: no file there (its rows outlived it:
-    a process killed between its release's two steps, or rows from a release before these files),
-    or a file no process holds locked, which then goes. False where the lock cannot be tested."""
+    """Whether the holder of the lock file ``path`` has ended: no file there (its rows outlived it),
+    or a file no process holds locked, which then goes. False where the lock cannot be tested. The
+    test is a shared lock on a read-only open (another user's file opens so too, and a link or a
+    fifo put there is not followed or waited on)."""
     if fcntl is None:
-        return False  # leases from a release before these files never lapse here but by age
+        return False
     try:
-        fd = os.open(path, os.O_RDWR)
+        fd = os.open(path, _TEST_FLAGS)
     except FileNotFoundError:
         return True
     except OSError:
         return False
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except OSError:  # held: its process runs (or the lock cannot be tested here)
         return False
     else:
@@ -112,6 +148,27 @@ def _gone(path: Path) -> bool:
         return True
     finally:
         os.close(fd)
+
+
+class Lease:
+    """What ``leased`` yields: ``add`` leases more keys under the same holder (one lock file and one
+    row however many times it is called: a warm adds each recent member's chunks)."""
+
+    def __init__(self, cache: "Eviction", holder: str | None):
+        self._cache, self.holder = cache, holder
+
+    def add(self, keys: Iterable[str]) -> None:
+        if self.holder is None:
+            return
+        try:
+            with self._cache._db() as db:
+                _insert_leases(db, self.holder, keys)
+        except StorageError:
+            pass  # best effort, as the lease itself
+
+
+def _insert_leases(db, holder: str, keys: Iterable[str]) -> None:
+    db.executemany("INSERT OR IGNORE INTO leases (holder, key) VALUES (?, ?)", [(holder, k) for k in dict.fromkeys(keys)])
 
 
 class Eviction:
@@ -135,14 +192,19 @@ class Eviction:
     # -- leases -----------------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def leased(self, keys: Iterable[str]) -> Iterator[None]:
+    def leased(self, keys: Iterable[str]) -> Iterator[Lease]:
         """Keep ``keys`` (chunk ids, or 'file:<sha256>') from every process's eviction while the block
-        runs (see the module docstring). Best effort: where the index cannot be written (a full
-        disk), the block runs unleased, as before leases, and another process's eviction may take a
-        chunk, which is then fetched again."""
-        holder = f"{_HOST}:{os.getpid()}:{uuid.uuid4().hex}"  # host and pid for whoever reads the rows
-        lock_file = _holder_file(self.root, holder)
-        fd = _hold(lock_file)  # locked before the rows exist: no eviction finds rows without a live lock
+        runs (see the module docstring); the block can lease more through what it is given. Best
+        effort: where the index cannot be written (a full disk) or no lock file made, the block runs
+        unleased, as before leases, and another process's eviction may take a chunk, which is then
+        fetched again."""
+        holder = fd = lock_file = None
+        for _ in range(3):  # a new file an eviction took for a dead holder's as it was made: another name
+            holder, name = _new_holder()
+            lock_file = self.root / HOLDERS_DIR / name
+            fd = _hold(lock_file)  # locked before the rows exist: no eviction finds rows without a live lock
+            if fd is not None:
+                break
         if fd is None:
             holder = None
         else:
@@ -150,13 +212,15 @@ class Eviction:
                 with self._db() as db:
                     db.execute("INSERT INTO holders (holder, host, pid, since) VALUES (?, ?, ?, ?)",
                                (holder, _HOST, os.getpid(), time.time()))
-                    db.executemany("INSERT OR IGNORE INTO leases (holder, key) VALUES (?, ?)",
-                                   [(holder, k) for k in dict.fromkeys(keys)])
+                    _insert_leases(db, holder, keys)
             except StorageError:
                 _unhold(lock_file, fd)
                 holder = None
+            except BaseException:
+                _unhold(lock_file, fd)
+                raise
         try:
-            yield
+            yield Lease(self, holder)
         finally:
             if holder is not None:
                 try:
@@ -231,15 +295,26 @@ class Eviction:
 
 def _lapsed(db, root: Path) -> list[str]:
     """Holders whose leases hold nothing: their lock file is gone or unlocked (their process ended),
-    or they are older than LEASE_MAX_SECONDS. Lock files no row names and no process holds (a
-    holder killed between making its file and writing its rows) go too."""
+    or they are older than LEASE_MAX_SECONDS; rows of the release before lock files, once their pid
+    is gone from this host. Lock files no row names and no process holds (a holder killed between
+    making its file and writing its rows, or between its release's two steps) go too."""
     now = time.time()
-    rows = db.execute("SELECT holder, since FROM holders").fetchall()
-    lapsed = [h for h, since in rows if now - since > LEASE_MAX_SECONDS or _gone(_holder_file(root, h))]
-    named = {_holder_file(root, h).name for h, _ in rows}
+    lapsed, named = [], set()
+    for holder, host, pid, since in db.execute("SELECT holder, host, pid, since FROM holders").fetchall():
+        name = _lock_name(holder)
+        named.add(name)
+        if now - since > LEASE_MAX_SECONDS:
+            lapsed.append(holder)
+        elif name is None:
+            if not holder.startswith(_LOCKED) and host == _HOST and not _alive(pid):
+                lapsed.append(holder)  # the release before lock files: its pid
+            elif holder.startswith(_LOCKED):  # a name no holder of ours writes: nothing to test
+                lapsed.append(holder)
+        elif _gone(root / HOLDERS_DIR / name):
+            lapsed.append(holder)
     with contextlib.suppress(OSError), os.scandir(root / HOLDERS_DIR) as it:
         for e in it:
-            if e.name not in named:
+            if e.name not in named and _UUID_HEX.fullmatch(e.name):
                 _gone(Path(e.path))
     return lapsed
 

@@ -153,8 +153,9 @@ class Copier:
 
     @property
     def maps_unchecked(self) -> bool:
-        """Whether cached chunks are mapped without being read (the CPU, ``verify=False``): a chunk
-        file that is missing then costs only the open that finds it gone (see build)."""
+        """Whether cached chunks are mapped without being read (the CPU, ``verify=False``): such a
+        load looks for no chunk file before it maps them; one found missing as it maps costs that
+        first build, and a second from the registry's answer, which fetches it (see build)."""
         return not self.verify and not self.cuda and mapping is not None
 
     @staticmethod
@@ -448,7 +449,11 @@ def build(node: Node, family: str, version: str, copier: Copier) -> tuple[Versio
         tensors = _from(node, kept, lay, copier, cached=True, record=False, refetch=deferred)
     except Exception as exc:  # decided once the answer is in, outside this block: no chained tracebacks
         failure = exc
-    current = answer.result()
+    try:
+        current = answer.result()
+    except BaseException:  # the first build's regions go now, not with the traceback that holds this frame
+        tensors = failure = None
+        raise
     if failure is not None:
         if current is kept and not isinstance(failure, _Deferred):  # the same document: this load's own failure
             raise failure

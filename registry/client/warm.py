@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-
 from registry.client.cache import NodeCache
 from registry.client.fetch import Fetcher
 from registry.client.node import evict_quietly
@@ -35,8 +33,7 @@ def warm_cache(remote: RemoteRegistry, family: str, tier: str | None = "base", r
         # leased while the warm runs, as a pull's chunks are: another process's eviction passes them
         # over (a delta's basis cached for it stays until it is decoded)
         try:
-            with contextlib.ExitStack() as held:
-                held.enter_context(cache.leased(ids))
+            with cache.leased(ids) as lease:
                 stats = fetcher.ensure(family, ids, located, tiers)
                 fetched = stats.fetched_bytes
                 cache.set_tiers(tiers, family)  # tiers move as members join: refresh what the cache believes
@@ -46,7 +43,7 @@ def warm_cache(remote: RemoteRegistry, family: str, tier: str | None = "base", r
                     except NotFound:  # deleted on the registry since it was pulled: no longer one to keep warm
                         cache.forget_pull(family, version)
                         continue
-                    held.enter_context(cache.leased(info.manifest.chunk_ids()))
+                    lease.add(info.manifest.chunk_ids())  # under the same holder: one lock file however many
                     s = fetcher.ensure(family, info.manifest.chunk_ids(), info.located, info.tiers)
                     fetched += s.fetched_bytes
                     warm += s.chunk_ids
