@@ -51,9 +51,8 @@ UNKNOWN_RANK = RANK["unique"]
 LEASE_MAX_SECONDS = 24 * 3600  # past this a lease holds nothing, its holder alive or not (see above)
 _HOST = socket.gethostname()
 HOLDERS_DIR = "holders"  # in the cache's root: one lock file per live holder, named by a uuid
-
-
 _LOCKED = "flock:"  # the start of a holder with a lock file: flock:<uuid hex>@<host>:<pid>
+_LOCKED_HOLDER = re.compile(r"flock:([0-9a-f]{32})@")
 _UUID_HEX = re.compile(r"[0-9a-f]{32}")
 
 
@@ -61,15 +60,6 @@ def _new_holder() -> tuple[str, str]:
     """A holder's name (host and pid in it for whoever reads the rows) and its lock file's name."""
     name = uuid.uuid4().hex
     return f"{_LOCKED}{name}@{_HOST}:{os.getpid()}", name
-
-
-def _lock_name(holder: str) -> str | None:
-    """The lock file name of a holder written with one; None for a row of the release before lock
-    files, or a row no holder of ours wrote (a name that is not a uuid never reaches a path)."""
-    if not holder.startswith(_LOCKED):
-        return None
-    name = holder[len(_LOCKED):len(_LOCKED) + 32]
-    return name if _UUID_HEX.fullmatch(name) and holder[len(_LOCKED) + 32:len(_LOCKED) + 33] == "@" else None
 
 
 def _alive(pid: int) -> bool:
@@ -114,12 +104,14 @@ def _hold(path: Path) -> int | None:
 
 
 def _unhold(path: Path, fd: int) -> None:
-    if fcntl is None:  # no locks to keep (and Windows removes no open file)
+    if fcntl is None:  # no lock to keep, and Windows removes no open file
         os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        return
     with contextlib.suppress(OSError):
         os.unlink(path)  # before the lock goes: no one finds the file unlocked while its rows stand
-    if fcntl is not None:
-        os.close(fd)
+    os.close(fd)
 
 
 _TEST_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
@@ -301,16 +293,15 @@ def _lapsed(db, root: Path) -> list[str]:
     now = time.time()
     lapsed, named = [], set()
     for holder, host, pid, since in db.execute("SELECT holder, host, pid, since FROM holders").fetchall():
-        name = _lock_name(holder)
-        named.add(name)
         if now - since > LEASE_MAX_SECONDS:
             lapsed.append(holder)
-        elif name is None:
-            if not holder.startswith(_LOCKED) and host == _HOST and not _alive(pid):
-                lapsed.append(holder)  # the release before lock files: its pid
-            elif holder.startswith(_LOCKED):  # a name no holder of ours writes: nothing to test
+        elif holder.startswith(_LOCKED):  # only a uuid from the name reaches a path; a row naming anything else lapses
+            m = _LOCKED_HOLDER.match(holder)
+            if m:
+                named.add(m[1])
+            if not m or _gone(root / HOLDERS_DIR / m[1]):
                 lapsed.append(holder)
-        elif _gone(root / HOLDERS_DIR / name):
+        elif host == _HOST and not _alive(pid):  # the release before lock files: its pid
             lapsed.append(holder)
     with contextlib.suppress(OSError), os.scandir(root / HOLDERS_DIR) as it:
         for e in it:
