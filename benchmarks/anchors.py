@@ -230,6 +230,34 @@ def drop_from_page_cache(paths: Iterable[Path | str]) -> None:
             os.close(fd)
 
 
+def page_cache_resident(paths: Iterable[Path | str]) -> tuple[int, int]:
+    """(bytes of the files in the page cache, their bytes in all), by mincore(2) over a private
+    mapping of each (which reports the file's cached pages until it is written): says whether a
+    timed read found its files in memory or read them from disk. Neither the standard library nor
+    a kept package asks the kernel this, so it goes through ctypes; (0, total) where it cannot."""
+    import ctypes
+    import mmap
+
+    page = mmap.PAGESIZE
+    libc = ctypes.CDLL(None, use_errno=True)
+    resident = total = 0
+    for p in paths:
+        size = os.stat(p).st_size
+        total += size
+        if not size or not hasattr(libc, "mincore"):
+            continue
+        with open(p, "rb") as f, mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) as mm:
+            pages = (size + page - 1) // page
+            vec = (ctypes.c_ubyte * pages)()
+            anchor = ctypes.c_char.from_buffer(mm)
+            try:
+                if libc.mincore(ctypes.c_void_p(ctypes.addressof(anchor)), ctypes.c_size_t(size), vec) == 0:
+                    resident += min(size, page * sum(b & 1 for b in vec))
+            finally:
+                del anchor  # the buffer export must end before the mapping closes
+    return resident, total
+
+
 def hash_gbps(path: Path) -> dict:
     """Single-thread xxh3-128 (per 1 MiB piece) and sha256 (whole file) over a cached file.
 

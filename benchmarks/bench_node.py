@@ -23,6 +23,8 @@ Then each figure is the median of --runs, measured in one process:
   (params.pull_writes says which way ran). Beside it, in each run, two
   write anchors from anchors.write_anchors: the local file copied by shutil.copyfile and synced,
   and its bytes written with O_DIRECT and synced: what writing the file durably costs each way.
+  The share of the warmed chunk files the page cache holds as the timed pull begins is recorded:
+  where memory is short they are read back from disk.
 - tensors: registry.client.load_tensors(lora-chat, node=Node(url, token, warm cache dir)) beside
   safetensors.torch.load_file of the local file with its default backend ("mmap": on CPU it maps
   the page cache and reads nothing until the tensors are used) and with backend="pread" (bytes
@@ -37,7 +39,9 @@ Then each figure is the median of --runs, measured in one process:
   both were dropped from the page cache (anchors.drop_from_page_cache, as after a reboot or memory
   pressure; the untimed first load of each then reads them from disk, timed apart as "first"):
   then the page cache holds them as the loaders' own reads left them, in large folios or small,
-  and a mapping's first touch costs accordingly. Each state is gated.
+  and a mapping's first touch costs accordingly. Each state is gated. As each state's first loads
+  begin, the share of the node cache's chunk files and of the local file that the page cache holds
+  is recorded (anchors.page_cache_resident): the run's downloads and cold pulls can push them out.
 - switch: ResidentModel(family, "base", node) built from the warm cache, then .switch("lora-chat")
   and .switch("base") back: seconds and bytes copied, beside a full reload of the target
   (load_tensors of lora-chat from the warm cache). On the first run the switched tensors are
@@ -215,10 +219,12 @@ class Bench:
             warm_s = time.perf_counter() - t0
             base_ids = shared["base_chunk_ids"]
             covered = sum(1 for i in base_ids if cache.has(i))
+            cached, total = anchors.page_cache_resident(list((cache.root / "chunks").glob("*/*")))
             out = self._pull(DUP, cache, verify, "pull with the base cached")
         written = anchors.write_anchors(self.paths[DUP], self.work)
         return {**out, **written, "warm_seconds": warm_s, "warm_fetched_bytes": warm["fetched_bytes"], "warm_chunks": warm["chunks"],
-                "base_chunks_cached": covered, "base_chunks": len(base_ids)}
+                "base_chunks_cached": covered, "base_chunks": len(base_ids),
+                "chunk_files_resident": cached / total if total else None}
 
     def loads(self, node, dropped: bool = False) -> dict:
         """load_tensors from the warm cache beside load_file (default backend and pread) of the local file.
@@ -240,13 +246,19 @@ class Bench:
             # later runs, as the loads after the last drop read them back.)
             with open(self.paths[DUP], "rb") as src, open(path, "wb") as out:
                 shutil.copyfileobj(src, out, 16 << 20)
+        # how much of each loader's files the page cache holds as the first loads start: the other
+        # steps of a run (downloads, moto's objects, the cold caches) can push the chunk files out
+        chunk_files = list((node.cache.root / "chunks").glob("*/*"))
+        cached, total = anchors.page_cache_resident(chunk_files)
+        out: dict = {"chunk_files_resident": cached / total if total else None}
+        cached, total = anchors.page_cache_resident([path])
+        out["local_file_resident"] = cached / total if total else None
         variants = {
             "load_tensors": lambda: load_tensors(FAMILY, DUP, device=self.device, node=node),
             "load_tensors_unverified": lambda: load_tensors(FAMILY, DUP, device=self.device, node=node, verify=False),
             "load_file": lambda: load_file(path, device=self.device),
             "load_file_pread": lambda: load_file(path, device=self.device, backend="pread"),
         }
-        out: dict = {}
         usable = {}
         for name, fn in variants.items():
             try:
@@ -367,7 +379,7 @@ def summarise(raw: dict) -> dict:
         s["cold"][m]["vs_download_and_load"] = s["cold"][m]["seconds"] / s["anchor"][m]["total_s"]
     w = raw["warm_base"]
     sh = raw["shared"]
-    s["warm_base"] = {k: _med(w, k) for k in ("seconds", "warm_seconds", "copy_fsync_s", "direct_fsync_s")}
+    s["warm_base"] = {k: _med(w, k) for k in ("seconds", "warm_seconds", "copy_fsync_s", "direct_fsync_s", "chunk_files_resident")}
     s["warm_base"].update({k: w[0][k] for k in ("fetched_bytes", "cached_bytes", "logical_bytes", "verified", "warm_fetched_bytes",
                                                 "warm_chunks", "base_chunks_cached", "base_chunks")})
     s["warm_base"]["shared_fraction"] = sh["shared_fraction"]
@@ -378,7 +390,8 @@ def summarise(raw: dict) -> dict:
     for state in ("loads", "loads_dropped"):
         rows = raw.get(state) or []
         if rows:
-            s[state] = {k: _med(rows, k) for k in (*LOAD_KEYS, *(f"{n}_first" for n in LOADERS))}
+            s[state] = {k: _med(rows, k) for k in (*LOAD_KEYS, *(f"{n}_first" for n in LOADERS),
+                                                  "chunk_files_resident", "local_file_resident")}
             s[state]["tensor_bytes"] = rows[0]["tensor_bytes"]
     sw = raw["switch"]
     s["switch"] = {k: _med(sw, k) for k in ("init_base_s", "switch_s", "switch_back_s", "reload_s")}
@@ -445,9 +458,14 @@ def _load_rows(ld: dict, g: dict, suffix: str, what: str, p: dict) -> list[str]:
     out = [f"### Tensors of {DUP} on {p['device']} ({n / MB:,.1f} MB; {what}; median of "
            f"{LOAD_REPS} interleaved rounds per run)", "",
            table(["loader", "call s", "ready s", "MB/s (ready)", "load_tensors speed / this (ready)", "gate"], rows), ""]
-    if ld.get("load_tensors_first") is not None and suffix:
-        out += [f"First loads, reading the files back from disk (untimed rounds above): load_tensors "
-                f"{ld['load_tensors_first']:.3f} s, load_file {ld['load_file_first']:.3f} s (ready).", ""]
+    if ld.get("load_tensors_first") is not None:
+        where = "reading the files back from disk" if suffix else "the files as the run's other steps left them"
+        line = (f"First loads, {where} (untimed rounds above): load_tensors {ld['load_tensors_first']:.3f} s, "
+                f"load_file {ld['load_file_first']:.3f} s (ready).")
+        if ld.get("chunk_files_resident") is not None:
+            line += (f" As they began, the page cache held {ld['chunk_files_resident']:.0%} of the node cache's chunk "
+                     f"files and {ld['local_file_resident']:.0%} of the local file.")
+        out += [line, ""]
     if p["device"] == "cpu" and not suffix:
         out += ["\"ready\" = the call plus the first touch of every page of every tensor. On CPU, load_file's default "
                 "mmap backend returns tensors over the page cache and reads nothing until they are used, so its bare call "
@@ -485,7 +503,8 @@ def report(doc: dict) -> str:
     out += [f"Shared with base: {w['shared_fraction']:.3f} of {DUP}'s logical bytes (version documents); observed in the pull: "
             f"{w['shared_fraction_observed']:.3f}. The base-tier warm-up fetched {w['warm_fetched_bytes'] / MB:,.1f} MB "
             f"({w['warm_chunks']} chunks) in {w['warm_seconds']:.2f} s, untimed; it left {w['base_chunks_cached']}/{w['base_chunks']} "
-            "of base's chunks cached.", ""]
+            "of base's chunks cached." + (f" As the pull began, the page cache held {w['chunk_files_resident']:.0%} of those "
+                                          "chunk files (median of the runs)." if w.get("chunk_files_resident") is not None else ""), ""]
 
     for state, suffix, what in (("loads", "", "page cache and node cache warm, as their writers left them"),
                                 ("loads_dropped", "_after_drop", "after both files were dropped from the page cache, "
