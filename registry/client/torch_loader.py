@@ -131,6 +131,12 @@ def target_device(device) -> torch.device:
     if dev.index is not None and dev.index >= torch.cuda.device_count():
         raise InvalidRequest(f"device {device!r}: this process sees {torch.cuda.device_count()} CUDA device(s), "
                              f"numbered from 0")
+    if dev.index is None:
+        # "cuda" is whichever device is current, and torch looks that up again at each use, per
+        # thread: a ResidentModel made with GPU 1 current and switched from a thread (or a block)
+        # where GPU 0 is would put reallocated tensors on GPU 0 and copy into them on GPU 0's
+        # stream, which the staging buffers' events do not cover. So the number is fixed here.
+        dev = torch.device("cuda", torch.cuda.current_device())
     return dev
 
 
