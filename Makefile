@@ -38,4 +38,4 @@ bench: install
 	$(BIN)/python -m benchmarks.bench_trained
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info registry/*.so registry/client/*.so
+	rm -rf $(VENV) .pytest_cache build *.egg-info registry/*.so registry/client/*.so dist site

@@ -1,18 +1,32 @@
-"""Build of the three C modules (everything else is in pyproject.toml): registry/_grouping.c,
-registry/_busguard.c and registry/client/_mapfiles.c.
+"""Packages and C modules (metadata is in pyproject.toml).
 
-optional=True: where no C compiler is at hand the install still succeeds; registry/codec.py then
-falls back to numpy for grouped deltas (same bytes, slower; it writes ungrouped deltas instead),
-registry/client/mapping.py maps chunk files one at a time through ctypes, and a file cut short
-while it is pushed ends the push with SIGBUS instead of one line (registry/chunking.py).
+The folders registry/, api/, cli/ and migrations/ stay at the top of the repository and install under
+one import name, ``mfsreg``: ``mfsreg.registry``, ``mfsreg.api``, ``mfsreg.cli``, ``mfsreg.migrations``
+(tests/test_packaging.py builds the wheel and reads its top-level names).
+
+The three C modules are optional: without a C compiler the install still succeeds; registry/codec.py
+then writes ungrouped deltas (numpy), registry/client/mapping.py maps chunk files through ctypes one
+at a time, and a file cut short while it is pushed ends the push with SIGBUS instead of one line.
 """
 
-from setuptools import Extension, setup
+from setuptools import Extension, find_packages, setup
 
-setup(ext_modules=[
-    Extension("registry._grouping", ["registry/_grouping.c"], optional=True, extra_compile_args=["-O3"]),
-    # answers a read past the end of a file cut short while it is pushed (registry/chunking.py)
-    Extension("registry._busguard", ["registry/_busguard.c"], optional=True, extra_compile_args=["-O2"]),
-    # maps a node's chunk files into tensors in one call (registry/client/mapping.py copes without it)
-    Extension("registry.client._mapfiles", ["registry/client/_mapfiles.c"], optional=True, extra_compile_args=["-O3"]),
-])
+ROOTS = {"mfsreg": "mfsreg", "mfsreg.registry": "registry", "mfsreg.api": "api", "mfsreg.cli": "cli",
+         "mfsreg.migrations": "migrations"}
+PACKAGES = [sub for name, folder in ROOTS.items() for sub in [name, *(f"{name}.{p}" for p in find_packages(folder))]]
+
+
+def ext(name: str, source: str, opt: str) -> Extension:
+    return Extension(name, [source], optional=True, extra_compile_args=[opt])
+
+
+setup(
+    packages=PACKAGES,
+    package_dir=ROOTS,
+    package_data={"mfsreg.migrations": ["*.ini", "*.mako"]},
+    ext_modules=[
+        ext("mfsreg.registry._grouping", "registry/_grouping.c", "-O3"),  # grouped deltas
+        ext("mfsreg.registry._busguard", "registry/_busguard.c", "-O2"),  # a pushed file cut short: one line
+        ext("mfsreg.registry.client._mapfiles", "registry/client/_mapfiles.c", "-O3"),  # chunk files mapped in one call
+    ],
+)

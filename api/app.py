@@ -15,22 +15,22 @@ from fastapi import Depends, FastAPI, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from api import errors
-from api.auth import Authenticate, principal
-from api.limits import BodyLimit, read_body
-from api.query import strict_query
-from api.streams import broken_off
-from api.schemas import (
+from mfsreg.api import errors
+from mfsreg.api.auth import Authenticate, principal
+from mfsreg.api.limits import BodyLimit, read_body
+from mfsreg.api.query import strict_query
+from mfsreg.api.streams import broken_off
+from mfsreg.api.schemas import (
     CheckResultModel, CommitRequest, DeleteResultModel, DownloadRequest, FamilyModel, NegotiateRequest,
     NegotiateResponse, PruneResultModel, PushResultModel, UploadResponse, VersionModel,
 )
-from registry import prune, service
-from registry.results import timestamp
-from registry.auth import Principal
-from registry.config import Settings
-from registry.errors import Forbidden
-from registry.names import check_name
-from registry.registry import Registry
+from mfsreg.registry import prune, service
+from mfsreg.registry.results import timestamp
+from mfsreg.registry.auth import Principal
+from mfsreg.registry.config import Settings
+from mfsreg.registry.errors import Forbidden
+from mfsreg.registry.names import check_name
+from mfsreg.registry.registry import Registry
 
 
 def create_app(settings: Settings | None = None, registry: Registry | None = None) -> FastAPI:

@@ -12,9 +12,9 @@ from fastapi import Request
 from starlette._utils import get_route_path
 from starlette.concurrency import run_in_threadpool
 
-from api.posts import role_for
-from registry.auth import Principal, authenticate
-from registry.errors import InvalidRequest, RegistryError
+from mfsreg.api.posts import role_for
+from mfsreg.registry.auth import Principal, authenticate
+from mfsreg.registry.errors import InvalidRequest, RegistryError
 
 _KEY = "mfsreg.principal"
 
@@ -31,7 +31,7 @@ class Authenticate:
         if scope["type"] != "http" or not get_route_path(scope).startswith("/v1/"):
             await self.app(scope, receive, send)
             return
-        from api.errors import problem, status_for
+        from mfsreg.api.errors import problem, status_for
 
         reg = scope["app"].state.registry
         headers = [v for k, v in scope.get("headers", ()) if k == b"authorization"]

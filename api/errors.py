@@ -11,8 +11,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.routing import Match, Route
 
-from registry import errors as e
-from registry.errors import shown
+from mfsreg.registry import errors as e
+from mfsreg.registry.errors import shown
 
 STATUS: list[tuple[type[e.RegistryError], int]] = [
     (e.InvalidName, 400),

@@ -5,8 +5,8 @@ from __future__ import annotations
 from fastapi import Request
 from starlette._utils import get_route_path
 
-from api.posts import body_limit
-from registry.errors import TooLarge
+from mfsreg.api.posts import body_limit
+from mfsreg.registry.errors import TooLarge
 
 
 def _too_large(limit: int) -> TooLarge:
@@ -65,7 +65,7 @@ class BodyLimit:
         await self.app(scope, replay, send)
 
     async def _refuse(self, scope, receive, send, limit: int):
-        from api.errors import problem
+        from mfsreg.api.errors import problem
 
         await problem(413, TooLarge.code, str(_too_large(limit)))(scope, receive, send)
 

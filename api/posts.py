@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 
-from api.schemas import MAX_DOWNLOAD_IDS
+from mfsreg.api.schemas import MAX_DOWNLOAD_IDS
 
 _DOWNLOAD = re.compile(r"/v1/families/([^/]+)/chunks/download")
 _PUSH = re.compile(r"/v1/families/([^/]+)/(?:chunks|versions/[^/]+/(?:negotiate|commit))")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from fastapi import Request
 
-from registry.errors import InvalidRequest
+from mfsreg.registry.errors import InvalidRequest
 
 _SHOWN = 64  # characters of a name quoted back: the error line stays short whatever was sent
 

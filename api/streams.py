@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 
-from registry.errors import RegistryError
+from mfsreg.registry.errors import RegistryError
 
 # uvicorn's own error logger: the line lands in the server's log, in its format, at its level
 log = logging.getLogger("uvicorn.error")

@@ -137,8 +137,8 @@ def plain_transfers(stack: Stack, paths: dict[str, Path], work: Path) -> dict[st
 
 
 def mfsreg_transfers(stack: Stack, paths: dict[str, Path], work: Path) -> dict[str, dict]:
-    from registry.client.cache import NodeCache
-    from registry.client.remote import RemoteRegistry
+    from mfsreg.registry.client.cache import NodeCache
+    from mfsreg.registry.client.remote import RemoteRegistry
 
     url = stack.start_api(f"reg-{uuid.uuid4().hex[:8]}")
     out = {}

@@ -27,8 +27,8 @@ import xxhash
 
 from benchmarks.common import FAMILY, MB, cpu_seconds, finish, fresh_registry, machine_info, median, push_family, table
 from benchmarks.family import DEFAULT_DIR, MEMBERS, generate
-from registry.blobs.packs import pack_key
-from registry.errors import RegistryError
+from mfsreg.registry.blobs.packs import pack_key
+from mfsreg.registry.errors import RegistryError
 
 
 def read_packs(blob_root: Path) -> int:

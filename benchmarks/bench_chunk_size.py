@@ -26,7 +26,7 @@ from benchmarks import anchors
 from benchmarks.common import (FAMILY, GB, MB, dir_bytes, fresh_registry, machine_info, median, push_family,
                                table, write_json)
 from benchmarks.family import DEFAULT_DIR, Shape, generate
-from registry.config import DEFAULT_CHUNK_SIZE, parse_size
+from mfsreg.registry.config import DEFAULT_CHUNK_SIZE, parse_size
 
 DEFAULT_SIZES = "256K,1M,4M,16M"
 DUP = ("lora-chat", "vocab-ext")

@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default="core.json", help="file name under benchmarks/results/")
     args = ap.parse_args(argv)
 
-    from registry.config import DEFAULT_CHUNK_SIZE
+    from mfsreg.registry.config import DEFAULT_CHUNK_SIZE
 
     chunk_size = args.chunk_size or DEFAULT_CHUNK_SIZE
     print(f"generating / finding the family at scale {args.scale:g} under {args.data} ...", flush=True)

@@ -81,7 +81,7 @@ def storage_figures(stats: dict) -> dict:
 
 def decode_sets(reg) -> dict[str, dict]:
     """The two chunk sets to decode, with payloads in memory and delta bases decoded (untimed)."""
-    from registry import rebuild
+    from mfsreg.registry import rebuild
 
     out = {}
     for label, member, want_delta in (("deltas of " + DELTA_MEMBER, DELTA_MEMBER, True),
@@ -102,8 +102,8 @@ def decode_sets(reg) -> dict[str, dict]:
 
 
 def time_decode(s: dict, verify: bool) -> dict:
-    from registry import codec
-    from registry.rebuild import decode_verified
+    from mfsreg.registry import codec
+    from mfsreg.registry.rebuild import decode_verified
 
     chunks, payloads, bases = s["chunks"], s["payloads"], s["bases"]
     if verify:
@@ -300,7 +300,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default="delta.json", help="file name under benchmarks/results/")
     args = ap.parse_args(argv)
 
-    from registry.config import DEFAULT_CHUNK_SIZE
+    from mfsreg.registry.config import DEFAULT_CHUNK_SIZE
 
     t_start = time.perf_counter()
     print(f"generating / finding the family at scale {args.scale:g} under {args.data} ...", flush=True)

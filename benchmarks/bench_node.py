@@ -74,7 +74,7 @@ from benchmarks import anchors
 from benchmarks.bench_api import Stack
 from benchmarks.common import FAMILY, MB, finish, machine_info, median, table
 from benchmarks.family import DEFAULT_DIR, MEMBERS, Shape, generate
-from registry.config import DEFAULT_CHUNK_SIZE, parse_size
+from mfsreg.registry.config import DEFAULT_CHUNK_SIZE, parse_size
 
 NODE_MEMBERS = ("base", "lora-chat", "vocab-ext", "full-medical")
 COLD = ("lora-chat", "full-medical")
@@ -109,7 +109,7 @@ class Bench:
         self.paths, self.work, self.device, self.chunk_size = paths, work, device, chunk_size
 
     def remote(self):
-        from registry.client.remote import RemoteRegistry
+        from mfsreg.registry.client.remote import RemoteRegistry
 
         return RemoteRegistry(self.url, token=self.token, chunk_size=self.chunk_size)
 
@@ -137,7 +137,7 @@ class Bench:
 
     def shared(self) -> dict:
         """Raw bytes of DUP's chunks that base also uses, from the version documents."""
-        from registry.manifest import Manifest
+        from mfsreg.registry.manifest import Manifest
 
         with self.remote() as r:
             dup, base = r.version_doc(FAMILY, DUP), r.version_doc(FAMILY, "base")
@@ -196,7 +196,7 @@ class Bench:
 
     @contextmanager
     def fresh_cache(self, what: str):
-        from registry.client.cache import NodeCache
+        from mfsreg.registry.client.cache import NodeCache
 
         cache_dir = self.fresh_dir(what)
         cache = NodeCache(cache_dir)
@@ -211,7 +211,7 @@ class Bench:
             return self._pull(member, cache, verify, "cold pull")
 
     def warm_base_pull(self, shared: dict, verify: bool) -> dict:
-        from registry.client.warm import warm_cache
+        from mfsreg.registry.client.warm import warm_cache
 
         with self.fresh_cache("warm-cache") as cache:
             t0 = time.perf_counter()
@@ -234,7 +234,7 @@ class Bench:
         of every page of the tensors (``ready_s`` = load + touch): a lazy loader pays its reads there.
         ``dropped``: the chunk files and the local file leave the page cache first; the untimed first
         loads read them back (their ready times are kept as ``<loader>_first``)."""
-        from registry.client import load_tensors
+        from mfsreg.registry.client import load_tensors
 
         path = str(self.work / f"local-{DUP}.safetensors")
         if dropped:
@@ -292,7 +292,7 @@ class Bench:
         return out
 
     def switch(self, node, verify: bool) -> dict:
-        from registry.client import ResidentModel, load_tensors
+        from mfsreg.registry.client import ResidentModel, load_tensors
 
         t0 = time.perf_counter()
         rm = ResidentModel(FAMILY, "base", device=self.device, node=node)
@@ -331,7 +331,7 @@ class Bench:
 
 
 def run_all(bench: Bench, runs: int) -> dict:
-    from registry.client import Node, load_tensors
+    from mfsreg.registry.client import Node, load_tensors
 
     shared = bench.shared()
     bench.upload_plain()
@@ -528,8 +528,8 @@ def report(doc: dict) -> str:
 
 def _pull_writes(work: Path) -> str:
     """How the timed pulls wrote their file: around the page cache where asked and taken, else through it."""
-    from registry.client import direct
-    from registry.client.assemble import direct_writes
+    from mfsreg.registry.client import direct
+    from mfsreg.registry.client.assemble import direct_writes
 
     if not direct_writes():
         return "page cache"

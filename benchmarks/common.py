@@ -96,8 +96,8 @@ def library_versions() -> dict:
 def fresh_registry(parent_dir: Path, chunk_size: int | None = None, **settings) -> Iterator:
     """An embedded registry (SQLite + local packs) in a new temp dir under ``parent_dir``, removed after.
     ``settings`` override Settings fields (e.g. ``delta=False``)."""
-    from registry.config import Settings
-    from registry.registry import Registry
+    from mfsreg.registry.config import Settings
+    from mfsreg.registry.registry import Registry
 
     parent_dir.mkdir(parents=True, exist_ok=True)
     home = Path(tempfile.mkdtemp(prefix="mfsreg-bench-", dir=parent_dir))
@@ -182,7 +182,7 @@ def scratch_postgres(prefix: str):
 
     from sqlalchemy import create_engine, text
 
-    from registry.db.engine import create_db_engine
+    from mfsreg.registry.db.engine import create_db_engine
 
     admin = create_engine(f"{POSTGRES}/postgres", isolation_level="AUTOCOMMIT")
     name = f"{prefix}_{uuid.uuid4().hex[:8]}"

@@ -35,17 +35,32 @@ from benchmarks import anchors
 from benchmarks.common import MB, REPO, finish, machine_info, median, table
 from benchmarks.family import DEFAULT_DIR, MEMBERS, generate
 
-# Run in a child process with the side's checkout first on sys.path. Prints one JSON line.
-CHILD = r"""
-import json, resource, sys, time
+# Imports the side's checkout (sys.argv[1]) as ``core`` (its registry/ package) and ``side(name)``
+# (one of its modules), whatever its layout: revisions before the mfsreg namespace have a top-level
+# ``registry`` package; later ones map registry/ to ``mfsreg.registry``.
+SIDE_IMPORT = r"""
+import importlib, os, sys
 sys.path.insert(0, sys.argv[1])
+if os.path.isdir(os.path.join(sys.argv[1], "mfsreg")):
+    import mfsreg
+    mfsreg.__path__.append(sys.argv[1])
+    _PKG = "mfsreg.registry"
+else:
+    _PKG = "registry"
+core = importlib.import_module(_PKG)
+def side(name):
+    return importlib.import_module(f"{_PKG}.{name}")
+"""
+
+# Run in a child process with the side's checkout first on sys.path. Prints one JSON line.
+CHILD = SIDE_IMPORT + r"""
+import json, resource, time
 from pathlib import Path
 import numpy as np
 from safetensors.numpy import save_file
-import registry
-from registry import codec
-from registry.config import Settings
-from registry.registry import Registry
+codec = side("codec")
+Settings = side("config").Settings
+Registry = side("registry").Registry
 
 home, path, version, parent = Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4], sys.argv[5] or None
 reg = Registry(Settings.from_env({"MFSREG_HOME": str(home)}))
@@ -62,7 +77,7 @@ r1, wall = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter() - t0
 reg.close()
 print(json.dumps({"user": r1.ru_utime - r0.ru_utime, "system": r1.ru_stime - r0.ru_stime, "wall": wall,
                   "logical_bytes": result.logical_bytes, "new_bytes": result.new_bytes,
-                  "package": registry.__file__,
+                  "package": core.__file__,
                   "c_module": getattr(codec._grouping, "__file__", None) if codec._grouping is not None else None}))
 """
 

@@ -28,18 +28,17 @@ from pathlib import Path
 from benchmarks import anchors
 from benchmarks.bench_api import Stack
 from benchmarks.common import FAMILY, finish, machine_info, median, table
-from benchmarks.compare_ingest import child_result, compare_parser, two_sides
+from benchmarks.compare_ingest import SIDE_IMPORT, child_result, compare_parser, two_sides
 from benchmarks.family import generate
-from registry.client.remote import RemoteRegistry
+from mfsreg.registry.client.remote import RemoteRegistry
 
 BASE, MEMBER = "base", "lora-chat"
 
 # Run in a child process with the side's checkout first on sys.path. Prints one JSON line.
-CHILD = r"""
-import json, statistics, sys, time
-sys.path.insert(0, sys.argv[1])
-import registry
-from registry.client import Node, ResidentModel, load_tensors
+CHILD = SIDE_IMPORT + r"""
+import json, statistics, time
+_client = side("client")
+Node, ResidentModel, load_tensors = _client.Node, _client.ResidentModel, _client.load_tensors
 import torch
 from safetensors.torch import load_file
 
@@ -85,7 +84,7 @@ for _ in range(5):
 node.close()
 print(json.dumps({"load_tensors_ready": statistics.median(loads), "load_file_ready": statistics.median(files),
                   "load_tensors_unverified_ready": statistics.median(unverified) if unverified else None,
-                  "switch": statistics.median(switches), "package": registry.__file__,
+                  "switch": statistics.median(switches), "package": core.__file__,
                   "load_tensors_cold": cold_loads or None, "load_file_cold": cold_files or None}))
 """
 

@@ -39,8 +39,8 @@ import xxhash
 from benchmarks import anchors
 from benchmarks.common import MB, finish, machine_info, median, table
 from benchmarks.family import DEFAULT_DIR, generate
-from registry.client.mapping import _FAILED, _MAP_FIXED, _PROT, HUGE, PAGE, _libc
-from registry.config import parse_size
+from mfsreg.registry.client.mapping import _FAILED, _MAP_FIXED, _PROT, HUGE, PAGE, _libc
+from mfsreg.registry.config import parse_size
 
 
 def _pmd_kb() -> int:

@@ -46,7 +46,7 @@ def _wrap(module, name: str, phase: str) -> bool:
 
 
 def install() -> None:
-    from registry import hashing, ingest
+    from mfsreg.registry import hashing, ingest
 
     if hasattr(ingest, "hash_source"):
         _wrap(ingest, "hash_source", "hash")

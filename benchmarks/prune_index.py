@@ -22,8 +22,8 @@ from alembic import command
 from sqlalchemy import text
 
 from benchmarks.common import finish, machine_info, median, scratch_postgres, table
-from registry.db import prune as q
-from registry.db.schema import _config
+from mfsreg.registry.db import prune as q
+from mfsreg.registry.db.schema import _config
 
 
 def one(revision: str, n_chunks: int, n_packs: int) -> dict:

@@ -41,8 +41,8 @@ WAYS = {"around the page cache (MFSREG_PULL_DIRECT=1)": "1", "through the page c
 
 
 def one(bench: Bench, setting: str) -> dict:
-    from registry.client.cache import NodeCache
-    from registry.client.warm import warm_cache
+    from mfsreg.registry.client.cache import NodeCache
+    from mfsreg.registry.client.warm import warm_cache
 
     os.environ["MFSREG_PULL_DIRECT"] = setting  # read by each pull
     cache_dir = bench.fresh_dir("cache")

@@ -5,10 +5,10 @@ from __future__ import annotations
 import typer
 from typer.core import TyperCommand
 
-from cli.backend import RegistryOption, embedded, local_only, open_backend
-from cli.errors import usage_error_type
-from cli.output import emit_json, human_bytes
-from cli.progress import progress_for
+from mfsreg.cli.backend import RegistryOption, embedded, local_only, open_backend
+from mfsreg.cli.errors import usage_error_type
+from mfsreg.cli.output import emit_json, human_bytes
+from mfsreg.cli.progress import progress_for
 
 db_app = typer.Typer(help="The metadata database.", no_args_is_help=True)
 family_app = typer.Typer(help="Family settings.", no_args_is_help=True)
@@ -17,7 +17,7 @@ family_app = typer.Typer(help="Family settings.", no_args_is_help=True)
 @db_app.command("upgrade")
 def upgrade(json_: bool = typer.Option(False, "--json")) -> None:
     """Apply pending schema migrations to MFSREG_DATABASE_URL (or the embedded database)."""
-    from registry.registry import upgrade_database
+    from mfsreg.registry.registry import upgrade_database
 
     local_only("db upgrade")
 
@@ -35,7 +35,7 @@ class NumbersNotOptions(TyperCommand):
     is named as click names one, wherever it stands, even before a missing argument."""
 
     def parse_args(self, ctx, args: list[str]) -> list[str]:
-        from registry.errors import shown
+        from mfsreg.registry.errors import shown
 
         known = {opt for param in self.get_params(ctx) for opt in (*param.opts, *param.secondary_opts)}
         for word in args:
@@ -54,7 +54,7 @@ def quorum(
     json_: bool = typer.Option(False, "--json"),
 ) -> None:
     """Set a family's base quorum and re-tier its chunks."""
-    from registry.errors import shown
+    from mfsreg.registry.errors import shown
 
     if (fraction := _number(value)) is None:
         raise typer.BadParameter(f"{shown(value, 40)} is not a number: give a fraction in (0, 1], e.g. 0.5", param_hint="'value'")
@@ -87,8 +87,8 @@ def prune(
     """Delete the chunks no version needs and give back their space: packs left empty are deleted,
     packs mostly unused are repacked. Chunks that deltas of stored versions need are kept. With
     MFSREG_URL the server prunes its registry (an admin token for every family)."""
-    from registry.config import parse_duration
-    from registry.errors import InvalidRequest
+    from mfsreg.registry.config import parse_duration
+    from mfsreg.registry.errors import InvalidRequest
 
     try:
         seconds = parse_duration(min_age)

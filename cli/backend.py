@@ -26,7 +26,7 @@ def open_backend(url: str | None = None, *, blobs: bool = True):
     command that reads or changes only the database (ls, show, stats, delete): the embedded registry
     then runs whatever MFSREG_BLOB_URL and the MFSREG_S3_* settings hold, since it never opens the store."""
     if url:
-        from registry.client.remote import RemoteRegistry
+        from mfsreg.registry.client.remote import RemoteRegistry
 
         backend = RemoteRegistry(url, token=os.environ.get("MFSREG_TOKEN") or None)  # empty: unset
     else:
@@ -42,8 +42,8 @@ def embedded(*, blobs: bool = True):
     MFSREG_BLOB_URL, or for an s3 one a malformed MFSREG_S3_* timeout or attempts, is refused here,
     before the database is opened (or, on a new MFSREG_HOME, made); without, they are never looked
     at: the store opens only on first use, and such a command has none."""
-    from registry.config import Settings
-    from registry.registry import Registry
+    from mfsreg.registry.config import Settings
+    from mfsreg.registry.registry import Registry
 
     return Registry(Settings.from_env(blobs=blobs))
 
@@ -53,7 +53,7 @@ def local_only(command: str) -> None:
     server: it would change (or create) a local registry the user did not mean."""
     url = os.environ.get("MFSREG_URL")
     if url:
-        from registry.errors import InvalidRequest
+        from mfsreg.registry.errors import InvalidRequest
 
         raise InvalidRequest(f"`mfsreg {command}` acts on the registry's database directly, not through a server, and "
                              f"MFSREG_URL is set ({url}): run it where the database is (MFSREG_DATABASE_URL), without MFSREG_URL")

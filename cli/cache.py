@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import typer
 
-from cli.backend import ServerOption
-from cli.output import emit_json, human_bytes, table
+from mfsreg.cli.backend import ServerOption
+from mfsreg.cli.output import emit_json, human_bytes, table
 
 cache_app = typer.Typer(help="The node cache (MFSREG_CACHE_DIR, default $XDG_CACHE_HOME/mfsreg, else ~/.cache/mfsreg).", no_args_is_help=True)
 
@@ -20,7 +20,7 @@ def warm(
     registry: str = ServerOption,
 ) -> None:
     """Fetch a family's tier (and recent members) into the cache ahead of time."""
-    from registry.client.warm import warm_cache
+    from mfsreg.registry.client.warm import warm_cache
 
     result = warm_cache(_remote(registry), family, tier, recent, pin)
     if json_:
@@ -32,9 +32,9 @@ def warm(
 @cache_app.command("unpin")
 def unpin(family: str = typer.Argument(...), json_: bool = typer.Option(False, "--json")) -> None:
     """Let eviction drop a family's base tier again (undoes the pin of `cache warm`); nothing is deleted now."""
-    from registry.client.cache import NodeCache, missing_cache_stats
-    from registry.errors import InvalidRequest
-    from registry.names import check_name
+    from mfsreg.registry.client.cache import NodeCache, missing_cache_stats
+    from mfsreg.registry.errors import InvalidRequest
+    from mfsreg.registry.names import check_name
 
     check_name("family", family)
     if missing_cache_stats() is not None:  # no cache there: nothing pinned, and none made
@@ -57,7 +57,7 @@ def unpin(family: str = typer.Argument(...), json_: bool = typer.Option(False, "
 @cache_app.command("stats")
 def stats(json_: bool = typer.Option(False, "--json")) -> None:
     """What the cache holds, by tier."""
-    from registry.client.cache import NodeCache, missing_cache_stats
+    from mfsreg.registry.client.cache import NodeCache, missing_cache_stats
 
     s = missing_cache_stats()
     if s is not None and not json_:
@@ -84,9 +84,9 @@ def prune(
     """Evict files, then unique, group and base chunks (least recently used first) down to the limit,
     and remove temp files that killed writers left (older than an hour). Files a killed writer left
     unrecorded are counted (and evictable) from here on."""
-    from registry.client.cache import NodeCache, default_max_bytes, missing_cache_stats
-    from registry.config import SIZE_HINT, parse_size
-    from registry.errors import InvalidRequest
+    from mfsreg.registry.client.cache import NodeCache, default_max_bytes, missing_cache_stats
+    from mfsreg.registry.config import SIZE_HINT, parse_size
+    from mfsreg.registry.errors import InvalidRequest
 
     try:
         limit = parse_size(max_size) if max_size else default_max_bytes()
@@ -123,9 +123,9 @@ def verify(json_: bool = typer.Option(False, "--json")) -> None:
     """Hash every cached chunk and materialised file against its name; drop what is damaged
     (it is fetched again when next needed). Exits 4, the code of integrity errors, when it dropped
     something: the cache is whole again, but a script should hear that this node's disk lost bytes."""
-    from cli.progress import progress_for
-    from registry.client.cache import NodeCache, missing_cache_stats
-    from registry.client.scrub import verify_cache
+    from mfsreg.cli.progress import progress_for
+    from mfsreg.registry.client.cache import NodeCache, missing_cache_stats
+    from mfsreg.registry.client.scrub import verify_cache
 
     if (none := missing_cache_stats()) is not None:  # a mistyped MFSREG_CACHE_DIR stays as it was
         if json_:
@@ -151,8 +151,8 @@ def verify(json_: bool = typer.Option(False, "--json")) -> None:
 def _remote(registry: str | None):
     import os
 
-    from registry.client.remote import RemoteRegistry
-    from registry.errors import InvalidRequest
+    from mfsreg.registry.client.remote import RemoteRegistry
+    from mfsreg.registry.errors import InvalidRequest
 
     if not registry:
         raise InvalidRequest("the node cache serves a remote registry: set MFSREG_URL or pass --registry")

@@ -11,7 +11,7 @@ import os
 import signal
 import sys
 
-from registry import errors as e
+from mfsreg.registry import errors as e
 
 EXIT_CODES: list[tuple[type[BaseException], int]] = [
     (e.InvalidName, 2),

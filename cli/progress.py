@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import sys
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
-from rich.console import Console
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+from mfsreg.registry.progress import NullProgress
 
-from registry.progress import NullProgress
+if TYPE_CHECKING:
+    from rich.progress import Progress
 
 LABELS = {"hash": "hashed", "skip": "skipped (stored)", "send": "sent", "fetch": "fetched", "write": "written", "verify": "checked",
           "repack": "repacked", "server": "on the server"}
@@ -33,6 +34,9 @@ class RichProgress:
 @contextmanager
 def progress_for(quiet: bool):
     """Bars on an interactive stderr unless ``quiet`` (--json); otherwise a no-op reporter."""
+    from rich.console import Console
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
     console = Console(stderr=True)
     if quiet or not console.is_terminal:
         yield NullProgress()

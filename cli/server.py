@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import typer
 
-from cli.backend import embedded, local_only
-from cli.output import emit_json, table
+from mfsreg.cli.backend import embedded, local_only
+from mfsreg.cli.output import emit_json, table
 
 # the token commands read and write only the database (embedded(blobs=False)): an admin can list,
 # create and revoke tokens while MFSREG_BLOB_URL is wrong or its S3 endpoint is down
@@ -24,7 +24,7 @@ def serve(
     import uvicorn
     from uvicorn.config import LOGGING_CONFIG
 
-    from registry.registry import Registry
+    from mfsreg.registry.registry import Registry
 
     _check_serve_options(host, port, workers, log_level)
     with Registry() as reg:  # fail fast, with one line, if the database or blob store is unusable
@@ -33,7 +33,7 @@ def serve(
     # do, at the same level: otherwise Python prints them bare, and --log-level does not reach them.
     log_config = copy.deepcopy(LOGGING_CONFIG)
     log_config["loggers"]["mfsreg"] = {"handlers": ["default"], "level": log_level.upper(), "propagate": False}
-    uvicorn.run("api.app:create_app", factory=True, host=host, port=port, workers=workers, log_level=log_level,
+    uvicorn.run("mfsreg.api.app:create_app", factory=True, host=host, port=port, workers=workers, log_level=log_level,
                 log_config=log_config)
 
 
@@ -45,7 +45,7 @@ def _check_serve_options(host: str, port: int, workers: int, log_level: str) -> 
     code for auth failures), refused first in one line."""
     import socket
 
-    from registry.errors import InvalidRequest
+    from mfsreg.registry.errors import InvalidRequest
 
     if not host.strip():  # an unset $HOST in a script: uvicorn would listen on every interface
         raise InvalidRequest(f"--host {host!r} names no address: give one, e.g. 127.0.0.1 (or 0.0.0.0 for every interface)")
@@ -71,7 +71,7 @@ def create(
     json_: bool = typer.Option(False, "--json"),
 ) -> None:
     """Create a token; it is printed once and stored only as a hash."""
-    from registry.auth import create_token
+    from mfsreg.registry.auth import create_token
 
     local_only("token create")
     with embedded(blobs=False) as reg:
@@ -85,8 +85,8 @@ def create(
 @token_app.command("list")
 def list_(json_: bool = typer.Option(False, "--json")) -> None:
     """Tokens that are not revoked (their prefixes, never the secrets)."""
-    from registry.auth import list_tokens
-    from registry.results import timestamp
+    from mfsreg.registry.auth import list_tokens
+    from mfsreg.registry.results import timestamp
 
     local_only("token list")
     with embedded(blobs=False) as reg:
@@ -101,8 +101,8 @@ def list_(json_: bool = typer.Option(False, "--json")) -> None:
 @token_app.command("revoke")
 def revoke(prefix: str = typer.Argument(..., help="The token's prefix, as `mfsreg token list` shows it.")) -> None:
     """Revoke a token by its prefix."""
-    from registry.auth import revoke_token
-    from registry.errors import NotFound
+    from mfsreg.registry.auth import revoke_token
+    from mfsreg.registry.errors import NotFound
 
     local_only("token revoke")
     with embedded(blobs=False) as reg:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import typer
 
-from cli.backend import RegistryOption, open_backend
-from cli.output import emit_json, human_bytes, table
+from mfsreg.cli.backend import RegistryOption, open_backend
+from mfsreg.cli.output import emit_json, human_bytes, table
 
 
 def stats(

@@ -6,11 +6,11 @@ from pathlib import Path
 
 import typer
 
-from cli.backend import RegistryOption, open_backend
-from cli.output import emit_json, human_bytes, table
-from cli.progress import progress_for
-from registry.errors import InvalidRequest
-from registry.results import timestamp
+from mfsreg.cli.backend import RegistryOption, open_backend
+from mfsreg.cli.output import emit_json, human_bytes, table
+from mfsreg.cli.progress import progress_for
+from mfsreg.registry.errors import InvalidRequest
+from mfsreg.registry.results import timestamp
 
 JsonOption = typer.Option(False, "--json", help="Print one JSON object (for scripts and CI).")
 

@@ -3,7 +3,7 @@
 from alembic import context
 from sqlalchemy import create_engine
 
-from registry.db.models import metadata
+from mfsreg.registry.db.models import metadata
 
 config = context.config
 engine = config.attributes.get("engine")

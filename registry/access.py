@@ -22,17 +22,17 @@ from collections.abc import Callable, Sequence
 
 from sqlalchemy import Connection
 
-from registry import codec
-from registry.auth import Principal
-from registry.blobs.packs import StoredChunk
-from registry.db import chunks as chunk_db
-from registry.db import claims as claim_db
-from registry.db import versions as version_db
-from registry.db.engine import read_tx
-from registry.errors import IntegrityError, NotFound, StorageError
-from registry.parallel import sized_batches
-from registry.ingest import RecordedPacks
-from registry.rebuild import decode_batch
+from mfsreg.registry import codec
+from mfsreg.registry.auth import Principal
+from mfsreg.registry.blobs.packs import StoredChunk
+from mfsreg.registry.db import chunks as chunk_db
+from mfsreg.registry.db import claims as claim_db
+from mfsreg.registry.db import versions as version_db
+from mfsreg.registry.db.engine import read_tx
+from mfsreg.registry.errors import IntegrityError, NotFound, StorageError
+from mfsreg.registry.parallel import sized_batches
+from mfsreg.registry.ingest import RecordedPacks
+from mfsreg.registry.rebuild import decode_batch
 
 log = logging.getLogger("mfsreg")
 

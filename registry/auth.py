@@ -14,10 +14,10 @@ import re
 import secrets
 from dataclasses import dataclass
 
-from registry.db import tokens as token_db
-from registry.db.engine import read_tx, write_tx
-from registry.errors import Forbidden, InvalidRequest, Unauthorized, shown
-from registry.names import NAME_CHARS
+from mfsreg.registry.db import tokens as token_db
+from mfsreg.registry.db.engine import read_tx, write_tx
+from mfsreg.registry.errors import Forbidden, InvalidRequest, Unauthorized, shown
+from mfsreg.registry.names import NAME_CHARS
 
 ROLES = ("read", "push", "admin")
 TOKEN_PREFIX = "mfs_"

@@ -19,16 +19,16 @@ import time
 
 from collections.abc import Iterable
 
-from registry.blobs.packs import StoredChunk, read_payloads
-from registry.db import chunks as chunk_db
-from registry.db import versions as version_db
-from registry.db.engine import read_tx
-from registry.errors import IntegrityError, NotFound
-from registry.lost import LostWarning, PackSizes, lost_packs, through_lost, unreadable
-from registry.parallel import sized_batches, windowed_map
-from registry.progress import NullProgress, Progress
-from registry.rebuild import closure, decode_verified, levels
-from registry.results import CheckResult
+from mfsreg.registry.blobs.packs import StoredChunk, read_payloads
+from mfsreg.registry.db import chunks as chunk_db
+from mfsreg.registry.db import versions as version_db
+from mfsreg.registry.db.engine import read_tx
+from mfsreg.registry.errors import IntegrityError, NotFound
+from mfsreg.registry.lost import LostWarning, PackSizes, lost_packs, through_lost, unreadable
+from mfsreg.registry.parallel import sized_batches, windowed_map
+from mfsreg.registry.progress import NullProgress, Progress
+from mfsreg.registry.rebuild import closure, decode_verified, levels
+from mfsreg.registry.results import CheckResult
 
 # chunk bytes, decoded, checked at a time with read_data (plus the bases their deltas need): what
 # memory holds at once. Counted raw, not stored: a batch of deltas can decode to ten times its size

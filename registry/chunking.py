@@ -18,10 +18,10 @@ from pathlib import Path
 
 import xxhash
 
-from registry.safetensors import SafetensorsHeader
+from mfsreg.registry.safetensors import SafetensorsHeader
 
 try:
-    from registry import _busguard  # C, built by setup.py where a compiler is at hand
+    from mfsreg.registry import _busguard  # C, built by setup.py where a compiler is at hand
 except ImportError:  # without it, a file cut short while it is pushed ends the push with SIGBUS
     _busguard = None
 

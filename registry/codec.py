@@ -35,7 +35,7 @@ import zstandard
 
 _KERNELS = ("sub_grouped", "unsub_grouped", "sparse_split", "sparse_join", "nibble_split", "nibble_join", "join_planes")
 try:
-    from registry import _grouping  # C, built by setup.py where a compiler is at hand
+    from mfsreg.registry import _grouping  # C, built by setup.py where a compiler is at hand
 except ImportError:  # no compiler at install: the numpy versions below (tests run both)
     _grouping = None
 if _grouping is not None and not all(hasattr(_grouping, name) for name in _KERNELS):

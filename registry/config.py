@@ -11,8 +11,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from registry.blobs import check_endpoint_url, configured_endpoint, parse_blob_url
-from registry.errors import InvalidRequest
+from mfsreg.registry.blobs import check_endpoint_url, configured_endpoint, parse_blob_url
+from mfsreg.registry.errors import InvalidRequest
 
 # 2 MiB, the size of a PMD-mapped page: a chunk file of it, mapped into a tensor on a 2 MiB boundary,
 # takes one page-table entry and one fault (benchmarks/page_mapping.py: 8 ms to map and touch 1.16
@@ -33,6 +33,10 @@ DEFAULT_S3_CONNECT_TIMEOUT = 5.0
 DEFAULT_S3_READ_TIMEOUT = 20.0
 DEFAULT_S3_MAX_ATTEMPTS = 3
 MAX_S3_ATTEMPTS = 20
+# prune's defaults (registry/prune.py): a grace period, in seconds, longer than any push between its
+# first upload and its commit; and the share of unused bytes past which a pack is repacked
+PRUNE_MIN_AGE = 3600.0
+PRUNE_MAX_UNUSED = 0.1
 
 
 def check_chunk_size(size: int, what: str = "MFSREG_CHUNK_SIZE") -> int:

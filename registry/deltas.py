@@ -15,11 +15,11 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Container, Iterable, Sequence
 
-from registry.blobs.packs import StoredChunk
-from registry.chunking import ChunkRef
-from registry.errors import IntegrityError, NotFound
-from registry.lost import through_lost, warn_damaged_basis, warn_lost_bases
-from registry.safetensors import TensorSpan
+from mfsreg.registry.blobs.packs import StoredChunk
+from mfsreg.registry.chunking import ChunkRef
+from mfsreg.registry.errors import IntegrityError, NotFound
+from mfsreg.registry.lost import through_lost, warn_damaged_basis, warn_lost_bases
+from mfsreg.registry.safetensors import TensorSpan
 
 MAX_DEPTH = 3  # a pull decodes at most this many deltas on top of a plain chunk
 Position = tuple[str, int]

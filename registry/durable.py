@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from registry.errors import StorageError
+from mfsreg.registry.errors import StorageError
 
 # Some filesystems (network and FUSE ones among them) cannot sync a directory: nothing more to do there.
 _CANNOT = {errno.EINVAL, errno.EBADF, errno.EOPNOTSUPP, errno.ENOTSUP}

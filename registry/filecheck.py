@@ -23,10 +23,10 @@ import uuid
 from concurrent.futures import Executor, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
-from registry.chunking import ChunkRef, chunk_id
-from registry.durable import Placing, create_beside, replaced_mode, sync_dir
-from registry.errors import IntegrityError
-from registry.manifest import FileEntry
+from mfsreg.registry.chunking import ChunkRef, chunk_id
+from mfsreg.registry.durable import Placing, create_beside, replaced_mode, sync_dir
+from mfsreg.registry.errors import IntegrityError
+from mfsreg.registry.manifest import FileEntry
 
 BATCH_BYTES = 64 << 20  # bytes written before a stretch is handed to writeback and to the check
 

@@ -10,13 +10,13 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Iterator
 
-from registry import codec
-from registry.chunking import ChunkRef, MappedFile, chunk_id, file_sha256, plan_cuts
-from registry.errors import InvalidModel
-from registry.manifest import BLOB, SAFETENSORS, FileEntry, Manifest
-from registry.parallel import windowed_map
-from registry.progress import Progress
-from registry.source import Source
+from mfsreg.registry import codec
+from mfsreg.registry.chunking import ChunkRef, MappedFile, chunk_id, file_sha256, plan_cuts
+from mfsreg.registry.errors import InvalidModel
+from mfsreg.registry.manifest import BLOB, SAFETENSORS, FileEntry, Manifest
+from mfsreg.registry.parallel import windowed_map
+from mfsreg.registry.progress import Progress
+from mfsreg.registry.source import Source
 
 ENCODE_WINDOW = 64  # chunks in flight to the encoder pool: bounds memory to a few packs
 

@@ -19,27 +19,27 @@ from pathlib import Path
 
 from sqlalchemy import Connection
 
-from registry.blobs.packs import PackWriter, StoredChunk, pack_key
-from registry.config import MAX_CHUNK_SIZE, MIN_CHUNK_SIZE
-from registry.db import chunks as chunk_db
-from registry.db import claims as claim_db
-from registry.db import prune as prune_db
-from registry.db import tiers as tier_db
-from registry.db import versions as version_db
-from registry.db.engine import read_tx, write_tx
-from registry.db.locks import exclude_prune
-from registry import deltas, results
-from registry.deltas import BasisReader
-from registry.errors import Conflict, InvalidRequest, MissingChunks, NotFound, Pruned, StorageError
-from registry.check import to_mend
-from registry.lost import LostWarning, PackSizes, lost_packs, warn_lost_bases
-from registry.hashing import HashJob, encoded_chunks, missing_bytes
-from registry.manifest import Manifest
-from registry.names import check_name, check_new_name
-from registry.progress import NullProgress, Progress
-from registry.rebuild import decode_verified
-from registry.results import PushResult
-from registry.source import open_source
+from mfsreg.registry.blobs.packs import PackWriter, StoredChunk, pack_key
+from mfsreg.registry.config import MAX_CHUNK_SIZE, MIN_CHUNK_SIZE
+from mfsreg.registry.db import chunks as chunk_db
+from mfsreg.registry.db import claims as claim_db
+from mfsreg.registry.db import prune as prune_db
+from mfsreg.registry.db import tiers as tier_db
+from mfsreg.registry.db import versions as version_db
+from mfsreg.registry.db.engine import read_tx, write_tx
+from mfsreg.registry.db.locks import exclude_prune
+from mfsreg.registry import deltas, results
+from mfsreg.registry.deltas import BasisReader
+from mfsreg.registry.errors import Conflict, InvalidRequest, MissingChunks, NotFound, Pruned, StorageError
+from mfsreg.registry.check import to_mend
+from mfsreg.registry.lost import LostWarning, PackSizes, lost_packs, warn_lost_bases
+from mfsreg.registry.hashing import HashJob, encoded_chunks, missing_bytes
+from mfsreg.registry.manifest import Manifest
+from mfsreg.registry.names import check_name, check_new_name
+from mfsreg.registry.progress import NullProgress, Progress
+from mfsreg.registry.rebuild import decode_verified
+from mfsreg.registry.results import PushResult
+from mfsreg.registry.source import open_source
 
 def plan_deltas(reg, family: str, parent: str | None, new_files: list, ids: list[str],
                 missing: set[str], pack_sizes: PackSizes | None = None,

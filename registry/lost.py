@@ -20,8 +20,8 @@ import logging
 from collections.abc import Container, Iterable
 from concurrent.futures import ThreadPoolExecutor
 
-from registry.blobs.packs import StoredChunk, pack_key
-from registry.errors import NotFound
+from mfsreg.registry.blobs.packs import StoredChunk, pack_key
+from mfsreg.registry.errors import NotFound
 
 log = logging.getLogger("mfsreg")
 

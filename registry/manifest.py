@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import zstandard
 
-from registry.chunking import ChunkRef, iter_cuts
-from registry.config import MAX_CHUNK_SIZE
-from registry.safetensors import MAX_HEADER_BYTES, TensorSpan
+from mfsreg.registry.chunking import ChunkRef, iter_cuts
+from mfsreg.registry.config import MAX_CHUNK_SIZE
+from mfsreg.registry.safetensors import MAX_HEADER_BYTES, TensorSpan
 
 # The largest chunk a manifest may name: a tensor piece, or a safetensors header kept whole. Bounded
 # so that a small document cannot name a huge one (checking its cuts would plan them all).
@@ -174,9 +174,9 @@ def parse_doc(doc: object, draft: bool = False) -> Manifest:
     header chunk's bytes are checked against the tensors on commit, once the chunk is stored
     (registry/service.py).
     """
-    from registry.errors import InvalidRequest, shown
-    from registry.safetensors import DTYPE_SIZES
-    from registry.wire import check_id
+    from mfsreg.registry.errors import InvalidRequest, shown
+    from mfsreg.registry.safetensors import DTYPE_SIZES
+    from mfsreg.registry.wire import check_id
 
     _check_shape(doc)
     m = Manifest.from_doc(doc)  # type: ignore[arg-type]
@@ -243,7 +243,7 @@ def _check_shape(doc: object) -> None:
     stored documents, written by this code) takes it whole. Each refusal names the field, as a path
     into the document (files[0].chunks[3]), quotes the value and says what it must be: a client's
     bug is named, not reported as the Python error that reading it would raise."""
-    from registry.errors import InvalidRequest, shown
+    from mfsreg.registry.errors import InvalidRequest, shown
 
     def bad(what: str) -> InvalidRequest:
         return InvalidRequest(f"malformed manifest: {what}")
@@ -307,7 +307,7 @@ def _check_shape(doc: object) -> None:
 def _check_no_file_above_another(m: Manifest) -> None:
     """No file's path may be a folder another file lies in ('a' and 'a/b'): such a version could be
     stored but never pulled (the second file needs a folder where the first file is)."""
-    from registry.errors import InvalidRequest
+    from mfsreg.registry.errors import InvalidRequest
 
     paths = {f.path for f in m.files if isinstance(f.path, str)}
     for p in paths:

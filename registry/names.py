@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-from registry.errors import InvalidName, shown
+from mfsreg.registry.errors import InvalidName, shown
 
 NAME_CHARS = "A-Za-z0-9._-"  # a regex character class's body: what a name may hold
 _NAME = re.compile(rf"^[A-Za-z0-9_-][{NAME_CHARS}]{{0,127}}$")

@@ -39,18 +39,19 @@ from collections import defaultdict
 from dataclasses import dataclass
 from datetime import timedelta
 
-from registry.blobs.packs import StoredChunk, pack_key
-from registry.db import claims as claim_db
-from registry.db import prune as q
-from registry.db.engine import read_tx, write_tx
-from registry.db.locks import exclude_writers
-from registry.errors import InvalidRequest, NotFound, StorageError
-from registry.ingest import RecordedPacks
-from registry.progress import NullProgress, Progress
-from registry.results import PruneResult
+from mfsreg.registry.blobs.packs import StoredChunk, pack_key
+from mfsreg.registry.config import PRUNE_MAX_UNUSED, PRUNE_MIN_AGE
+from mfsreg.registry.db import claims as claim_db
+from mfsreg.registry.db import prune as q
+from mfsreg.registry.db.engine import read_tx, write_tx
+from mfsreg.registry.db.locks import exclude_writers
+from mfsreg.registry.errors import InvalidRequest, NotFound, StorageError
+from mfsreg.registry.ingest import RecordedPacks
+from mfsreg.registry.progress import NullProgress, Progress
+from mfsreg.registry.results import PruneResult
 
-DEFAULT_MIN_AGE = 3600.0  # seconds: longer than any push between its first upload and its commit
-DEFAULT_MAX_UNUSED = 0.1  # a pack with more than this share of unused bytes is repacked
+DEFAULT_MIN_AGE = PRUNE_MIN_AGE  # seconds: longer than any push between its first upload and its commit
+DEFAULT_MAX_UNUSED = PRUNE_MAX_UNUSED  # a pack with more than this share of unused bytes is repacked
 MAX_MIN_AGE = 10 * 365 * 86400.0  # seconds: beyond this, date arithmetic overflows (and no grace needs it)
 
 

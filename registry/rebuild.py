@@ -16,14 +16,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from registry import codec, filecheck
-from registry.durable import Placing, writing
-from registry.blobs.packs import StoredChunk
-from registry.chunking import chunk_id
-from registry.errors import IntegrityError, InvalidRequest
-from registry.manifest import FileEntry, Manifest
-from registry.parallel import sized_batches, windowed_map
-from registry.progress import NullProgress, Progress
+from mfsreg.registry import codec, filecheck
+from mfsreg.registry.durable import Placing, writing
+from mfsreg.registry.blobs.packs import StoredChunk
+from mfsreg.registry.chunking import chunk_id
+from mfsreg.registry.errors import IntegrityError, InvalidRequest
+from mfsreg.registry.manifest import FileEntry, Manifest
+from mfsreg.registry.parallel import sized_batches, windowed_map
+from mfsreg.registry.progress import NullProgress, Progress
 
 # A source of encoded payloads: given stored chunks, yield (chunk, payload) in any order.
 PayloadSource = Callable[[list[StoredChunk]], Iterator[tuple[StoredChunk, bytes]]]

@@ -13,27 +13,23 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from registry import ingest, prune, rebuild
-from registry.check import check as check_registry
-from registry.blobs import open_blob_store
-from registry.blobs.base import BlobStore
-from registry.blobs.local import LocalBlobStore
-from registry.blobs.packs import StoredChunk, read_payloads
-from registry.config import Settings
-from registry.db import chunks as chunk_db
-from registry.db import schema
-from registry.db import tiers as tier_db
-from registry.db import versions as version_db
-from registry.db.engine import create_db_engine, read_tx, write_tx
-from registry.errors import NotFound, StorageError
-from registry.manifest import Manifest
-from registry.names import check_name
-from registry.progress import Progress
-from registry.results import CheckResult, DeleteResult, PruneResult
-from registry.stats import compute_stats
-from registry.tiers import check_quorum
+from mfsreg.registry.config import PRUNE_MAX_UNUSED, PRUNE_MIN_AGE, Settings
+from mfsreg.registry.db import schema
+from mfsreg.registry.db import versions as version_db
+from mfsreg.registry.db.engine import create_db_engine, read_tx, write_tx
+from mfsreg.registry.errors import NotFound, StorageError
+from mfsreg.registry.names import check_name
+from mfsreg.registry.results import CheckResult, DeleteResult, PruneResult
 
+if TYPE_CHECKING:  # the push, pull and prune machinery loads when a method needs it (docs/design/cli.md)
+    from mfsreg.registry.blobs.base import BlobStore
+    from mfsreg.registry.blobs.packs import StoredChunk
+    from mfsreg.registry.ingest import PushResult
+    from mfsreg.registry.manifest import Manifest
+    from mfsreg.registry.progress import Progress
+    from mfsreg.registry.rebuild import PullResult
 
 class Registry:
     def __init__(self, settings: Settings | None = None, migrate: bool | None = None):
@@ -56,6 +52,8 @@ class Registry:
         if self._blobs is None:
             with self._blobs_lock:
                 if self._blobs is None:
+                    from mfsreg.registry.blobs import open_blob_store
+
                     s = self.settings
                     # a malformed S3 timeout is refused here, where it would be used (Settings.s3_error)
                     self._blobs = open_blob_store(s.blob_url, s.s3_endpoint_url, **s.blob_store_options())
@@ -92,7 +90,9 @@ class Registry:
     # -- push / pull ---------------------------------------------------------------------------
 
     def push(self, path: Path, family: str, version: str, parent: str | None = None,
-             progress: Progress | None = None, mend_damaged: bool = False) -> ingest.PushResult:
+             progress: Progress | None = None, mend_damaged: bool = False) -> PushResult:
+        from mfsreg.registry import ingest
+
         self.open_blobs()  # before the file is read or the family made: a bad store is refused first
         return ingest.push(self, Path(path), family, version, parent, progress, mend_damaged)
 
@@ -102,16 +102,23 @@ class Registry:
 
     def locate(self, ids) -> dict[str, StoredChunk]:
         """Where ``ids`` and the bases of their deltas are stored."""
+        from mfsreg.registry.db import chunks as chunk_db
+
         with read_tx(self.engine) as conn:
             return chunk_db.locate_closure(conn, ids)
 
     def read_payloads(self, chunks: list[StoredChunk]):
+        from mfsreg.registry.blobs.packs import read_payloads
+
         return read_payloads(self.blobs, chunks)
 
     def pull(self, family: str, version: str, out: Path, progress: Progress | None = None,
-             to_dir: bool = False) -> rebuild.PullResult:
+             to_dir: bool = False) -> PullResult:
         """Rebuild the version at ``out`` (a file, or a directory for a single file to go in), or
         with ``to_dir`` as the files of the directory ``out``, made if missing."""
+        from mfsreg.registry import rebuild
+        from mfsreg.registry.db import chunks as chunk_db
+
         t0 = time.perf_counter()
         self.open_blobs()  # a bad store is refused first, as for a push, whether or not the version exists
         with read_tx(self.engine) as conn:  # one snapshot: the version and where its chunks were, together
@@ -138,6 +145,8 @@ class Registry:
     def _owned(self) -> list[tuple[Path, str]]:
         """What a pull must not write over or into: an SQLite database and the files SQLite and
         the migration lock keep beside it, and a blob store on local disk."""
+        from mfsreg.registry.blobs.local import LocalBlobStore
+
         owned = []
         url = self.engine.url
         if url.get_backend_name() == "sqlite" and url.database not in (None, "", ":memory:"):
@@ -169,12 +178,16 @@ class Registry:
 
     def chunk_tiers(self, family: str, tier: str | None = None) -> dict[str, tuple[str, int]]:
         """chunk id -> (tier, number of members using it) for one family."""
+        from mfsreg.registry.db import tiers as tier_db
+
         check_name("family", family)
         with read_tx(self.engine) as conn:
             fam = version_db.get_family(conn, family)
             return tier_db.chunk_tiers(conn, fam.id, tier)
 
     def stats(self, family: str | None = None) -> dict:
+        from mfsreg.registry.stats import compute_stats
+
         if family is not None:
             check_name("family", family)
         return compute_stats(self.engine, family)
@@ -185,6 +198,8 @@ class Registry:
         """Remove a version and re-tier its family; its children now descend from its parent. Chunks
         that no version needs any more become unreferenced (see stats' ``unreferenced_bytes``): a
         later push of the same bytes reuses them, and ``prune`` gives back their space."""
+        from mfsreg.registry.db import tiers as tier_db
+
         check_name("family", family)
         check_name("version", version)
         with write_tx(self.engine) as conn:
@@ -199,17 +214,24 @@ class Registry:
     def check(self, family: str | None = None, read_data: bool = False, progress: Progress | None = None) -> CheckResult:
         """Which packs and chunks the stored versions need are lost or damaged, and which versions
         cannot be pulled because of them (registry/check.py); changes nothing."""
+        from mfsreg.registry.check import check as check_registry
+
         self.open_blobs()
         return check_registry(self, family, read_data, progress)
 
-    def prune(self, min_age: float = prune.DEFAULT_MIN_AGE, max_unused: float = prune.DEFAULT_MAX_UNUSED,
+    def prune(self, min_age: float = PRUNE_MIN_AGE, max_unused: float = PRUNE_MAX_UNUSED,
               dry_run: bool = False, progress: Progress | None = None) -> PruneResult:
         """Delete the chunks no version needs and give back their space (registry/prune.py)."""
+        from mfsreg.registry import prune
+
         self.open_blobs()  # before it deletes a row: a prune that cannot reach the blobs must change nothing
         return prune.prune(self, min_age, max_unused, dry_run, progress)
 
     def set_base_quorum(self, family: str, quorum: float) -> int:
         """Change a family's base quorum and re-tier its chunks; returns rows that changed tier."""
+        from mfsreg.registry.db import tiers as tier_db
+        from mfsreg.registry.tiers import check_quorum
+
         check_name("family", family)
         check_quorum(quorum)
         with write_tx(self.engine) as conn:
@@ -231,6 +253,8 @@ def upgrade_database(settings: Settings | None = None) -> str:
 
 
 def _manifest_in(conn, family: str, version: str) -> tuple[version_db.VersionRow, Manifest]:
+    from mfsreg.registry.manifest import Manifest
+
     check_name("family", family)
     check_name("version", version)
     row = version_db.get_version(conn, family, version)

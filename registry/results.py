@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from registry.errors import Conflict
+from mfsreg.registry.errors import Conflict
 
 
 @dataclass(frozen=True)

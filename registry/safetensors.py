@@ -15,7 +15,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from registry.errors import InvalidModel
+from mfsreg.registry.errors import InvalidModel
 
 # Real checkpoints have headers well under 1 MiB even for thousands of tensors; the reference
 # implementation caps at 100 MB. We stay lower: a larger claim is an attack or a broken file.

@@ -14,30 +14,30 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 
-from registry import access, codec
-from registry.auth import Principal
-from registry.blobs.packs import StoredChunk
-from registry.config import check_chunk_size
-from registry.db import chunks as chunk_db
-from registry.db import claims as claim_db
-from registry.db import tiers as tier_db
-from registry.db import versions as version_db
-from registry.db.engine import read_tx, write_tx
-from registry.errors import (IntegrityError, InvalidModel, InvalidRequest, MissingChunks, NotFound, StorageError,
+from mfsreg.registry import access, codec
+from mfsreg.registry.auth import Principal
+from mfsreg.registry.blobs.packs import StoredChunk
+from mfsreg.registry.config import check_chunk_size
+from mfsreg.registry.db import chunks as chunk_db
+from mfsreg.registry.db import claims as claim_db
+from mfsreg.registry.db import tiers as tier_db
+from mfsreg.registry.db import versions as version_db
+from mfsreg.registry.db.engine import read_tx, write_tx
+from mfsreg.registry.errors import (IntegrityError, InvalidModel, InvalidRequest, MissingChunks, NotFound, StorageError,
                              TooLarge, shown)
-from registry.deltas import BasisReader, cap_depth
-from registry.ingest import (check_cut, check_named_cut, check_new_cut, check_parent, check_push_names, commit_version,
+from mfsreg.registry.deltas import BasisReader, cap_depth
+from mfsreg.registry.ingest import (check_cut, check_named_cut, check_new_cut, check_parent, check_push_names, commit_version,
                              existing_result, plan_deltas, store_chunks, stored_for, stored_layout)
-from registry.check import to_mend, unreadable_or_damaged
-from registry.lost import PackSizes, lost_packs, unreadable
-from registry.parallel import windowed_map
-from registry.results import PushResult, timestamp
-from registry.manifest import MAX_CHUNK_BYTES, SAFETENSORS, Manifest, parse_doc
-from registry.names import check_name
-from registry.rebuild import decode_verified
-from registry.safetensors import parse_header
-from registry.tiers import TIERS
-from registry.wire import RAW_PER_BODY, Entry, check_id, encode_index, parse_batch
+from mfsreg.registry.check import to_mend, unreadable_or_damaged
+from mfsreg.registry.lost import PackSizes, lost_packs, unreadable
+from mfsreg.registry.parallel import windowed_map
+from mfsreg.registry.results import PushResult, timestamp
+from mfsreg.registry.manifest import MAX_CHUNK_BYTES, SAFETENSORS, Manifest, parse_doc
+from mfsreg.registry.names import check_name
+from mfsreg.registry.rebuild import decode_verified
+from mfsreg.registry.safetensors import parse_header
+from mfsreg.registry.tiers import TIERS
+from mfsreg.registry.wire import RAW_PER_BODY, Entry, check_id, encode_index, parse_batch
 
 def _check_encoding(name: str) -> None:
     if not codec.is_known(name):

@@ -14,9 +14,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from registry.errors import InvalidModel, InvalidRequest
-from registry.manifest import MAX_PATH_BYTES, unsafe_path
-from registry.safetensors import SafetensorsHeader, read_header
+from mfsreg.registry.errors import InvalidModel, InvalidRequest
+from mfsreg.registry.manifest import MAX_PATH_BYTES, unsafe_path
+from mfsreg.registry.safetensors import SafetensorsHeader, read_header
 
 INDEX_SUFFIX = ".safetensors.index.json"
 MAX_INDEX_BYTES = 64 << 20

@@ -11,10 +11,10 @@
 
 from __future__ import annotations
 
-from registry.db import stats as q
-from registry.db.engine import read_tx
-from registry.db.versions import family_exists
-from registry.errors import NotFound
+from mfsreg.registry.db import stats as q
+from mfsreg.registry.db.engine import read_tx
+from mfsreg.registry.db.versions import family_exists
+from mfsreg.registry.errors import NotFound
 
 
 def compute_stats(engine, family: str | None = None) -> dict:

@@ -38,7 +38,7 @@ def tier_of(users: int, members: int, base_quorum: float) -> str:
 
 
 def check_quorum(value: float) -> float:
-    from registry.errors import InvalidRequest
+    from mfsreg.registry.errors import InvalidRequest
 
     if not 0.0 < value <= 1.0:
         raise InvalidRequest(f"base_quorum {value} is out of range: use a fraction in (0, 1]")

@@ -18,7 +18,7 @@ import struct
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-from registry.errors import InvalidRequest, StorageError, shown
+from mfsreg.registry.errors import InvalidRequest, StorageError, shown
 
 MAX_INDEX_BYTES = 16 << 20
 # An upload batch's chunks may add up to this many times the server's body limit once decoded: the

@@ -9,8 +9,8 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from registry.config import Settings
-from registry.registry import Registry
+from mfsreg.registry.config import Settings
+from mfsreg.registry.registry import Registry
 
 from tests import synth
 from tests.s3server import s3_blob_url, s3_bucket, s3_server  # noqa: F401

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from registry.progress import NullProgress
+from mfsreg.registry.progress import NullProgress
 
 
 class OnSend(NullProgress):

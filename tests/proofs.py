@@ -4,8 +4,8 @@ what it sent (access.compare_stored)."""
 
 from __future__ import annotations
 
-from registry import access
-from registry.db.engine import read_tx
+from mfsreg.registry import access
+from mfsreg.registry.db.engine import read_tx
 
 
 def check_proofs(reg, who, family: str, uploaded: dict[str, bytes]) -> set[str]:

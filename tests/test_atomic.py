@@ -98,7 +98,7 @@ def test_sync_dir_skips_only_filesystems_that_cannot_sync_a_directory(tmp_path, 
     import errno
     import os
 
-    from registry.durable import sync_dir
+    from mfsreg.registry.durable import sync_dir
 
     sync_dir(tmp_path)
     with pytest.raises(FileNotFoundError):
@@ -140,7 +140,7 @@ def test_a_blob_put_makes_the_names_of_new_directories_durable(tmp_path, monkeyp
     pack in it, after the commit that needs it)."""
     import os
 
-    from registry.blobs.local import LocalBlobStore
+    from mfsreg.registry.blobs.local import LocalBlobStore
 
     root = tmp_path / "store" / "blobs"
     with synced_inodes(monkeypatch) as synced:
@@ -172,7 +172,7 @@ def test_a_rename_that_fails_partway_is_one_line_and_leaves_no_temp_file(reg, tm
     of them: a StorageError saying how many files were renamed (the CLI's exit 5, where the raw
     OSError was an internal error), the temp files of the rest removed, and the folder of the one
     renamed synced."""
-    from registry.errors import StorageError
+    from mfsreg.registry.errors import StorageError
 
     v1, v2 = synth.two_directory_versions(tmp_path / "src")
     reg.push(v1, "fam", "v1")
@@ -202,8 +202,8 @@ def test_a_rename_that_fails_partway_is_one_line_and_leaves_no_temp_file(reg, tm
 def test_a_read_transaction_keeps_one_snapshot(reg, fam):
     """A version deleted while a read transaction runs (a node asking for it as an admin deletes it)
     is still whole to that transaction: its row and its manifest, not the row and then nothing."""
-    from registry.db import versions as version_db
-    from registry.db.engine import read_tx
+    from mfsreg.registry.db import versions as version_db
+    from mfsreg.registry.db.engine import read_tx
 
     reg.push(fam["lora-chat"], "fam", "v1")
     with read_tx(reg.engine) as conn:
@@ -235,7 +235,7 @@ class _RewriteAtSend:
 
 
 def _refused_then_intact(target, fam, tmp_path) -> None:
-    from registry.errors import InvalidModel
+    from mfsreg.registry.errors import InvalidModel
 
     src = tmp_path / "member.safetensors"
     src.write_bytes(fam["full-med"].read_bytes())
@@ -261,7 +261,7 @@ def test_a_file_rewritten_while_it_is_pushed_is_refused_and_stores_nothing_false
 
 def test_a_file_rewritten_while_it_is_pushed_to_a_server_is_refused_by_the_client(servers, server_env, fam, tmp_path):
     """The same through the API: the client checks what it encodes before it sends it."""
-    from registry.client.remote import RemoteRegistry
+    from mfsreg.registry.client.remote import RemoteRegistry
 
     (srv,) = servers(1)
     with RemoteRegistry(srv.url, token=token(server_env, "push"), chunk_size=64 << 10) as remote:
@@ -275,9 +275,9 @@ def test_a_file_rewritten_while_it_is_pushed_to_a_server_is_refused_by_the_clien
 _CUT_SHORT_PUSH = r"""
 import os, sys
 from pathlib import Path
-from cli.backend import open_backend
-from registry.errors import InvalidModel
-from registry.progress import NullProgress
+from mfsreg.cli.backend import open_backend
+from mfsreg.registry.errors import InvalidModel
+from mfsreg.registry.progress import NullProgress
 
 src = Path(sys.argv[1])
 
@@ -336,7 +336,7 @@ def test_a_file_cut_short_while_it_is_pushed_to_a_server_is_refused_by_the_clien
 
 _REAL_FAULT_AFTER_FAULTHANDLER = r"""
 import faulthandler, mmap, os, sys, tempfile
-from registry import _busguard
+from mfsreg.registry import _busguard
 
 def mapped(n=1 << 16):
     fd, path = tempfile.mkstemp(dir=sys.argv[1])
@@ -410,7 +410,7 @@ def test_a_file_renamed_over_while_it_is_pushed_is_pushed_as_it_was_opened(reg, 
 def test_a_stored_chunk_rewritten_while_it_is_pushed_is_refused(reg, fam, tmp_path):
     """A push that finds every chunk stored encodes nothing: a rewrite of the file meanwhile shows
     only in the file's own times, which the push checks before it commits."""
-    from registry.errors import InvalidModel
+    from mfsreg.registry.errors import InvalidModel
 
     src = tmp_path / "member.safetensors"
     intact = fam["full-med"].read_bytes()

@@ -825,8 +825,8 @@ def test_a_device_the_loader_cannot_use_is_refused_before_anything_is_asked(devi
     CPU tensors, quietly; a name torch does not know, or a CUDA device that is not there, raised
     torch's own error from inside the load. Refused first, with no registry to ask (MFSREG_URL
     names a port nothing listens on)."""
-    from registry.client import ResidentModel, load_tensors
-    from registry.errors import InvalidRequest
+    from mfsreg.registry.client import ResidentModel, load_tensors
+    from mfsreg.registry.errors import InvalidRequest
 
     monkeypatch.setenv("MFSREG_URL", "http://127.0.0.1:9")
     monkeypatch.setenv("MFSREG_CACHE_DIR", str(tmp_path / "cache"))
@@ -886,9 +886,9 @@ def test_a_node_cache_without_room_is_named_not_the_pull_output(tmp_path):
 
     code = ("import os, resource, signal, sys\n"
             "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
-            "from registry.client.cache import NodeCache\n"
-            "from registry.chunking import chunk_id\n"
-            "from registry.errors import StorageError\n"
+            "from mfsreg.registry.client.cache import NodeCache\n"
+            "from mfsreg.registry.chunking import chunk_id\n"
+            "from mfsreg.registry.errors import StorageError\n"
             "cache = NodeCache(sys.argv[1])\n"
             "resource.setrlimit(resource.RLIMIT_FSIZE, (1024, resource.RLIM_INFINITY))\n"
             "data = os.urandom(5000)\n"
@@ -907,8 +907,8 @@ def test_a_read_only_destination_is_not_told_to_make_room(capsys):
     """EROFS read "make room there" like a full disk."""
     import errno
 
-    from registry.durable import writing
-    from registry.errors import StorageError
+    from mfsreg.registry.durable import writing
+    from mfsreg.registry.errors import StorageError
 
     with pytest.raises(StorageError) as caught:
         with writing(Path("/mnt/ro/out.safetensors")):
@@ -919,7 +919,7 @@ def test_a_read_only_destination_is_not_told_to_make_room(capsys):
     # one the CLI meets outside such a write (a folder made on a read-only mount): exit 2, not 1
     import errno as errnos
 
-    from cli.errors import run_guarded
+    from mfsreg.cli.errors import run_guarded
 
     def make_on_read_only():
         raise OSError(errnos.EROFS, os.strerror(errnos.EROFS), "/mnt/ro/engine")
@@ -1067,7 +1067,7 @@ def test_database_only_commands_never_contact_an_s3_endpoint(seeded, fam, tmp_pa
 
 
 def test_a_good_s3_blob_url_with_a_trailing_slash_is_taken(s3_blob_url, tmp_path):
-    from registry.blobs import open_blob_store
+    from mfsreg.registry.blobs import open_blob_store
 
     blob_url, endpoint = s3_blob_url
     store = open_blob_store(blob_url + "/", endpoint)

@@ -17,12 +17,12 @@ import time
 import boto3
 import pytest
 
-from registry.blobs import open_blob_store
-from registry.blobs.base import BlobStore
-from registry.blobs.packs import PackWriter, StoredChunk, read_payloads
-from registry.config import Settings
-from registry.blobs.s3 import MULTIPART_CHUNK, MULTIPART_THRESHOLD, S3BlobStore
-from registry.errors import InvalidRequest, NotFound, StorageError
+from mfsreg.registry.blobs import open_blob_store
+from mfsreg.registry.blobs.base import BlobStore
+from mfsreg.registry.blobs.packs import PackWriter, StoredChunk, read_payloads
+from mfsreg.registry.config import Settings
+from mfsreg.registry.blobs.s3 import MULTIPART_CHUNK, MULTIPART_THRESHOLD, S3BlobStore
+from mfsreg.registry.errors import InvalidRequest, NotFound, StorageError
 from tests.s3server import s3_bucket, s3_server  # noqa: F401  (fixtures)
 
 DATA = bytes(range(256)) * 40 + b"tail"  # 10244 bytes, every offset distinguishable
@@ -524,7 +524,7 @@ def test_s3_timeouts_default_to_about_a_minute_and_bad_settings_are_refused(s3_s
                                  "http://[::1]:9000", "http://minio.internal.:9000", "HTTP://127.0.0.1:9000",
                                  "https://gateway.example/s3/prefix"])
 def test_the_usual_s3_endpoints_are_taken(url):
-    from registry.blobs import check_endpoint_url
+    from mfsreg.registry.blobs import check_endpoint_url
 
     assert check_endpoint_url(url) == url
 
@@ -532,7 +532,7 @@ def test_the_usual_s3_endpoints_are_taken(url):
 @pytest.mark.parametrize("url", ["minioadmin:s3cret@localhost:9000", "http:/user:s3cret@host:9000",
                                  "http:///user:s3cret@host", "http://user:s3cret@host:9000"])
 def test_an_endpoint_with_credentials_is_refused_without_quoting_them(url):
-    from registry.blobs import check_endpoint_url
+    from mfsreg.registry.blobs import check_endpoint_url
 
     with pytest.raises(InvalidRequest) as err:
         check_endpoint_url(url)

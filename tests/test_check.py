@@ -6,12 +6,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from registry.blobs.packs import pack_key
-from registry.client.remote import RemoteRegistry
-from registry.config import Settings
-from registry.errors import IntegrityError, NotFound, StorageError
-from registry.registry import Registry
-from registry.service import version_doc
+from mfsreg.registry.blobs.packs import pack_key
+from mfsreg.registry.client.remote import RemoteRegistry
+from mfsreg.registry.config import Settings
+from mfsreg.registry.errors import IntegrityError, NotFound, StorageError
+from mfsreg.registry.registry import Registry
+from mfsreg.registry.service import version_doc
 from tests.cli_run import mfsreg, mfsreg_json
 from tests.server import client_env, servers, server_env, token  # noqa: F401
 from tests.test_bad_input import snapshot
@@ -104,8 +104,8 @@ def test_a_chunk_row_the_database_lost_is_named_too(reg, fam, tmp_path):
     version that names a chunk the registry cannot locate, which its pull cannot rebuild."""
     from sqlalchemy import delete
 
-    from registry.db.engine import write_tx
-    from registry.db.models import chunks
+    from mfsreg.registry.db.engine import write_tx
+    from mfsreg.registry.db.models import chunks
 
     _push_family(reg, fam)
     own = set(reg.manifest("fam", "vocab-ext")[1].chunk_ids()) - set(reg.manifest("fam", "base")[1].chunk_ids())
@@ -371,8 +371,8 @@ def test_a_mend_waits_for_a_commit_in_flight(reg, fam):
     import threading
     import time
 
-    from registry.db.engine import write_tx
-    from registry.db.locks import exclude_prune
+    from mfsreg.registry.db.engine import write_tx
+    from mfsreg.registry.db.locks import exclude_prune
 
     _push_family(reg, fam)
     reg.blobs.delete(pack_key(_pack_of_a_delta(reg, "full-med")))
@@ -554,9 +554,9 @@ def _tied_to_base(fam: dict, tmp_path: Path) -> Path:
 def _reused_basis(reg: Registry, path: Path):
     """The stored plain chunk that a push of ``path`` (from _tied_to_base) reuses: also the basis
     that delta planning picks for the new chunk at its place."""
-    from registry.hashing import hash_source
-    from registry.progress import NullProgress
-    from registry.source import open_source
+    from mfsreg.registry.hashing import hash_source
+    from mfsreg.registry.progress import NullProgress
+    from mfsreg.registry.source import open_source
 
     ids = hash_source(open_source(path), 64 << 10, NullProgress()).chunk_ids()
     (chunk,) = [c for i, c in reg.locate(ids).items() if i in ids and not c.basis_id]

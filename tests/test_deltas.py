@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from registry import codec
-from registry.blobs.packs import StoredChunk, pack_key
-from registry.chunking import chunk_id
-from registry.deltas import MAX_DEPTH
-from registry.errors import IntegrityError, NotFound, StorageError
-from registry.rebuild import decode_verified
+from mfsreg.registry import codec
+from mfsreg.registry.blobs.packs import StoredChunk, pack_key
+from mfsreg.registry.chunking import chunk_id
+from mfsreg.registry.deltas import MAX_DEPTH
+from mfsreg.registry.errors import IntegrityError, NotFound, StorageError
+from mfsreg.registry.rebuild import decode_verified
 from tests import synth
 
 
@@ -94,7 +94,7 @@ def test_a_basis_found_damaged_or_lost_gives_way_to_the_one_below_it():
     """cap_depth steps down a chain past a basis that cannot be read: in a lost pack, or read and
     found damaged by the push itself (--mend-damaged), or leaning on such a chunk; a chunk below
     the bad one still serves, and with none below the new chunk goes plain."""
-    from registry.deltas import cap_depth
+    from mfsreg.registry.deltas import cap_depth
 
     plain = StoredChunk("p", 8, "raw", 8, "pack-a", 0)
     mid = StoredChunk("m", 8, "xor", 4, "pack-b", 0, "p", 1)
@@ -552,8 +552,8 @@ def test_a_commit_whose_stored_chunk_lost_its_basis_is_a_storage_error(reg, fam)
     use it gets a storage error, not "upload them", which no upload of its own chunks could mend."""
     from sqlalchemy import update
 
-    from registry.db.engine import write_tx
-    from registry.db.models import chunks
+    from mfsreg.registry.db.engine import write_tx
+    from mfsreg.registry.db.models import chunks
 
     reg.push(fam["base"], "fam", "base")
     reg.push(fam["full-med"], "fam", "med", parent="base")
@@ -571,13 +571,13 @@ def test_a_header_an_uploader_stored_as_a_delta_still_passes_the_commit_check(re
     stores that header as a delta when it is smaller; the commit's check of each header against the
     manifest decodes it against its basis (it read the payload as if plain, and every commit of a
     model with that header, in any family, failed with 'the stored pack is damaged')."""
-    from registry import service
-    from registry.db import chunks as chunk_db
-    from registry.db.engine import read_tx
-    from registry.hashing import HashJob
-    from registry.progress import NullProgress
-    from registry.source import open_source
-    from registry.wire import Entry, build_batch
+    from mfsreg.registry import service
+    from mfsreg.registry.db import chunks as chunk_db
+    from mfsreg.registry.db.engine import read_tx
+    from mfsreg.registry.hashing import HashJob
+    from mfsreg.registry.progress import NullProgress
+    from mfsreg.registry.source import open_source
+    from mfsreg.registry.wire import Entry, build_batch
 
     reg.push(fam["base"], "fam", "base")
     _, base_manifest = reg.manifest("fam", "base")
@@ -608,8 +608,8 @@ def test_the_most_shared_member_is_the_one_a_full_count_names(reg, fam):
     count, at one row per member); it names the member a count of every shared chunk names, and
     when only such chunks are shared, none, so that the push falls back to the first version,
     the oldest of the tie."""
-    from registry.db import versions as version_db
-    from registry.db.engine import read_tx
+    from mfsreg.registry.db import versions as version_db
+    from mfsreg.registry.db.engine import read_tx
 
     for name in ("base", "lora-chat", "last-code", "vocab-ext"):
         reg.push(fam[name], "fam", name)

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from registry.client.direct import BUFFER_BYTES, IN_FLIGHT, DirectFile
+from mfsreg.registry.client.direct import BUFFER_BYTES, IN_FLIGHT, DirectFile
 from tests.pagecache import resident_fraction
 
 

@@ -8,12 +8,12 @@ import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 
-from registry.config import Settings
-from registry.db.engine import create_db_engine
-from registry.db.models import metadata
-from registry.db.schema import current_revision, head_revision
-from registry.errors import StorageError
-from registry.registry import Registry, upgrade_database
+from mfsreg.registry.config import Settings
+from mfsreg.registry.db.engine import create_db_engine
+from mfsreg.registry.db.models import metadata
+from mfsreg.registry.db.schema import current_revision, head_revision, known_revisions
+from mfsreg.registry.errors import StorageError
+from mfsreg.registry.registry import Registry, upgrade_database
 
 
 def test_migrations_match_models(db_url, tmp_path):
@@ -27,6 +27,20 @@ def test_migrations_match_models(db_url, tmp_path):
         assert diff == []
     finally:
         engine.dispose()
+
+
+def test_the_revisions_read_from_file_names_are_alembics_chain():
+    """ensure_current compares a database with known_revisions() so that a current one is opened
+    without importing Alembic: that list must be Alembic's own chain, oldest first."""
+    from alembic.config import Config
+    from alembic.script import ScriptDirectory
+
+    from mfsreg.registry.db.schema import MIGRATIONS
+
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS))
+    chain = [rev.revision for rev in ScriptDirectory.from_config(cfg).walk_revisions()][::-1]
+    assert known_revisions() == chain and len(chain) >= 10
 
 
 def test_server_database_is_not_upgraded_behind_the_operators_back(pg_database, tmp_path):
@@ -57,10 +71,10 @@ def test_chunk_rows_of_the_previous_release_and_this_one_live_side_by_side(db_ur
     from alembic import command
     from sqlalchemy import text
 
-    from registry.blobs.packs import StoredChunk
-    from registry.db import chunks as chunk_db
-    from registry.db import prune as prune_db
-    from registry.db.schema import _config
+    from mfsreg.registry.blobs.packs import StoredChunk
+    from mfsreg.registry.db import chunks as chunk_db
+    from mfsreg.registry.db import prune as prune_db
+    from mfsreg.registry.db.schema import _config
 
     engine = create_db_engine(db_url)
     old_insert = text("INSERT INTO chunks (id, size, sha256, encoding, stored_size, pack_id, \"offset\", depth) "
@@ -96,10 +110,10 @@ def test_existing_families_get_the_chunk_size_they_were_cut_at(db_url, tmp_path)
     from alembic import command
     from sqlalchemy import text
 
-    from registry.db.schema import _config
-    from registry.hashing import hash_source
-    from registry.progress import NullProgress
-    from registry.source import open_source
+    from mfsreg.registry.db.schema import _config
+    from mfsreg.registry.hashing import hash_source
+    from mfsreg.registry.progress import NullProgress
+    from mfsreg.registry.source import open_source
     from tests import synth
 
     path = synth.write(tmp_path / "m.safetensors", synth.base_tensors())
@@ -189,7 +203,7 @@ def test_a_migration_that_fails_is_one_line_and_leaves_the_database_before_it(db
     from alembic import command
     from sqlalchemy import text
 
-    from registry.db.schema import _config, upgrade
+    from mfsreg.registry.db.schema import _config, upgrade
 
     engine = create_db_engine(db_url)
     try:
@@ -223,8 +237,8 @@ def test_databases_built_by_pre_release_migrations_are_repaired(db_url, tmp_path
     from alembic import command
     from sqlalchemy import text
 
-    from registry.blobs.packs import pack_key
-    from registry.db.schema import _config
+    from mfsreg.registry.blobs.packs import pack_key
+    from mfsreg.registry.db.schema import _config
     from tests import synth
 
     engine = create_db_engine(db_url)

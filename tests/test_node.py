@@ -27,14 +27,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from registry.chunking import chunk_id
-from registry.client import ResidentModel, load_tensors
-from registry.client.cache import NodeCache
-from registry.client.direct import taken as takes_direct
-from registry.client.remote import RemoteRegistry
-from registry.manifest import Manifest
-from registry.config import parse_size
-from registry.client.torch_loader import Node, _fetch_ahead, chunk_ids, layout
+from mfsreg.registry.chunking import chunk_id
+from mfsreg.registry.client import ResidentModel, load_tensors
+from mfsreg.registry.client.cache import NodeCache
+from mfsreg.registry.client.direct import taken as takes_direct
+from mfsreg.registry.client.remote import RemoteRegistry
+from mfsreg.registry.manifest import Manifest
+from mfsreg.registry.config import parse_size
+from mfsreg.registry.client.torch_loader import Node, _fetch_ahead, chunk_ids, layout
 from tests import synth
 from tests.cli_run import MFSREG, mfsreg, mfsreg_json
 from tests.pagecache import resident_fraction
@@ -128,7 +128,7 @@ def test_a_load_from_a_kept_document_waits_for_the_registry(published, server_en
     is current (torch_loader.build), every chunk still cached each time: tiers that moved keep the
     tensors, a version deleted and pushed again with other bytes loads as those bytes, and a version
     deleted is the registry's one-line error, not tensors of what it was."""
-    from registry.errors import NotFound
+    from mfsreg.registry.errors import NotFound
 
     srv, env = published
     admin = client_env(tmp_path, srv.url, token(server_env, "admin"))
@@ -260,10 +260,10 @@ _COPY_EVICTED = """
 import sys
 import torch
 from safetensors.torch import load_file
-from registry.client.fetch import Fetcher
-from registry.client.node import refetcher
-from registry.client.remote import RemoteRegistry
-from registry.client.torch_loader import PIECES_PER_TASK, Copier, Node, layout
+from mfsreg.registry.client.fetch import Fetcher
+from mfsreg.registry.client.node import refetcher
+from mfsreg.registry.client.remote import RemoteRegistry
+from mfsreg.registry.client.torch_loader import PIECES_PER_TASK, Copier, Node, layout
 
 url, token, cache_dir, path = sys.argv[1:5]
 node = Node(url, token, cache_dir)
@@ -335,7 +335,7 @@ def test_an_unverified_load_trusts_the_cache_and_a_scrub_finds_what_rotted(publi
     """verify=False checks chunks as they are fetched, not again as they are loaded: a cache file
     cut short is still fetched again (its size is wrong), while one that rotted in place is handed
     out as it is, until `cache verify` drops it; the default load catches it (test above)."""
-    from registry.client.scrub import verify_cache
+    from mfsreg.registry.client.scrub import verify_cache
 
     _, env = published
     node = Node(env["MFSREG_URL"], env["MFSREG_TOKEN"], env["MFSREG_CACHE_DIR"])
@@ -483,9 +483,9 @@ def test_a_switch_to_a_member_with_renamed_tensors_copies_only_what_differs(publ
 
 def _lose_pack_of(server_env: dict, chunk: str) -> str:
     """Delete, on the server's blob store, the pack that holds ``chunk`` (storage that lost data)."""
-    from registry.blobs.packs import pack_key
-    from registry.config import Settings
-    from registry.registry import Registry
+    from mfsreg.registry.blobs.packs import pack_key
+    from mfsreg.registry.config import Settings
+    from mfsreg.registry.registry import Registry
 
     reg = Registry(Settings.from_env(server_env))
     try:
@@ -500,7 +500,7 @@ def test_a_switch_whose_fetch_fails_leaves_the_model_as_it_was(published, server
     """A switch brings what it copies into the node cache before it touches a tensor: a chunk the
     registry can no longer send leaves the model whole at its version (before, the grown embedding
     was reallocated, empty, and .version still said base), in one line that says it was the switch."""
-    from registry.errors import StorageError
+    from mfsreg.registry.errors import StorageError
 
     srv, env = published
     node = Node(srv.url, env["MFSREG_TOKEN"], str(tmp_path / "cold"))
@@ -523,7 +523,7 @@ def test_a_switch_that_fails_while_copying_says_the_model_is_a_mix(published, se
     """A cached chunk found damaged while a switch copies, and the registry unable to send it again:
     the tensors are part old, part new, so .version is None (it said the old version) and the error
     says to switch again; a switch after it refills every tensor."""
-    from registry.errors import StorageError
+    from mfsreg.registry.errors import StorageError
 
     _, env = published
     node = Node(env["MFSREG_URL"], env["MFSREG_TOKEN"], env["MFSREG_CACHE_DIR"])
@@ -554,7 +554,7 @@ def test_a_switch_that_fails_while_copying_says_the_model_is_a_mix(published, se
 def test_a_closed_resident_model_or_node_says_so(published, fam, monkeypatch):
     """A switch after close(), or a load through a closed Node, raised httpx's RuntimeError ("the
     client has been closed") from deep inside; now one line that says what to do."""
-    from registry.errors import InvalidRequest
+    from mfsreg.registry.errors import InvalidRequest
 
     _, env = published
     node = Node(env["MFSREG_URL"], env["MFSREG_TOKEN"], env["MFSREG_CACHE_DIR"])
@@ -676,7 +676,7 @@ def test_cache_limit_holds_and_base_is_evicted_last(published, fam, tmp_path):
 
 _LEASE_AND_DIE = """
 import os, sys
-from registry.client.cache import NodeCache
+from mfsreg.registry.client.cache import NodeCache
 cache = NodeCache(sys.argv[1])
 with cache.leased(sys.argv[2:]):
     print("leased", flush=True)
@@ -720,7 +720,7 @@ def test_another_process_eviction_passes_over_what_a_running_pull_leases(tmp_pat
 
 _LEASE_AND_WAIT = """
 import sys
-from registry.client.cache import NodeCache
+from mfsreg.registry.client.cache import NodeCache
 cache = NodeCache(sys.argv[1])
 with cache.leased(sys.argv[2:]):
     print("leased", flush=True)
@@ -772,9 +772,9 @@ def test_a_pull_keeps_its_chunks_through_another_process_eviction(published, fam
     nothing: the pull's chunks stay (it leases them), so it fetches nothing again and the file is
     whole; only the chunks it does not use go. Before leases the eviction took them from under it,
     and each was fetched again (twice lost, the pull failed: 'keeps leaving the node cache')."""
-    from registry.client import node as node_pull
-    from registry.client.fetch import Fetcher
-    from registry.progress import NullProgress
+    from mfsreg.registry.client import node as node_pull
+    from mfsreg.registry.client.fetch import Fetcher
+    from mfsreg.registry.progress import NullProgress
 
     _, env = published
     cache_dir = tmp_path / "cache"
@@ -895,8 +895,8 @@ def test_a_warm_keeps_what_it_fetched_through_another_process_eviction(published
     """A warm leases the tier it brings, and each recent member's chunks, while it runs: another
     process's eviction down to nothing, just after each fetch, takes none of them (unpinned, so no
     pin keeps them)."""
-    from registry.client.fetch import Fetcher
-    from registry.client.warm import warm_cache
+    from mfsreg.registry.client.fetch import Fetcher
+    from mfsreg.registry.client.warm import warm_cache
 
     _, env = published
     cache_dir = tmp_path / "cache"
@@ -1028,8 +1028,8 @@ def test_warm_of_recent_members_passes_over_one_deleted_since(published, server_
 def test_a_node_pull_whose_version_is_deleted_meanwhile_says_so(published, server_env, tmp_path):
     """Deleted as the node starts fetching: the server then answers that the chunks are not the
     family's; the pull says what happened instead (exit 2), and writes nothing."""
-    from registry.errors import NotFound
-    from registry.progress import NullProgress
+    from mfsreg.registry.errors import NotFound
+    from mfsreg.registry.progress import NullProgress
 
     srv, env = published
     admin = RemoteRegistry(srv.url, token=token(server_env, "admin"))
@@ -1054,7 +1054,7 @@ def test_a_load_or_switch_whose_version_is_deleted_meanwhile_says_so(published, 
     """Deleted as the node starts fetching its chunks: load_tensors and switch say that the version
     went, not that chunks the caller never named are 'not part of family'; a switch fetches before
     it touches a tensor, so a resident model so interrupted still holds its version, whole."""
-    from registry.errors import NotFound
+    from mfsreg.registry.errors import NotFound
 
     srv, env = published
     admin = RemoteRegistry(srv.url, token=token(server_env, "admin"))
@@ -1140,8 +1140,8 @@ def test_an_explicit_cache_dir_is_checked_as_mfsreg_cache_dir_is(tmp_path, monke
     a cache in the directory the code ran from, '~/x' one in a folder named '~'. They are checked
     as MFSREG_CACHE_DIR is (~ expands, the rest refused in one line); a space at the end of either
     is refused too, and a relative XDG_CACHE_HOME is ignored, as the XDG spec has it."""
-    from registry.client.cache import default_cache_dir
-    from registry.errors import InvalidRequest
+    from mfsreg.registry.client.cache import default_cache_dir
+    from mfsreg.registry.errors import InvalidRequest
 
     work = tmp_path / "work"
     work.mkdir()
@@ -1179,7 +1179,7 @@ def test_an_explicit_cache_dir_is_checked_as_mfsreg_cache_dir_is(tmp_path, monke
 def test_an_empty_url_or_token_is_refused_not_read_from_the_environment(tmp_path, monkeypatch):
     """Node(url='') or Node(token='') quietly used MFSREG_URL or MFSREG_TOKEN instead: an argument
     given is used or refused, never swapped for the environment's."""
-    from registry.errors import InvalidRequest
+    from mfsreg.registry.errors import InvalidRequest
 
     monkeypatch.setenv("MFSREG_URL", "http://127.0.0.1:9")
     monkeypatch.setenv("MFSREG_TOKEN", "from-the-environment")
@@ -1200,7 +1200,7 @@ def test_an_empty_token_is_refused_by_the_registry_client_as_by_a_node(tmp_path,
     """RemoteRegistry(url, token='') sent no token, quietly, where Node(token='') is refused as the
     mistake it most likely is (an unset variable): both refuse it now. An empty MFSREG_TOKEN still
     counts as unset, as every empty MFSREG_* variable does."""
-    from registry.errors import InvalidRequest
+    from mfsreg.registry.errors import InvalidRequest
 
     with pytest.raises(InvalidRequest, match="^token='' is empty: give one, or leave token= out to send none$"):
         RemoteRegistry("http://127.0.0.1:9", token="")
@@ -1263,7 +1263,7 @@ def test_a_cache_index_held_or_not_ours_to_write_is_not_called_damaged(tmp_path)
     not to delete the shared index as a damaged one (the advice it gave for every SQLite error)."""
     import sqlite3
 
-    from registry.client.indexdb import index_error
+    from mfsreg.registry.client.indexdb import index_error
 
     NodeCache(tmp_path / "c").close()
     index = tmp_path / "c" / "index.db"
@@ -1411,7 +1411,7 @@ def test_a_directory_at_a_cached_chunks_name_is_found_by_verify(published, fam, 
 def test_a_cache_path_that_is_a_file_is_one_line(tmp_path):
     """A cache directory that is a regular file, or has one above it or at its chunks/: the raw
     NotADirectoryError or FileExistsError of mkdir reached the caller."""
-    from registry.errors import InvalidRequest
+    from mfsreg.registry.errors import InvalidRequest
 
     (tmp_path / "a-file").write_text("mine")
     (tmp_path / "c" / "chunks").parent.mkdir()
@@ -1445,7 +1445,7 @@ def test_a_fifo_or_directory_at_a_cached_chunks_name_is_damage_not_a_hang(publis
     cache verify` removes it)."""
     import signal
 
-    from registry.errors import StorageError
+    from mfsreg.registry.errors import StorageError
 
     _, env = published
     node = Node(env["MFSREG_URL"], env["MFSREG_TOKEN"], env["MFSREG_CACHE_DIR"])
@@ -1634,9 +1634,9 @@ def test_a_pack_lost_behind_the_first_of_a_batch_is_reported_before_the_stream(p
     """The server checks every pack of a download batch before it streams: with the first pack it
     would read still there and a later one gone, the pull gets the storage error in one line, not
     a stream that breaks off halfway."""
-    from registry.blobs.packs import pack_key
-    from registry.config import Settings
-    from registry.registry import Registry
+    from mfsreg.registry.blobs.packs import pack_key
+    from mfsreg.registry.config import Settings
+    from mfsreg.registry.registry import Registry
 
     _, env = published
     reg = Registry(Settings.from_env(server_env))
@@ -1775,7 +1775,7 @@ def _cache_with_an_unrecorded_file(tmp_path) -> tuple[dict, str]:
     """A node cache holding a recorded chunk of 4,000 bytes and, as a writer killed between
     renaming a chunk into place and recording it leaves one, a 6,000-byte chunk file without a
     row; the environment of CLI commands on it, and the recorded chunk's id."""
-    from registry.client.cachefiles import atomic_write
+    from mfsreg.registry.client.cachefiles import atomic_write
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("MFSREG_")}
     env["MFSREG_CACHE_DIR"] = str(tmp_path / "c")
@@ -1804,9 +1804,9 @@ def test_prune_counts_and_evicts_files_a_killed_writer_left_unrecorded(tmp_path)
 _FULL_INDEX = """
 import os, resource, signal, sys
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead of killing
-from registry.chunking import chunk_id
-from registry.client.cache import NodeCache
-from registry.errors import StorageError
+from mfsreg.registry.chunking import chunk_id
+from mfsreg.registry.client.cache import NodeCache
+from mfsreg.registry.errors import StorageError
 root, hard = sys.argv[1], resource.getrlimit(resource.RLIMIT_FSIZE)[1]
 cache = NodeCache(root)
 first = os.urandom(1000)
@@ -2080,8 +2080,8 @@ def test_a_to_dir_pull_over_the_limit_keeps_its_file_and_reuses_it(published, fa
 def test_a_failed_pull_still_holds_the_cache_to_its_limit(published, server_env, fam, tmp_path):
     """A pull that fails (here its version is deleted as its fetch starts) evicts down to the limit
     as a finished one does; the cache stayed over it until some later pull succeeded."""
-    from registry.errors import NotFound
-    from registry.progress import NullProgress
+    from mfsreg.registry.errors import NotFound
+    from mfsreg.registry.progress import NullProgress
 
     srv, env = published
     mfsreg("pull", "fam", "base", "-o", tmp_path / "base.out", env=env)  # fills the cache
@@ -2110,7 +2110,7 @@ def test_a_refetch_writes_over_the_cached_file_and_never_removes_it_first(publis
     there: the file is never absent meanwhile. It was deleted first, and another process that had
     just fetched and was placing the same chunk found it gone and failed ('keeps leaving the node
     cache'); a damaged file is dropped only if it is still the one found damaged."""
-    from registry.client.node import refetcher
+    from mfsreg.registry.client.node import refetcher
 
     _, env = published
     node = Node(env["MFSREG_URL"], env["MFSREG_TOKEN"], env["MFSREG_CACHE_DIR"])
@@ -2196,7 +2196,7 @@ def test_a_chunk_recorded_as_used_after_another_process_evicted_it_gets_no_row(t
     its bytes until an eviction picked the row. Two caches over one directory, as two processes."""
     import hashlib
 
-    from registry.client.cachefiles import atomic_write
+    from mfsreg.registry.client.cachefiles import atomic_write
 
     cache, chunks = _ranked_cache(tmp_path)
     other = NodeCache(tmp_path / "ranked")
@@ -2224,7 +2224,7 @@ def test_no_row_is_made_between_a_removals_commit_and_its_unlink(tmp_path, monke
     files: a process recording the chunk as used in between made its row again while the file still
     stood, and the file went after. Here the other process records at the moment the file leaves
     its name; the files now go under the index's write lock, so it waits, and finds no file."""
-    from registry.client.cachefiles import atomic_write
+    from mfsreg.registry.client.cachefiles import atomic_write
 
     cache, chunks = _ranked_cache(tmp_path)
     other = NodeCache(tmp_path / "ranked")
@@ -2269,7 +2269,7 @@ def test_a_good_copy_placed_while_a_damaged_one_is_dropped_stays(tmp_path, monke
     drop checked the file at the name was the damaged one, then unlinked the name: a good copy
     renamed in between was deleted. Here the good copy lands before each file-system call the drop
     makes in turn, and stays every time."""
-    from registry.client.cachefiles import atomic_write
+    from mfsreg.registry.client.cachefiles import atomic_write
 
     good = bytes(range(256)) * 16
     x = chunk_id(good)
@@ -2314,9 +2314,9 @@ def test_a_cached_chunk_evicted_during_a_pull_is_fetched_at_once_not_after_the_f
     """A chunk the pull found cached, then evicted by another process before the assembly reached
     it, is fetched again at once: the assembly waited for the whole background fetch to end first,
     as if the chunk were still to come from it."""
-    from registry.client import node as node_pull
-    from registry.client.fetch import Fetcher
-    from registry.progress import NullProgress
+    from mfsreg.registry.client import node as node_pull
+    from mfsreg.registry.client.fetch import Fetcher
+    from mfsreg.registry.progress import NullProgress
 
     _, env = published
     cache_dir = tmp_path / "cache"
@@ -2366,9 +2366,9 @@ def test_a_node_pull_that_fails_partway_leaves_the_files_there_as_they_were(how,
     last big file needs a chunk the server has lost fails in one line and leaves v1's files, every
     one, with no temp file or link beside them (before, the files before it had replaced v1's); one
     into a new folder leaves no folder."""
-    from registry.blobs.packs import pack_key
-    from registry.config import Settings
-    from registry.registry import Registry
+    from mfsreg.registry.blobs.packs import pack_key
+    from mfsreg.registry.config import Settings
+    from mfsreg.registry.registry import Registry
 
     _, env = published
     env["MFSREG_PULL_DIRECT"] = "1" if writes_to == "direct" else "0"

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from registry.parallel import windowed_map
+from mfsreg.registry.parallel import windowed_map
 
 
 def test_results_come_in_order_with_a_bounded_window():

@@ -11,20 +11,20 @@ from datetime import datetime, timezone
 import pytest
 from sqlalchemy import func, insert, select, text, update
 
-from registry.config import Settings
-from registry.blobs.packs import pack_key
-from registry.db import prune as prune_db
-from registry.db.engine import create_db_engine, read_tx, write_tx
-from registry.db.locks import exclude_writers
-from registry.db.models import chunks, packs, unlisted_packs
-from registry.errors import Conflict, InvalidRequest, NotFound, Pruned
-from registry import service
-from registry.hashing import HashJob, hash_source
-from registry.ingest import RecordedPacks, commit_version, plan_deltas, upload_missing
-from registry.progress import NullProgress
-from registry.registry import Registry
-from registry.source import open_source
-from registry.wire import Entry, build_batch
+from mfsreg.registry.config import Settings
+from mfsreg.registry.blobs.packs import pack_key
+from mfsreg.registry.db import prune as prune_db
+from mfsreg.registry.db.engine import create_db_engine, read_tx, write_tx
+from mfsreg.registry.db.locks import exclude_writers
+from mfsreg.registry.db.models import chunks, packs, unlisted_packs
+from mfsreg.registry.errors import Conflict, InvalidRequest, NotFound, Pruned
+from mfsreg.registry import service
+from mfsreg.registry.hashing import HashJob, hash_source
+from mfsreg.registry.ingest import RecordedPacks, commit_version, plan_deltas, upload_missing
+from mfsreg.registry.progress import NullProgress
+from mfsreg.registry.registry import Registry
+from mfsreg.registry.source import open_source
+from mfsreg.registry.wire import Entry, build_batch
 from tests.cli_run import mfsreg, mfsreg_json
 from tests.hooks import OnFirst, OnSend, Tally
 
@@ -289,7 +289,7 @@ def test_chunks_in_flight_keep_the_bases_of_their_deltas(reg, fam, tmp_path):
 def after_the_decision(monkeypatch, action) -> None:
     """Run ``action`` once prune has decided on its snapshot and before it takes the writers' lock
     to check that choice again: writers go on while it decides."""
-    from registry import prune as prune_mod
+    from mfsreg.registry import prune as prune_mod
 
     decide = prune_mod.decide
 
@@ -374,7 +374,7 @@ def test_the_check_keeps_a_chosen_chain_down_to_its_plain_chunk(reg, fam):
     """still_unneeded walks the bases of what it keeps: a delta recorded meanwhile against a chosen
     delta keeps that delta and the plain chunk beneath it (no synthetic member stores a delta
     against a delta, so the newer one is a row written here, and rolled back)."""
-    from registry import prune as prune_mod
+    from mfsreg.registry import prune as prune_mod
 
     reg.push(fam["base"], "fam", "base")
     reg.push(fam["full-med"], "fam", "full-med", parent="base")
@@ -439,8 +439,8 @@ def test_a_plain_copy_whose_pack_a_prune_took_for_abandoned_leaves_no_blob(reg, 
     family's (registry/access.py) are written in announced packs too: one that a prune claims
     before its blob is written is refused, and its writer deletes the blob (it was left in the
     store, listed nowhere, for good)."""
-    from registry.access import _PlainCopies
-    from registry.errors import Pruned
+    from mfsreg.registry.access import _PlainCopies
+    from mfsreg.registry.errors import Pruned
 
     reg.push(fam["base"], "fam", "base")
     _, manifest = reg.manifest("fam", "base")
@@ -537,7 +537,7 @@ def test_a_proof_reads_again_where_a_prune_moved_the_stored_chunks(reg, fam, cap
     grace period of 0) makes the first read fail: the chunks are looked up again, once, and compared
     in their new pack, and the upload passes."""
     from tests.proofs import check_proofs
-    from registry.auth import Principal
+    from mfsreg.registry.auth import Principal
 
     # lora-chat first: its pack holds the chunks base shares with it, and its own, which die with it
     reg.push(fam["lora-chat"], "fam", "lora-chat")
@@ -699,7 +699,7 @@ def _cut_short(reg, pack_id: str) -> None:
 
 
 def _plan_now(reg, max_unused: float = 0.0):
-    from registry import prune as prune_mod
+    from mfsreg.registry import prune as prune_mod
 
     with read_tx(reg.engine) as conn:
         return prune_mod.decide(conn, prune_db.db_now(conn), prune_db.pack_sizes(conn), max_unused)
@@ -724,7 +724,7 @@ def test_a_pack_cut_short_found_by_a_repack_is_a_storage_error_and_the_deletions
     to do (it was a NotFound, exit 2, and it stopped the prune before it deleted any blob, every
     time); any other packs are repacked, the retired blobs deleted, and the damaged pack stays as
     it was, listed."""
-    from registry.errors import StorageError
+    from mfsreg.registry.errors import StorageError
 
     bad, retire, repack = _one_bad_pack_to_repack(reg, fam)
     before = reg.blobs.get(pack_key(bad))

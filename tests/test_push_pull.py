@@ -9,8 +9,8 @@ import stat
 import pytest
 import torch
 
-from registry.errors import Conflict, NotFound, StorageError
-from registry.registry import Registry
+from mfsreg.registry.errors import Conflict, NotFound, StorageError
+from mfsreg.registry.registry import Registry
 from tests import synth
 
 
@@ -45,7 +45,7 @@ def test_a_family_keeps_the_chunk_size_of_its_first_push(settings, fam, tmp_path
     takes the registry's."""
     from dataclasses import replace
 
-    from registry.registry import Registry
+    from mfsreg.registry.registry import Registry
 
     with Registry(replace(settings, chunk_size=32 << 10), migrate=True) as reg:
         reg.push(fam["base"], "fam", "base")
@@ -201,7 +201,7 @@ def test_a_pull_whose_file_would_land_on_a_directory_writes_nothing(blocker, reg
     """A directory already where one of the version's files goes (or a file where it needs a
     directory): refused before any file is written, naming the path (the rename failed after the
     files before it were written, and named its temp file)."""
-    from registry.errors import InvalidRequest
+    from mfsreg.registry.errors import InvalidRequest
 
     src = tmp_path / "ckpt"
     src.mkdir()
@@ -228,8 +228,8 @@ def test_a_directory_pull_that_fails_partway_leaves_the_files_there_as_they_were
     pull of v2 over v1 whose last big file meets a damaged chunk leaves v1's files, every one, and
     no temp file beside them (before, the files written before it had been renamed over v1's); one
     into a new folder leaves no folder."""
-    from registry.blobs.packs import pack_key
-    from registry.errors import IntegrityError
+    from mfsreg.registry.blobs.packs import pack_key
+    from mfsreg.registry.errors import IntegrityError
 
     v1, v2 = synth.two_directory_versions(tmp_path / "src")
     reg.push(v1, "fam", "v1")
@@ -263,7 +263,7 @@ def test_a_push_that_finds_its_stored_chunks_pack_lost_sends_them_again_and_mend
     commits a version that pulls byte for byte; the earlier version that lost them pulls again too."""
     from dataclasses import replace
 
-    from registry.blobs.packs import pack_key
+    from mfsreg.registry.blobs.packs import pack_key
 
     if store == "s3":
         blob_url, endpoint = request.getfixturevalue("s3_blob_url")
@@ -294,7 +294,7 @@ def test_a_repush_of_an_existing_version_mends_what_its_lost_pack_held(store, se
     byte. A re-push with nothing lost stores nothing, and other content under the name is refused."""
     from dataclasses import replace
 
-    from registry.blobs.packs import pack_key
+    from mfsreg.registry.blobs.packs import pack_key
 
     if store == "s3":
         blob_url, endpoint = request.getfixturevalue("s3_blob_url")

@@ -17,11 +17,11 @@ import httpx
 import pytest
 import torch
 
-from registry.chunking import chunk_id
-from registry.hashing import hash_source
-from registry.progress import NullProgress
-from registry.source import open_source
-from registry.wire import Entry, build_batch
+from mfsreg.registry.chunking import chunk_id
+from mfsreg.registry.hashing import hash_source
+from mfsreg.registry.progress import NullProgress
+from mfsreg.registry.source import open_source
+from mfsreg.registry.wire import Entry, build_batch
 from tests import synth
 from tests.cli_run import MFSREG, mfsreg, mfsreg_json
 from tests.hooks import OnSend
@@ -151,9 +151,9 @@ def test_bad_requests_get_problem_details(servers, server_env, tmp_path):
                    content=build_batch([(Entry(chunk_id(b"\0" * 1000), 1000, "zstd", len(bomb)), bomb)]))
     assert r.status_code == 422
     # nor are frames whose sizes add up to far more than the body, however small each payload
-    from registry.config import Settings
-    from registry.manifest import MAX_CHUNK_BYTES
-    from registry.wire import RAW_PER_BODY
+    from mfsreg.registry.config import Settings
+    from mfsreg.registry.manifest import MAX_CHUNK_BYTES
+    from mfsreg.registry.wire import RAW_PER_BODY
 
     over = RAW_PER_BODY * Settings.from_env({}).max_body // MAX_CHUNK_BYTES + 1  # the server runs the default
     many = [(Entry(chunk_id(bytes([i])), MAX_CHUNK_BYTES, "zstd", 1), b"x") for i in range(over)]
@@ -328,7 +328,7 @@ def test_hostile_manifests_get_a_400(servers, server_env, fam, tmp_path):
             assert r.status_code == 400 and says in r.json()["detail"], (route, says, r.text)
     # 300 chunks at the largest size claim a 75 GiB file in 30 KB of JSON: compared with the cuts at
     # 4 KiB, it differs at its first chunk (planned whole, 20 million cuts: most of a minute and GBs)
-    from registry.manifest import MAX_CHUNK_BYTES
+    from mfsreg.registry.manifest import MAX_CHUNK_BYTES
 
     n = 300
     big = {"format": 1, "single_file": False, "files": [{
@@ -360,8 +360,8 @@ def test_a_push_of_very_compressible_chunks_cuts_its_batches_at_the_decoded_cap(
     """The server refuses a batch whose chunks decode to more than RAW_PER_BODY x its body limit (a
     few compressed bytes may claim gigabytes): a client whose batches fill slowly, because its
     chunks compress to almost nothing, cuts them by decoded size as well."""
-    from registry.manifest import MAX_CHUNK_BYTES
-    from registry.wire import RAW_PER_BODY
+    from mfsreg.registry.manifest import MAX_CHUNK_BYTES
+    from mfsreg.registry.wire import RAW_PER_BODY
 
     # the smallest body limit whose cap is not the floor (one chunk of the largest size always fits)
     limit = MAX_CHUNK_BYTES // RAW_PER_BODY + (1 << 20)
@@ -381,9 +381,9 @@ def test_a_push_of_very_compressible_chunks_cuts_its_batches_at_the_decoded_cap(
 
 def test_the_default_body_limit_takes_a_batch_of_the_largest_chunk():
     """A family may be cut at up to 256 MiB: one such chunk, uncompressible, goes in a batch alone."""
-    from registry.config import Settings
-    from registry.manifest import MAX_CHUNK_BYTES
-    from registry.wire import encode_index
+    from mfsreg.registry.config import Settings
+    from mfsreg.registry.manifest import MAX_CHUNK_BYTES
+    from mfsreg.registry.wire import encode_index
 
     index = encode_index([Entry("f" * 32, MAX_CHUNK_BYTES, "raw", MAX_CHUNK_BYTES, "e" * 32, 8)])
     assert len(index) + MAX_CHUNK_BYTES <= Settings.from_env({}).max_body
@@ -420,7 +420,7 @@ def test_a_post_is_refused_for_its_role_before_its_body_is_parsed(server_env, se
     reader = callers["read"][0]
     r = httpx.post(f"{srv.url}/v1/families/fam/chunks/download", content=b"{not json", headers=reader)
     assert r.status_code == 422  # a reader may download: its body is parsed, and refused as JSON
-    from api.posts import MAX_DOWNLOAD_BODY
+    from mfsreg.api.posts import MAX_DOWNLOAD_BODY
 
     for body in (b" " * (MAX_DOWNLOAD_BODY + 1), (b" " * (1 << 20) for _ in range(MAX_DOWNLOAD_BODY // (1 << 20) + 1))):
         r = httpx.post(f"{srv.url}/v1/families/fam/chunks/download", content=body, headers=reader)
@@ -538,8 +538,8 @@ def test_a_url_that_is_not_an_mfsreg_server_is_one_line(tmp_path):
 def test_a_request_of_the_wrong_shape_is_not_taken_for_damaged_bytes(servers, server_env, tmp_path):
     """The server answers 422 both for a chunk that fails its check and for a body of the wrong
     shape; the client tells them apart by the problem's type."""
-    from registry.client.remote import RemoteRegistry
-    from registry.errors import IntegrityError, InvalidRequest
+    from mfsreg.registry.client.remote import RemoteRegistry
+    from mfsreg.registry.errors import IntegrityError, InvalidRequest
 
     (srv,) = servers(1)
     with RemoteRegistry(srv.url, token=token(server_env, "admin")) as remote:
@@ -682,9 +682,9 @@ def test_a_scoped_negotiation_names_no_other_familys_lost_chunks_under_mend(serv
     the blob store lost: they are listed missing, as chunks stored nowhere are, and none under mend
     (which would tell the token that the registry holds them, and that they are damaged), with or
     without mend_damaged. A token that reads every family is told what to mend, as before."""
-    from registry.blobs.packs import pack_key
-    from registry.config import Settings
-    from registry.registry import Registry
+    from mfsreg.registry.blobs.packs import pack_key
+    from mfsreg.registry.config import Settings
+    from mfsreg.registry.registry import Registry
 
     (srv,) = servers(1)
     admin_tok, scoped_tok = token(server_env, "admin"), token(server_env, "push", "qwen*")
@@ -712,8 +712,8 @@ def test_a_stored_chunk_proves_a_scoped_upload_only_by_equal_bytes(reg, fam):
     delta. (Bytes that hash to a stored id but differ cannot be made in a test; they reach this
     check after the re-hash, with the same answer a hash mismatch gets.)"""
     from tests.proofs import check_proofs
-    from registry.auth import Principal
-    from registry.errors import IntegrityError
+    from mfsreg.registry.auth import Principal
+    from mfsreg.registry.errors import IntegrityError
 
     reg.push(fam["base"], "secret", "base")
     reg.push(fam["full-med"], "secret", "med", parent="base")
@@ -733,8 +733,8 @@ def test_a_stored_chunk_proves_a_scoped_upload_only_by_equal_bytes(reg, fam):
     # a chunk deleted meanwhile (a prune) is compared with nothing, so it is not the push's to claim
     from sqlalchemy import delete
 
-    from registry.db.engine import write_tx
-    from registry.db.models import chunks
+    from mfsreg.registry.db.engine import write_tx
+    from mfsreg.registry.db.models import chunks
 
     with write_tx(reg.engine) as conn:
         conn.execute(delete(chunks).where(chunks.c.id == some))
@@ -774,8 +774,8 @@ def test_a_scoped_push_whose_proofs_lapse_before_its_commit_uploads_again(server
     """A prune between a scoped push's upload and its commit forgets the claims that upload made
     (an admin's prune with a grace period of 0): the commit is told to upload, and the client asks
     again what is missing, sends it and commits, by itself."""
-    from registry.client.remote import RemoteRegistry
-    from registry.progress import NullProgress as Quiet
+    from mfsreg.registry.client.remote import RemoteRegistry
+    from mfsreg.registry.progress import NullProgress as Quiet
 
     (srv,) = servers(1)
     admin_tok, scoped_tok = token(server_env, "admin"), token(server_env, "push", "qwen*")
@@ -797,7 +797,7 @@ def test_a_scoped_push_whose_proofs_lapse_before_its_commit_uploads_again(server
 
     with RemoteRegistry(srv.url, token=scoped_tok, chunk_size=64 << 10) as client:
         res = client.push(fam["base"], "qwen", "v1", progress=PruneOnceSent())
-    from registry import codec
+    from mfsreg.registry import codec
 
     m = hash_source(open_source(fam["base"]), 64 << 10, NullProgress())
     data = fam["base"].read_bytes()
@@ -814,7 +814,7 @@ def test_a_scoped_push_whose_proofs_lapse_before_its_commit_uploads_again(server
 def test_a_scoped_push_gets_plain_copies_of_chunks_stored_against_another_familys(servers, server_env, fam, tmp_path):
     """A chunk the push holds, stored as a delta against a chunk of a family the token may not read,
     would lend that basis: the version would list it, and its readers could download it."""
-    from registry.manifest import Manifest
+    from mfsreg.registry.manifest import Manifest
 
     (srv,) = servers(1)
     admin_tok, scoped_tok = token(server_env, "admin"), token(server_env, "push", "qwen*")
@@ -871,7 +871,7 @@ def test_a_scoped_push_gets_plain_copies_of_chunks_stored_against_another_family
 def test_pushes_through_the_api_follow_the_familys_chunk_size(servers, server_env, fam, tmp_path):
     """A client cuts at the family's chunk size (GET /v1/families/{family}), not its own, so it
     dedups against what is stored; a commit cut at another size is refused and stores nothing."""
-    from registry.client.remote import RemoteRegistry
+    from mfsreg.registry.client.remote import RemoteRegistry
 
     (srv,) = servers(1)
     tok = token(server_env, "push")
@@ -929,8 +929,8 @@ def test_a_push_cut_otherwise_than_its_family_is_refused_before_it_uploads(serve
 
 
 def test_a_push_over_http_survives_a_prune_between_its_negotiation_and_its_commit(servers, server_env, fam, tmp_path):
-    from registry.client.cache import NodeCache
-    from registry.client.remote import RemoteRegistry
+    from mfsreg.registry.client.cache import NodeCache
+    from mfsreg.registry.client.remote import RemoteRegistry
 
     (srv,) = servers(1)
     with RemoteRegistry(srv.url, token=token(server_env, "admin")) as remote:
@@ -952,7 +952,7 @@ def test_a_push_over_http_survives_a_prune_between_its_negotiation_and_its_commi
 
 
 def test_a_version_document_is_tagged_and_a_node_keeps_it_while_the_family_is_unchanged(servers, server_env, fam, tmp_path):
-    from registry.client import Node
+    from mfsreg.registry.client import Node
 
     (srv,) = servers(1)
     env = client_env(tmp_path, srv.url, token(server_env, "admin"))
@@ -990,7 +990,7 @@ def test_a_version_document_is_tagged_and_a_node_keeps_it_while_the_family_is_un
 
 
 def test_a_node_keeps_the_documents_it_read_last(servers, server_env, fam, tmp_path, monkeypatch):
-    from registry.client import Node, fetch
+    from mfsreg.registry.client import Node, fetch
 
     monkeypatch.setattr(fetch, "KEPT_VERSIONS", 2)
     (srv,) = servers(1)
@@ -1014,8 +1014,8 @@ def test_a_node_keeps_the_documents_it_read_last(servers, server_env, fam, tmp_p
 def test_a_node_behind_a_proxy_that_drops_tags_reads_each_document_whole(servers, server_env, fam, tmp_path):
     """As against a server older than tags: no ETag comes back, so the node keeps nothing and never
     sends If-None-Match, and what it reads still follows the family."""
-    from registry.client import Node
-    from registry.client.node import pull
+    from mfsreg.registry.client import Node
+    from mfsreg.registry.client.node import pull
 
     (srv,) = servers(1)
     env = client_env(tmp_path, srv.url, token(server_env, "admin"))
@@ -1305,19 +1305,19 @@ def test_a_push_over_http_mends_chunks_whose_pack_was_lost_before_or_during_it(s
     chunks as missing, the upload stores them again, and the lost copies' rows point at the new
     ones; a pack lost after the negotiation is caught by the commit's own check (the client
     negotiates, uploads and commits again). Every version then pulls byte for byte."""
-    from registry.blobs.packs import pack_key
-    from registry.client.cache import NodeCache
-    from registry.client.remote import RemoteRegistry
-    from registry.config import Settings
-    from registry.registry import Registry
+    from mfsreg.registry.blobs.packs import pack_key
+    from mfsreg.registry.client.cache import NodeCache
+    from mfsreg.registry.client.remote import RemoteRegistry
+    from mfsreg.registry.config import Settings
+    from mfsreg.registry.registry import Registry
 
     (srv,) = servers(1)
     local = Registry(Settings.from_env(server_env))
 
     def lose_a_pack_of(version: str) -> str:
         """Delete a pack every chunk of which ``version`` uses, so that its push mends all it lost."""
-        from registry.db import prune as prune_db
-        from registry.db.engine import read_tx
+        from mfsreg.registry.db import prune as prune_db
+        from mfsreg.registry.db.engine import read_tx
 
         ids = set(local.manifest("fam", version)[1].chunk_ids())
         with read_tx(local.engine) as conn:
@@ -1356,11 +1356,11 @@ def test_a_push_over_http_whose_basis_pack_was_lost_stores_its_chunks_without_it
     none of those bytes. Lost before the negotiation, no basis there is suggested; lost after it,
     the upload finds the basis unreadable: either way the chunks are stored plain, the push commits,
     and the version pulls byte for byte."""
-    from registry.blobs.packs import pack_key
-    from registry.client.cache import NodeCache
-    from registry.client.remote import RemoteRegistry
-    from registry.config import Settings
-    from registry.registry import Registry
+    from mfsreg.registry.blobs.packs import pack_key
+    from mfsreg.registry.client.cache import NodeCache
+    from mfsreg.registry.client.remote import RemoteRegistry
+    from mfsreg.registry.config import Settings
+    from mfsreg.registry.registry import Registry
 
     (srv,) = servers(1)
     local = Registry(Settings.from_env(server_env))
@@ -1399,9 +1399,9 @@ def test_a_repush_over_http_of_an_existing_version_mends_what_its_lost_pack_held
     them as deltas) under ``mend``, the client uploads them and commits nothing, and the version pulls
     byte for byte; through a token scoped to the family, as the mend of a new version's push allows.
     With nothing lost the re-push sends nothing; other content under the name is refused as before."""
-    from registry.blobs.packs import pack_key
-    from registry.config import Settings
-    from registry.registry import Registry
+    from mfsreg.registry.blobs.packs import pack_key
+    from mfsreg.registry.config import Settings
+    from mfsreg.registry.registry import Registry
 
     (srv,) = servers(1)
     env = client_env(tmp_path, srv.url, token(server_env, "push", "fam"))

@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from registry.tiers import BASE, GROUP, UNIQUE, threshold, tier_of
+from mfsreg.registry.tiers import BASE, GROUP, UNIQUE, threshold, tier_of
 from tests import synth
 
 
@@ -140,9 +140,9 @@ def test_every_change_to_a_family_bumps_its_epoch(reg, fam):
     quorum change moves it, and nothing else (a read, a re-push of an existing version) does."""
     from sqlalchemy import select
 
-    from registry import service
-    from registry.db.engine import read_tx
-    from registry.db.models import families
+    from mfsreg.registry import service
+    from mfsreg.registry.db.engine import read_tx
+    from mfsreg.registry.db.models import families
 
     def epoch() -> int:
         with read_tx(reg.engine) as conn:
@@ -171,10 +171,10 @@ def test_a_version_pushed_again_under_its_name_never_keeps_its_tag(reg, fam):
     as it would leave it) and SQLite gives the new row the deleted one's id."""
     from sqlalchemy import update
 
-    from registry import service
-    from registry.db import versions as version_db
-    from registry.db.engine import read_tx, write_tx
-    from registry.db.models import families
+    from mfsreg.registry import service
+    from mfsreg.registry.db import versions as version_db
+    from mfsreg.registry.db.engine import read_tx, write_tx
+    from mfsreg.registry.db.models import families
 
     reg.push(fam["base"], "fam", "base")
     reg.push(fam["lora-chat"], "fam", "v")

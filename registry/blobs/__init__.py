@@ -8,8 +8,8 @@ import re
 import shlex
 from urllib.parse import unquote, urlsplit
 
-from registry.blobs.base import BlobStore, check_key
-from registry.errors import InvalidRequest, shown
+from mfsreg.registry.blobs.base import BlobStore, check_key
+from mfsreg.registry.errors import InvalidRequest, shown
 
 # S3's rules for a bucket name: 3 to 63 lowercase letters, digits, dots and hyphens, starting and
 # ending with a letter or digit, no two dots in a row, not shaped like an IP address.
@@ -150,10 +150,10 @@ def open_blob_store(url: str, s3_endpoint_url: str | None = None, **s3_options) 
     (connect_timeout, read_timeout, max_attempts) go to S3BlobStore."""
     scheme, where, prefix = parse_blob_url(url)
     if scheme == "file":
-        from registry.blobs.local import LocalBlobStore
+        from mfsreg.registry.blobs.local import LocalBlobStore
 
         _check_not_left_behind(urlsplit(url).path, where)
         return LocalBlobStore(where)
-    from registry.blobs.s3 import S3BlobStore
+    from mfsreg.registry.blobs.s3 import S3BlobStore
 
     return S3BlobStore(where, prefix, endpoint_url=s3_endpoint_url, **s3_options)

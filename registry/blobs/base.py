@@ -18,7 +18,7 @@ import abc
 import re
 from collections.abc import Iterator
 
-from registry.errors import InvalidRequest
+from mfsreg.registry.errors import InvalidRequest
 
 _KEY = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._/-]*$")
 
@@ -54,7 +54,7 @@ class BlobStore(abc.ABC):
         reads nothing. A local directory a first push has yet to make passes."""
 
     def exists(self, key: str) -> bool:
-        from registry.errors import NotFound
+        from mfsreg.registry.errors import NotFound
 
         try:
             self.size(key)

@@ -13,9 +13,9 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-from registry.blobs.base import BlobStore, check_key
-from registry.durable import NO_ROOM, make_dirs, sync_dir, what_to_do
-from registry.errors import InvalidRequest, NotFound, StorageError
+from mfsreg.registry.blobs.base import BlobStore, check_key
+from mfsreg.registry.durable import NO_ROOM, make_dirs, sync_dir, what_to_do
+from mfsreg.registry.errors import InvalidRequest, NotFound, StorageError
 
 
 def _advice(code: int | None) -> str:

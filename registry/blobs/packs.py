@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import uuid
 
-from registry.blobs.base import BlobStore
+from mfsreg.registry.blobs.base import BlobStore
 
 COALESCE_GAP = 1 << 20  # read through gaps this small rather than issue another request
 

@@ -31,10 +31,10 @@ from botocore.exceptions import (
     ResponseStreamingError,
 )
 
-from registry.blobs import check_endpoint_url, configured_endpoint
-from registry.blobs.base import BlobStore, check_key
-from registry.config import DEFAULT_S3_CONNECT_TIMEOUT, DEFAULT_S3_MAX_ATTEMPTS, DEFAULT_S3_READ_TIMEOUT
-from registry.errors import InvalidRequest, NotFound, StorageError
+from mfsreg.registry.blobs import check_endpoint_url, configured_endpoint
+from mfsreg.registry.blobs.base import BlobStore, check_key
+from mfsreg.registry.config import DEFAULT_S3_CONNECT_TIMEOUT, DEFAULT_S3_MAX_ATTEMPTS, DEFAULT_S3_READ_TIMEOUT
+from mfsreg.registry.errors import InvalidRequest, NotFound, StorageError
 
 MiB = 1 << 20
 # Every pack is one PUT: a pack is flushed once it holds MFSREG_PACK_SIZE (64 MiB by default), so it

@@ -4,18 +4,18 @@
 so that the rest of the client works without it.
 """
 
-from registry.client.remote import RemoteRegistry
+from mfsreg.registry.client.remote import RemoteRegistry
 
 __all__ = ["RemoteRegistry", "load_tensors", "ResidentModel", "Node"]
 
 
 def __getattr__(name: str):
     if name in ("load_tensors", "Node"):
-        from registry.client import torch_loader
+        from mfsreg.registry.client import torch_loader
 
         return getattr(torch_loader, name)
     if name == "ResidentModel":
-        from registry.client.resident import ResidentModel
+        from mfsreg.registry.client.resident import ResidentModel
 
         return ResidentModel
     raise AttributeError(name)

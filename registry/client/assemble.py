@@ -30,15 +30,15 @@ from collections.abc import Callable
 from concurrent.futures import Executor
 from pathlib import Path
 
-from registry.chunking import ChunkRef, chunk_hasher, chunk_id
-from registry.client.cache import NodeCache
-from registry.client.cachefiles import open_plain
-from registry.client.direct import DirectFile
-from registry.durable import Placing, writing
-from registry.filecheck import BATCH_BYTES, CheckedFile, check_tiling, write_at
-from registry.manifest import FileEntry
-from registry.parallel import sized_batches
-from registry.progress import Progress
+from mfsreg.registry.chunking import ChunkRef, chunk_hasher, chunk_id
+from mfsreg.registry.client.cache import NodeCache
+from mfsreg.registry.client.cachefiles import open_plain
+from mfsreg.registry.client.direct import DirectFile
+from mfsreg.registry.durable import Placing, writing
+from mfsreg.registry.filecheck import BATCH_BYTES, CheckedFile, check_tiling, write_at
+from mfsreg.registry.manifest import FileEntry
+from mfsreg.registry.parallel import sized_batches
+from mfsreg.registry.progress import Progress
 
 # Smaller files (configs, tokenizers) go through the page cache: an engine reads them again at once,
 # and one round trip to the disk per small file would cost more than the copy it saves.

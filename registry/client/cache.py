@@ -30,8 +30,8 @@ import time
 from collections.abc import Iterable, Iterator, Set as AbstractSet
 from pathlib import Path
 
-from registry.chunking import chunk_id as chunk_id_of
-from registry.client.cachefiles import (
+from mfsreg.registry.chunking import chunk_id as chunk_id_of
+from mfsreg.registry.client.cachefiles import (
     CHUNK_NAME,
     FILE_NAME,
     SHARD_NAME,
@@ -44,10 +44,10 @@ from registry.client.cachefiles import (
     read_plain,
     temp_name,
 )
-from registry.client.cacheindex import CacheIndex
-from registry.client.eviction import FILE_RANK, RANK, Eviction
-from registry.client.indexdb import forget_rows
-from registry.errors import IntegrityError, InvalidRequest, StorageError
+from mfsreg.registry.client.cacheindex import CacheIndex
+from mfsreg.registry.client.eviction import FILE_RANK, RANK, Eviction
+from mfsreg.registry.client.indexdb import forget_rows
+from mfsreg.registry.errors import IntegrityError, InvalidRequest, StorageError
 
 # What other modules import from here; the file helpers, index and eviction names are imported
 # from their own modules (cachefiles.py, indexdb.py, eviction.py).
@@ -75,7 +75,7 @@ def cache_root(value: str | os.PathLike, name: str = "cache_dir") -> Path:
     if not text:
         raise InvalidRequest(f"{name}='' is empty: give an absolute path, e.g. /var/cache/mfsreg"
                              + ("" if name == "MFSREG_CACHE_DIR" else ", or leave it out to use MFSREG_CACHE_DIR"))
-    from registry.config import expand_user
+    from mfsreg.registry.config import expand_user
 
     path = expand_user(name, text)
     if not path.is_absolute():
@@ -92,7 +92,7 @@ def _no_padding(text: str, name: str, hint: str = "") -> Path:
 
 
 def default_max_bytes() -> int | None:
-    from registry.config import size_from_env
+    from mfsreg.registry.config import size_from_env
 
     return size_from_env("MFSREG_CACHE_MAX", None)
 

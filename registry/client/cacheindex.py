@@ -12,10 +12,10 @@ import threading
 import time
 from collections.abc import Iterable
 
-from registry.client.cachefiles import holds_any, is_plain, is_temp
-from registry.client.eviction import FILE_RANK, RANK, UNKNOWN_RANK
-from registry.client.indexdb import SCHEMA, WriteTx, forget_rows, index_error, rows_in, use_wal
-from registry.errors import StorageError
+from mfsreg.registry.client.cachefiles import holds_any, is_plain, is_temp
+from mfsreg.registry.client.eviction import FILE_RANK, RANK, UNKNOWN_RANK
+from mfsreg.registry.client.indexdb import SCHEMA, WriteTx, forget_rows, index_error, rows_in, use_wal
+from mfsreg.registry.errors import StorageError
 
 UNRECORDED = "unrecorded"  # the marker of files that may lack rows (see the module docstring)
 

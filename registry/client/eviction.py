@@ -40,9 +40,9 @@ try:
 except ImportError:  # Windows: leases hold by their age alone
     fcntl = None
 
-from registry.client.indexdb import forget_rows
-from registry.errors import StorageError
-from registry.tiers import EVICTION_ORDER
+from mfsreg.registry.client.indexdb import forget_rows
+from mfsreg.registry.errors import StorageError
+from mfsreg.registry.tiers import EVICTION_ORDER
 
 # Lower ranks go first. Materialised files can be rebuilt from chunks, so they go before any chunk.
 FILE_RANK = -1

@@ -14,14 +14,14 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from registry.blobs.packs import StoredChunk
-from registry.client.cache import NodeCache
-from registry.client.remote import RemoteRegistry
-from registry.errors import StorageError
-from registry.manifest import Manifest
-from registry.parallel import sized_batches
-from registry.progress import NullProgress, Progress
-from registry.rebuild import decode_batch
+from mfsreg.registry.blobs.packs import StoredChunk
+from mfsreg.registry.client.cache import NodeCache
+from mfsreg.registry.client.remote import RemoteRegistry
+from mfsreg.registry.errors import StorageError
+from mfsreg.registry.manifest import Manifest
+from mfsreg.registry.parallel import sized_batches
+from mfsreg.registry.progress import NullProgress, Progress
+from mfsreg.registry.rebuild import decode_batch
 
 BATCH_BYTES = 32 << 20  # raw bytes per request: several requests run at once
 KEPT_VERSIONS = 16  # version documents a fetcher keeps (a 7B model's lists about 7,000 chunks at 2 MiB)

@@ -11,7 +11,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from registry.errors import StorageError
+from mfsreg.registry.errors import StorageError
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS entries (

@@ -35,7 +35,7 @@ import weakref
 
 import torch
 
-from registry.client.cachefiles import CACHE_READ_FLAGS
+from mfsreg.registry.client.cachefiles import CACHE_READ_FLAGS
 
 PAGE = mmap.PAGESIZE
 HUGE = 2 << 20  # a PMD-mapped page on x86-64 and arm64 with 4 KiB pages
@@ -53,7 +53,7 @@ _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)
 
 try:
-    from registry.client import _mapfiles  # C, built by setup.py where a compiler is at hand (see map_many)
+    from mfsreg.registry.client import _mapfiles  # C, built by setup.py where a compiler is at hand (see map_many)
 except ImportError:  # one file at a time through ctypes: the same mappings, slower
     _mapfiles = None
 _MAPPED, _HOLE = 0, 3  # _mapfiles' status bytes (see its map_files)

@@ -19,21 +19,21 @@ from pathlib import Path
 
 import httpx
 
-from registry import rebuild
-from registry.blobs.packs import StoredChunk
-from registry.config import DEFAULT_CHUNK_SIZE, check_chunk_size, size_from_env
-from registry.errors import (
+from mfsreg.registry import rebuild
+from mfsreg.registry.blobs.packs import StoredChunk
+from mfsreg.registry.config import DEFAULT_CHUNK_SIZE, check_chunk_size, size_from_env
+from mfsreg.registry.errors import (
     Conflict, Forbidden, IntegrityError, InvalidRequest, MissingChunks, NotFound, Pruned, RegistryError, StorageError,
     TooLarge, Unauthorized,
 )
-from registry.hashing import HashJob, encoded_chunks, missing_bytes
-from registry.manifest import Manifest, parse_doc
-from registry.names import check_name
-from registry.progress import NullProgress, Progress
-from registry.results import CheckResult, DeleteResult, FamilyRow, PruneResult, PushResult, VersionRow, existing_result
-from registry.source import open_source
-from registry.tiers import TIERS
-from registry.wire import RAW_PER_BODY, Entry, StreamBrokeOff, build_batch, check_id, read_stream
+from mfsreg.registry.hashing import HashJob, encoded_chunks, missing_bytes
+from mfsreg.registry.manifest import Manifest, parse_doc
+from mfsreg.registry.names import check_name
+from mfsreg.registry.progress import NullProgress, Progress
+from mfsreg.registry.results import CheckResult, DeleteResult, FamilyRow, PruneResult, PushResult, VersionRow, existing_result
+from mfsreg.registry.source import open_source
+from mfsreg.registry.tiers import TIERS
+from mfsreg.registry.wire import RAW_PER_BODY, Entry, StreamBrokeOff, build_batch, check_id, read_stream
 
 UPLOAD_BATCH = 32 << 20  # bytes of payload per upload request: well under the server's body limit (MFSREG_UPLOAD_BATCH)
 UPLOAD_INFLIGHT = 2  # upload requests at once
@@ -377,9 +377,9 @@ class RemoteRegistry(Closable):
     def pull(self, family: str, version: str, out: Path, progress: Progress | None = None,
              to_dir: bool = False, cache=None) -> rebuild.PullResult:
         """Pull through the node cache (MFSREG_CACHE_DIR): only chunks it lacks cross the network."""
-        from registry.client import node
-        from registry.client.cache import NodeCache
-        from registry.client.fetch import Fetcher
+        from mfsreg.registry.client import node
+        from mfsreg.registry.client.cache import NodeCache
+        from mfsreg.registry.client.fetch import Fetcher
 
         check_name("family", family)
         check_name("version", version)

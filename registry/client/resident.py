@@ -6,10 +6,10 @@ import contextlib
 
 import torch
 
-from registry.client.node import evict_quietly, gone_meanwhile
-from registry.client.remote import Closable
-from registry.client.torch_loader import Copier, Node, build, chunk_ids, fill, layout, target_device
-from registry.errors import NotFound, RegistryError
+from mfsreg.registry.client.node import evict_quietly, gone_meanwhile
+from mfsreg.registry.client.remote import Closable
+from mfsreg.registry.client.torch_loader import Copier, Node, build, chunk_ids, fill, layout, target_device
+from mfsreg.registry.errors import NotFound, RegistryError
 
 
 class ResidentModel(Closable):

@@ -10,10 +10,10 @@ import os
 import shutil
 from pathlib import Path
 
-from registry.chunking import MappedFile, chunk_id, file_sha256
-from registry.client.cache import NodeCache
-from registry.client.cachefiles import is_temp, may_replace, unreadable
-from registry.progress import NullProgress, Progress
+from mfsreg.registry.chunking import MappedFile, chunk_id, file_sha256
+from mfsreg.registry.client.cache import NodeCache
+from mfsreg.registry.client.cachefiles import is_temp, may_replace, unreadable
+from mfsreg.registry.progress import NullProgress, Progress
 
 
 def verify_cache(cache: NodeCache, progress: Progress | None = None) -> dict:

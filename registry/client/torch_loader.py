@@ -24,18 +24,18 @@ from dataclasses import dataclass
 
 import torch
 
-from registry.chunking import ChunkRef, chunk_id
-from registry.client.cache import NodeCache
-from registry.client.fetch import Fetcher, VersionInfo
-from registry.client.node import evict_quietly, gone_meanwhile, refetcher
-from registry.client.remote import Closable, RemoteRegistry
-from registry.errors import IntegrityError, InvalidRequest, NotFound
-from registry.manifest import SAFETENSORS
-from registry.parallel import sized_batches, windowed_map
-from registry.safetensors import TensorSpan
+from mfsreg.registry.chunking import ChunkRef, chunk_id
+from mfsreg.registry.client.cache import NodeCache
+from mfsreg.registry.client.fetch import Fetcher, VersionInfo
+from mfsreg.registry.client.node import evict_quietly, gone_meanwhile, refetcher
+from mfsreg.registry.client.remote import Closable, RemoteRegistry
+from mfsreg.registry.errors import IntegrityError, InvalidRequest, NotFound
+from mfsreg.registry.manifest import SAFETENSORS
+from mfsreg.registry.parallel import sized_batches, windowed_map
+from mfsreg.registry.safetensors import TensorSpan
 
 try:
-    from registry.client import mapping
+    from mfsreg.registry.client import mapping
 except (ImportError, AttributeError, OSError):  # no POSIX mmap through libc (Windows): tensors are copied into
     mapping = None
 
@@ -276,7 +276,7 @@ class Copier:
         ids = list(dict.fromkeys(c.id for c in chunks))
         if self.refetch is None:
             raise IntegrityError(f"chunk {ids[0]} in the node cache is missing or damaged, and this copy has no "
-                                 "registry to fetch it from: load through registry.client.load_tensors")
+                                 "registry to fetch it from: load through mfsreg.load_tensors")
         self.refetch(ids)
 
     def _grow_stages(self, n: int) -> None:

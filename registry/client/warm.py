@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from registry.client.cache import NodeCache
-from registry.client.fetch import Fetcher
-from registry.client.node import evict_quietly
-from registry.client.remote import RemoteRegistry
-from registry.errors import InvalidRequest, NotFound
-from registry.tiers import TIERS
+from mfsreg.registry.client.cache import NodeCache
+from mfsreg.registry.client.fetch import Fetcher
+from mfsreg.registry.client.node import evict_quietly
+from mfsreg.registry.client.remote import RemoteRegistry
+from mfsreg.registry.errors import InvalidRequest, NotFound
+from mfsreg.registry.tiers import TIERS
 
 MAX_RECENT = 100_000  # a node keeps far fewer members; the index's LIMIT takes no more than 2**63 - 1
 

@@ -8,15 +8,15 @@ from collections.abc import Iterable, Sequence, Set
 
 from sqlalchemy import Connection, and_, bindparam, delete, select, update
 
-from registry.blobs.packs import StoredChunk
-from registry.db import tiers as tier_db
-from registry.db import versions as version_db
-from registry.db.dialect import batches, insert
-from registry.db.locks import exclude_prune, exclude_writers
-from registry.db.models import chunks, families, family_chunks, version_chunks, versions
-from registry.db.prune import list_pack
-from registry.errors import Pruned
-from registry.manifest import Manifest
+from mfsreg.registry.blobs.packs import StoredChunk
+from mfsreg.registry.db import tiers as tier_db
+from mfsreg.registry.db import versions as version_db
+from mfsreg.registry.db.dialect import batches, insert
+from mfsreg.registry.db.locks import exclude_prune, exclude_writers
+from mfsreg.registry.db.models import chunks, families, family_chunks, version_chunks, versions
+from mfsreg.registry.db.prune import list_pack
+from mfsreg.registry.errors import Pruned
+from mfsreg.registry.manifest import Manifest
 
 
 def missing_ids(conn: Connection, ids: Sequence[str]) -> set[str]:

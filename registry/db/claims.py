@@ -8,9 +8,9 @@ from datetime import datetime
 
 from sqlalchemy import Connection, delete, func, select
 
-from registry.db.dialect import batches, insert
-from registry.db.models import chunk_claims as cc
-from registry.db.models import family_chunks as fc
+from mfsreg.registry.db.dialect import batches, insert
+from mfsreg.registry.db.models import chunk_claims as cc
+from mfsreg.registry.db.models import family_chunks as fc
 
 
 def record(conn: Connection, family: str, ids: Sequence[str]) -> None:

@@ -19,7 +19,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError, OperationalError
 from sqlalchemy.pool import NullPool
 
-from registry.errors import InvalidRequest, StorageError
+from mfsreg.registry.errors import InvalidRequest, StorageError
 
 _WRITE = "mfsreg_write"
 WAL_SWITCH_SECONDS = 60.0  # as long as the busy timeout: how long a new database may take to become WAL

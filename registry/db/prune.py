@@ -12,10 +12,10 @@ from datetime import datetime
 
 from sqlalchemy import Connection, Engine, bindparam, delete, exists, func, select, update
 
-from registry.db.dialect import batches, insert
-from registry.db.locks import session_lock
-from registry.db.models import chunks, packs, unlisted_packs, version_chunks
-from registry.errors import Conflict, Pruned
+from mfsreg.registry.db.dialect import batches, insert
+from mfsreg.registry.db.locks import session_lock
+from mfsreg.registry.db.models import chunks, packs, unlisted_packs, version_chunks
+from mfsreg.registry.errors import Conflict, Pruned
 
 _RUNNING = 0x6D667302  # Postgres advisory lock key: a prune is running (db/locks.py has the other)
 

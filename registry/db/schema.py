@@ -12,21 +12,41 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from alembic import command
-from alembic.config import Config
-from alembic.runtime.migration import MigrationContext
-from alembic.script import ScriptDirectory
-from alembic.util.exc import CommandError
-from sqlalchemy import Engine
-from sqlalchemy.exc import OperationalError
+from typing import TYPE_CHECKING
 
-from registry.db.locks import session_lock
-from registry.errors import StorageError
+from sqlalchemy import Engine, text
+from sqlalchemy.exc import DBAPIError, OperationalError
+
+from mfsreg.registry.db.locks import session_lock
+from mfsreg.registry.errors import StorageError
+
+if TYPE_CHECKING:
+    from alembic.config import Config
 
 MIGRATIONS = Path(__file__).resolve().parents[2] / "migrations"
 
 
+def known_revisions() -> list[str]:
+    """The revisions this code ships, oldest first, read from the names of migrations/versions/
+    (NNNN_what.py holds revision NNNN, down from NNNN-1; tests/test_migrations.py checks this
+    against Alembic). Cheap: a command that finds its database current never imports Alembic."""
+    names = (p.name for p in (MIGRATIONS / "versions").iterdir())
+    return sorted(n[:4] for n in names if n.endswith(".py") and n[:4].isdigit())
+
+
+def _stamped_revision(engine: Engine) -> str | None:
+    """The revision recorded in alembic_version, read with plain SQL; None where there is none."""
+    with engine.connect() as conn:
+        try:
+            return conn.execute(text("SELECT version_num FROM alembic_version")).scalar()
+        except DBAPIError:  # no such table: a database never migrated
+            conn.rollback()
+            return None
+
+
 def _config(engine: Engine) -> Config:
+    from alembic.config import Config
+
     cfg = Config()
     cfg.set_main_option("script_location", str(MIGRATIONS))
     cfg.attributes["engine"] = engine
@@ -34,10 +54,14 @@ def _config(engine: Engine) -> Config:
 
 
 def head_revision(engine: Engine) -> str:
+    from alembic.script import ScriptDirectory
+
     return ScriptDirectory.from_config(_config(engine)).get_current_head()
 
 
 def current_revision(engine: Engine) -> str | None:
+    from alembic.runtime.migration import MigrationContext
+
     with engine.connect() as conn:
         return MigrationContext.configure(conn).get_current_revision()
 
@@ -52,6 +76,8 @@ def upgrade(engine: Engine) -> str:
         head = _known(engine, current)
         if current == head:
             return head
+        from alembic import command
+
         try:
             command.upgrade(_config(engine), "head")
         except OperationalError:
@@ -68,6 +94,8 @@ def upgrade(engine: Engine) -> str:
 
 def _next_revision(engine: Engine, current: str | None) -> str:
     """The migration that follows ``current`` (each runs in its own transaction: migrations/env.py)."""
+    from alembic.script import ScriptDirectory
+
     for rev in ScriptDirectory.from_config(_config(engine)).walk_revisions():
         if rev.down_revision == current:
             return rev.revision
@@ -77,6 +105,9 @@ def _next_revision(engine: Engine, current: str | None) -> str:
 def _known(engine: Engine, current: str | None) -> str:
     """The head revision, after checking that ``current`` is one this code knows: a database that
     a newer mfsreg upgraded has revisions this one cannot read (Alembic: "Can't locate revision")."""
+    from alembic.script import ScriptDirectory
+    from alembic.util.exc import CommandError
+
     script = ScriptDirectory.from_config(_config(engine))
     head = script.get_current_head()
     if current is not None:
@@ -90,6 +121,10 @@ def _known(engine: Engine, current: str | None) -> str:
 
 
 def ensure_current(engine: Engine, auto_upgrade: bool) -> None:
+    """Return if the database is at this code's head revision; otherwise upgrade it (``auto_upgrade``,
+    the embedded default) or refuse with the command to run."""
+    if _stamped_revision(engine) == known_revisions()[-1]:
+        return  # the common case, without importing Alembic
     current = current_revision(engine)
     head = _known(engine, current)
     if current == head:

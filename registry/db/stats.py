@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from sqlalchemy import Connection, and_, case, exists, func, select
 
-from registry.db.models import chunks, families, family_chunks as fc, packs, unlisted_packs, version_chunks as vc, versions
-from registry.tiers import BASE, GROUP, TIERS, UNIQUE
+from mfsreg.registry.db.models import chunks, families, family_chunks as fc, packs, unlisted_packs, version_chunks as vc, versions
+from mfsreg.registry.tiers import BASE, GROUP, TIERS, UNIQUE
 
 
 def _family_id(name: str | None):

@@ -10,10 +10,10 @@ from collections.abc import Mapping, Sequence
 
 from sqlalchemy import Connection, and_, bindparam, case, delete, func, select, update
 
-from registry.db.dialect import batches, insert
-from registry.db.models import families
-from registry.db.models import family_chunks as fc
-from registry.tiers import BASE, GROUP, UNIQUE, threshold
+from mfsreg.registry.db.dialect import batches, insert
+from mfsreg.registry.db.models import families
+from mfsreg.registry.db.models import family_chunks as fc
+from mfsreg.registry.tiers import BASE, GROUP, UNIQUE, threshold
 
 
 def _tier_expr(members: int, base_quorum: float):

@@ -7,7 +7,7 @@ from datetime import datetime, timezone
 
 from sqlalchemy import Connection, select, update
 
-from registry.db.models import tokens
+from mfsreg.registry.db.models import tokens
 
 
 @dataclass(frozen=True)

@@ -6,10 +6,10 @@ from collections.abc import Sequence
 
 from sqlalchemy import Connection, delete, func, select, update
 
-from registry.db.dialect import batches, insert
-from registry.db.models import families, family_chunks, version_chunks, versions
-from registry.errors import NotFound
-from registry.results import FamilyRow, VersionRow
+from mfsreg.registry.db.dialect import batches, insert
+from mfsreg.registry.db.models import families, family_chunks, version_chunks, versions
+from mfsreg.registry.errors import NotFound
+from mfsreg.registry.results import FamilyRow, VersionRow
 
 
 _FAMILY = (families.c.id, families.c.name, families.c.base_quorum, families.c.member_count, families.c.chunk_size)
