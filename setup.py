@@ -11,8 +11,13 @@ at a time, and a file cut short while it is pushed ends the push with SIGBUS ins
 
 from setuptools import Extension, find_packages, setup
 
-ROOTS = {"mfsreg": "mfsreg", "mfsreg.registry": "registry", "mfsreg.api": "api", "mfsreg.cli": "cli",
-         "mfsreg.migrations": "migrations"}
+ROOTS = {
+    "mfsreg": "mfsreg",
+    "mfsreg.registry": "registry",
+    "mfsreg.api": "api",
+    "mfsreg.cli": "cli",
+    "mfsreg.migrations": "migrations",
+}
 PACKAGES = [sub for name, folder in ROOTS.items() for sub in [name, *(f"{name}.{p}" for p in find_packages(folder))]]
 
 

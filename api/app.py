@@ -19,18 +19,27 @@ from mfsreg.api import errors
 from mfsreg.api.auth import Authenticate, principal
 from mfsreg.api.limits import BodyLimit, read_body
 from mfsreg.api.query import strict_query
-from mfsreg.api.streams import broken_off
 from mfsreg.api.schemas import (
-    CheckResultModel, CommitRequest, DeleteResultModel, DownloadRequest, FamilyModel, NegotiateRequest,
-    NegotiateResponse, PruneResultModel, PushResultModel, UploadResponse, VersionModel,
+    CheckResultModel,
+    CommitRequest,
+    DeleteResultModel,
+    DownloadRequest,
+    FamilyModel,
+    NegotiateRequest,
+    NegotiateResponse,
+    PruneResultModel,
+    PushResultModel,
+    UploadResponse,
+    VersionModel,
 )
+from mfsreg.api.streams import broken_off
 from mfsreg.registry import prune, service
-from mfsreg.registry.results import timestamp
 from mfsreg.registry.auth import Principal
 from mfsreg.registry.config import Settings
 from mfsreg.registry.errors import Forbidden
 from mfsreg.registry.names import check_name
 from mfsreg.registry.registry import Registry
+from mfsreg.registry.results import timestamp
 
 
 def create_app(settings: Settings | None = None, registry: Registry | None = None) -> FastAPI:
@@ -54,7 +63,9 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
         dependencies=[Depends(strict_query)],  # api/query.py: no unknown or repeated query parameters
     )
     errors.install(app)
-    app.add_middleware(BodyLimit, max_body=(settings or (registry.settings if registry else Settings.from_env())).max_body)
+    app.add_middleware(
+        BodyLimit, max_body=(settings or (registry.settings if registry else Settings.from_env())).max_body
+    )
     app.add_middleware(Authenticate)  # added last, so it runs first: no body is read before the token is checked
 
     def reg_of(request: Request) -> Registry:
@@ -100,7 +111,9 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
         return JSONResponse(doc, headers={"ETag": tag})
 
     @app.get("/v1/families/{family}/chunks", tags=["read"], response_class=JSONResponse)
-    def family_chunks(family: str, request: Request, tier: str | None = Query(None), who: Principal = Depends(principal)):
+    def family_chunks(
+        family: str, request: Request, tier: str | None = Query(None), who: Principal = Depends(principal)
+    ):
         """The family's chunks of one tier (base, group, unique) or all: what `mfsreg cache warm` fetches."""
         check_name("family", family)
         who.require("read", family)
@@ -113,20 +126,30 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
         return reg_of(request).delete(family, version).to_dict()
 
     @app.post("/v1/prune", response_model=PruneResultModel, tags=["admin"])
-    def prune_registry(request: Request, who: Principal = Depends(principal),
-                       min_age: float = Query(prune.DEFAULT_MIN_AGE, description="grace period, seconds"),
-                       max_unused: float = Query(prune.DEFAULT_MAX_UNUSED), dry_run: bool = Query(False)):
+    def prune_registry(
+        request: Request,
+        who: Principal = Depends(principal),
+        min_age: float = Query(prune.DEFAULT_MIN_AGE, description="grace period, seconds"),
+        max_unused: float = Query(prune.DEFAULT_MAX_UNUSED),
+        dry_run: bool = Query(False),
+    ):
         """Delete the chunks no version needs and give back their space (`mfsreg prune`): the whole
         registry, so it needs an admin token for every family."""
         who.require("admin")
         if who.family_pattern != "*":
-            raise Forbidden(f"prune acts on every family; this token is limited to {who.family_pattern!r}: "
-                            "use an admin token created with --family '*'")
+            raise Forbidden(
+                f"prune acts on every family; this token is limited to {who.family_pattern!r}: "
+                "use an admin token created with --family '*'"
+            )
         return reg_of(request).prune(min_age, max_unused, dry_run).to_dict()
 
     @app.get("/v1/check", response_model=CheckResultModel, tags=["admin"])
-    def check_store(request: Request, who: Principal = Depends(principal), family: str | None = Query(None),
-                    read_data: bool = Query(False, description="also read, decode and hash every chunk")):
+    def check_store(
+        request: Request,
+        who: Principal = Depends(principal),
+        family: str | None = Query(None),
+        read_data: bool = Query(False, description="also read, decode and hash every chunk"),
+    ):
         """Whether the blob store holds every byte the stored versions need (`mfsreg check`): one
         family with an admin token for it, the whole registry with one for every family. A check
         finds problems, it is not one: the answer is a 200 either way (``ok``)."""
@@ -136,19 +159,29 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
         else:
             who.require("admin")
             if who.family_pattern != "*":
-                raise Forbidden(f"a check without a family reads every family; this token is limited to "
-                                f"{who.family_pattern!r}: give --family, or use an admin token created with --family '*'")
+                raise Forbidden(
+                    f"a check without a family reads every family; this token is limited to "
+                    f"{who.family_pattern!r}: give --family, or use an admin token created with --family '*'"
+                )
         return reg_of(request).check(family, read_data).to_dict()
 
     @app.post("/v1/families/{family}/versions/{version}/negotiate", response_model=NegotiateResponse, tags=["push"])
-    def negotiate(family: str, version: str, body: NegotiateRequest, request: Request, who: Principal = Depends(principal)):
+    def negotiate(
+        family: str, version: str, body: NegotiateRequest, request: Request, who: Principal = Depends(principal)
+    ):
         """Step 1 of a push: which of the manifest's chunks must be uploaded."""
         check_name("family", family)
         who.require("push", family)
         return service.negotiate(reg_of(request), family, version, body.manifest, body.parent, who, body.mend_damaged)
 
-    @app.post("/v1/families/{family}/chunks", response_model=UploadResponse, tags=["push"],
-              openapi_extra={"requestBody": {"content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}})
+    @app.post(
+        "/v1/families/{family}/chunks",
+        response_model=UploadResponse,
+        tags=["push"],
+        openapi_extra={
+            "requestBody": {"content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}
+        },
+    )
     async def upload(family: str, request: Request, who: Principal = Depends(principal)):
         """Step 2: a batch of encoded chunks (registry/wire.py). Each is decoded and re-hashed; a
         chunk whose bytes do not match its id refuses the whole batch."""
@@ -157,10 +190,21 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
         body = await read_body(request, reg_of(request).settings.max_body)
         return await run_in_threadpool(service.receive_batch, reg_of(request), family, body, who)
 
-    @app.post("/v1/families/{family}/versions/{version}/commit", response_model=PushResultModel, status_code=201, tags=["push"],
-              responses={200: {"model": PushResultModel, "description": "The version was already stored with this content"}})
-    def commit(family: str, version: str, body: CommitRequest, request: Request, response: Response,
-               who: Principal = Depends(principal)):
+    @app.post(
+        "/v1/families/{family}/versions/{version}/commit",
+        response_model=PushResultModel,
+        status_code=201,
+        tags=["push"],
+        responses={200: {"model": PushResultModel, "description": "The version was already stored with this content"}},
+    )
+    def commit(
+        family: str,
+        version: str,
+        body: CommitRequest,
+        request: Request,
+        response: Response,
+        who: Principal = Depends(principal),
+    ):
         """Step 3: the version becomes visible, atomically, if every chunk is stored. 201 when this
         commit created it; 200 (``existed``) when it was already stored with the same content."""
         check_name("family", family)
@@ -170,8 +214,11 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
             response.status_code = 200
         return result.to_dict()
 
-    @app.post("/v1/families/{family}/chunks/download", tags=["read"],
-              responses={200: {"content": {"application/octet-stream": {}}}})
+    @app.post(
+        "/v1/families/{family}/chunks/download",
+        tags=["read"],
+        responses={200: {"content": {"application/octet-stream": {}}}},
+    )
     def download(family: str, body: DownloadRequest, request: Request, who: Principal = Depends(principal)):
         """Stored payloads of chunks of this family, streamed as one batch (registry/wire.py)."""
         check_name("family", family)
@@ -196,5 +243,13 @@ def _family_model(f) -> FamilyModel:
 
 
 def _version_model(v) -> VersionModel:
-    return VersionModel(family=v.family, version=v.name, parent=v.parent, digest=v.digest, logical_bytes=v.logical_bytes,
-                        files=v.file_count, single_file=v.single_file, created_at=timestamp(v.created_at))
+    return VersionModel(
+        family=v.family,
+        version=v.name,
+        parent=v.parent,
+        digest=v.digest,
+        logical_bytes=v.logical_bytes,
+        files=v.file_count,
+        single_file=v.single_file,
+        created_at=timestamp(v.created_at),
+    )

@@ -38,10 +38,12 @@ class Authenticate:
         header = headers[0] if headers else None
         try:
             if len(headers) > 1:  # which one would be meant? (a dict kept the last, so a proxy's won)
-                raise InvalidRequest(f"the request has {len(headers)} Authorization headers: send one, "
-                                     "'Authorization: Bearer mfs_...'")
-            found = await run_in_threadpool(authenticate, reg.engine, header.decode("latin-1") if header else None,
-                                            reg.settings.anonymous_read)
+                raise InvalidRequest(
+                    f"the request has {len(headers)} Authorization headers: send one, 'Authorization: Bearer mfs_...'"
+                )
+            found = await run_in_threadpool(
+                authenticate, reg.engine, header.decode("latin-1") if header else None, reg.settings.anonymous_read
+            )
             need = role_for(scope.get("method", ""), get_route_path(scope))
             if need is not None:  # before the body is read and parsed (api/posts.py says why)
                 found.require(*need)

@@ -29,7 +29,6 @@ STATUS: list[tuple[type[e.RegistryError], int]] = [
 ]
 
 
-
 def status_for(exc: e.RegistryError) -> int:
     for kind, status in STATUS:
         if isinstance(exc, kind):
@@ -44,11 +43,13 @@ MAX_DETAIL = 1000
 
 def problem(status: int, code: str, detail: str, headers: Mapping[str, str] | None = None) -> JSONResponse:
     if len(detail) > MAX_DETAIL:
-        detail = f"{detail[:MAX_DETAIL - 300]} [...] {detail[-250:]}"
+        detail = f"{detail[: MAX_DETAIL - 300]} [...] {detail[-250:]}"
     headers = {**(headers or {}), **({"WWW-Authenticate": "Bearer"} if status == 401 else {})}
     return JSONResponse(
         {"type": f"urn:mfsreg:{code}", "title": code.replace("_", " "), "status": status, "detail": detail},
-        status_code=status, media_type="application/problem+json", headers=headers,
+        status_code=status,
+        media_type="application/problem+json",
+        headers=headers,
     )
 
 
@@ -70,8 +71,12 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(req: Request, exc: StarletteHTTPException):
         if exc.status_code == 400 and exc.detail == _UNPARSED:  # FastAPI's words for any failure to parse
-            return problem(400, "invalid_request", "the request body could not be read as JSON (bad UTF-8, nested too "
-                                                   "deep, or a number too long): send a plain JSON object")
+            return problem(
+                400,
+                "invalid_request",
+                "the request body could not be read as JSON (bad UTF-8, nested too "
+                "deep, or a number too long): send a plain JSON object",
+            )
         # the exception's headers are part of the answer: a 405's Allow says which methods to use
         headers, detail = dict(exc.headers or {}), str(exc.detail)
         allow = (_allowed(req) or headers.get("Allow")) if exc.status_code == 405 else None
@@ -106,8 +111,10 @@ def _validation_detail(req: Request, first: dict) -> str:
     a valid dictionary"."""
     loc, kind = tuple(first.get("loc", ())), first.get("type")
     if kind == "json_invalid":
-        return (f"the request body is not valid JSON ({first.get('ctx', {}).get('error', 'decode error')} at character "
-                f"{loc[1] if len(loc) > 1 else '?'}): send a JSON object")
+        return (
+            f"the request body is not valid JSON ({first.get('ctx', {}).get('error', 'decode error')} at character "
+            f"{loc[1] if len(loc) > 1 else '?'}): send a JSON object"
+        )
     if loc == ("body",) and kind == "missing":
         return "the request body is empty: send a JSON object (see /docs for this route's fields)"
     ctype = req.headers.get("content-type", "")

@@ -9,29 +9,47 @@ from pydantic import BaseModel, Field
 
 class NegotiateRequest(BaseModel):
     parent: str | None = None
-    manifest: dict[str, Any] = Field(description="The manifest the client computed (files, chunks, tensors). "
-                                           "File sha256s may be null here (a draft): they are required at commit.")
-    mend_damaged: bool = Field(False, description="Read, decode and hash every stored chunk the version needs "
-                               "(where it exists with this content) or reuses (a new version), a pull's reads, and "
-                               "list under ``mend`` those whose stored bytes are damaged, as well as those lost "
-                               "(`mfsreg push --mend-damaged`).")
+    manifest: dict[str, Any] = Field(
+        description="The manifest the client computed (files, chunks, tensors). "
+        "File sha256s may be null here (a draft): they are required at commit."
+    )
+    mend_damaged: bool = Field(
+        False,
+        description="Read, decode and hash every stored chunk the version needs "
+        "(where it exists with this content) or reuses (a new version), a pull's reads, and "
+        "list under ``mend`` those whose stored bytes are damaged, as well as those lost "
+        "(`mfsreg push --mend-damaged`).",
+    )
 
 
 class NegotiateResponse(BaseModel):
-    digest: str | None = Field(description="The version's digest; null when the manifest was a draft (file sha256s null).")
+    digest: str | None = Field(
+        description="The version's digest; null when the manifest was a draft (file sha256s null)."
+    )
     exists: bool
     existing_digest: str | None
-    existing_layout: str | None = Field(None, description="The stored version's layout (registry.manifest.Manifest."
-                                        "layout: its files' chunks); a push of the same digest and another layout "
-                                        "is refused.")
-    missing: list[str] = Field(description="Chunk ids the registry lacks, in first-use order; where the version "
-                               "exists, only those to mend (``mend``).")
-    mend: list[str] = Field([], description="Those of ``missing`` that are stored, in a pack the blob store lost "
-                            "(with mend_damaged, or whose stored bytes are damaged): "
-                            "uploaded, they are stored again and the version that uses them pulls again. Where the "
-                            "version exists with this content, a client uploads these and commits nothing.")
-    mend_damaged: bool = Field(False, description="Whether ``mend`` also names damaged chunks: the request's "
-                               "mend_damaged, for a new version and one that exists alike.")
+    existing_layout: str | None = Field(
+        None,
+        description="The stored version's layout (registry.manifest.Manifest."
+        "layout: its files' chunks); a push of the same digest and another layout "
+        "is refused.",
+    )
+    missing: list[str] = Field(
+        description="Chunk ids the registry lacks, in first-use order; where the version "
+        "exists, only those to mend (``mend``)."
+    )
+    mend: list[str] = Field(
+        [],
+        description="Those of ``missing`` that are stored, in a pack the blob store lost "
+        "(with mend_damaged, or whose stored bytes are damaged): "
+        "uploaded, they are stored again and the version that uses them pulls again. Where the "
+        "version exists with this content, a client uploads these and commits nothing.",
+    )
+    mend_damaged: bool = Field(
+        False,
+        description="Whether ``mend`` also names damaged chunks: the request's "
+        "mend_damaged, for a new version and one that exists alike.",
+    )
     missing_bytes: int
     chunks: int
     bases: dict[str, str] = Field(description="Suggested delta basis per missing chunk id; send it with the chunk.")
@@ -40,9 +58,12 @@ class NegotiateResponse(BaseModel):
 class CommitRequest(BaseModel):
     parent: str | None = None
     manifest: dict[str, Any]
-    chunk_size: int | None = Field(None, description="The size the manifest was cut at (the family's: GET "
-                                   "/v1/families/{family}); a new family is created with it. A push cut at "
-                                   "another size than an existing family's is refused (409).")
+    chunk_size: int | None = Field(
+        None,
+        description="The size the manifest was cut at (the family's: GET "
+        "/v1/families/{family}); a new family is created with it. A push cut at "
+        "another size than an existing family's is refused (409).",
+    )
 
 
 class UploadResponse(BaseModel):

@@ -69,10 +69,16 @@ def cdc_dedup(paths: Iterable[Path], avg_size: int = CDC_AVG, compress: bool = T
             total_bytes += c.length
     seconds = time.perf_counter() - t0
     out = {
-        "avg_size": avg_size, "min_size": cdc.min_size, "max_size": cdc.max_size,
-        "chunks": total_chunks, "distinct_chunks": len(sizes), "bytes": sum(sizes.values()),
-        "mean_chunk": round(total_bytes / max(1, total_chunks)), "input_bytes": total_bytes,
-        "cut_hash_seconds": seconds, "cut_hash_gbps": total_bytes / seconds / 1e9,
+        "avg_size": avg_size,
+        "min_size": cdc.min_size,
+        "max_size": cdc.max_size,
+        "chunks": total_chunks,
+        "distinct_chunks": len(sizes),
+        "bytes": sum(sizes.values()),
+        "mean_chunk": round(total_bytes / max(1, total_chunks)),
+        "input_bytes": total_bytes,
+        "cut_hash_seconds": seconds,
+        "cut_hash_gbps": total_bytes / seconds / 1e9,
     }
     if compress:
         out["zstd_bytes"] = _cdc_zstd_bytes(paths, cdc)
@@ -122,7 +128,12 @@ def cdc_ingest_cpu(path: Path, avg_size: int = CDC_AVG) -> dict:
         xxhash.xxh3_128_digest(c.data)
         stored += len(cctx.compress(c.data))
     cpu = time.process_time() - c0
-    return {"cpu_seconds": cpu, "bytes": size, "stored_bytes": stored, "mbps_per_cpu_second": size / cpu / 1e6}  # MB as in common.MB
+    return {
+        "cpu_seconds": cpu,
+        "bytes": size,
+        "stored_bytes": stored,
+        "mbps_per_cpu_second": size / cpu / 1e6,
+    }  # MB as in common.MB
 
 
 def _copy_synced(path: Path, dest: Path) -> tuple[float, float]:
@@ -151,7 +162,10 @@ def copy_gbps(path: Path, dest_dir: Path, runs: int = 3) -> dict:
             synced.append(total)
     finally:
         dest.unlink(missing_ok=True)
-    return {"copy_gbps": size / statistics.median(plain) / 1e9, "copy_fsync_gbps": size / statistics.median(synced) / 1e9}
+    return {
+        "copy_gbps": size / statistics.median(plain) / 1e9,
+        "copy_fsync_gbps": size / statistics.median(synced) / 1e9,
+    }
 
 
 def write_anchors(path: Path, dest_dir: Path) -> dict:
@@ -310,8 +324,14 @@ def zstd_per_file(paths: Iterable[Path], level: int = ZSTD_FILE_LEVEL, threads: 
         total += sink.n
         size += Path(p).stat().st_size
     seconds = time.perf_counter() - t0
-    return {"bytes": total, "level": level, "threads": threads, "input_bytes": size, "seconds": seconds,
-            "mbps": size / seconds / 1e6}
+    return {
+        "bytes": total,
+        "level": level,
+        "threads": threads,
+        "input_bytes": size,
+        "seconds": seconds,
+        "mbps": size / seconds / 1e6,
+    }
 
 
 def zipnn_per_file(paths: Iterable[Path], dtype: str = "bfloat16", verify: bool = True) -> dict:
@@ -349,5 +369,13 @@ def zipnn_per_file(paths: Iterable[Path], dtype: str = "bfloat16", verify: bool 
         from importlib.metadata import version as _v
 
         version = _v("zipnn")
-    return {"available": True, "bytes": total, "input_bytes": size, "seconds": seconds, "mbps": size / seconds / 1e6,
-            "verified": verified, "version": version, "settings": settings}
+    return {
+        "available": True,
+        "bytes": total,
+        "input_bytes": size,
+        "seconds": seconds,
+        "mbps": size / seconds / 1e6,
+        "verified": verified,
+        "version": version,
+        "settings": settings,
+    }

@@ -70,8 +70,11 @@ class Stack:
         os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1")
         port = free_port()
         self.s3_url = f"http://127.0.0.1:{port}"
-        self.moto = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.moto = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         wait_http(self.s3_url, self.moto, "moto server")
         self.s3 = boto3.client("s3", endpoint_url=self.s3_url, region_name="us-east-1")
         self.db = f"mfsreg_bench_{uuid.uuid4().hex[:10]}"
@@ -82,19 +85,32 @@ class Stack:
     def start_api(self, bucket: str) -> str:
         self.s3.create_bucket(Bucket=bucket)
         base = PG_ADMIN.rsplit("/", 1)[0].replace("postgresql://", "postgresql+psycopg://", 1)
-        self.env.update(MFSREG_DATABASE_URL=f"{base}/{self.db}", MFSREG_BLOB_URL=f"s3://{bucket}/packs",
-                        MFSREG_S3_ENDPOINT_URL=self.s3_url, MFSREG_HOME=str(self.work / "server-home"))
+        self.env.update(
+            MFSREG_DATABASE_URL=f"{base}/{self.db}",
+            MFSREG_BLOB_URL=f"s3://{bucket}/packs",
+            MFSREG_S3_ENDPOINT_URL=self.s3_url,
+            MFSREG_HOME=str(self.work / "server-home"),
+        )
         mfsreg = str(Path(sys.executable).with_name("mfsreg"))
         subprocess.run([mfsreg, "db", "upgrade"], env=self.env, check=True, capture_output=True)
-        tok = subprocess.run([mfsreg, "token", "create", "--scope", "admin", "--json"], env=self.env, check=True,
-                             capture_output=True, text=True).stdout
+        tok = subprocess.run(
+            [mfsreg, "token", "create", "--scope", "admin", "--json"],
+            env=self.env,
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
         import json
 
         self.token = json.loads(tok)["token"]
         port = free_port()
         self.api_url = f"http://127.0.0.1:{port}"
-        self.api = subprocess.Popen([mfsreg, "serve", "--port", str(port), "--log-level", "warning"], env=self.env,
-                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.api = subprocess.Popen(
+            [mfsreg, "serve", "--port", str(port), "--log-level", "warning"],
+            env=self.env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         wait_http(self.api_url + "/healthz", self.api, "mfsreg serve")
         return self.api_url
 
@@ -146,7 +162,11 @@ def mfsreg_transfers(stack: Stack, paths: dict[str, Path], work: Path) -> dict[s
         for name, p in paths.items():
             t0 = time.perf_counter()
             r = client.push(p, "bench", name, parent=None if name == "base" else "base")
-            out[name] = {"push_s": time.perf_counter() - t0, "sent_bytes": r.sent_bytes, "logical_bytes": r.logical_bytes}
+            out[name] = {
+                "push_s": time.perf_counter() - t0,
+                "sent_bytes": r.sent_bytes,
+                "logical_bytes": r.logical_bytes,
+            }
         for name in paths:
             dest = work / f"pulled-{name}"
             cache_dir = work / f"node-cache-{name}"
@@ -189,20 +209,76 @@ def main(argv: list[str] | None = None) -> None:
         push = median([r[name]["push_s"] for r in ours])
         pull = median([r[name]["pull_s"] for r in ours])
         sent = ours[0][name]["sent_bytes"]
-        kind = "new (empty registry)" if name == "base" else "mostly-duplicate" if name in MOSTLY_DUPLICATE else "all new (dense fine-tune)"
-        doc_rows.append(dict(member=name, kind=kind, bytes=size, sent_bytes=sent, plain_upload_s=up, mfsreg_push_s=push,
-                             push_ratio=push / up, plain_download_s=down, mfsreg_pull_s=pull, pull_ratio=pull / down))
-        rows.append([name, kind, f"{size / GB:.2f}", f"{sent / GB:.3f}", f"{up:.2f}", f"{push:.2f}", f"{push / up:.2f}x",
-                     f"{down:.2f}", f"{pull:.2f}", f"{pull / down:.2f}x"])
-    doc = {"machine": machine_info(), "params": {"scale": args.scale, "runs": args.runs, "s3": "moto server (loopback)",
-           "metadata": "postgres 127.0.0.1", "page_cache": "pre-warmed"}, "results": doc_rows,
-           "runs": {"plain": plain, "mfsreg": ours}}
+        kind = (
+            "new (empty registry)"
+            if name == "base"
+            else "mostly-duplicate"
+            if name in MOSTLY_DUPLICATE
+            else "all new (dense fine-tune)"
+        )
+        doc_rows.append(
+            dict(
+                member=name,
+                kind=kind,
+                bytes=size,
+                sent_bytes=sent,
+                plain_upload_s=up,
+                mfsreg_push_s=push,
+                push_ratio=push / up,
+                plain_download_s=down,
+                mfsreg_pull_s=pull,
+                pull_ratio=pull / down,
+            )
+        )
+        rows.append(
+            [
+                name,
+                kind,
+                f"{size / GB:.2f}",
+                f"{sent / GB:.3f}",
+                f"{up:.2f}",
+                f"{push:.2f}",
+                f"{push / up:.2f}x",
+                f"{down:.2f}",
+                f"{pull:.2f}",
+                f"{pull / down:.2f}x",
+            ]
+        )
+    doc = {
+        "machine": machine_info(),
+        "params": {
+            "scale": args.scale,
+            "runs": args.runs,
+            "s3": "moto server (loopback)",
+            "metadata": "postgres 127.0.0.1",
+            "page_cache": "pre-warmed",
+        },
+        "results": doc_rows,
+        "runs": {"plain": plain, "mfsreg": ours},
+    }
     path = write_json("api.json", doc)
-    print(table(["member", "kind", "GB", "sent GB", "boto3 upload s", "mfsreg push s", "push/upload",
-                 "boto3 download s", "mfsreg pull s", "pull/download"], rows))
+    print(
+        table(
+            [
+                "member",
+                "kind",
+                "GB",
+                "sent GB",
+                "boto3 upload s",
+                "mfsreg push s",
+                "push/upload",
+                "boto3 download s",
+                "mfsreg pull s",
+                "pull/download",
+            ],
+            rows,
+        )
+    )
     print(f"\nresults: {path}")
-    print("gate: mostly-duplicate push <= 0.25x plain upload:",
-          all(r["push_ratio"] <= 0.25 for r in doc_rows if r["member"] in MOSTLY_DUPLICATE))
+    print(
+        "gate: mostly-duplicate push <= 0.25x plain upload:",
+        all(r["push_ratio"] <= 0.25 for r in doc_rows if r["member"] in MOSTLY_DUPLICATE),
+    )
 
 
 if __name__ == "__main__":

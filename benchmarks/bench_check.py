@@ -65,11 +65,20 @@ def one_run(reg, home: Path, work: Path) -> dict:
     pulls = timed(lambda: pull_all(reg, work))
     assert lookup[2].ok and read[2].ok, "the fresh registry should check clean"
     return {
-        "check_seconds": lookup[0], "check_cpu": lookup[1],
-        "read_data_seconds": read[0], "read_data_cpu": read[1], "read_bytes": read[2].read_bytes,
-        "stored_bytes": read[2].stored_bytes, "chunks": read[2].chunks, "packs": read[2].packs,
-        "scrub_seconds": scrub[0], "scrub_cpu": scrub[1], "scrub_bytes": scrub[2],
-        "pull_all_seconds": pulls[0], "pull_all_cpu": pulls[1], "pull_all_bytes": pulls[2],
+        "check_seconds": lookup[0],
+        "check_cpu": lookup[1],
+        "read_data_seconds": read[0],
+        "read_data_cpu": read[1],
+        "read_bytes": read[2].read_bytes,
+        "stored_bytes": read[2].stored_bytes,
+        "chunks": read[2].chunks,
+        "packs": read[2].packs,
+        "scrub_seconds": scrub[0],
+        "scrub_cpu": scrub[1],
+        "scrub_bytes": scrub[2],
+        "pull_all_seconds": pulls[0],
+        "pull_all_cpu": pulls[1],
+        "pull_all_bytes": pulls[2],
     }
 
 
@@ -100,9 +109,15 @@ def damage_agrees(reg, home: Path, work: Path) -> dict:
         except RegistryError:
             failed.append(f"{FAMILY}/{member}")
     (work / "out.safetensors").unlink(missing_ok=True)
-    return {"lost_pack": lost, "damaged_pack": hurt, "check_lost": list(res.lost_packs),
-            "check_damaged_packs": list(res.damaged_packs), "check_broken": res.broken_versions, "pulls_failed": failed,
-            "agrees": res.broken_versions == failed and list(res.lost_packs) == [lost] and hurt in res.damaged_packs}
+    return {
+        "lost_pack": lost,
+        "damaged_pack": hurt,
+        "check_lost": list(res.lost_packs),
+        "check_damaged_packs": list(res.damaged_packs),
+        "check_broken": res.broken_versions,
+        "pulls_failed": failed,
+        "agrees": res.broken_versions == failed and list(res.lost_packs) == [lost] and hurt in res.damaged_packs,
+    }
 
 
 def summarise(runs: list[dict]) -> dict:
@@ -116,19 +131,34 @@ def summarise(runs: list[dict]) -> dict:
 
 def report(doc: dict) -> str:
     s, p, d = doc["summary"], doc["params"], doc["damage"]
-    out = [f"## Check (scale {p['scale']}, median of {p['runs']} runs; {s['chunks']:,} chunks in {s['packs']} packs, "
-           f"{s['stored_bytes'] / MB:,.1f} MB stored, page cache warm)", ""]
+    out = [
+        f"## Check (scale {p['scale']}, median of {p['runs']} runs; {s['chunks']:,} chunks in {s['packs']} packs, "
+        f"{s['stored_bytes'] / MB:,.1f} MB stored, page cache warm)",
+        "",
+    ]
     rows = [
         ["check (a size lookup per pack)", f"{s['check_seconds']:.3f} s", ""],
-        ["check --read-data", f"{s['read_data_seconds']:.2f} s ({s['read_data_cpu']:.2f} CPU s)",
-         f"{s['read_data_mb_per_s']:,.0f} MB/s of stored bytes, {s['read_bytes'] / MB:,.1f} MB read (bases again "
-         f"included); {s['raw_bytes'] / MB:,.0f} MB decoded, {s['decoded_mb_per_cpu_s']:,.0f} MB per CPU-second"],
-        ["anchor: read + xxh3 every pack file", f"{s['scrub_seconds']:.2f} s",
-         f"check --read-data {s['read_data_over_scrub']:.2f}x it"],
-        ["anchor: pull every version to a file", f"{s['pull_all_seconds']:.2f} s ({s['pull_all_bytes'] / MB:,.0f} MB)",
-         f"check --read-data {s['read_data_over_pull_all']:.2f}x it"],
-        ["one pack deleted, one byte flipped: check names the versions pulls fail on",
-         "yes" if d["agrees"] else "NO", ", ".join(d["pulls_failed"])],
+        [
+            "check --read-data",
+            f"{s['read_data_seconds']:.2f} s ({s['read_data_cpu']:.2f} CPU s)",
+            f"{s['read_data_mb_per_s']:,.0f} MB/s of stored bytes, {s['read_bytes'] / MB:,.1f} MB read (bases again "
+            f"included); {s['raw_bytes'] / MB:,.0f} MB decoded, {s['decoded_mb_per_cpu_s']:,.0f} MB per CPU-second",
+        ],
+        [
+            "anchor: read + xxh3 every pack file",
+            f"{s['scrub_seconds']:.2f} s",
+            f"check --read-data {s['read_data_over_scrub']:.2f}x it",
+        ],
+        [
+            "anchor: pull every version to a file",
+            f"{s['pull_all_seconds']:.2f} s ({s['pull_all_bytes'] / MB:,.0f} MB)",
+            f"check --read-data {s['read_data_over_pull_all']:.2f}x it",
+        ],
+        [
+            "one pack deleted, one byte flipped: check names the versions pulls fail on",
+            "yes" if d["agrees"] else "NO",
+            ", ".join(d["pulls_failed"]),
+        ],
     ]
     return "\n".join(out + [table(["what", "figure", "beside"], rows)])
 
@@ -148,16 +178,24 @@ def main(argv: list[str] | None = None) -> None:
         runs = []
         for i in range(args.runs):
             runs.append(one_run(reg, home, work))
-            print(f"run {i + 1}/{args.runs}: check --read-data {runs[-1]['read_data_seconds']:.2f} s, "
-                  f"scrub anchor {runs[-1]['scrub_seconds']:.2f} s", flush=True)
+            print(
+                f"run {i + 1}/{args.runs}: check --read-data {runs[-1]['read_data_seconds']:.2f} s, "
+                f"scrub anchor {runs[-1]['scrub_seconds']:.2f} s",
+                flush=True,
+            )
         located = reg.locate({i for m in MEMBERS for i in reg.manifest(FAMILY, m)[1].chunk_ids()})
         raw = sum(c.size for c in located.values())  # what --read-data decodes and hashes, once each
         damage = damage_agrees(reg, home, work)
     summary = summarise(runs)
     summary["raw_bytes"] = raw
     summary["decoded_mb_per_cpu_s"] = median([raw / r["read_data_cpu"] / MB for r in runs])
-    doc = {"machine": machine_info(), "params": {"scale": args.scale, "runs": args.runs}, "runs": runs,
-           "summary": summary, "damage": damage}
+    doc = {
+        "machine": machine_info(),
+        "params": {"scale": args.scale, "runs": args.runs},
+        "runs": runs,
+        "summary": summary,
+        "damage": damage,
+    }
     finish("check.json", doc, report, t_start)
 
 

@@ -23,8 +23,18 @@ import time
 from pathlib import Path
 
 from benchmarks import anchors
-from benchmarks.common import (FAMILY, GB, MB, dir_bytes, fresh_registry, machine_info, median, push_family,
-                               table, write_json)
+from benchmarks.common import (
+    FAMILY,
+    GB,
+    MB,
+    dir_bytes,
+    fresh_registry,
+    machine_info,
+    median,
+    push_family,
+    table,
+    write_json,
+)
 from benchmarks.family import DEFAULT_DIR, Shape, generate
 from mfsreg.registry.config import DEFAULT_CHUNK_SIZE, parse_size
 
@@ -45,11 +55,16 @@ def one_run(paths: dict[str, Path], data: Path, chunk_size: int) -> dict:
         out.unlink()
         disk = dir_bytes(home)
         db = sum(p.stat().st_size for p in home.glob("registry.db*"))
-    return {"pushes": {p["version"]: p for p in pushes}, "push_total_seconds": push_total, "pull_seconds": pull,
-            "stored_bytes": stats["stored_bytes"],
-            "raw_distinct_bytes": sum(e["raw_bytes"] for e in stats["encodings"].values()),
-            "distinct_chunks": sum(t["chunks"] for t in stats["tiers"].values()),
-            "registry_disk_bytes": disk, "db_bytes": db}
+    return {
+        "pushes": {p["version"]: p for p in pushes},
+        "push_total_seconds": push_total,
+        "pull_seconds": pull,
+        "stored_bytes": stats["stored_bytes"],
+        "raw_distinct_bytes": sum(e["raw_bytes"] for e in stats["encodings"].values()),
+        "distinct_chunks": sum(t["chunks"] for t in stats["tiers"].values()),
+        "registry_disk_bytes": disk,
+        "db_bytes": db,
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -70,14 +85,16 @@ def main(argv: list[str] | None = None) -> None:
     results = []
     for size in sizes:
         runs = []
-        for i in range(args.runs):
+        for _ in range(args.runs):
             anchors.prewarm(files)
             runs.append(one_run(paths, args.data, size))
         r0 = runs[0]
         row = {
             "chunk_size": size,
-            "stored_bytes": r0["stored_bytes"], "raw_distinct_bytes": r0["raw_distinct_bytes"],
-            "distinct_chunks": r0["distinct_chunks"], "registry_disk_bytes": r0["registry_disk_bytes"],
+            "stored_bytes": r0["stored_bytes"],
+            "raw_distinct_bytes": r0["raw_distinct_bytes"],
+            "distinct_chunks": r0["distinct_chunks"],
+            "registry_disk_bytes": r0["registry_disk_bytes"],
             "db_bytes": r0["db_bytes"],
             "push_total_seconds": median([r["push_total_seconds"] for r in runs]),
             "pull_seconds": median([r["pull_seconds"] for r in runs]),
@@ -86,13 +103,21 @@ def main(argv: list[str] | None = None) -> None:
             "runs": runs,
         }
         results.append(row)
-        print(f"chunk {size >> 10} KiB: stored {row['stored_bytes'] / GB:.3f} GB, pushes {row['push_total_seconds']:.1f} s", flush=True)
+        print(
+            f"chunk {size >> 10} KiB: stored {row['stored_bytes'] / GB:.3f} GB, pushes {row['push_total_seconds']:.1f} s",
+            flush=True,
+        )
 
     base_bytes = paths["base"].stat().st_size
     doc = {
         "machine": machine_info(),
-        "params": {"scale": args.scale, "runs": args.runs, "sizes": sizes, "current_default": DEFAULT_CHUNK_SIZE,
-                   "page_cache": "pre-warmed"},
+        "params": {
+            "scale": args.scale,
+            "runs": args.runs,
+            "sizes": sizes,
+            "current_default": DEFAULT_CHUNK_SIZE,
+            "page_cache": "pre-warmed",
+        },
         "family": {"shape": Shape.for_scale(args.scale).__dict__, "logical_bytes": logical, "base_bytes": base_bytes},
         "results": results,
     }
@@ -101,21 +126,44 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for r in results:
         ps = r["push_seconds"]
-        rows.append([
-            f"{r['chunk_size'] >> 10} KiB", f"{r['stored_bytes'] / GB:.4f}", f"{r['raw_distinct_bytes'] / GB:.4f}",
-            r["distinct_chunks"], f"{r['db_bytes'] / MB:.2f}",
-            f"{ps['base']:.2f} ({base_bytes / ps['base'] / GB:.2f})",
-            *(f"{ps[v]:.2f} ({paths[v].stat().st_size / ps[v] / GB:.2f})" for v in DUP),
-            f"{r['new_bytes']['vocab-ext'] / MB:.2f}",
-            f"{r['push_total_seconds']:.1f}", f"{r['pull_seconds']:.2f}",
-        ])
+        rows.append(
+            [
+                f"{r['chunk_size'] >> 10} KiB",
+                f"{r['stored_bytes'] / GB:.4f}",
+                f"{r['raw_distinct_bytes'] / GB:.4f}",
+                r["distinct_chunks"],
+                f"{r['db_bytes'] / MB:.2f}",
+                f"{ps['base']:.2f} ({base_bytes / ps['base'] / GB:.2f})",
+                *(f"{ps[v]:.2f} ({paths[v].stat().st_size / ps[v] / GB:.2f})" for v in DUP),
+                f"{r['new_bytes']['vocab-ext'] / MB:.2f}",
+                f"{r['push_total_seconds']:.1f}",
+                f"{r['pull_seconds']:.2f}",
+            ]
+        )
     print()
-    print(f"## Chunk size (scale {args.scale:g}: {logical / GB:.2f} GB logical in {len(files)} files, base "
-          f"{base_bytes / GB:.3f} GB; median of {args.runs} run(s); page cache pre-warmed)")
+    print(
+        f"## Chunk size (scale {args.scale:g}: {logical / GB:.2f} GB logical in {len(files)} files, base "
+        f"{base_bytes / GB:.3f} GB; median of {args.runs} run(s); page cache pre-warmed)"
+    )
     print()
-    print(table(["chunk", "stored GB", "raw distinct GB", "chunks", "SQLite MB", "push base s (GB/s)",
-                 "push lora-chat s (GB/s)", "push vocab-ext s (GB/s)", "vocab-ext new MB", "all pushes s",
-                 "pull lora-chat-v2 s"], rows))
+    print(
+        table(
+            [
+                "chunk",
+                "stored GB",
+                "raw distinct GB",
+                "chunks",
+                "SQLite MB",
+                "push base s (GB/s)",
+                "push lora-chat s (GB/s)",
+                "push vocab-ext s (GB/s)",
+                "vocab-ext new MB",
+                "all pushes s",
+                "pull lora-chat-v2 s",
+            ],
+            rows,
+        )
+    )
     print(f"results: {path}")
 
 

@@ -30,8 +30,20 @@ import time
 from pathlib import Path
 
 from benchmarks import anchors
-from benchmarks.common import (FAMILY, GB, MB, dir_bytes, fresh_registry, machine_info, median, push_family,
-                               spread, table, timed_push, write_json)
+from benchmarks.common import (
+    FAMILY,
+    GB,
+    MB,
+    dir_bytes,
+    fresh_registry,
+    machine_info,
+    median,
+    push_family,
+    spread,
+    table,
+    timed_push,
+    write_json,
+)
 from benchmarks.family import DEFAULT_DIR, MEMBERS, Shape, generate
 
 KINDS = {
@@ -63,8 +75,15 @@ def one_run(paths: dict[str, Path], data: Path, chunk_size: int | None, verify: 
                 ok = anchors.file_sha256(out) == anchors.file_sha256(paths[v])
                 if not ok:
                     raise SystemExit(f"pulled {v} differs from its source file")
-            pulls.append({"version": v, "logical_bytes": r.logical_bytes, "seconds": wall,
-                          "gbps": r.logical_bytes / wall / GB, "verified": ok})
+            pulls.append(
+                {
+                    "version": v,
+                    "logical_bytes": r.logical_bytes,
+                    "seconds": wall,
+                    "gbps": r.logical_bytes / wall / GB,
+                    "verified": ok,
+                }
+            )
             out.unlink()
         disk = dir_bytes(home)
     return {"pushes": pushes, "pulls": pulls, "stats": stats, "registry_disk_bytes": disk}
@@ -76,8 +95,11 @@ def summarise(runs: list[dict]) -> dict:
         v = p["version"]
         rows = [next(x for x in r["pushes"] if x["version"] == v) for r in runs]
         pushes[v] = {
-            "kind": KINDS[v], "logical_bytes": p["logical_bytes"], "new_bytes": p["new_bytes"],
-            "new_chunks": p["new_chunks"], "chunks": p["chunks"],
+            "kind": KINDS[v],
+            "logical_bytes": p["logical_bytes"],
+            "new_bytes": p["new_bytes"],
+            "new_chunks": p["new_chunks"],
+            "chunks": p["chunks"],
             "seconds_median": median([x["seconds"] for x in rows]),
             "gbps_median": median([x["gbps"] for x in rows]),
             "gbps_all": [x["gbps"] for x in rows],
@@ -86,24 +108,53 @@ def summarise(runs: list[dict]) -> dict:
     for p in runs[0]["pulls"]:
         v = p["version"]
         rows = [next(x for x in r["pulls"] if x["version"] == v) for r in runs]
-        pulls[v] = {"logical_bytes": p["logical_bytes"], "seconds_median": median([x["seconds"] for x in rows]),
-                    "gbps_median": median([x["gbps"] for x in rows]), "gbps_all": [x["gbps"] for x in rows]}
+        pulls[v] = {
+            "logical_bytes": p["logical_bytes"],
+            "seconds_median": median([x["seconds"] for x in rows]),
+            "gbps_median": median([x["gbps"] for x in rows]),
+            "gbps_all": [x["gbps"] for x in rows],
+        }
     return {"pushes": pushes, "pulls": pulls}
 
 
 def report(doc: dict) -> str:
     s, anc, st = doc["summary"], doc["anchors"], doc["mfsreg_stats"]
-    out = [f"## mfsreg core benchmark (scale {doc['params']['scale']:g}, base {doc['family']['base_bytes'] / GB:.2f} GB, "
-           f"chunk {doc['params']['chunk_size'] >> 10} KiB, median of {doc['params']['runs']} runs, "
-           f"{doc['machine']['cpu_count']} CPUs, files pre-read into the page cache)", ""]
+    out = [
+        f"## mfsreg core benchmark (scale {doc['params']['scale']:g}, base {doc['family']['base_bytes'] / GB:.2f} GB, "
+        f"chunk {doc['params']['chunk_size'] >> 10} KiB, median of {doc['params']['runs']} runs, "
+        f"{doc['machine']['cpu_count']} CPUs, files pre-read into the page cache)",
+        "",
+    ]
     rows = []
     for v, p in s["pushes"].items():
-        rows.append([v, p["kind"], f"{p['logical_bytes'] / GB:.3f}", f"{p['new_bytes'] / MB:.1f}",
-                     f"{p['chunks'] - p['new_chunks']}/{p['chunks']}", f"{p['seconds_median']:.2f}",
-                     f"{p['gbps_median']:.2f}", spread(p["gbps_all"])])
-    out += ["### Push", "", table(["version", "kind", "logical GB", "new stored MB", "reused/chunks", "s", "GB/s", "GB/s range"], rows), ""]
-    rows = [[v, f"{p['logical_bytes'] / GB:.3f}", f"{p['seconds_median']:.2f}", f"{p['gbps_median']:.2f}", spread(p["gbps_all"])]
-            for v, p in s["pulls"].items()]
+        rows.append(
+            [
+                v,
+                p["kind"],
+                f"{p['logical_bytes'] / GB:.3f}",
+                f"{p['new_bytes'] / MB:.1f}",
+                f"{p['chunks'] - p['new_chunks']}/{p['chunks']}",
+                f"{p['seconds_median']:.2f}",
+                f"{p['gbps_median']:.2f}",
+                spread(p["gbps_all"]),
+            ]
+        )
+    out += [
+        "### Push",
+        "",
+        table(["version", "kind", "logical GB", "new stored MB", "reused/chunks", "s", "GB/s", "GB/s range"], rows),
+        "",
+    ]
+    rows = [
+        [
+            v,
+            f"{p['logical_bytes'] / GB:.3f}",
+            f"{p['seconds_median']:.2f}",
+            f"{p['gbps_median']:.2f}",
+            spread(p["gbps_all"]),
+        ]
+        for v, p in s["pulls"].items()
+    ]
     out += ["### Pull (to a file, verified)", "", table(["version", "logical GB", "s", "GB/s", "GB/s range"], rows), ""]
 
     logical = anc["plain_copy_bytes"]
@@ -118,11 +169,18 @@ def report(doc: dict) -> str:
         ("mfsreg stored (dedup + encoding)", mf),
     ]
     rows = [[name, f"{b / GB:.3f}", f"{logical / b:.2f}x", f"{mf / b:.3f}"] for name, b in schemes if b]
-    out += [f"### Stored bytes, whole family ({len(MEMBERS)} files, {logical / GB:.2f} GB logical)", "",
-            table(["scheme", "stored GB", "logical/stored", "mfsreg / scheme"], rows), ""]
+    out += [
+        f"### Stored bytes, whole family ({len(MEMBERS)} files, {logical / GB:.2f} GB logical)",
+        "",
+        table(["scheme", "stored GB", "logical/stored", "mfsreg / scheme"], rows),
+        "",
+    ]
     tiers = ", ".join(f"{t} {v['bytes'] / GB:.3f} GB ({v['chunks']} chunks)" for t, v in st["tiers"].items())
-    out += [f"Tiers: {tiers}. Registry on disk after all pushes (packs + SQLite): "
-            f"{doc['registry_disk_bytes'] / GB:.3f} GB.", ""]
+    out += [
+        f"Tiers: {tiers}. Registry on disk after all pushes (packs + SQLite): "
+        f"{doc['registry_disk_bytes'] / GB:.3f} GB.",
+        "",
+    ]
 
     sp = anc["speed"]
     push = s["pushes"]
@@ -134,7 +192,12 @@ def report(doc: dict) -> str:
         ["xxh3-128, 1 thread", sp["xxh3_128_gbps"]],
         ["sha256, 1 thread", sp["sha256_gbps"]],
     ]
-    out += ["### Speed anchors (GB/s, base file)", "", table(["anchor", "GB/s"], [[a, f"{b:.2f}"] for a, b in rows]), ""]
+    out += [
+        "### Speed anchors (GB/s, base file)",
+        "",
+        table(["anchor", "GB/s"], [[a, f"{b:.2f}"] for a, b in rows]),
+        "",
+    ]
     ratios = [
         ["push base (new) / copy+fsync", push["base"]["gbps_median"] / sp["copy_fsync_gbps"]],
         ["push full-medical (new) / copy+fsync", push["full-medical"]["gbps_median"] / sp["copy_fsync_gbps"]],
@@ -168,9 +231,11 @@ def main(argv: list[str] | None = None) -> None:
 
     print("anchors: sha256 per file, FastCDC over the family, copy and hash speed ...", flush=True)
     storage = anchors.storage_anchors(files, compress=not args.no_cdc_zstd)
-    speed = {**anchors.copy_gbps(paths["base"], args.data, runs=args.runs),
-             "cdc_cut_gbps": anchors.cdc_cut_gbps(paths["base"], runs=args.runs),
-             **anchors.hash_gbps(paths["base"])}
+    speed = {
+        **anchors.copy_gbps(paths["base"], args.data, runs=args.runs),
+        "cdc_cut_gbps": anchors.cdc_cut_gbps(paths["base"], runs=args.runs),
+        **anchors.hash_gbps(paths["base"]),
+    }
     storage["speed"] = speed
 
     runs = []
@@ -187,14 +252,24 @@ def main(argv: list[str] | None = None) -> None:
 
     doc = {
         "machine": machine_info(),
-        "params": {"scale": args.scale, "runs": args.runs, "chunk_size": chunk_size, "page_cache": "pre-warmed",
-                   "data_dir": str(args.data)},
-        "family": {"shape": Shape.for_scale(args.scale).__dict__, "base_bytes": paths["base"].stat().st_size,
-                   "files": {m: p.stat().st_size for m, p in paths.items()}},
+        "params": {
+            "scale": args.scale,
+            "runs": args.runs,
+            "chunk_size": chunk_size,
+            "page_cache": "pre-warmed",
+            "data_dir": str(args.data),
+        },
+        "family": {
+            "shape": Shape.for_scale(args.scale).__dict__,
+            "base_bytes": paths["base"].stat().st_size,
+            "files": {m: p.stat().st_size for m, p in paths.items()},
+        },
         "anchors": storage,
         "mfsreg_stats": stats,
         "mfsreg_vs_cdc": stats["stored_bytes"] / storage["cdc"]["bytes"],
-        "mfsreg_vs_cdc_zstd": stats["stored_bytes"] / storage["cdc"]["zstd_bytes"] if storage["cdc"].get("zstd_bytes") else None,
+        "mfsreg_vs_cdc_zstd": stats["stored_bytes"] / storage["cdc"]["zstd_bytes"]
+        if storage["cdc"].get("zstd_bytes")
+        else None,
         "registry_disk_bytes": runs[0]["registry_disk_bytes"],
         "summary": summarise(runs),
         "runs": [{k: v for k, v in r.items() if k != "stats"} for r in runs],

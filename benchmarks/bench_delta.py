@@ -59,8 +59,16 @@ def push_cpu(reg, path: Path, version: str, parent: str | None) -> dict:
     c0, t0 = cpu_seconds(), time.perf_counter()
     r = reg.push(path, FAMILY, version, parent=parent)
     wall, cpu = time.perf_counter() - t0, cpu_seconds() - c0
-    return {"version": version, "parent": parent, "logical_bytes": r.logical_bytes, "new_bytes": r.new_bytes,
-            "new_chunks": r.new_chunks, "chunks": r.chunks, "seconds": wall, "cpu_seconds": cpu}
+    return {
+        "version": version,
+        "parent": parent,
+        "logical_bytes": r.logical_bytes,
+        "new_bytes": r.new_bytes,
+        "new_chunks": r.new_chunks,
+        "chunks": r.chunks,
+        "seconds": wall,
+        "cpu_seconds": cpu,
+    }
 
 
 def push_all(reg, paths: dict[str, Path]) -> dict[str, dict]:
@@ -69,10 +77,17 @@ def push_all(reg, paths: dict[str, Path]) -> dict[str, dict]:
 
 def storage_figures(stats: dict) -> dict:
     return {
-        "logical_bytes": stats["logical_bytes"], "stored_bytes": stats["stored_bytes"],
-        "sharing_ratio": stats["sharing_ratio"], "tiers": stats["tiers"], "encodings": stats["encodings"],
-        "versions": {v["version"]: {k: v[k] for k in ("logical_bytes", "stored_bytes", "unique_bytes", "delta_bytes",
-                                                      "plain_bytes")} for v in stats["versions"]},
+        "logical_bytes": stats["logical_bytes"],
+        "stored_bytes": stats["stored_bytes"],
+        "sharing_ratio": stats["sharing_ratio"],
+        "tiers": stats["tiers"],
+        "encodings": stats["encodings"],
+        "versions": {
+            v["version"]: {
+                k: v[k] for k in ("logical_bytes", "stored_bytes", "unique_bytes", "delta_bytes", "plain_bytes")
+            }
+            for v in stats["versions"]
+        },
     }
 
 
@@ -84,8 +99,10 @@ def decode_sets(reg) -> dict[str, dict]:
     from mfsreg.registry import rebuild
 
     out = {}
-    for label, member, want_delta in (("deltas of " + DELTA_MEMBER, DELTA_MEMBER, True),
-                                      ("plain chunks of " + PLAIN_MEMBER, PLAIN_MEMBER, False)):
+    for label, member, want_delta in (
+        ("deltas of " + DELTA_MEMBER, DELTA_MEMBER, True),
+        ("plain chunks of " + PLAIN_MEMBER, PLAIN_MEMBER, False),
+    ):
         _, manifest = reg.manifest(FAMILY, member)
         ids = list(dict.fromkeys(manifest.chunk_ids()))
         located = reg.locate(ids)  # also holds the bases of the deltas, and theirs
@@ -96,8 +113,14 @@ def decode_sets(reg) -> dict[str, dict]:
         encodings: dict[str, int] = {}
         for c in chunks:
             encodings[c.encoding] = encodings.get(c.encoding, 0) + 1
-        out[label] = {"member": member, "chunks": chunks, "payloads": payloads, "bases": bases,
-                      "all_chunks": len(ids), "encodings": encodings}
+        out[label] = {
+            "member": member,
+            "chunks": chunks,
+            "payloads": payloads,
+            "bases": bases,
+            "all_chunks": len(ids),
+            "encodings": encodings,
+        }
     return out
 
 
@@ -107,11 +130,14 @@ def time_decode(s: dict, verify: bool) -> dict:
 
     chunks, payloads, bases = s["chunks"], s["payloads"], s["bases"]
     if verify:
+
         def fn(c):
             return decode_verified(c, payloads[c.id], bases[c.basis_id] if c.basis_id else None)
     else:
+
         def fn(c):
             return codec.decode(c.encoding, payloads[c.id], c.size, bases[c.basis_id] if c.basis_id else None)
+
     c0, t0 = time.process_time(), time.perf_counter()
     for c in chunks:
         fn(c)
@@ -130,10 +156,17 @@ def measure_decode(reg) -> dict:
         checked = time_decode(s, verify=True)
         bare = time_decode(s, verify=False)
         out[label] = {
-            "member": s["member"], "chunks": len(s["chunks"]), "all_chunks": s["all_chunks"], "encodings": s["encodings"],
-            "raw_bytes": checked["raw_bytes"], "payload_bytes": sum(len(p) for p in s["payloads"].values()),
-            "seconds": checked["seconds"], "cpu_seconds": checked["cpu_seconds"], "mbps_per_core": checked["mbps"],
-            "decode_only_seconds": bare["seconds"], "decode_only_mbps": bare["mbps"],
+            "member": s["member"],
+            "chunks": len(s["chunks"]),
+            "all_chunks": s["all_chunks"],
+            "encodings": s["encodings"],
+            "raw_bytes": checked["raw_bytes"],
+            "payload_bytes": sum(len(p) for p in s["payloads"].values()),
+            "seconds": checked["seconds"],
+            "cpu_seconds": checked["cpu_seconds"],
+            "mbps_per_core": checked["mbps"],
+            "decode_only_seconds": bare["seconds"],
+            "decode_only_mbps": bare["mbps"],
         }
         s.clear()  # free payloads and bases before the next set
     return out
@@ -161,14 +194,21 @@ def summarise_speed(runs: list[dict], cores: int) -> dict:
         per_cpu = [logical / c / MB for c in cpu]
         over_anchor = [x["cpu_seconds"] / r["ingest_anchor"][v]["cpu_seconds"] for x, r in zip(rows, runs)]
         ingest[v] = {
-            "kind": kind, "logical_bytes": logical, "new_bytes": rows[0]["new_bytes"],
-            "new_chunks": rows[0]["new_chunks"], "chunks": rows[0]["chunks"],
-            "seconds_median": median(wall), "cpu_seconds_median": median(cpu),
-            "mbps_wall": logical / median(wall) / MB, "mbps_wall_per_core": logical / median(wall) / MB / cores,
-            "mbps_per_cpu_second": median(per_cpu), "mbps_per_cpu_second_all": per_cpu,
+            "kind": kind,
+            "logical_bytes": logical,
+            "new_bytes": rows[0]["new_bytes"],
+            "new_chunks": rows[0]["new_chunks"],
+            "chunks": rows[0]["chunks"],
+            "seconds_median": median(wall),
+            "cpu_seconds_median": median(cpu),
+            "mbps_wall": logical / median(wall) / MB,
+            "mbps_wall_per_core": logical / median(wall) / MB / cores,
+            "mbps_per_cpu_second": median(per_cpu),
+            "mbps_per_cpu_second_all": per_cpu,
             "cpu_utilisation": median(cpu) / median(wall),
             "anchor_cpu_seconds_median": median([r["ingest_anchor"][v]["cpu_seconds"] for r in runs]),
-            "cpu_over_anchor": median(over_anchor), "cpu_over_anchor_all": over_anchor,
+            "cpu_over_anchor": median(over_anchor),
+            "cpu_over_anchor_all": over_anchor,
         }
     decode = {}
     for label, first in runs[0]["decode"].items():
@@ -176,11 +216,13 @@ def summarise_speed(runs: list[dict], cores: int) -> dict:
             decode[label] = first
             continue
         rows = [r["decode"][label] for r in runs]
-        decode[label] = {**{k: first[k] for k in ("member", "chunks", "all_chunks", "encodings", "raw_bytes", "payload_bytes")},
-                         "seconds_median": median([x["seconds"] for x in rows]),
-                         "mbps_per_core": median([x["mbps_per_core"] for x in rows]),
-                         "mbps_per_core_all": [x["mbps_per_core"] for x in rows],
-                         "decode_only_mbps": median([x["decode_only_mbps"] for x in rows])}
+        decode[label] = {
+            **{k: first[k] for k in ("member", "chunks", "all_chunks", "encodings", "raw_bytes", "payload_bytes")},
+            "seconds_median": median([x["seconds"] for x in rows]),
+            "mbps_per_core": median([x["mbps_per_core"] for x in rows]),
+            "mbps_per_core_all": [x["mbps_per_core"] for x in rows],
+            "decode_only_mbps": median([x["decode_only_mbps"] for x in rows]),
+        }
     return {"ingest": ingest, "decode": decode}
 
 
@@ -198,7 +240,11 @@ def schemes(doc: dict) -> list[tuple[str, int | None, str]]:
         zn_row = (zn_name, None, "unavailable: " + zn.get("reason", "?"))
     return [
         ("plain copy", anc["plain_copy_bytes"], ""),
-        ("whole-file dedup (sha256)", anc["whole_file_dedup"]["bytes"], f"{anc['whole_file_dedup']['distinct_files']} distinct files"),
+        (
+            "whole-file dedup (sha256)",
+            anc["whole_file_dedup"]["bytes"],
+            f"{anc['whole_file_dedup']['distinct_files']} distinct files",
+        ),
         (f"CDC {cdc['avg_size'] >> 10} KiB dedup, raw", cdc["bytes"], f"{cdc['distinct_chunks']:,} distinct chunks"),
         (f"CDC {cdc['avg_size'] >> 10} KiB dedup + zstd-1", cdc.get("zstd_bytes"), "zstd-1 per distinct chunk"),
         (f"zstd-{zs['level']} per file", zs["bytes"], f"zstandard, threads={zs['threads']}"),
@@ -210,15 +256,25 @@ def gates(doc: dict) -> dict:
     d, e = doc["storage"]["delta"]["stored_bytes"], doc["storage"]["exact"]["stored_bytes"]
     out = {"delta_over_exact": {"value": d / e, "limit": STORAGE_GATE, "pass": d / e <= STORAGE_GATE}}
     below = {name: (b is None or d < b) for name, b, _ in schemes(doc)}
-    out["below_every_anchor"] = {"value": below, "pass": all(below.values()),
-                                 "skipped": [n for n, b, _ in schemes(doc) if b is None]}
+    out["below_every_anchor"] = {
+        "value": below,
+        "pass": all(below.values()),
+        "skipped": [n for n, b, _ in schemes(doc) if b is None],
+    }
     for v, s in doc["summary"]["ingest"].items():
-        out[f"ingest_{v}_per_core"] = {"value": s["mbps_per_cpu_second"], "limit": INGEST_GATE_MBPS,
-                                       "pass": s["mbps_per_cpu_second"] >= INGEST_GATE_MBPS}
+        out[f"ingest_{v}_per_core"] = {
+            "value": s["mbps_per_cpu_second"],
+            "limit": INGEST_GATE_MBPS,
+            "pass": s["mbps_per_cpu_second"] >= INGEST_GATE_MBPS,
+        }
     for label, s in doc["summary"]["decode"].items():
         ok = bool(s.get("chunks")) and s["mbps_per_core"] >= DECODE_GATE_MBPS
-        out[f"decode_{s['member']}_per_core"] = {"value": s.get("mbps_per_core"), "limit": DECODE_GATE_MBPS, "pass": ok,
-                                                 "set": label}
+        out[f"decode_{s['member']}_per_core"] = {
+            "value": s.get("mbps_per_core"),
+            "limit": DECODE_GATE_MBPS,
+            "pass": ok,
+            "set": label,
+        }
     out["all_pass"] = all(g["pass"] for g in out.values() if isinstance(g, dict))
     return out
 
@@ -231,63 +287,190 @@ def report(doc: dict) -> str:
     p, st, s, g = doc["params"], doc["storage"], doc["summary"], doc["gates"]
     d, e = st["delta"], st["exact"]
     logical = d["logical_bytes"]
-    out = [f"## mfsreg delta benchmark (scale {p['scale']:g}, {len(MEMBERS)} members, {logical / MB:,.1f} MB logical, "
-           f"median of {p['runs']} runs, {doc['machine']['cpu_count']} CPUs, load {doc['machine']['loadavg_1_5_15']})", ""]
+    out = [
+        f"## mfsreg delta benchmark (scale {p['scale']:g}, {len(MEMBERS)} members, {logical / MB:,.1f} MB logical, "
+        f"median of {p['runs']} runs, {doc['machine']['cpu_count']} CPUs, load {doc['machine']['loadavg_1_5_15']})",
+        "",
+    ]
 
     rows = []
     for name, b, note in schemes(doc):
         if b is None:
             rows.append([name, "-", "-", "-", "skipped", note])
         else:
-            rows.append([name, f"{b / MB:,.1f}", f"{logical / b:.2f}x", f"{d['stored_bytes'] / b:.3f}", _pf(d["stored_bytes"] < b), note])
-    rows.append(["mfsreg, delta off (exact dedup + zstd-p2)", f"{e['stored_bytes'] / MB:,.1f}", f"{logical / e['stored_bytes']:.2f}x",
-                 f"{d['stored_bytes'] / e['stored_bytes']:.3f}", _pf(g["delta_over_exact"]["pass"]) + f" (gate <= {STORAGE_GATE})", ""])
-    rows.append(["**mfsreg, delta on**", f"{d['stored_bytes'] / MB:,.1f}", f"{logical / d['stored_bytes']:.2f}x", "1.000", "", ""])
-    out += ["### Stored bytes, whole family", "",
-            table(["scheme", "stored MB", "logical/stored", "mfsreg delta / scheme", "mfsreg below", "note"], rows), ""]
+            rows.append(
+                [
+                    name,
+                    f"{b / MB:,.1f}",
+                    f"{logical / b:.2f}x",
+                    f"{d['stored_bytes'] / b:.3f}",
+                    _pf(d["stored_bytes"] < b),
+                    note,
+                ]
+            )
+    rows.append(
+        [
+            "mfsreg, delta off (exact dedup + zstd-p2)",
+            f"{e['stored_bytes'] / MB:,.1f}",
+            f"{logical / e['stored_bytes']:.2f}x",
+            f"{d['stored_bytes'] / e['stored_bytes']:.3f}",
+            _pf(g["delta_over_exact"]["pass"]) + f" (gate <= {STORAGE_GATE})",
+            "",
+        ]
+    )
+    rows.append(
+        [
+            "**mfsreg, delta on**",
+            f"{d['stored_bytes'] / MB:,.1f}",
+            f"{logical / d['stored_bytes']:.2f}x",
+            "1.000",
+            "",
+            "",
+        ]
+    )
+    out += [
+        "### Stored bytes, whole family",
+        "",
+        table(["scheme", "stored MB", "logical/stored", "mfsreg delta / scheme", "mfsreg below", "note"], rows),
+        "",
+    ]
 
     rows = []
     for label, fig in (("delta on", d), ("delta off", e)):
         for enc, x in fig["encodings"].items():
-            rows.append([label, enc, x["chunks"], f"{x['raw_bytes'] / MB:,.1f}", f"{x['bytes'] / MB:,.1f}",
-                         f"{x['bytes'] / x['raw_bytes']:.3f}" if x["raw_bytes"] else "-"])
-    out += ["### Bytes per encoding", "", table(["registry", "encoding", "chunks", "raw MB", "stored MB", "stored/raw"], rows), ""]
+            rows.append(
+                [
+                    label,
+                    enc,
+                    x["chunks"],
+                    f"{x['raw_bytes'] / MB:,.1f}",
+                    f"{x['bytes'] / MB:,.1f}",
+                    f"{x['bytes'] / x['raw_bytes']:.3f}" if x["raw_bytes"] else "-",
+                ]
+            )
+    out += [
+        "### Bytes per encoding",
+        "",
+        table(["registry", "encoding", "chunks", "raw MB", "stored MB", "stored/raw"], rows),
+        "",
+    ]
 
     rows = []
     for v, x in d["versions"].items():
         ex = e["versions"].get(v, {})
-        rows.append([v, MEMBERS.get(v) or "-", f"{x['logical_bytes'] / MB:,.1f}", f"{x['stored_bytes'] / MB:,.1f}",
-                     f"{x['delta_bytes'] / MB:,.1f}", f"{x['plain_bytes'] / MB:,.1f}", f"{x['unique_bytes'] / MB:,.1f}",
-                     f"{ex.get('unique_bytes', 0) / MB:,.1f}"])
-    out += ["### Per version (delta on; stored = what the version needs, split into delta and plain bytes; "
-            "unique = what it alone holds)", "",
-            table(["version", "parent", "logical MB", "stored MB", "delta MB", "plain MB", "unique MB", "unique MB, delta off"], rows), ""]
+        rows.append(
+            [
+                v,
+                MEMBERS.get(v) or "-",
+                f"{x['logical_bytes'] / MB:,.1f}",
+                f"{x['stored_bytes'] / MB:,.1f}",
+                f"{x['delta_bytes'] / MB:,.1f}",
+                f"{x['plain_bytes'] / MB:,.1f}",
+                f"{x['unique_bytes'] / MB:,.1f}",
+                f"{ex.get('unique_bytes', 0) / MB:,.1f}",
+            ]
+        )
+    out += [
+        "### Per version (delta on; stored = what the version needs, split into delta and plain bytes; "
+        "unique = what it alone holds)",
+        "",
+        table(
+            [
+                "version",
+                "parent",
+                "logical MB",
+                "stored MB",
+                "delta MB",
+                "plain MB",
+                "unique MB",
+                "unique MB, delta off",
+            ],
+            rows,
+        ),
+        "",
+    ]
 
     cores = doc["machine"]["cpu_count"]
     rows = []
     for v, x in s["ingest"].items():
         g1 = g[f"ingest_{v}_per_core"]
-        rows.append([v, x["kind"], f"{x['logical_bytes'] / MB:,.1f}", f"{x['seconds_median']:.2f}", f"{x['mbps_wall']:.0f}",
-                     f"{x['mbps_wall_per_core']:.0f}", f"{x['cpu_seconds_median']:.2f}", f"{x['cpu_utilisation']:.2f}",
-                     f"{x['mbps_per_cpu_second']:.0f}", spread(x["mbps_per_cpu_second_all"]),
-                     f"{x['anchor_cpu_seconds_median']:.2f}", f"{x['cpu_over_anchor']:.2f}", _pf(g1["pass"])])
-    out += [f"### Ingest (delta on; gate >= {INGEST_GATE_MBPS:.0f} MB/s per core, on logical bytes per CPU-second)", "",
-            table(["push", "kind", "logical MB", "wall s", "MB/s", f"MB/s / {cores} cores", "CPU s", "cores busy",
-                   "MB per CPU-s", "range", "CDC-store ingest CPU s", "CPU / CDC store", "gate"], rows), ""]
+        rows.append(
+            [
+                v,
+                x["kind"],
+                f"{x['logical_bytes'] / MB:,.1f}",
+                f"{x['seconds_median']:.2f}",
+                f"{x['mbps_wall']:.0f}",
+                f"{x['mbps_wall_per_core']:.0f}",
+                f"{x['cpu_seconds_median']:.2f}",
+                f"{x['cpu_utilisation']:.2f}",
+                f"{x['mbps_per_cpu_second']:.0f}",
+                spread(x["mbps_per_cpu_second_all"]),
+                f"{x['anchor_cpu_seconds_median']:.2f}",
+                f"{x['cpu_over_anchor']:.2f}",
+                _pf(g1["pass"]),
+            ]
+        )
+    out += [
+        f"### Ingest (delta on; gate >= {INGEST_GATE_MBPS:.0f} MB/s per core, on logical bytes per CPU-second)",
+        "",
+        table(
+            [
+                "push",
+                "kind",
+                "logical MB",
+                "wall s",
+                "MB/s",
+                f"MB/s / {cores} cores",
+                "CPU s",
+                "cores busy",
+                "MB per CPU-s",
+                "range",
+                "CDC-store ingest CPU s",
+                "CPU / CDC store",
+                "gate",
+            ],
+            rows,
+        ),
+        "",
+    ]
 
     rows = []
     for label, x in s["decode"].items():
         if not x.get("chunks"):
-            rows.append([label, f"0/{x.get('all_chunks', 0)}", "-", "-", "-", "-", "-", "-", "FAIL (nothing to decode)"])
+            rows.append(
+                [label, f"0/{x.get('all_chunks', 0)}", "-", "-", "-", "-", "-", "-", "FAIL (nothing to decode)"]
+            )
             continue
         gk = g[f"decode_{x['member']}_per_core"]
         encs = ", ".join(f"{k} {n}" for k, n in x["encodings"].items())
-        rows.append([label, f"{x['chunks']}/{x['all_chunks']}", encs, f"{x['raw_bytes'] / MB:,.1f}", f"{x['payload_bytes'] / MB:,.1f}",
-                     f"{x['seconds_median']:.3f}", f"{x['mbps_per_core']:.0f}", f"{x['decode_only_mbps']:.0f}", _pf(gk["pass"])])
-    out += [f"### Decode, one thread (decode + xxh3-128 check; gate >= {DECODE_GATE_MBPS:.0f} MB/s of raw output per core)", "",
-            table(["set", "chunks", "encodings", "raw MB", "payload MB", "s", "MB/s per core", "MB/s, decode only", "gate"], rows), ""]
+        rows.append(
+            [
+                label,
+                f"{x['chunks']}/{x['all_chunks']}",
+                encs,
+                f"{x['raw_bytes'] / MB:,.1f}",
+                f"{x['payload_bytes'] / MB:,.1f}",
+                f"{x['seconds_median']:.3f}",
+                f"{x['mbps_per_core']:.0f}",
+                f"{x['decode_only_mbps']:.0f}",
+                _pf(gk["pass"]),
+            ]
+        )
+    out += [
+        f"### Decode, one thread (decode + xxh3-128 check; gate >= {DECODE_GATE_MBPS:.0f} MB/s of raw output per core)",
+        "",
+        table(
+            ["set", "chunks", "encodings", "raw MB", "payload MB", "s", "MB/s per core", "MB/s, decode only", "gate"],
+            rows,
+        ),
+        "",
+    ]
 
-    out += [f"Gates: {'all pass' if g['all_pass'] else 'FAILED: ' + ', '.join(k for k, v in g.items() if isinstance(v, dict) and not v['pass'])}", ""]
+    out += [
+        f"Gates: {'all pass' if g['all_pass'] else 'FAILED: ' + ', '.join(k for k, v in g.items() if isinstance(v, dict) and not v['pass'])}",
+        "",
+    ]
     return "\n".join(out)
 
 
@@ -312,8 +495,9 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     anc = anchors.storage_anchors(files)
     anc["zstd_per_file"] = anchors.zstd_per_file(files)
-    anc["zipnn_per_file"] = (anchors.zipnn_per_file(files) if not args.no_zipnn
-                             else {"available": False, "reason": "skipped (--no-zipnn)"})
+    anc["zipnn_per_file"] = (
+        anchors.zipnn_per_file(files) if not args.no_zipnn else {"available": False, "reason": "skipped (--no-zipnn)"}
+    )
     print(f"  anchors done in {time.perf_counter() - t0:.1f} s", flush=True)
 
     anchors.prewarm(files)
@@ -328,7 +512,10 @@ def main(argv: list[str] | None = None) -> None:
         anchors.prewarm(files)  # the previous registry's packs may have pushed some of the family out
         t0 = time.perf_counter()
         runs.append(one_run(paths, args.data))
-        print(f"run {i + 1}/{args.runs} (delta on: family push, stats, decode) done in {time.perf_counter() - t0:.1f} s", flush=True)
+        print(
+            f"run {i + 1}/{args.runs} (delta on: family push, stats, decode) done in {time.perf_counter() - t0:.1f} s",
+            flush=True,
+        )
     stored = [r["stats"]["stored_bytes"] for r in runs]
     if len(set(stored)) != 1:
         print(f"warning: stored bytes differ between runs: {stored}")
@@ -336,17 +523,32 @@ def main(argv: list[str] | None = None) -> None:
     cores = os.cpu_count() or 1
     doc = {
         "machine": machine_info(),
-        "params": {"scale": args.scale, "runs": args.runs, "chunk_size": DEFAULT_CHUNK_SIZE, "page_cache": "pre-warmed",
-                   "data_dir": str(args.data), "zstd_anchor": f"level {anchors.ZSTD_FILE_LEVEL}, zstandard threads=-1 (all cores)",
-                   "decode": "one thread, payloads in memory, delta bases decoded beforehand"},
-        "family": {"shape": Shape.for_scale(args.scale).__dict__, "files": {m: p.stat().st_size for m, p in paths.items()}},
+        "params": {
+            "scale": args.scale,
+            "runs": args.runs,
+            "chunk_size": DEFAULT_CHUNK_SIZE,
+            "page_cache": "pre-warmed",
+            "data_dir": str(args.data),
+            "zstd_anchor": f"level {anchors.ZSTD_FILE_LEVEL}, zstandard threads=-1 (all cores)",
+            "decode": "one thread, payloads in memory, delta bases decoded beforehand",
+        },
+        "family": {
+            "shape": Shape.for_scale(args.scale).__dict__,
+            "files": {m: p.stat().st_size for m, p in paths.items()},
+        },
         "anchors": anc,
         "storage": {"delta": storage_figures(runs[0]["stats"]), "exact": storage_figures(exact_stats)},
         "summary": summarise_speed(runs, cores),
-        "runs": {"delta_on": [{"pushes": r["pushes"], "decode": r["decode"], "ingest_anchor": r["ingest_anchor"]} for r in runs],
-                 "delta_off_pushes": exact_pushes},
+        "runs": {
+            "delta_on": [
+                {"pushes": r["pushes"], "decode": r["decode"], "ingest_anchor": r["ingest_anchor"]} for r in runs
+            ],
+            "delta_off_pushes": exact_pushes,
+        },
     }
-    doc["storage"]["delta_over_exact"] = doc["storage"]["delta"]["stored_bytes"] / doc["storage"]["exact"]["stored_bytes"]
+    doc["storage"]["delta_over_exact"] = (
+        doc["storage"]["delta"]["stored_bytes"] / doc["storage"]["exact"]["stored_bytes"]
+    )
     doc["gates"] = gates(doc)
     finish(args.out, doc, report, t_start)
 

@@ -103,8 +103,9 @@ def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
 
 
 class Bench:
-    def __init__(self, stack: Stack, url: str, paths: dict[str, Path], work: Path, device: str,
-                 chunk_size: int | None = None):
+    def __init__(
+        self, stack: Stack, url: str, paths: dict[str, Path], work: Path, device: str, chunk_size: int | None = None
+    ):
         self.stack, self.url, self.token = stack, url, stack.token
         self.paths, self.work, self.device, self.chunk_size = paths, work, device, chunk_size
 
@@ -124,8 +125,12 @@ class Bench:
             for m in NODE_MEMBERS:
                 t0 = time.perf_counter()
                 r = client.push(self.paths[m], FAMILY, m, parent=MEMBERS[m])
-                out[m] = {"seconds": time.perf_counter() - t0, "logical_bytes": r.logical_bytes, "sent_bytes": r.sent_bytes,
-                          "new_bytes": r.new_bytes}
+                out[m] = {
+                    "seconds": time.perf_counter() - t0,
+                    "logical_bytes": r.logical_bytes,
+                    "sent_bytes": r.sent_bytes,
+                    "new_bytes": r.new_bytes,
+                }
         return out
 
     def upload_plain(self) -> str:
@@ -150,10 +155,16 @@ class Bench:
                 shared += c.size if c.id in base_ids else 0
         distinct = man.chunk_ids()
         stored_new = sum(dup["chunks"][i][1] for i in distinct if i not in base_ids)
-        return {"logical_bytes": dup["logical_bytes"], "chunk_bytes": logical, "shared_bytes": shared,
-                "shared_fraction": shared / dup["logical_bytes"], "chunks": len(distinct),
-                "shared_chunks": sum(1 for i in distinct if i in base_ids), "stored_bytes_not_in_base": stored_new,
-                "base_chunk_ids": base_ids}
+        return {
+            "logical_bytes": dup["logical_bytes"],
+            "chunk_bytes": logical,
+            "shared_bytes": shared,
+            "shared_fraction": shared / dup["logical_bytes"],
+            "chunks": len(distinct),
+            "shared_chunks": sum(1 for i in distinct if i in base_ids),
+            "stored_bytes_not_in_base": stored_new,
+            "base_chunk_ids": base_ids,
+        }
 
     # -- measurements -------------------------------------------------------------------------
 
@@ -191,8 +202,13 @@ class Bench:
                 raise SystemExit(f"{what} of {member} differs from its source file")
         finally:
             out.unlink(missing_ok=True)
-        return {"seconds": wall, "fetched_bytes": res.fetched_bytes, "cached_bytes": res.cached_bytes,
-                "logical_bytes": res.logical_bytes, "verified": ok}
+        return {
+            "seconds": wall,
+            "fetched_bytes": res.fetched_bytes,
+            "cached_bytes": res.cached_bytes,
+            "logical_bytes": res.logical_bytes,
+            "verified": ok,
+        }
 
     @contextmanager
     def fresh_cache(self, what: str):
@@ -222,9 +238,16 @@ class Bench:
             cached, total = anchors.page_cache_resident(list((cache.root / "chunks").glob("*/*")))
             out = self._pull(DUP, cache, verify, "pull with the base cached")
         written = anchors.write_anchors(self.paths[DUP], self.work)
-        return {**out, **written, "warm_seconds": warm_s, "warm_fetched_bytes": warm["fetched_bytes"], "warm_chunks": warm["chunks"],
-                "base_chunks_cached": covered, "base_chunks": len(base_ids),
-                "chunk_files_resident": cached / total if total else None}
+        return {
+            **out,
+            **written,
+            "warm_seconds": warm_s,
+            "warm_fetched_bytes": warm["fetched_bytes"],
+            "warm_chunks": warm["chunks"],
+            "base_chunks_cached": covered,
+            "base_chunks": len(base_ids),
+            "chunk_files_resident": cached / total if total else None,
+        }
 
     def loads(self, node, dropped: bool = False) -> dict:
         """load_tensors from the warm cache beside load_file (default backend and pread) of the local file.
@@ -307,7 +330,9 @@ class Bench:
             if verify:
                 ref = load_file(str(self.paths[DUP]), device=self.device)
                 same = set(ref) == set(rm.tensors) and all(
-                    torch.equal(ref[n].view(-1).view(torch.uint8), rm.tensors[n].view(-1).view(torch.uint8)) for n in ref)
+                    torch.equal(ref[n].view(-1).view(torch.uint8), rm.tensors[n].view(-1).view(torch.uint8))
+                    for n in ref
+                )
                 del ref
                 if not same:
                     raise SystemExit(f"ResidentModel.switch({DUP!r}) does not hold the tensors of {DUP}")
@@ -325,9 +350,17 @@ class Bench:
         reload_s = time.perf_counter() - t0
         reload_bytes = _nbytes(tensors)
         del tensors
-        return {"init_base_s": init_s, "switch_s": to_s, "switch_bytes": copied, "switch_back_s": back_s,
-                "switch_back_bytes": copied_back, "reload_s": reload_s, "reload_bytes": reload_bytes,
-                "resident_bytes": resident, "verified": same}
+        return {
+            "init_base_s": init_s,
+            "switch_s": to_s,
+            "switch_bytes": copied,
+            "switch_back_s": back_s,
+            "switch_back_bytes": copied_back,
+            "reload_s": reload_s,
+            "reload_bytes": reload_bytes,
+            "resident_bytes": resident,
+            "verified": same,
+        }
 
 
 def run_all(bench: Bench, runs: int) -> dict:
@@ -342,8 +375,14 @@ def run_all(bench: Bench, runs: int) -> dict:
         load_tensors(FAMILY, DUP, device=bench.device, node=node)
         load_tensors(FAMILY, "base", device=bench.device, node=node)
         load_file(str(bench.paths[DUP]), device=bench.device)
-        out = {"anchor": {m: [] for m in COLD}, "cold": {m: [] for m in COLD}, "warm_base": [], "loads": [], "loads_dropped": [],
-               "switch": []}
+        out = {
+            "anchor": {m: [] for m in COLD},
+            "cold": {m: [] for m in COLD},
+            "warm_base": [],
+            "loads": [],
+            "loads_dropped": [],
+            "switch": [],
+        }
         for i in range(runs):
             t0 = time.perf_counter()
             for m in COLD:
@@ -371,17 +410,38 @@ def _med(rows: list[dict], key: str):
 def summarise(raw: dict) -> dict:
     s: dict = {"anchor": {}, "cold": {}}
     for m in COLD:
-        s["anchor"][m] = {k: _med(raw["anchor"][m], k) for k in ("download_s", "load_file_s", "total_s", "get_object_s")}
+        s["anchor"][m] = {
+            k: _med(raw["anchor"][m], k) for k in ("download_s", "load_file_s", "total_s", "get_object_s")
+        }
         rows = raw["cold"][m]
-        s["cold"][m] = {"seconds": _med(rows, "seconds"), "fetched_bytes": rows[0]["fetched_bytes"],
-                        "logical_bytes": rows[0]["logical_bytes"], "verified": rows[0]["verified"]}
+        s["cold"][m] = {
+            "seconds": _med(rows, "seconds"),
+            "fetched_bytes": rows[0]["fetched_bytes"],
+            "logical_bytes": rows[0]["logical_bytes"],
+            "verified": rows[0]["verified"],
+        }
         s["cold"][m]["vs_download"] = s["cold"][m]["seconds"] / s["anchor"][m]["download_s"]
         s["cold"][m]["vs_download_and_load"] = s["cold"][m]["seconds"] / s["anchor"][m]["total_s"]
     w = raw["warm_base"]
     sh = raw["shared"]
-    s["warm_base"] = {k: _med(w, k) for k in ("seconds", "warm_seconds", "copy_fsync_s", "direct_fsync_s", "chunk_files_resident")}
-    s["warm_base"].update({k: w[0][k] for k in ("fetched_bytes", "cached_bytes", "logical_bytes", "verified", "warm_fetched_bytes",
-                                                "warm_chunks", "base_chunks_cached", "base_chunks")})
+    s["warm_base"] = {
+        k: _med(w, k) for k in ("seconds", "warm_seconds", "copy_fsync_s", "direct_fsync_s", "chunk_files_resident")
+    }
+    s["warm_base"].update(
+        {
+            k: w[0][k]
+            for k in (
+                "fetched_bytes",
+                "cached_bytes",
+                "logical_bytes",
+                "verified",
+                "warm_fetched_bytes",
+                "warm_chunks",
+                "base_chunks_cached",
+                "base_chunks",
+            )
+        }
+    )
     s["warm_base"]["shared_fraction"] = sh["shared_fraction"]
     s["warm_base"]["shared_fraction_observed"] = w[0]["cached_bytes"] / w[0]["logical_bytes"]
     s["warm_base"]["moved_limit_bytes"] = (1 - sh["shared_fraction"]) * sh["logical_bytes"]
@@ -390,22 +450,37 @@ def summarise(raw: dict) -> dict:
     for state in ("loads", "loads_dropped"):
         rows = raw.get(state) or []
         if rows:
-            s[state] = {k: _med(rows, k) for k in (*LOAD_KEYS, *(f"{n}_first" for n in LOADERS),
-                                                  "chunk_files_resident", "local_file_resident")}
+            s[state] = {
+                k: _med(rows, k)
+                for k in (*LOAD_KEYS, *(f"{n}_first" for n in LOADERS), "chunk_files_resident", "local_file_resident")
+            }
             s[state]["tensor_bytes"] = rows[0]["tensor_bytes"]
     sw = raw["switch"]
     s["switch"] = {k: _med(sw, k) for k in ("init_base_s", "switch_s", "switch_back_s", "reload_s")}
-    s["switch"].update({k: sw[0][k] for k in ("switch_bytes", "switch_back_bytes", "reload_bytes", "resident_bytes", "verified")})
+    s["switch"].update(
+        {k: sw[0][k] for k in ("switch_bytes", "switch_back_bytes", "reload_bytes", "resident_bytes", "verified")}
+    )
     return s
 
 
 def gates(s: dict) -> dict:
     w = s["warm_base"]
     out = {
-        "warm_base_moved_bytes": {"value": w["fetched_bytes"], "limit": w["moved_limit_bytes"],
-                                  "pass": w["fetched_bytes"] <= w["moved_limit_bytes"]},
-        "warm_base_time_vs_download": {"value": w["vs_download"], "limit": PULL_GATE, "pass": w["vs_download"] <= PULL_GATE},
-        "warm_base_time_vs_get_object": {"value": w["vs_get_object"], "limit": PULL_GATE, "pass": w["vs_get_object"] <= PULL_GATE},
+        "warm_base_moved_bytes": {
+            "value": w["fetched_bytes"],
+            "limit": w["moved_limit_bytes"],
+            "pass": w["fetched_bytes"] <= w["moved_limit_bytes"],
+        },
+        "warm_base_time_vs_download": {
+            "value": w["vs_download"],
+            "limit": PULL_GATE,
+            "pass": w["vs_download"] <= PULL_GATE,
+        },
+        "warm_base_time_vs_get_object": {
+            "value": w["vs_get_object"],
+            "limit": PULL_GATE,
+            "pass": w["vs_get_object"] <= PULL_GATE,
+        },
     }
     # Gated: time until the tensors' bytes are in memory (load, then first touch of every page) against
     # both load_file backends. load_file's default backend maps the file and reads nothing until used,
@@ -417,12 +492,20 @@ def gates(s: dict) -> dict:
             continue
         for ref in ("load_file", "load_file_pread"):
             if ld.get(ref) is None:
-                out[f"load_tensors_vs_{ref}{suffix}"] = {"value": None, "limit": LOAD_GATE, "pass": False,
-                                                         "note": "anchor unavailable"}
+                out[f"load_tensors_vs_{ref}{suffix}"] = {
+                    "value": None,
+                    "limit": LOAD_GATE,
+                    "pass": False,
+                    "note": "anchor unavailable",
+                }
                 continue
             speed = ld[ref + "_ready"] / ld["load_tensors_ready"]  # speed ratio = inverse time ratio
-            out[f"load_tensors_vs_{ref}{suffix}"] = {"value": speed, "limit": LOAD_GATE, "pass": speed >= LOAD_GATE,
-                                                     "bare_call_speed": ld[ref] / ld["load_tensors"]}
+            out[f"load_tensors_vs_{ref}{suffix}"] = {
+                "value": speed,
+                "limit": LOAD_GATE,
+                "pass": speed >= LOAD_GATE,
+                "bare_call_speed": ld[ref] / ld["load_tensors"],
+            }
     return out
 
 
@@ -441,74 +524,166 @@ def _pf(ok: bool) -> str:
 def _load_rows(ld: dict, g: dict, suffix: str, what: str, p: dict) -> list[str]:
     """The tensors table of one page-cache state (see Bench.loads)."""
     n = ld["tensor_bytes"]
-    rows = [["load_tensors (node cache, warm)", f"{ld['load_tensors']:.3f}", f"{ld['load_tensors_ready']:.3f}",
-             f"{n / ld['load_tensors_ready'] / MB:,.0f}", "", ""]]
+    rows = [
+        [
+            "load_tensors (node cache, warm)",
+            f"{ld['load_tensors']:.3f}",
+            f"{ld['load_tensors_ready']:.3f}",
+            f"{n / ld['load_tensors_ready'] / MB:,.0f}",
+            "",
+            "",
+        ]
+    ]
     speed = unverified_speed(ld)
     if speed is not None:
-        rows.append(["load_tensors(verify=False): speed / load_file (mmap)", f"{ld['load_tensors_unverified']:.3f}",
-                     f"{ld['load_tensors_unverified_ready']:.3f}", f"{n / ld['load_tensors_unverified_ready'] / MB:,.0f}",
-                     f"{speed:.2f}x", "not gated (the default checks)"])
-    for ref, label in (("load_file", "load_file, default backend (mmap)"), ("load_file_pread", "load_file, backend=pread")):
+        rows.append(
+            [
+                "load_tensors(verify=False): speed / load_file (mmap)",
+                f"{ld['load_tensors_unverified']:.3f}",
+                f"{ld['load_tensors_unverified_ready']:.3f}",
+                f"{n / ld['load_tensors_unverified_ready'] / MB:,.0f}",
+                f"{speed:.2f}x",
+                "not gated (the default checks)",
+            ]
+        )
+    for ref, label in (
+        ("load_file", "load_file, default backend (mmap)"),
+        ("load_file_pread", "load_file, backend=pread"),
+    ):
         gg = g[f"load_tensors_vs_{ref}{suffix}"]
         if ld.get(ref) is None:
             rows.append([label, "-", "-", "-", "-", "unavailable"])
             continue
-        rows.append([label, f"{ld[ref]:.3f}", f"{ld[ref + '_ready']:.3f}", f"{n / ld[ref + '_ready'] / MB:,.0f}",
-                     f"{gg['value']:.2f}x", f"{_pf(gg['pass'])} (>= {LOAD_GATE}x)"])
-    out = [f"### Tensors of {DUP} on {p['device']} ({n / MB:,.1f} MB; {what}; median of "
-           f"{LOAD_REPS} interleaved rounds per run)", "",
-           table(["loader", "call s", "ready s", "MB/s (ready)", "load_tensors speed / this (ready)", "gate"], rows), ""]
+        rows.append(
+            [
+                label,
+                f"{ld[ref]:.3f}",
+                f"{ld[ref + '_ready']:.3f}",
+                f"{n / ld[ref + '_ready'] / MB:,.0f}",
+                f"{gg['value']:.2f}x",
+                f"{_pf(gg['pass'])} (>= {LOAD_GATE}x)",
+            ]
+        )
+    out = [
+        f"### Tensors of {DUP} on {p['device']} ({n / MB:,.1f} MB; {what}; median of "
+        f"{LOAD_REPS} interleaved rounds per run)",
+        "",
+        table(["loader", "call s", "ready s", "MB/s (ready)", "load_tensors speed / this (ready)", "gate"], rows),
+        "",
+    ]
     if ld.get("load_tensors_first") is not None:
         where = "reading the files back from disk" if suffix else "the files as the run's other steps left them"
-        line = (f"First loads, {where} (untimed rounds above): load_tensors {ld['load_tensors_first']:.3f} s, "
-                f"load_file {ld['load_file_first']:.3f} s (ready).")
+        line = (
+            f"First loads, {where} (untimed rounds above): load_tensors {ld['load_tensors_first']:.3f} s, "
+            f"load_file {ld['load_file_first']:.3f} s (ready)."
+        )
         if ld.get("chunk_files_resident") is not None:
-            line += (f" As they began, the page cache held {ld['chunk_files_resident']:.0%} of the node cache's chunk "
-                     f"files and {ld['local_file_resident']:.0%} of the local file.")
+            line += (
+                f" As they began, the page cache held {ld['chunk_files_resident']:.0%} of the node cache's chunk "
+                f"files and {ld['local_file_resident']:.0%} of the local file."
+            )
         out += [line, ""]
     if p["device"] == "cpu" and not suffix:
-        out += ["\"ready\" = the call plus the first touch of every page of every tensor. On CPU, load_file's default "
-                "mmap backend returns tensors over the page cache and reads nothing until they are used, so its bare call "
-                "is nearly free and its cost moves to first use; backend=pread copies the bytes into fresh memory. "
-                "load_tensors maps the node cache's chunk files into each tensor and reads them once to check their ids.", ""]
+        out += [
+            '"ready" = the call plus the first touch of every page of every tensor. On CPU, load_file\'s default '
+            "mmap backend returns tensors over the page cache and reads nothing until they are used, so its bare call "
+            "is nearly free and its cost moves to first use; backend=pread copies the bytes into fresh memory. "
+            "load_tensors maps the node cache's chunk files into each tensor and reads them once to check their ids.",
+            "",
+        ]
     return out
 
 
 def report(doc: dict) -> str:
     s, g, p = doc["summary"], doc["gates"], doc["params"]
     size = {m: doc["family"]["files"][m] for m in COLD}
-    out = [f"## mfsreg node benchmark (scale {p['scale']:g}, chunks of {p.get('chunk_size', DEFAULT_CHUNK_SIZE) >> 10} KiB, "
-           f"device {p['device']}, median of {p['runs']} runs, "
-           f"{doc['machine']['cpu_count']} CPUs, load {doc['machine']['loadavg_1_5_15']}; moto S3 + Postgres + mfsreg serve on loopback)", ""]
+    out = [
+        f"## mfsreg node benchmark (scale {p['scale']:g}, chunks of {p.get('chunk_size', DEFAULT_CHUNK_SIZE) >> 10} KiB, "
+        f"device {p['device']}, median of {p['runs']} runs, "
+        f"{doc['machine']['cpu_count']} CPUs, load {doc['machine']['loadavg_1_5_15']}; moto S3 + Postgres + mfsreg serve on loopback)",
+        "",
+    ]
     rows = []
     for m in COLD:
         a, c = s["anchor"][m], s["cold"][m]
-        rows.append([f"{m}: boto3 download_file + load_file", f"{size[m] / MB:,.1f}", f"{size[m] / MB:,.1f}",
-                     f"{a['download_s']:.3f} + {a['load_file_s']:.3f}", "", ""])
-        rows.append([f"{m}: boto3 get_object (one whole-object GET)", f"{size[m] / MB:,.1f}", f"{size[m] / MB:,.1f}",
-                     f"{a['get_object_s']:.3f}", "", ""])
-        rows.append([f"{m}: cold pull (empty node cache)", f"{c['logical_bytes'] / MB:,.1f}", f"{c['fetched_bytes'] / MB:,.1f}",
-                     f"{c['seconds']:.3f}", f"{c['vs_download']:.2f}x", ""])
+        rows.append(
+            [
+                f"{m}: boto3 download_file + load_file",
+                f"{size[m] / MB:,.1f}",
+                f"{size[m] / MB:,.1f}",
+                f"{a['download_s']:.3f} + {a['load_file_s']:.3f}",
+                "",
+                "",
+            ]
+        )
+        rows.append(
+            [
+                f"{m}: boto3 get_object (one whole-object GET)",
+                f"{size[m] / MB:,.1f}",
+                f"{size[m] / MB:,.1f}",
+                f"{a['get_object_s']:.3f}",
+                "",
+                "",
+            ]
+        )
+        rows.append(
+            [
+                f"{m}: cold pull (empty node cache)",
+                f"{c['logical_bytes'] / MB:,.1f}",
+                f"{c['fetched_bytes'] / MB:,.1f}",
+                f"{c['seconds']:.3f}",
+                f"{c['vs_download']:.2f}x",
+                "",
+            ]
+        )
     w = s["warm_base"]
-    rows.append([f"{DUP}: pull with base tier cached", f"{w['logical_bytes'] / MB:,.1f}", f"{w['fetched_bytes'] / MB:,.2f}",
-                 f"{w['seconds']:.3f}", f"{w['vs_download']:.2f}x ({w['vs_get_object']:.2f}x of get_object)",
-                 f"moved {_pf(g['warm_base_moved_bytes']['pass'])} (<= {w['moved_limit_bytes'] / MB:,.1f} MB); "
-                 f"time {_pf(g['warm_base_time_vs_download']['pass'])} / {_pf(g['warm_base_time_vs_get_object']['pass'])} "
-                 f"(<= {PULL_GATE}x)"])
+    rows.append(
+        [
+            f"{DUP}: pull with base tier cached",
+            f"{w['logical_bytes'] / MB:,.1f}",
+            f"{w['fetched_bytes'] / MB:,.2f}",
+            f"{w['seconds']:.3f}",
+            f"{w['vs_download']:.2f}x ({w['vs_get_object']:.2f}x of get_object)",
+            f"moved {_pf(g['warm_base_moved_bytes']['pass'])} (<= {w['moved_limit_bytes'] / MB:,.1f} MB); "
+            f"time {_pf(g['warm_base_time_vs_download']['pass'])} / {_pf(g['warm_base_time_vs_get_object']['pass'])} "
+            f"(<= {PULL_GATE}x)",
+        ]
+    )
     for key, what in (("copy_fsync_s", "shutil.copyfile + fsync"), ("direct_fsync_s", "O_DIRECT write + fsync")):
         if w.get(key) is not None:  # (results files from before these anchors lack them)
-            rows.append([f"{DUP}: its local file, {what} (no check)", f"{w['logical_bytes'] / MB:,.1f}", "0",
-                         f"{w[key]:.3f}", f"pull / this: {w['seconds'] / w[key]:.2f}x", ""])
+            rows.append(
+                [
+                    f"{DUP}: its local file, {what} (no check)",
+                    f"{w['logical_bytes'] / MB:,.1f}",
+                    "0",
+                    f"{w[key]:.3f}",
+                    f"pull / this: {w['seconds'] / w[key]:.2f}x",
+                    "",
+                ]
+            )
     out += ["### Pulls", "", table(["what", "logical MB", "moved MB", "s", "s / boto3 download", "gate"], rows), ""]
-    out += [f"Shared with base: {w['shared_fraction']:.3f} of {DUP}'s logical bytes (version documents); observed in the pull: "
-            f"{w['shared_fraction_observed']:.3f}. The base-tier warm-up fetched {w['warm_fetched_bytes'] / MB:,.1f} MB "
-            f"({w['warm_chunks']} chunks) in {w['warm_seconds']:.2f} s, untimed; it left {w['base_chunks_cached']}/{w['base_chunks']} "
-            "of base's chunks cached." + (f" As the pull began, the page cache held {w['chunk_files_resident']:.0%} of those "
-                                          "chunk files (median of the runs)." if w.get("chunk_files_resident") is not None else ""), ""]
+    out += [
+        f"Shared with base: {w['shared_fraction']:.3f} of {DUP}'s logical bytes (version documents); observed in the pull: "
+        f"{w['shared_fraction_observed']:.3f}. The base-tier warm-up fetched {w['warm_fetched_bytes'] / MB:,.1f} MB "
+        f"({w['warm_chunks']} chunks) in {w['warm_seconds']:.2f} s, untimed; it left {w['base_chunks_cached']}/{w['base_chunks']} "
+        "of base's chunks cached."
+        + (
+            f" As the pull began, the page cache held {w['chunk_files_resident']:.0%} of those "
+            "chunk files (median of the runs)."
+            if w.get("chunk_files_resident") is not None
+            else ""
+        ),
+        "",
+    ]
 
-    for state, suffix, what in (("loads", "", "page cache and node cache warm, as their writers left them"),
-                                ("loads_dropped", "_after_drop", "after both files were dropped from the page cache, "
-                                 "read back by each loader's untimed first load")):
+    for state, suffix, what in (
+        ("loads", "", "page cache and node cache warm, as their writers left them"),
+        (
+            "loads_dropped",
+            "_after_drop",
+            "after both files were dropped from the page cache, read back by each loader's untimed first load",
+        ),
+    ):
         if s.get(state) is not None:
             out += _load_rows(s[state], g, suffix, what, p)
     sw = s["switch"]
@@ -516,11 +691,20 @@ def report(doc: dict) -> str:
         ["ResidentModel(base) from the warm cache", f"{sw['init_base_s']:.3f}", f"{sw['resident_bytes'] / MB:,.1f}"],
         [f"switch base -> {DUP}", f"{sw['switch_s']:.3f}", f"{sw['switch_bytes'] / MB:,.1f}"],
         [f"switch {DUP} -> base", f"{sw['switch_back_s']:.3f}", f"{sw['switch_back_bytes'] / MB:,.1f}"],
-        [f"full reload of {DUP} (load_tensors, warm cache)", f"{sw['reload_s']:.3f}", f"{sw['reload_bytes'] / MB:,.1f}"],
+        [
+            f"full reload of {DUP} (load_tensors, warm cache)",
+            f"{sw['reload_s']:.3f}",
+            f"{sw['reload_bytes'] / MB:,.1f}",
+        ],
     ]
-    out += [f"### Switch (tensors on {p['device']}; switch checked bit for bit on run 1: {sw['verified']})", "",
-            table(["step", "s", "MB copied"], rows), "",
-            f"switch / full reload: {sw['switch_s'] / sw['reload_s']:.2f}x time, {sw['switch_bytes'] / sw['reload_bytes']:.3f}x bytes", ""]
+    out += [
+        f"### Switch (tensors on {p['device']}; switch checked bit for bit on run 1: {sw['verified']})",
+        "",
+        table(["step", "s", "MB copied"], rows),
+        "",
+        f"switch / full reload: {sw['switch_s'] / sw['reload_s']:.2f}x time, {sw['switch_bytes'] / sw['reload_bytes']:.3f}x bytes",
+        "",
+    ]
     bad = [k for k, v in g.items() if not v["pass"]]
     out += [f"Gates: {'all pass' if not bad else 'FAILED: ' + ', '.join(bad)}", ""]
     return "\n".join(out)
@@ -571,14 +755,25 @@ def main(argv: list[str] | None = None) -> None:
     summary = summarise(raw)
     doc = {
         "machine": machine_info(),
-        "params": {"scale": args.scale, "runs": args.runs, "device": args.device, "cuda_available": cuda,
-                   "chunk_size": chunk_size or DEFAULT_CHUNK_SIZE,
-                   "gpu": torch.cuda.get_device_name(0) if cuda else None,
-                   "note": ("no GPU on this machine: tensors on CPU" if not cuda else "GPU present"),
-                   "s3": "moto server (loopback)", "metadata": "postgres 127.0.0.1", "page_cache": "pre-warmed",
-                   "pull_writes": pull_writes,
-                   "members": list(NODE_MEMBERS), "torch": torch.__version__},
-        "family": {"shape": Shape.for_scale(args.scale).__dict__, "files": {m: p.stat().st_size for m, p in paths.items()}},
+        "params": {
+            "scale": args.scale,
+            "runs": args.runs,
+            "device": args.device,
+            "cuda_available": cuda,
+            "chunk_size": chunk_size or DEFAULT_CHUNK_SIZE,
+            "gpu": torch.cuda.get_device_name(0) if cuda else None,
+            "note": ("no GPU on this machine: tensors on CPU" if not cuda else "GPU present"),
+            "s3": "moto server (loopback)",
+            "metadata": "postgres 127.0.0.1",
+            "page_cache": "pre-warmed",
+            "pull_writes": pull_writes,
+            "members": list(NODE_MEMBERS),
+            "torch": torch.__version__,
+        },
+        "family": {
+            "shape": Shape.for_scale(args.scale).__dict__,
+            "files": {m: p.stat().st_size for m, p in paths.items()},
+        },
         "pushes": pushes,
         "summary": summary,
         "gates": gates(summary),

@@ -92,27 +92,43 @@ def one_run(paths: dict[str, Path], data: Path, verify: bool) -> dict:
                 reg.pull(FAMILY, member, out)
                 checked[member] = anchors.file_sha256(out) == anchors.file_sha256(paths[member])
                 out.unlink()
-        return {"pack_bytes_before": before["pack_bytes"], "pack_bytes_after": after["pack_bytes"],
-                "unreferenced_before": before["unreferenced_bytes"], "stored_after": after["stored_bytes"],
-                "result": res.to_dict(), "dry_run_seconds": dry_s, "dry_run_agrees": {
-                    k: getattr(dry, k) == getattr(res, k) for k in ("deleted_chunks", "moved_bytes", "freed_bytes")},
-                "seconds": wall, "cpu_seconds": cpu, "copy_anchor_seconds": anchor, "pulled_identical": checked}
+        return {
+            "pack_bytes_before": before["pack_bytes"],
+            "pack_bytes_after": after["pack_bytes"],
+            "unreferenced_before": before["unreferenced_bytes"],
+            "stored_after": after["stored_bytes"],
+            "result": res.to_dict(),
+            "dry_run_seconds": dry_s,
+            "dry_run_agrees": {
+                k: getattr(dry, k) == getattr(res, k) for k in ("deleted_chunks", "moved_bytes", "freed_bytes")
+            },
+            "seconds": wall,
+            "cpu_seconds": cpu,
+            "copy_anchor_seconds": anchor,
+            "pulled_identical": checked,
+        }
 
 
 def summarise(runs: list[dict]) -> dict:
     first = runs[0]
     res = first["result"]
     return {
-        "pack_bytes_before": first["pack_bytes_before"], "pack_bytes_after": first["pack_bytes_after"],
+        "pack_bytes_before": first["pack_bytes_before"],
+        "pack_bytes_after": first["pack_bytes_after"],
         "freed_fraction": 1 - first["pack_bytes_after"] / first["pack_bytes_before"],
-        "deleted_chunk_bytes": res["deleted_chunk_bytes"], "moved_bytes": res["moved_bytes"],
-        "repacked_packs": res["repacked_packs"], "deleted_packs": res["deleted_packs"],
+        "deleted_chunk_bytes": res["deleted_chunk_bytes"],
+        "moved_bytes": res["moved_bytes"],
+        "repacked_packs": res["repacked_packs"],
+        "deleted_packs": res["deleted_packs"],
         "unused_after": first["pack_bytes_after"] - first["stored_after"],
-        "seconds": median([r["seconds"] for r in runs]), "seconds_all": [r["seconds"] for r in runs],
+        "seconds": median([r["seconds"] for r in runs]),
+        "seconds_all": [r["seconds"] for r in runs],
         "cpu_seconds": median([r["cpu_seconds"] for r in runs]),
         "dry_run_seconds": median([r["dry_run_seconds"] for r in runs]),
         "copy_anchor_seconds": median([r["copy_anchor_seconds"] for r in runs]),
-        "over_copy": median([r["seconds"] / r["copy_anchor_seconds"] for r in runs if r["copy_anchor_seconds"]] or [0.0]),
+        "over_copy": median(
+            [r["seconds"] / r["copy_anchor_seconds"] for r in runs if r["copy_anchor_seconds"]] or [0.0]
+        ),
         "dry_run_agrees": all(all(r["dry_run_agrees"].values()) for r in runs),
         "pulled_identical": first["pulled_identical"],
     }
@@ -122,17 +138,37 @@ def report(doc: dict) -> str:
     s, p = doc["summary"], doc["params"]
     out = [f"## Prune (scale {p['scale']}, median of {p['runs']} runs; deleted: {', '.join(DELETED)})", ""]
     rows = [
-        ["pack bytes before / after", f"{s['pack_bytes_before'] / MB:,.1f} / {s['pack_bytes_after'] / MB:,.1f} MB",
-         f"{s['freed_fraction']:.1%} given back"],
+        [
+            "pack bytes before / after",
+            f"{s['pack_bytes_before'] / MB:,.1f} / {s['pack_bytes_after'] / MB:,.1f} MB",
+            f"{s['freed_fraction']:.1%} given back",
+        ],
         ["chunks no version needs, deleted", f"{s['deleted_chunk_bytes'] / MB:,.1f} MB", ""],
-        ["packs repacked / bytes moved", f"{s['repacked_packs']} / {s['moved_bytes'] / MB:,.1f} MB",
-         f"{s['deleted_packs']} blobs deleted"],
-        ["unused bytes left in packs", f"{s['unused_after'] / MB:,.1f} MB",
-         f"prune repacks a pack over --max-unused {DEFAULT_MAX_UNUSED} unused"],
-        ["prune --dry-run", f"{s['dry_run_seconds']:.2f} s", "agrees with the run" if s["dry_run_agrees"] else "DISAGREES"],
-        ["prune --min-age 0", f"{s['seconds']:.2f} s ({s['cpu_seconds']:.2f} CPU s)",
-         f"{s['over_copy']:.2f}x a plain copy of the moved bytes ({s['copy_anchor_seconds']:.2f} s)"],
-        ["remaining members pulled byte-identical", ", ".join(f"{m}: {'yes' if ok else 'NO'}" for m, ok in s["pulled_identical"].items()), ""],
+        [
+            "packs repacked / bytes moved",
+            f"{s['repacked_packs']} / {s['moved_bytes'] / MB:,.1f} MB",
+            f"{s['deleted_packs']} blobs deleted",
+        ],
+        [
+            "unused bytes left in packs",
+            f"{s['unused_after'] / MB:,.1f} MB",
+            f"prune repacks a pack over --max-unused {DEFAULT_MAX_UNUSED} unused",
+        ],
+        [
+            "prune --dry-run",
+            f"{s['dry_run_seconds']:.2f} s",
+            "agrees with the run" if s["dry_run_agrees"] else "DISAGREES",
+        ],
+        [
+            "prune --min-age 0",
+            f"{s['seconds']:.2f} s ({s['cpu_seconds']:.2f} CPU s)",
+            f"{s['over_copy']:.2f}x a plain copy of the moved bytes ({s['copy_anchor_seconds']:.2f} s)",
+        ],
+        [
+            "remaining members pulled byte-identical",
+            ", ".join(f"{m}: {'yes' if ok else 'NO'}" for m, ok in s["pulled_identical"].items()),
+            "",
+        ],
     ]
     return "\n".join(out + [table(["what", "figure", "beside"], rows)])
 
@@ -151,8 +187,12 @@ def main(argv: list[str] | None = None) -> None:
     for i in range(args.runs):
         runs.append(one_run(paths, args.data, verify=i == 0))
         print(f"run {i + 1}/{args.runs}: prune {runs[-1]['seconds']:.2f} s", flush=True)
-    doc = {"machine": machine_info(), "params": {"scale": args.scale, "runs": args.runs, "pushed": list(PUSHED), "deleted": list(DELETED)},
-           "runs": runs, "summary": summarise(runs)}
+    doc = {
+        "machine": machine_info(),
+        "params": {"scale": args.scale, "runs": args.runs, "pushed": list(PUSHED), "deleted": list(DELETED)},
+        "runs": runs,
+        "summary": summarise(runs),
+    }
     finish("prune.json", doc, report, t_start)
 
 

@@ -65,8 +65,10 @@ def change_entropy_bytes(parent: Path, child: Path) -> dict[str, float]:
     p, c = load_file(str(parent)), load_file(str(child))
     out = {"exponent": 0.0, "previous": 0.0}
     for name, t in c.items():
-        pb, cb = (x.view(torch.int16).numpy().view(np.uint16).reshape(x.shape[0] if x.dim() > 1 else 1, -1)
-                  for x in (p[name], t))
+        pb, cb = (
+            x.view(torch.int16).numpy().view(np.uint16).reshape(x.shape[0] if x.dim() > 1 else 1, -1)
+            for x in (p[name], t)
+        )
         exp = (pb.astype(np.int64) >> 7) & 0xFF
         change = _ordered(cb) - _ordered(pb)
         prev = np.zeros_like(change)
@@ -81,20 +83,31 @@ def push_family(reg, paths: dict[str, Path]) -> dict[str, dict]:
     out = {}
     for member, recipe in MEMBERS.items():
         r = reg.push(paths[member], FAMILY, member, parent=recipe.parent)
-        out[member] = {"logical_bytes": r.logical_bytes, "new_bytes": r.new_bytes, "new_chunks": r.new_chunks,
-                       "chunks": r.chunks}
+        out[member] = {
+            "logical_bytes": r.logical_bytes,
+            "new_bytes": r.new_bytes,
+            "new_chunks": r.new_chunks,
+            "chunks": r.chunks,
+        }
     return out
 
 
 def storage(reg, paths: dict[str, Path]) -> dict:
     pushes = push_family(reg, paths)
     stats = reg.stats(FAMILY)
-    return {"pushes": pushes, "logical_bytes": stats["logical_bytes"], "stored_bytes": stats["stored_bytes"],
-            "encodings": stats["encodings"], "tiers": stats["tiers"]}
+    return {
+        "pushes": pushes,
+        "logical_bytes": stats["logical_bytes"],
+        "stored_bytes": stats["stored_bytes"],
+        "encodings": stats["encodings"],
+        "tiers": stats["tiers"],
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description="stored bytes of a trained family, with and without deltas, beside anchors")
+    ap = argparse.ArgumentParser(
+        description="stored bytes of a trained family, with and without deltas, beside anchors"
+    )
     ap.add_argument("--data", type=Path, default=DEFAULT_DIR, help="where the family is cached and registries are made")
     ap.add_argument("--no-zipnn", action="store_true", help="skip the ZipNN anchor")
     ap.add_argument("--out", default="trained.json", help="file name under benchmarks/results/")
@@ -105,17 +118,23 @@ def main(argv: list[str] | None = None) -> None:
     files = list(paths.values())
     anc = anchors.storage_anchors(files)
     anc["zstd_per_file"] = anchors.zstd_per_file(files)
-    anc["zipnn_per_file"] = (anchors.zipnn_per_file(files) if not args.no_zipnn
-                             else {"available": False, "reason": "skipped (--no-zipnn)"})
+    anc["zipnn_per_file"] = (
+        anchors.zipnn_per_file(files) if not args.no_zipnn else {"available": False, "reason": "skipped (--no-zipnn)"}
+    )
     with fresh_registry(args.data) as (reg, _):
         delta = storage(reg, paths)
     with fresh_registry(args.data, delta=False) as (reg, _):
         exact = storage(reg, paths)
     family = json.loads((family_dir(args.data) / "family.json").read_text())
     bound = {m: change_entropy_bytes(paths[r.parent], paths[m]) for m, r in MEMBERS.items() if r.parent}
-    doc = {"machine": machine_info(), "params": {"data_dir": str(args.data), "real_family_gate": REAL_FAMILY_GATE},
-           "family": family, "anchors": anc, "storage": {"delta": delta, "exact": exact},
-           "change_entropy_bytes": bound}
+    doc = {
+        "machine": machine_info(),
+        "params": {"data_dir": str(args.data), "real_family_gate": REAL_FAMILY_GATE},
+        "family": family,
+        "anchors": anc,
+        "storage": {"delta": delta, "exact": exact},
+        "change_entropy_bytes": bound,
+    }
     finish(args.out, doc, report, t_start)
 
 
@@ -142,28 +161,66 @@ def report(doc: dict) -> str:
         info = doc["family"]["members"][m]
         moved = info.get("vs_parent") or {}
         d, e = doc["storage"]["delta"]["pushes"][m], doc["storage"]["exact"]["pushes"][m]
-        how = ("pre-training" if r.parent is None else f"LoRA r{r.lora_rank}" if r.lora_rank else "full") + \
-              f", lr {r.lr:g}, {r.steps} steps"
-        members.append([m, r.parent or "-", how, f"{moved['elements_changed']:.1%}" if moved else "-",
-                        f"{moved['relative_change']:.2e}" if moved else "-", f"{d['new_bytes'] / MB:,.2f}",
-                        f"{d['new_bytes'] / d['logical_bytes']:.3f}", f"{e['new_bytes'] / e['logical_bytes']:.3f}",
-                        *((f"{doc['change_entropy_bytes'][m]['exponent'] / d['logical_bytes']:.3f}",
-                          f"{doc['change_entropy_bytes'][m]['previous'] / d['logical_bytes']:.3f}") if r.parent else ("-", "-"))])
+        how = (
+            "pre-training" if r.parent is None else f"LoRA r{r.lora_rank}" if r.lora_rank else "full"
+        ) + f", lr {r.lr:g}, {r.steps} steps"
+        members.append(
+            [
+                m,
+                r.parent or "-",
+                how,
+                f"{moved['elements_changed']:.1%}" if moved else "-",
+                f"{moved['relative_change']:.2e}" if moved else "-",
+                f"{d['new_bytes'] / MB:,.2f}",
+                f"{d['new_bytes'] / d['logical_bytes']:.3f}",
+                f"{e['new_bytes'] / e['logical_bytes']:.3f}",
+                *(
+                    (
+                        f"{doc['change_entropy_bytes'][m]['exponent'] / d['logical_bytes']:.3f}",
+                        f"{doc['change_entropy_bytes'][m]['previous'] / d['logical_bytes']:.3f}",
+                    )
+                    if r.parent
+                    else ("-", "-")
+                ),
+            ]
+        )
     d = doc["storage"]["delta"]
     ratio = d["logical_bytes"] / d["stored_bytes"]
     fam = doc["family"]
-    return "\n".join([
-        f"## Trained family ({fam['params'] / 1e6:.1f} M parameters, bf16, {len(MEMBERS)} members, "
-        f"{logical / MB:,.1f} MB logical)", "",
-        table(["scheme", "stored MB", "logical / stored"], rows), "",
-        f"Deltas on: logical / stored {ratio:.2f}x against issue 4's {REAL_FAMILY_GATE:.1f}x for its held-back real "
-        f"family ({'reached' if ratio >= REAL_FAMILY_GATE else 'not reached'} on this family; not that gate itself).", "",
-        "### Per member: bytes its push stored anew", "",
-        table(["member", "parent", "training", "elements changed", "|change| / |weights|", "new MB (deltas on)",
-               "new / logical, deltas on", "new / logical, exact dedup", "entropy bound / logical", "with the previous change too"], members), "",
-        "The entropy bound is what a lossless coder of each element's change alone, given its parent element's "
-        "exponent, needs at least (per tensor, the model free); the last column also gives it the size of the "
-        "previous element's change in its row, a context a coder could use.", ""])
+    return "\n".join(
+        [
+            f"## Trained family ({fam['params'] / 1e6:.1f} M parameters, bf16, {len(MEMBERS)} members, "
+            f"{logical / MB:,.1f} MB logical)",
+            "",
+            table(["scheme", "stored MB", "logical / stored"], rows),
+            "",
+            f"Deltas on: logical / stored {ratio:.2f}x against issue 4's {REAL_FAMILY_GATE:.1f}x for its held-back real "
+            f"family ({'reached' if ratio >= REAL_FAMILY_GATE else 'not reached'} on this family; not that gate itself).",
+            "",
+            "### Per member: bytes its push stored anew",
+            "",
+            table(
+                [
+                    "member",
+                    "parent",
+                    "training",
+                    "elements changed",
+                    "|change| / |weights|",
+                    "new MB (deltas on)",
+                    "new / logical, deltas on",
+                    "new / logical, exact dedup",
+                    "entropy bound / logical",
+                    "with the previous change too",
+                ],
+                members,
+            ),
+            "",
+            "The entropy bound is what a lossless coder of each element's change alone, given its parent element's "
+            "exponent, needs at least (per tensor, the model free); the last column also gives it the size of the "
+            "previous element's change in its row, a context a coder could use.",
+            "",
+        ]
+    )
 
 
 if __name__ == "__main__":

@@ -72,8 +72,13 @@ def run_once(cmd: list[str], env: dict) -> float:
 def import_split(env: dict) -> dict[str, int]:
     """Import microseconds of each top-level package one `mfsreg ls` loads (the self time of all
     its modules), largest first."""
-    proc = subprocess.run([sys.executable, "-X", "importtime", "-c", "from mfsreg.cli.main import main; main(['ls'])"],
-                          env=env, capture_output=True, text=True, check=True)
+    proc = subprocess.run(
+        [sys.executable, "-X", "importtime", "-c", "from mfsreg.cli.main import main; main(['ls'])"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     top: dict[str, int] = {}
     for line in proc.stderr.splitlines():
         parts = line.split("|")
@@ -85,11 +90,24 @@ def import_split(env: dict) -> dict[str, int]:
 
 
 def report(doc: dict) -> str:
-    rows = [[name, r["median_s"], r["min_s"], r["max_s"], "" if name not in GATED else
-             ("met" if r["median_s"] <= GATE_SECONDS else "NOT met")] for name, r in doc["commands"].items()]
-    lines = [f"CLI start-up, median of {doc['runs']} runs (gate: each mfsreg command <= {GATE_SECONDS} s)", "",
-             table(["command", "median s", "min s", "max s", "gate"], rows), "",
-             "`mfsreg ls` imports (ms, by package): " + ", ".join(f"{k} {v / 1000:.0f}" for k, v in doc["imports_ls_us"].items())]
+    rows = [
+        [
+            name,
+            r["median_s"],
+            r["min_s"],
+            r["max_s"],
+            "" if name not in GATED else ("met" if r["median_s"] <= GATE_SECONDS else "NOT met"),
+        ]
+        for name, r in doc["commands"].items()
+    ]
+    lines = [
+        f"CLI start-up, median of {doc['runs']} runs (gate: each mfsreg command <= {GATE_SECONDS} s)",
+        "",
+        table(["command", "median s", "min s", "max s", "gate"], rows),
+        "",
+        "`mfsreg ls` imports (ms, by package): "
+        + ", ".join(f"{k} {v / 1000:.0f}" for k, v in doc["imports_ls_us"].items()),
+    ]
     return "\n".join(lines)
 
 
@@ -111,11 +129,21 @@ def main() -> None:
                     times[name].append(wall)
         imports = import_split(env)
     doc = {
-        "benchmark": "cli_startup", "runs": args.runs, "gate_seconds": GATE_SECONDS,
-        "commands": {name: {"median_s": round(median(ts), 4), "min_s": round(min(ts), 4), "max_s": round(max(ts), 4),
-                            "runs_s": [round(t, 4) for t in ts]} for name, ts in times.items()},
+        "benchmark": "cli_startup",
+        "runs": args.runs,
+        "gate_seconds": GATE_SECONDS,
+        "commands": {
+            name: {
+                "median_s": round(median(ts), 4),
+                "min_s": round(min(ts), 4),
+                "max_s": round(max(ts), 4),
+                "runs_s": [round(t, 4) for t in ts],
+            }
+            for name, ts in times.items()
+        },
         "gate_met": all(median(times[name]) <= GATE_SECONDS for name in GATED),
-        "imports_ls_us": imports, "machine": machine_info(),
+        "imports_ls_us": imports,
+        "machine": machine_info(),
     }
     finish("cli_startup.json", doc, report, t_start)
 

@@ -31,7 +31,11 @@ def _state() -> dict:
     (a run's processes may have imported either), and how busy the machine is."""
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-        dirty = bool(subprocess.run(["git", "status", "--porcelain", "registry"], cwd=REPO, capture_output=True, text=True).stdout.strip())
+        dirty = bool(
+            subprocess.run(
+                ["git", "status", "--porcelain", "registry"], cwd=REPO, capture_output=True, text=True
+            ).stdout.strip()
+        )
     except OSError:
         commit, dirty = None, None
     return {"git_commit": commit, "registry_dirty": dirty, "loadavg_1_5_15": [round(x, 2) for x in os.getloadavg()]}
@@ -61,13 +65,17 @@ def machine_info() -> dict:
         pass
     end = _state()
     return {
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "cpu_count": os.cpu_count(), "cpu_model": cpu, "memory_bytes": mem,
-        "python": sys.version.split()[0], "platform": platform.platform(),
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "cpu_count": os.cpu_count(),
+        "cpu_model": cpu,
+        "memory_bytes": mem,
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
         # other work on the machine skews timings: the load average says how busy it was
         **_AT_START,
         "at_end": end,
-        "code_changed_during_run": (end["git_commit"], end["registry_dirty"]) != (_AT_START["git_commit"], _AT_START["registry_dirty"]),
+        "code_changed_during_run": (end["git_commit"], end["registry_dirty"])
+        != (_AT_START["git_commit"], _AT_START["registry_dirty"]),
         "libraries": library_versions(),
     }
 
@@ -116,9 +124,16 @@ def timed_push(reg, path: Path, version: str, parent: str | None) -> dict:
     r = reg.push(path, FAMILY, version, parent=parent)
     wall = time.perf_counter() - t0
     return {
-        "version": version, "parent": parent, "logical_bytes": r.logical_bytes, "new_bytes": r.new_bytes,
-        "new_chunks": r.new_chunks, "reused_chunks": r.reused_chunks, "chunks": r.chunks,
-        "seconds": wall, "reported_seconds": r.seconds, "gbps": r.logical_bytes / wall / GB,
+        "version": version,
+        "parent": parent,
+        "logical_bytes": r.logical_bytes,
+        "new_bytes": r.new_bytes,
+        "new_chunks": r.new_chunks,
+        "reused_chunks": r.reused_chunks,
+        "chunks": r.chunks,
+        "seconds": wall,
+        "reported_seconds": r.seconds,
+        "gbps": r.logical_bytes / wall / GB,
     }
 
 
@@ -141,7 +156,15 @@ def spread(xs) -> str:
 
 def table(headers: list[str], rows: list[list]) -> str:
     def cell(v):
-        return v if isinstance(v, str) else f"{v:,}" if isinstance(v, int) else f"{v:.3g}" if isinstance(v, float) else str(v)
+        return (
+            v
+            if isinstance(v, str)
+            else f"{v:,}"
+            if isinstance(v, int)
+            else f"{v:.3g}"
+            if isinstance(v, float)
+            else str(v)
+        )
 
     lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
     lines += ["| " + " | ".join(cell(v) for v in r) + " |" for r in rows]

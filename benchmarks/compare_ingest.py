@@ -53,7 +53,9 @@ def side(name):
 """
 
 # Run in a child process with the side's checkout first on sys.path. Prints one JSON line.
-CHILD = SIDE_IMPORT + r"""
+CHILD = (
+    SIDE_IMPORT
+    + r"""
 import json, resource, time
 from pathlib import Path
 import numpy as np
@@ -80,6 +82,7 @@ print(json.dumps({"user": r1.ru_utime - r0.ru_utime, "system": r1.ru_stime - r0.
                   "package": core.__file__,
                   "c_module": getattr(codec._grouping, "__file__", None) if codec._grouping is not None else None}))
 """
+)
 
 
 def run(cmd: list[str], cwd: Path) -> str:
@@ -137,8 +140,9 @@ def child_result(root: Path, code: str, args: list[str], *modules: str) -> dict:
 
 def push(root: Path, home: Path, path: Path, version: str, parent: str | None, warm: bool) -> dict:
     # setup.py builds the module optionally: a failed build would quietly measure the numpy path
-    return child_result(root, CHILD, [str(home), str(path), version, parent or "", "warm" if warm else "cold"],
-                        "package", "c_module")
+    return child_result(
+        root, CHILD, [str(home), str(path), version, parent or "", "warm" if warm else "cold"], "package", "c_module"
+    )
 
 
 def compare_parser(description: str, out: str) -> argparse.ArgumentParser:
@@ -155,8 +159,12 @@ def compare_parser(description: str, out: str) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     ap = compare_parser("CPU of one push under two revisions, interleaved", None)
-    ap.add_argument("--member", default="full-medical", choices=list(MEMBERS),
-                    help="the member pushed; onto a registry holding its parent, or an empty one for the base")
+    ap.add_argument(
+        "--member",
+        default="full-medical",
+        choices=list(MEMBERS),
+        help="the member pushed; onto a registry holding its parent, or an empty one for the base",
+    )
     args = ap.parse_args(argv)
     # one file per comparison: a later run must not overwrite the figures an earlier one gave
     args.out = args.out or f"compare_ingest_{args.member}_{args.rev[:12]}_{(args.against or 'tree')[:12]}.json"
@@ -188,16 +196,28 @@ def main(argv: list[str] | None = None) -> None:
                         shutil.rmtree(home, ignore_errors=True)
                 pairs.append(pair)
                 cpu = {k: v["user"] + v["system"] for k, v in pair.items()}
-                print(f"pair {i + 1}/{args.pairs}: " + ", ".join(f"{k} {c:.2f} CPU-s" for k, c in cpu.items()), flush=True)
+                print(
+                    f"pair {i + 1}/{args.pairs}: " + ", ".join(f"{k} {c:.2f} CPU-s" for k, c in cpu.items()), flush=True
+                )
         finally:
             for t in templates.values():
                 shutil.rmtree(t, ignore_errors=True)
 
     a, b = list(sides)
     ratios = [(p[b]["user"] + p[b]["system"]) / (p[a]["user"] + p[a]["system"]) for p in pairs]
-    doc = {"machine": machine_info(), "params": {"member": args.member, "parent": parent, "pairs": args.pairs,
-                                                "scale": args.scale, "sides": {a: args.rev, b: args.against}},
-           "pairs": pairs, "ratios": ratios, "ratio_median": median(ratios)}
+    doc = {
+        "machine": machine_info(),
+        "params": {
+            "member": args.member,
+            "parent": parent,
+            "pairs": args.pairs,
+            "scale": args.scale,
+            "sides": {a: args.rev, b: args.against},
+        },
+        "pairs": pairs,
+        "ratios": ratios,
+        "ratio_median": median(ratios),
+    }
     finish(args.out, doc, report, t_start)
 
 
@@ -208,10 +228,16 @@ def report(doc: dict) -> str:
     for i, (p, r) in enumerate(zip(doc["pairs"], doc["ratios"]), 1):
         ca, cb = (p[a]["user"] + p[a]["system"]), (p[b]["user"] + p[b]["system"])
         rows.append([i, f"{ca:.2f}", f"{logical / ca / MB:.0f}", f"{cb:.2f}", f"{logical / cb / MB:.0f}", f"{r:.2f}"])
-    return "\n".join([
-        f"## {doc['params']['member']} pushed by two revisions, interleaved ({logical / MB:,.1f} MB logical)", "",
-        table(["pair", f"{a} CPU s", "MB per CPU-s", f"{b} CPU s", "MB per CPU-s", f"{b} / {a}"], rows), "",
-        f"Median ratio: {doc['ratio_median']:.2f}", ""])
+    return "\n".join(
+        [
+            f"## {doc['params']['member']} pushed by two revisions, interleaved ({logical / MB:,.1f} MB logical)",
+            "",
+            table(["pair", f"{a} CPU s", "MB per CPU-s", f"{b} CPU s", "MB per CPU-s", f"{b} / {a}"], rows),
+            "",
+            f"Median ratio: {doc['ratio_median']:.2f}",
+            "",
+        ]
+    )
 
 
 if __name__ == "__main__":

@@ -35,7 +35,9 @@ from mfsreg.registry.client.remote import RemoteRegistry
 BASE, MEMBER = "base", "lora-chat"
 
 # Run in a child process with the side's checkout first on sys.path. Prints one JSON line.
-CHILD = SIDE_IMPORT + r"""
+CHILD = (
+    SIDE_IMPORT
+    + r"""
 import json, statistics, time
 _client = side("client")
 Node, ResidentModel, load_tensors = _client.Node, _client.ResidentModel, _client.load_tensors
@@ -87,11 +89,16 @@ print(json.dumps({"load_tensors_ready": statistics.median(loads), "load_file_rea
                   "switch": statistics.median(switches), "package": core.__file__,
                   "load_tensors_cold": cold_loads or None, "load_file_cold": cold_files or None}))
 """
+)
 
 
 def child(root: Path, url: str, token: str, cache: Path, path: Path, cold: bool) -> dict:
-    return child_result(root, CHILD, [url, token, str(cache), str(path), FAMILY, BASE, MEMBER, "cold" if cold else "warm",
-                                      anchors.__file__], "package")
+    return child_result(
+        root,
+        CHILD,
+        [url, token, str(cache), str(path), FAMILY, BASE, MEMBER, "cold" if cold else "warm", anchors.__file__],
+        "package",
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -115,35 +122,74 @@ def main(argv: list[str] | None = None) -> None:
             cache = scratch / "node-cache"
             for i in range(args.pairs):
                 pair = {}
-                for label in (list(sides) if i % 2 == 0 else list(sides)[::-1]):  # take turns going first
+                for label in list(sides) if i % 2 == 0 else list(sides)[::-1]:  # take turns going first
                     pair[label] = child(sides[label], url, stack.token, cache, paths[MEMBER], args.cold)
                 pairs.append(pair)
-                print(f"pair {i + 1}/{args.pairs}: " + ", ".join(f"{k} {v['load_tensors_ready']:.3f} s" for k, v in pair.items()),
-                      flush=True)
+                print(
+                    f"pair {i + 1}/{args.pairs}: "
+                    + ", ".join(f"{k} {v['load_tensors_ready']:.3f} s" for k, v in pair.items()),
+                    flush=True,
+                )
         finally:
             stack.close()
             shutil.rmtree(scratch, ignore_errors=True)
 
     a, b = list(sides)
     ratios = {k: [p[b][k] / p[a][k] for p in pairs] for k in ("load_tensors_ready", "switch")}
-    doc = {"machine": machine_info(), "params": {"pairs": args.pairs, "scale": args.scale, "member": MEMBER,
-                                                "sides": {a: args.rev, b: args.against}, "cold": args.cold},
-           "pairs": pairs, "ratios": ratios, "ratio_medians": {k: median(v) for k, v in ratios.items()}}
+    doc = {
+        "machine": machine_info(),
+        "params": {
+            "pairs": args.pairs,
+            "scale": args.scale,
+            "member": MEMBER,
+            "sides": {a: args.rev, b: args.against},
+            "cold": args.cold,
+        },
+        "pairs": pairs,
+        "ratios": ratios,
+        "ratio_medians": {k: median(v) for k, v in ratios.items()},
+    }
     finish(args.out, doc, report, t_start)
 
 
 def report(doc: dict) -> str:
     a, b = list(doc["params"]["sides"])
-    rows = [[i, f"{p[a]['load_tensors_ready']:.3f}", f"{p[b]['load_tensors_ready']:.3f}", f"{p[a]['load_file_ready']:.3f}",
-             f"{p[b]['load_file_ready']:.3f}", f"{p[a]['switch']:.4f}", f"{p[b]['switch']:.4f}"]
-            for i, p in enumerate(doc["pairs"], 1)]
+    rows = [
+        [
+            i,
+            f"{p[a]['load_tensors_ready']:.3f}",
+            f"{p[b]['load_tensors_ready']:.3f}",
+            f"{p[a]['load_file_ready']:.3f}",
+            f"{p[b]['load_file_ready']:.3f}",
+            f"{p[a]['switch']:.4f}",
+            f"{p[b]['switch']:.4f}",
+        ]
+        for i, p in enumerate(doc["pairs"], 1)
+    ]
     med = doc["ratio_medians"]
-    return "\n".join([
-        f"## {doc['params']['member']} loaded by two revisions of the node client, interleaved (seconds, ready)", "",
-        table(["pair", f"load_tensors {a}", f"load_tensors {b}", f"load_file ({a}'s run)", f"load_file ({b}'s run)",
-               f"switch {a}", f"switch {b}"], rows), "",
-        f"Median ratio {b} / {a}: load_tensors {med['load_tensors_ready']:.2f}, switch {med['switch']:.2f}", "",
-        *_unverified_lines(doc), *_cold_lines(doc)])
+    return "\n".join(
+        [
+            f"## {doc['params']['member']} loaded by two revisions of the node client, interleaved (seconds, ready)",
+            "",
+            table(
+                [
+                    "pair",
+                    f"load_tensors {a}",
+                    f"load_tensors {b}",
+                    f"load_file ({a}'s run)",
+                    f"load_file ({b}'s run)",
+                    f"switch {a}",
+                    f"switch {b}",
+                ],
+                rows,
+            ),
+            "",
+            f"Median ratio {b} / {a}: load_tensors {med['load_tensors_ready']:.2f}, switch {med['switch']:.2f}",
+            "",
+            *_unverified_lines(doc),
+            *_cold_lines(doc),
+        ]
+    )
 
 
 def _cold_lines(doc: dict) -> list[str]:
@@ -152,9 +198,15 @@ def _cold_lines(doc: dict) -> list[str]:
     for side in doc["params"]["sides"]:
         runs = [p[side] for p in doc["pairs"] if p[side].get("load_tensors_cold")]
         if runs:
-            fmt = lambda key: ", ".join(f"{x:.3f}" for r in runs for x in r[key])  # noqa: E731
-            out += [f"{side}, dropped from the page cache: load_tensors ready {fmt('load_tensors_cold')} s; "
-                    f"load_file {fmt('load_file_cold')} s", ""]
+
+            def fmt(key: str, runs: list = runs) -> str:
+                return ", ".join(f"{x:.3f}" for r in runs for x in r[key])
+
+            out += [
+                f"{side}, dropped from the page cache: load_tensors ready {fmt('load_tensors_cold')} s; "
+                f"load_file {fmt('load_file_cold')} s",
+                "",
+            ]
     return out
 
 
@@ -162,13 +214,19 @@ def _unverified_lines(doc: dict) -> list[str]:
     """load_tensors(verify=False) beside load_file of the same child, where a side has it."""
     out = []
     for side in doc["params"]["sides"]:
-        runs = [(p[side]["load_tensors_unverified_ready"], p[side]["load_file_ready"], p[side]["load_tensors_ready"])
-                for p in doc["pairs"] if p[side].get("load_tensors_unverified_ready") is not None]
+        runs = [
+            (p[side]["load_tensors_unverified_ready"], p[side]["load_file_ready"], p[side]["load_tensors_ready"])
+            for p in doc["pairs"]
+            if p[side].get("load_tensors_unverified_ready") is not None
+        ]
         if runs:
             speed = median([f / u for u, f, _ in runs])
-            out += [f"{side}: load_tensors(verify=False) ready {median([u for u, _, _ in runs]):.3f} s; its speed / "
-                    f"load_file's (mmap) in the same child, median {speed:.2f}x (gate >= 0.9x); checked load_tensors "
-                    f"{median([f / c for _, f, c in runs]):.2f}x", ""]
+            out += [
+                f"{side}: load_tensors(verify=False) ready {median([u for u, _, _ in runs]):.3f} s; its speed / "
+                f"load_file's (mmap) in the same child, median {speed:.2f}x (gate >= 0.9x); checked load_tensors "
+                f"{median([f / c for _, f, c in runs]):.2f}x",
+                "",
+            ]
     return out
 
 

@@ -79,7 +79,7 @@ class Shape:
         return self.hidden // 4  # grouped-query attention: 4 query heads per k/v head
 
     @classmethod
-    def for_scale(cls, scale: float) -> "Shape":
+    def for_scale(cls, scale: float) -> Shape:
         if not 0 < scale <= 4:
             raise ValueError(f"scale {scale} must be in (0, 4]")
         f = math.sqrt(scale)
@@ -208,8 +208,13 @@ def _diff(parent: dict[str, torch.Tensor], child: dict[str, torch.Tensor]) -> di
         if d:
             tensors_changed += 1
             elems_changed += d
-    return {"tensors": len(child), "tensors_changed": tensors_changed, "elements": elems,
-            "elements_changed": elems_changed, "fraction_changed": round(elems_changed / elems, 4)}
+    return {
+        "tensors": len(child),
+        "tensors_changed": tensors_changed,
+        "elements": elems,
+        "elements_changed": elems_changed,
+        "fraction_changed": round(elems_changed / elems, 4),
+    }
 
 
 def _save(tensors: dict[str, torch.Tensor], dest: Path) -> None:
@@ -256,7 +261,9 @@ def generate(out_dir: Path | str = DEFAULT_DIR, scale: float = 1.0, verbose: boo
         info["members"][member] = entry
         info_path.write_text(json.dumps(info, indent=2) + "\n")
         if verbose:
-            print(f"  wrote {dest} ({dest.stat().st_size / 1e9:.3f} GB) in {time.perf_counter() - t0:.1f} s", flush=True)
+            print(
+                f"  wrote {dest} ({dest.stat().st_size / 1e9:.3f} GB) in {time.perf_counter() - t0:.1f} s", flush=True
+            )
         if member not in MEMBERS.values():  # nobody derives from it: free it now
             loaded.pop(member, None)
     info_path.write_text(json.dumps(info, indent=2) + "\n")

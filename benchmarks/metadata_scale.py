@@ -30,8 +30,8 @@ from datetime import timedelta
 from sqlalchemy import text
 
 from benchmarks.common import finish, machine_info, scratch_postgres, table
-from mfsreg.registry.db import chunks as chunk_db
 from mfsreg.registry import prune
+from mfsreg.registry.db import chunks as chunk_db
 from mfsreg.registry.db import prune as prune_db
 from mfsreg.registry.db import stats as stats_db
 from mfsreg.registry.db import versions as version_db
@@ -54,7 +54,7 @@ FILL = [
     " UNION ALL SELECT md5('o'||i), 0, -1, i FROM generate_series(1, (:F*(:B+:V*:U))/100) i) s",
     "INSERT INTO packs (id, size, created_at) SELECT md5('p'||g), 60000000, now() - interval '2 days' "
     "FROM generate_series(0, (SELECT count(*) FROM ch)/40) g",
-    "INSERT INTO chunks (id, size, encoding, stored_size, pack_id, \"offset\", basis_id, depth, created_at) "
+    'INSERT INTO chunks (id, size, encoding, stored_size, pack_id, "offset", basis_id, depth, created_at) '
     "SELECT id, 2097152, CASE WHEN v>0 AND k%3=0 THEN 'sub' ELSE 'zstd' END, "
     "CASE WHEN v>0 AND k%3=0 THEN 400000 ELSE 1500000 END, md5('p'||(rn/40)), (rn%40)*1500000, "
     "CASE WHEN v>0 AND k%3=0 THEN md5('b'||f||':'||(k % :B + 1)) END, CASE WHEN v>0 AND k%3=0 THEN 1 ELSE 0 END, "
@@ -82,8 +82,10 @@ def measure(families: int, versions: int, runs: int) -> dict:
                 c.execute(_sql(statement, F=families, V=versions, B=BASE, U=OWN))
         with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as c:
             c.execute(text("VACUUM ANALYZE"))
-            rows = {t: c.execute(text(f"SELECT count(*) FROM {t}")).scalar_one()
-                    for t in ("chunks", "version_chunks", "family_chunks", "versions")}
+            rows = {
+                t: c.execute(text(f"SELECT count(*) FROM {t}")).scalar_one()
+                for t in ("chunks", "version_chunks", "family_chunks", "versions")
+            }
         with read_tx(engine) as c:
             fam = version_db.get_family(c, "fam1")
             one = [r.id for r in version_db.list_versions(c, "fam1")][versions // 2]
@@ -91,16 +93,20 @@ def measure(families: int, versions: int, runs: int) -> dict:
             cutoff = prune_db.db_now(c) - timedelta(hours=1)
             chosen = prune.decide(c, cutoff, prune_db.pack_sizes(c), prune.DEFAULT_MAX_UNUSED).garbage
         reads = {
-            "anchor: count(*) of version_chunks": lambda c: c.execute(text("SELECT count(*) FROM version_chunks")).scalar(),
+            "anchor: count(*) of version_chunks": lambda c: c.execute(
+                text("SELECT count(*) FROM version_chunks")
+            ).scalar(),
             "version document's chunk table": lambda c: chunk_db.version_chunk_table(c, one),
             "push: the member sharing most of a version's chunks": lambda c: version_db.most_shared_version(
-                c, fam.id, one_ids, fam.member_count),
+                c, fam.id, one_ids, fam.member_count
+            ),
             "a family's tier table (all tiers)": lambda c: chunk_db.family_chunk_table(c, fam.id),
             "stats of one family: per-version figures": lambda c: stats_db.version_figures(c, "fam1"),
             "stats of the registry: storage totals": lambda c: stats_db.storage_totals(c),
             "prune: unlisted packs": lambda c: prune_db.unlisted(c),
             "prune: the decision (chunks kept, packs to retire and repack)": lambda c: prune.decide(
-                c, cutoff, prune_db.pack_sizes(c), prune.DEFAULT_MAX_UNUSED),
+                c, cutoff, prune_db.pack_sizes(c), prune.DEFAULT_MAX_UNUSED
+            ),
             "prune: its choice checked again, writers waiting": lambda c: prune.still_unneeded(c, chosen),
         }
         seconds = {}
@@ -125,12 +131,26 @@ def report(doc: dict) -> str:
         a, b = small["seconds"][label], large["seconds"][label]
         anchor = large["seconds"]["anchor: count(*) of version_chunks"]
         rows.append([label, a, b, f"{b / a:.2f}x", f"{b / anchor:.2f}x"])
-    head = (f"{doc['families']} families; {small['versions_per_family']} versions each "
-            f"({small['rows']['chunks']:,} chunk rows, {small['rows']['version_chunks']:,} version_chunks) and "
-            f"{large['versions_per_family']} ({large['rows']['chunks']:,}, {large['rows']['version_chunks']:,}); "
-            f"median of {doc['runs']} runs")
-    return head + "\n" + table(["read", f"s at {small['versions_per_family']}", f"s at {large['versions_per_family']}",
-                                "growth", "/ anchor (large)"], rows)
+    head = (
+        f"{doc['families']} families; {small['versions_per_family']} versions each "
+        f"({small['rows']['chunks']:,} chunk rows, {small['rows']['version_chunks']:,} version_chunks) and "
+        f"{large['versions_per_family']} ({large['rows']['chunks']:,}, {large['rows']['version_chunks']:,}); "
+        f"median of {doc['runs']} runs"
+    )
+    return (
+        head
+        + "\n"
+        + table(
+            [
+                "read",
+                f"s at {small['versions_per_family']}",
+                f"s at {large['versions_per_family']}",
+                "growth",
+                "/ anchor (large)",
+            ],
+            rows,
+        )
+    )
 
 
 def main() -> None:
@@ -142,8 +162,12 @@ def main() -> None:
     args = ap.parse_args()
     t_start = time.perf_counter()
     sizes = [int(s) for s in args.sizes.split(",")]
-    doc = {"families": args.families, "runs": args.runs, "machine": machine_info(),
-           "sizes": [measure(args.families, v, args.runs) for v in sizes]}
+    doc = {
+        "families": args.families,
+        "runs": args.runs,
+        "machine": machine_info(),
+        "sizes": [measure(args.families, v, args.runs) for v in sizes],
+    }
     finish(args.out, doc, report, t_start)
 
 

@@ -68,8 +68,11 @@ def whole_file(path: Path, pool: ThreadPoolExecutor | None = None, slice_size: i
         np.frombuffer(m, dtype=np.uint8)[::PAGE].sum()
     else:
         n = len(m)
-        _hash_all(pool, ctypes.addressof(ctypes.c_ubyte.from_buffer(m)),
-                  [(o, min(slice_size, n - o)) for o in range(0, n, slice_size)])
+        _hash_all(
+            pool,
+            ctypes.addressof(ctypes.c_ubyte.from_buffer(m)),
+            [(o, min(slice_size, n - o)) for o in range(0, n, slice_size)],
+        )
     s = time.perf_counter() - t0
     pmd = _pmd_kb()
     del m
@@ -89,7 +92,9 @@ def cut(path: Path, size: int, into: Path) -> list[tuple[Path, int]]:
     return out
 
 
-def mapped(files: list[tuple[Path, int]], size: int, aligned: bool, pool: ThreadPoolExecutor | None = None) -> tuple[float, int]:
+def mapped(
+    files: list[tuple[Path, int]], size: int, aligned: bool, pool: ThreadPoolExecutor | None = None
+) -> tuple[float, int]:
     """Reserve, map every chunk file at multiples of ``size``, touch every page (with ``pool``, hash
     each chunk file's bytes instead); seconds and FilePmdMapped."""
     length = len(files) * size
@@ -118,17 +123,37 @@ def report(doc: dict) -> str:
     r = doc["results"]
     total = doc["bytes"]
     anchor = r["whole_file"]["seconds"]
-    rows = [["one file (load_file's mmap backend)", "", f"{anchor * 1e3:.1f}", f"{total / anchor / MB:,.0f}", "1.00",
-             f"{r['whole_file']['pmd_kb']:,}"]]
+    rows = [
+        [
+            "one file (load_file's mmap backend)",
+            "",
+            f"{anchor * 1e3:.1f}",
+            f"{total / anchor / MB:,.0f}",
+            "1.00",
+            f"{r['whole_file']['pmd_kb']:,}",
+        ]
+    ]
     for row in r["chunks"]:
-        rows.append([f"{row['chunk_size'] >> 10} KiB chunk files ({row['files']:,})", "2 MiB" if row["aligned"] else "4 KiB",
-                     f"{row['seconds'] * 1e3:.1f}", f"{total / row['seconds'] / MB:,.0f}", f"{anchor / row['seconds']:.2f}",
-                     f"{row['pmd_kb']:,}"])
-    return "\n".join([
-        f"## Map and touch {total / MB:,.1f} MB of {doc['params']['member']} (median of {doc['params']['runs']} passes, "
-        f"{doc['machine']['cpu_model']}, Linux {os.uname().release})", "",
-        table(["mapped", "range aligned to", "ms", "MB/s", "speed / one file", "FilePmdMapped kB"], rows), "",
-        *_read_rows(doc)])
+        rows.append(
+            [
+                f"{row['chunk_size'] >> 10} KiB chunk files ({row['files']:,})",
+                "2 MiB" if row["aligned"] else "4 KiB",
+                f"{row['seconds'] * 1e3:.1f}",
+                f"{total / row['seconds'] / MB:,.0f}",
+                f"{anchor / row['seconds']:.2f}",
+                f"{row['pmd_kb']:,}",
+            ]
+        )
+    return "\n".join(
+        [
+            f"## Map and touch {total / MB:,.1f} MB of {doc['params']['member']} (median of {doc['params']['runs']} passes, "
+            f"{doc['machine']['cpu_model']}, Linux {os.uname().release})",
+            "",
+            table(["mapped", "range aligned to", "ms", "MB/s", "speed / one file", "FilePmdMapped kB"], rows),
+            "",
+            *_read_rows(doc),
+        ]
+    )
 
 
 def _read_rows(doc: dict) -> list[str]:
@@ -136,12 +161,25 @@ def _read_rows(doc: dict) -> list[str]:
     if not rd:
         return []
     total, touch = doc["bytes"], doc["results"]["whole_file"]["seconds"]
-    rows = [[f"one file, {rd['chunk_size'] >> 10} KiB slices", f"{rd['whole_file'] * 1e3:.1f}",
-             f"{total / rd['whole_file'] / MB:,.0f}", f"{touch / rd['whole_file']:.2f}"],
-            [f"{rd['chunk_size'] >> 10} KiB chunk files, mapped aligned, each checked against its id",
-             f"{rd['chunks'] * 1e3:.1f}", f"{total / rd['chunks'] / MB:,.0f}", f"{touch / rd['chunks']:.2f}"]]
-    return [f"### Map and read every byte (xxh3-128 on {rd['threads']} threads), as load_tensors' id check does", "",
-            table(["mapped", "ms", "MB/s", "speed / one file touched"], rows)]
+    rows = [
+        [
+            f"one file, {rd['chunk_size'] >> 10} KiB slices",
+            f"{rd['whole_file'] * 1e3:.1f}",
+            f"{total / rd['whole_file'] / MB:,.0f}",
+            f"{touch / rd['whole_file']:.2f}",
+        ],
+        [
+            f"{rd['chunk_size'] >> 10} KiB chunk files, mapped aligned, each checked against its id",
+            f"{rd['chunks'] * 1e3:.1f}",
+            f"{total / rd['chunks'] / MB:,.0f}",
+            f"{touch / rd['chunks']:.2f}",
+        ],
+    ]
+    return [
+        f"### Map and read every byte (xxh3-128 on {rd['threads']} threads), as load_tensors' id check does",
+        "",
+        table(["mapped", "ms", "MB/s", "speed / one file touched"], rows),
+    ]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -165,19 +203,39 @@ def main(argv: list[str] | None = None) -> None:
             anchors.prewarm(p for p, _ in files)
             for aligned in (True, False):
                 runs = [mapped(files, size, aligned) for _ in range(args.runs)]
-                results["chunks"].append({"chunk_size": size, "files": len(files), "aligned": aligned,
-                                          "seconds": median([s for s, _ in runs]), "pmd_kb": runs[-1][1]})
+                results["chunks"].append(
+                    {
+                        "chunk_size": size,
+                        "files": len(files),
+                        "aligned": aligned,
+                        "seconds": median([s for s, _ in runs]),
+                        "pmd_kb": runs[-1][1],
+                    }
+                )
         # every byte read, with the chunk files of the last of --sizes (the default's 2 MiB): what the id check adds
         with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
             runs = [whole_file(path, pool, size) for _ in range(args.runs)]
             checked = [mapped(files, size, True, pool) for _ in range(args.runs)]
-        results["read"] = {"threads": os.cpu_count() or 1, "chunk_size": size,
-                           "whole_file": median([s for s, _ in runs]), "chunks": median([s for s, _ in checked])}
+        results["read"] = {
+            "threads": os.cpu_count() or 1,
+            "chunk_size": size,
+            "whole_file": median([s for s, _ in runs]),
+            "chunks": median([s for s, _ in checked]),
+        }
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    doc = {"machine": machine_info(), "params": {"scale": args.scale, "runs": args.runs, "member": args.member,
-                                                 "sizes": args.sizes, "kernel": os.uname().release},
-           "bytes": path.stat().st_size, "results": results}
+    doc = {
+        "machine": machine_info(),
+        "params": {
+            "scale": args.scale,
+            "runs": args.runs,
+            "member": args.member,
+            "sizes": args.sizes,
+            "kernel": os.uname().release,
+        },
+        "bytes": path.stat().st_size,
+        "results": results,
+    }
     finish(args.out, doc, report, t_start)
 
 

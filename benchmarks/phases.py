@@ -84,7 +84,10 @@ def main(argv: list[str] | None = None) -> None:
         with fresh_registry(args.data) as (reg, home):
             ops = [
                 ("push base (new)", lambda: reg.push(paths["base"], "bench", "base")),
-                ("push lora-chat (mostly dup)", lambda: reg.push(paths["lora-chat"], "bench", "lora-chat", parent="base")),
+                (
+                    "push lora-chat (mostly dup)",
+                    lambda: reg.push(paths["lora-chat"], "bench", "lora-chat", parent="base"),
+                ),
                 ("push base-copy (identical)", lambda: reg.push(paths["base"], "bench", "base-copy")),
                 ("pull base", lambda: reg.pull("bench", "base", home / "out.safetensors")),
             ]
@@ -95,8 +98,14 @@ def main(argv: list[str] | None = None) -> None:
     for label, rs in results.items():
         med = {k: median([r.get(k, 0.0) for r in rs]) for k in ["wall", *cols]}
         doc[label] = {"median": med, "runs": rs}
-        rows.append([label, f"{med['wall']:.2f}", f"{size / med['wall'] / GB:.2f}",
-                     *(f"{med[k]:.2f}" if med[k] else "" for k in cols)])
+        rows.append(
+            [
+                label,
+                f"{med['wall']:.2f}",
+                f"{size / med['wall'] / GB:.2f}",
+                *(f"{med[k]:.2f}" if med[k] else "" for k in cols),
+            ]
+        )
     print(f"\n## Phases (scale {args.scale:g}, {size / GB:.2f} GB file, median of {args.runs}; seconds)\n")
     print(table(["op", "wall s", "GB/s", "hash", "upload", "digest wait", "commit", "other"], rows))
     path = write_json("phases.json", {"machine": machine_info(), "scale": args.scale, "runs": args.runs, "ops": doc})

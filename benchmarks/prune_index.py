@@ -32,11 +32,18 @@ def one(revision: str, n_chunks: int, n_packs: int) -> dict:
         packs = [uuid.uuid4().hex for _ in range(n_packs)]
         with engine.begin() as conn:
             conn.execute(text("INSERT INTO packs (id, size) VALUES (:id, 1)"), [{"id": p} for p in packs])
-            insert = text('INSERT INTO chunks (id, size, encoding, stored_size, pack_id, "offset", depth) '
-                          "VALUES (:id, 1, 'raw', 1, :p, :o, 0)")
+            insert = text(
+                'INSERT INTO chunks (id, size, encoding, stored_size, pack_id, "offset", depth) '
+                "VALUES (:id, 1, 'raw', 1, :p, :o, 0)"
+            )
             for k in range(0, n_chunks, 50_000):
-                conn.execute(insert, [{"id": uuid.uuid4().hex, "p": packs[i % n_packs], "o": i}
-                                      for i in range(k, min(n_chunks, k + 50_000))])
+                conn.execute(
+                    insert,
+                    [
+                        {"id": uuid.uuid4().hex, "p": packs[i % n_packs], "o": i}
+                        for i in range(k, min(n_chunks, k + 50_000))
+                    ],
+                )
         with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
             conn.execute(text("ANALYZE"))
         tenth = n_packs // 10
@@ -57,12 +64,15 @@ def one(revision: str, n_chunks: int, n_packs: int) -> dict:
 def report(doc: dict) -> str:
     rows = []
     n = doc["runs_detail"][0]["head"]
-    for what, key in ((f"chunks_in of {n['packs_asked']} packs", "chunks_in_s"),
-                      (f"retire_packs of {n['packs_retired']} emptied packs", "retire_s")):
+    for what, key in (
+        (f"chunks_in of {n['packs_asked']} packs", "chunks_in_s"),
+        (f"retire_packs of {n['packs_retired']} emptied packs", "retire_s"),
+    ):
         before, after = doc["median"]["0008"][key], doc["median"]["head"][key]
         rows.append([what, before, after, f"{after / before:.3f}x"])
-    return (f"{doc['chunks']:,} chunk rows in {doc['packs']:,} packs, median of {doc['runs']} runs\n"
-            + table(["query", "0008 (no index) s", "head s", "head / 0008"], rows))
+    return f"{doc['chunks']:,} chunk rows in {doc['packs']:,} packs, median of {doc['runs']} runs\n" + table(
+        ["query", "0008 (no index) s", "head s", "head / 0008"], rows
+    )
 
 
 def main() -> None:
@@ -76,8 +86,10 @@ def main() -> None:
     for i in range(args.runs):
         order = ("0008", "head") if i % 2 == 0 else ("head", "0008")
         doc["runs_detail"].append({rev: one(rev, args.chunks, args.packs) for rev in order})
-    doc["median"] = {rev: {k: median([r[rev][k] for r in doc["runs_detail"]]) for k in ("chunks_in_s", "retire_s")}
-                     for rev in ("0008", "head")}
+    doc["median"] = {
+        rev: {k: median([r[rev][k] for r in doc["runs_detail"]]) for k in ("chunks_in_s", "retire_s")}
+        for rev in ("0008", "head")
+    }
     finish("prune_index.json", doc, report, t_start)
 
 

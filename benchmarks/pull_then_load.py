@@ -58,8 +58,14 @@ def one(bench: Bench, setting: str) -> dict:
         _touch(tensors)
         t2 = time.perf_counter()
         del tensors
-        return {"pull_s": t1 - t0, "pull_cpu_s": c1 - c0, "load_ready_s": t2 - t1, "total_s": t2 - t0, "fetched_bytes": res.fetched_bytes,
-                "logical_bytes": res.logical_bytes}
+        return {
+            "pull_s": t1 - t0,
+            "pull_cpu_s": c1 - c0,
+            "load_ready_s": t2 - t1,
+            "total_s": t2 - t0,
+            "fetched_bytes": res.fetched_bytes,
+            "logical_bytes": res.logical_bytes,
+        }
     finally:
         out.unlink(missing_ok=True)
         cache.close()
@@ -81,15 +87,39 @@ def get_object_s(stack: Stack, bucket: str, work: Path) -> float:
 
 def report(doc: dict) -> str:
     p, s = doc["params"], doc["summary"]
-    rows = [[way, f"{v['pull_s']:.3f}", f"{v['pull_over_get_object']:.2f}x", f"{v['pull_cpu_s']:.3f}",
-             f"{v['load_ready_s']:.3f}", f"{v['total_s']:.3f}"] for way, v in s.items()]
-    return "\n".join([
-        f"## Pull of {DUP} with the base cached, then load_file of the pulled file (scale {p['scale']:g}, "
-        f"{s[next(iter(s))]['logical_bytes'] / MB:,.1f} MB, median of {p['runs']} runs, {doc['machine']['cpu_count']} CPUs)", "",
-        table(["the pull's file written", "pull s", "pull / get_object (per run)", "pull CPU s (this process)",
-               "load_file + first touch s", "together s (median of the totals)"], rows),
-        "", f"Anchor: one get_object of the same file streamed to a file, {doc['summary_anchor']['get_object_s']:.3f} s "
-        "(median). The pull's CPU is this process's (user + system, all threads); the server's is not counted.", ""])
+    rows = [
+        [
+            way,
+            f"{v['pull_s']:.3f}",
+            f"{v['pull_over_get_object']:.2f}x",
+            f"{v['pull_cpu_s']:.3f}",
+            f"{v['load_ready_s']:.3f}",
+            f"{v['total_s']:.3f}",
+        ]
+        for way, v in s.items()
+    ]
+    return "\n".join(
+        [
+            f"## Pull of {DUP} with the base cached, then load_file of the pulled file (scale {p['scale']:g}, "
+            f"{s[next(iter(s))]['logical_bytes'] / MB:,.1f} MB, median of {p['runs']} runs, {doc['machine']['cpu_count']} CPUs)",
+            "",
+            table(
+                [
+                    "the pull's file written",
+                    "pull s",
+                    "pull / get_object (per run)",
+                    "pull CPU s (this process)",
+                    "load_file + first touch s",
+                    "together s (median of the totals)",
+                ],
+                rows,
+            ),
+            "",
+            f"Anchor: one get_object of the same file streamed to a file, {doc['summary_anchor']['get_object_s']:.3f} s "
+            "(median). The pull's CPU is this process's (user + system, all threads); the server's is not counted.",
+            "",
+        ]
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -123,8 +153,11 @@ def main(argv: list[str] | None = None) -> None:
             for way in ways:
                 raw[way].append({**one(bench, WAYS[way]), "get_object_s": anchor[-1]})
                 r = raw[way][-1]
-                print(f"run {i + 1}: {way}: pull {r['pull_s']:.3f} s, load {r['load_ready_s']:.3f} s "
-                      f"(get_object {anchor[-1]:.3f} s)", flush=True)
+                print(
+                    f"run {i + 1}: {way}: pull {r['pull_s']:.3f} s, load {r['load_ready_s']:.3f} s "
+                    f"(get_object {anchor[-1]:.3f} s)",
+                    flush=True,
+                )
     finally:
         if before is None:
             os.environ.pop("MFSREG_PULL_DIRECT", None)
@@ -132,12 +165,22 @@ def main(argv: list[str] | None = None) -> None:
             os.environ["MFSREG_PULL_DIRECT"] = before
         stack.close()
         shutil.rmtree(work, ignore_errors=True)
-    summary = {way: {**{k: median([r[k] for r in rows]) for k in ("pull_s", "pull_cpu_s", "load_ready_s", "total_s")},
-                     "pull_over_get_object": median([r["pull_s"] / r["get_object_s"] for r in rows]),
-                     "logical_bytes": rows[0]["logical_bytes"], "fetched_bytes": rows[0]["fetched_bytes"]}
-               for way, rows in raw.items()}
-    doc = {"machine": machine_info(), "params": {"scale": args.scale, "runs": args.runs, "member": DUP},
-           "summary": summary, "summary_anchor": {"get_object_s": median(anchor), "all": anchor}, "runs": raw}
+    summary = {
+        way: {
+            **{k: median([r[k] for r in rows]) for k in ("pull_s", "pull_cpu_s", "load_ready_s", "total_s")},
+            "pull_over_get_object": median([r["pull_s"] / r["get_object_s"] for r in rows]),
+            "logical_bytes": rows[0]["logical_bytes"],
+            "fetched_bytes": rows[0]["fetched_bytes"],
+        }
+        for way, rows in raw.items()
+    }
+    doc = {
+        "machine": machine_info(),
+        "params": {"scale": args.scale, "runs": args.runs, "member": DUP},
+        "summary": summary,
+        "summary_anchor": {"get_object_s": median(anchor), "all": anchor},
+        "runs": raw,
+    }
     finish(args.out, doc, report, t_start)
 
 

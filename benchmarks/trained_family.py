@@ -83,10 +83,17 @@ def tensor_shapes() -> dict[str, tuple[int, ...]]:
     out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (VOCAB, h)}
     for n in range(LAYERS):
         p = f"model.layers.{n}."
-        out |= {p + "self_attn.q_proj.weight": (h, h), p + "self_attn.k_proj.weight": (kv, h),
-                p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, h),
-                p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h), p + "mlp.down_proj.weight": (h, i),
-                p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)}
+        out |= {
+            p + "self_attn.q_proj.weight": (h, h),
+            p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h),
+            p + "self_attn.o_proj.weight": (h, h),
+            p + "mlp.gate_proj.weight": (i, h),
+            p + "mlp.up_proj.weight": (i, h),
+            p + "mlp.down_proj.weight": (h, i),
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+        }
     out["model.norm.weight"] = (h,)
     out["lm_head.weight"] = (VOCAB, h)
     return out
@@ -111,7 +118,11 @@ def forward(w: dict[str, torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, HIDDEN)
         x = x + a @ w[p + "self_attn.o_proj.weight"].T
         h = _rms_norm(x, w[p + "post_attention_layernorm.weight"])
-        x = x + (F.silu(h @ w[p + "mlp.gate_proj.weight"].T) * (h @ w[p + "mlp.up_proj.weight"].T)) @ w[p + "mlp.down_proj.weight"].T
+        x = (
+            x
+            + (F.silu(h @ w[p + "mlp.gate_proj.weight"].T) * (h @ w[p + "mlp.up_proj.weight"].T))
+            @ w[p + "mlp.down_proj.weight"].T
+        )
     return _rms_norm(x, w["model.norm.weight"]) @ w["lm_head.weight"].T
 
 
@@ -134,8 +145,10 @@ class Domains:
 
 def _init() -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(1234)
-    return {name: (torch.ones(s) if name.endswith("norm.weight") else torch.randn(s, generator=g) * INIT_STD)
-            for name, s in tensor_shapes().items()}
+    return {
+        name: (torch.ones(s) if name.endswith("norm.weight") else torch.randn(s, generator=g) * INIT_STD)
+        for name, s in tensor_shapes().items()
+    }
 
 
 def train(start: dict[str, torch.Tensor], r: Recipe, data: Domains) -> tuple[dict[str, torch.Tensor], float]:
@@ -150,8 +163,10 @@ def train(start: dict[str, torch.Tensor], r: Recipe, data: Domains) -> tuple[dic
             if name.endswith(LORA_TARGETS):
                 out_f, in_f = w[name].shape
                 bound = 1 / math.sqrt(in_f)
-                lora[name] = (torch.empty(r.lora_rank, in_f).uniform_(-bound, bound, generator=g).requires_grad_(),
-                              torch.zeros(out_f, r.lora_rank, requires_grad=True))
+                lora[name] = (
+                    torch.empty(r.lora_rank, in_f).uniform_(-bound, bound, generator=g).requires_grad_(),
+                    torch.zeros(out_f, r.lora_rank, requires_grad=True),
+                )
         params = [t for ab in lora.values() for t in ab]
         scale = 2.0  # alpha 16 / rank 8
 
@@ -164,6 +179,7 @@ def train(start: dict[str, torch.Tensor], r: Recipe, data: Domains) -> tuple[dic
 
         def weights():
             return w
+
     opt = torch.optim.AdamW(params, lr=r.lr, weight_decay=r.weight_decay)
     losses = []
     for _ in range(r.steps):
@@ -204,10 +220,16 @@ def generate(out_dir: Path | str = DEFAULT_DIR, verbose: bool = False) -> dict[s
     paths = {m: root / f"{m}.safetensors" for m in MEMBERS}
     info_path = root / "family.json"
     info = json.loads(info_path.read_text()) if info_path.exists() else {}
-    info.update(generator_version=GENERATOR_VERSION, params=sum(math.prod(s) for s in tensor_shapes().values()),
-                shape=dict(vocab=VOCAB, hidden=HIDDEN, intermediate=INTERMEDIATE, layers=LAYERS, heads=HEADS,
-                           kv_heads=KV_HEADS), data=dict(seq=SEQ, batch=BATCH, successors=SUCCESSORS),
-                torch=torch.__version__, threads=torch.get_num_threads())
+    info.update(
+        generator_version=GENERATOR_VERSION,
+        params=sum(math.prod(s) for s in tensor_shapes().values()),
+        shape=dict(
+            vocab=VOCAB, hidden=HIDDEN, intermediate=INTERMEDIATE, layers=LAYERS, heads=HEADS, kv_heads=KV_HEADS
+        ),
+        data=dict(seq=SEQ, batch=BATCH, successors=SUCCESSORS),
+        torch=torch.__version__,
+        threads=torch.get_num_threads(),
+    )
     info.setdefault("members", {})
     data = Domains()
     for member, r in MEMBERS.items():
@@ -229,9 +251,17 @@ def generate(out_dir: Path | str = DEFAULT_DIR, verbose: bool = False) -> dict[s
         info_path.write_text(json.dumps(info, indent=2) + "\n")
         if verbose:
             moved = entry.get("vs_parent")
-            print(f"  trained {member}: loss {loss:.3f}" + (f", {moved['elements_changed']:.1%} of elements changed, "
-                  f"change {moved['relative_change']:.2e} of the weights' norm" if moved else "")
-                  + f" ({entry['seconds']:.0f} s)", flush=True)
+            print(
+                f"  trained {member}: loss {loss:.3f}"
+                + (
+                    f", {moved['elements_changed']:.1%} of elements changed, "
+                    f"change {moved['relative_change']:.2e} of the weights' norm"
+                    if moved
+                    else ""
+                )
+                + f" ({entry['seconds']:.0f} s)",
+                flush=True,
+            )
     info_path.write_text(json.dumps(info, indent=2) + "\n")
     return paths
 

@@ -57,7 +57,9 @@ def quorum(
     from mfsreg.registry.errors import shown
 
     if (fraction := _number(value)) is None:
-        raise typer.BadParameter(f"{shown(value, 40)} is not a number: give a fraction in (0, 1], e.g. 0.5", param_hint="'value'")
+        raise typer.BadParameter(
+            f"{shown(value, 40)} is not a number: give a fraction in (0, 1], e.g. 0.5", param_hint="'value'"
+        )
     local_only("family quorum")
 
     with embedded(blobs=False) as reg:  # re-tiering reads and writes only the database
@@ -77,9 +79,14 @@ def _number(word: str) -> float | None:
 
 def prune(
     min_age: str = typer.Option(
-        "1h", "--min-age", help="Grace period: chunks recorded, and packs retired or announced, more recently than "
-        "this stay (a push may not have committed yet; a pull may still read a retired pack). 0 when nothing else runs."),
-    max_unused: float = typer.Option(0.1, "--max-unused", help="Repack a pack when more than this share of it is unused."),
+        "1h",
+        "--min-age",
+        help="Grace period: chunks recorded, and packs retired or announced, more recently than "
+        "this stay (a push may not have committed yet; a pull may still read a retired pack). 0 when nothing else runs.",
+    ),
+    max_unused: float = typer.Option(
+        0.1, "--max-unused", help="Repack a pack when more than this share of it is unused."
+    ),
     dry_run: bool = typer.Option(False, "--dry-run", help="Only say what would be deleted and freed."),
     json_: bool = typer.Option(False, "--json"),
     registry: str = RegistryOption,
@@ -109,14 +116,20 @@ def prune(
         head = f"deleted {chunks}; repacked {packs} moved); deleted {blobs}"
     typer.echo(head)
     if res.waiting_packs:
-        typer.echo(f"{_n(res.waiting_packs, 'unlisted pack')} ({human_bytes(res.waiting_bytes)}: retired, or being written) "
-                   f"wait out --min-age {min_age}; a later prune deletes those no push records")
+        typer.echo(
+            f"{_n(res.waiting_packs, 'unlisted pack')} ({human_bytes(res.waiting_bytes)}: retired, or being written) "
+            f"wait out --min-age {min_age}; a later prune deletes those no push records"
+        )
 
 
 def check(
     family: str = typer.Option(None, "--family", "-f", help="One family; without it, the whole registry."),
-    read_data: bool = typer.Option(False, "--read-data", help="Also read every chunk, decode it and hash it against "
-                                   "its id (reads all the stored bytes; without it, each pack is only looked up)."),
+    read_data: bool = typer.Option(
+        False,
+        "--read-data",
+        help="Also read every chunk, decode it and hash it against "
+        "its id (reads all the stored bytes; without it, each pack is only looked up).",
+    ),
     json_: bool = typer.Option(False, "--json", help="Print one JSON object."),
     registry: str = RegistryOption,
 ) -> None:
@@ -136,11 +149,19 @@ def check(
 
 def _say_checked(res, read_data: bool) -> None:
     scope = "the registry" if res.scope == "registry" else res.scope
-    head = (f"checked {_n(res.versions, 'version')} of {scope}: {_n(res.chunks, 'chunk')} in {_n(res.packs, 'pack')} "
-            f"({human_bytes(res.stored_bytes)} stored)")
+    head = (
+        f"checked {_n(res.versions, 'version')} of {scope}: {_n(res.chunks, 'chunk')} in {_n(res.packs, 'pack')} "
+        f"({human_bytes(res.stored_bytes)} stored)"
+    )
     if res.ok:
-        typer.echo(f"{head}, " + ("every chunk read and verified: all intact" if read_data else
-                                  "every pack present and whole (--read-data also reads and verifies each chunk)"))
+        typer.echo(
+            f"{head}, "
+            + (
+                "every chunk read and verified: all intact"
+                if read_data
+                else "every pack present and whole (--read-data also reads and verifies each chunk)"
+            )
+        )
         return
     problems = [_n(len(res.lost_packs), "pack") + " lost"] if res.lost_packs else []
     if res.damaged_chunks:
@@ -152,21 +173,27 @@ def _say_checked(res, read_data: bool) -> None:
     lines = [f"pack {p}: {why}" for p, why in res.lost_packs.items()]
     lines += [f"pack {p}: {_n(d['chunks'], 'chunk')} damaged ({d['first']})" for p, d in res.damaged_packs.items()]
     lines += [f"cannot be pulled: {v}" for v in res.broken_versions]
-    for line in lines[:3 * shown]:
+    for line in lines[: 3 * shown]:
         typer.echo(f"  {line}")
     if len(lines) > 3 * shown:
         typer.echo(f"  ... and {len(lines) - 3 * shown} more (--json lists them all)")
     if res.lost_packs:
-        typer.echo("restore the lost packs from a backup (and check that MFSREG_BLOB_URL names this registry's store), "
-                   "or push each listed version's file again: a push stores anew the chunks of lost packs it holds")
+        typer.echo(
+            "restore the lost packs from a backup (and check that MFSREG_BLOB_URL names this registry's store), "
+            "or push each listed version's file again: a push stores anew the chunks of lost packs it holds"
+        )
     if res.damaged_packs:
-        typer.echo("restore the damaged packs from a backup, or push each listed version's file again with "
-                   "--mend-damaged: the push reads the version's stored chunks and stores again those that are damaged")
+        typer.echo(
+            "restore the damaged packs from a backup, or push each listed version's file again with "
+            "--mend-damaged: the push reads the version's stored chunks and stores again those that are damaged"
+        )
     if res.unrecorded_chunks:
-        typer.echo("the database lost the rows of chunks its versions need: restore it from a backup (with the blob "
-                   "store of the same time)")
+        typer.echo(
+            "the database lost the rows of chunks its versions need: restore it from a backup (with the blob "
+            "store of the same time)"
+        )
 
 
 def _n(count: int, what: str) -> str:
-    """"1 pack", "2 packs"."""
+    """ "1 pack", "2 packs"."""
     return f"{count} {what}{'' if count == 1 else 's'}"

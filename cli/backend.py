@@ -8,14 +8,20 @@ from contextlib import contextmanager
 import typer
 
 RegistryOption = typer.Option(
-    None, "--registry", envvar="MFSREG_URL", show_envvar=True,
+    None,
+    "--registry",
+    envvar="MFSREG_URL",
+    show_envvar=True,
     help="URL of an mfsreg server; without it the embedded registry under MFSREG_HOME is used.",
 )
 
 
 # The same option for the node cache's commands, which have no embedded registry to fall back on.
 ServerOption = typer.Option(
-    None, "--registry", envvar="MFSREG_URL", show_envvar=True,
+    None,
+    "--registry",
+    envvar="MFSREG_URL",
+    show_envvar=True,
     help="URL of the mfsreg server whose chunks the node cache holds (required: the cache serves a server).",
 )
 
@@ -55,5 +61,7 @@ def local_only(command: str) -> None:
     if url:
         from mfsreg.registry.errors import InvalidRequest
 
-        raise InvalidRequest(f"`mfsreg {command}` acts on the registry's database directly, not through a server, and "
-                             f"MFSREG_URL is set ({url}): run it where the database is (MFSREG_DATABASE_URL), without MFSREG_URL")
+        raise InvalidRequest(
+            f"`mfsreg {command}` acts on the registry's database directly, not through a server, and "
+            f"MFSREG_URL is set ({url}): run it where the database is (MFSREG_DATABASE_URL), without MFSREG_URL"
+        )

@@ -7,7 +7,10 @@ import typer
 from mfsreg.cli.backend import ServerOption
 from mfsreg.cli.output import emit_json, human_bytes, table
 
-cache_app = typer.Typer(help="The node cache (MFSREG_CACHE_DIR, default $XDG_CACHE_HOME/mfsreg, else ~/.cache/mfsreg).", no_args_is_help=True)
+cache_app = typer.Typer(
+    help="The node cache (MFSREG_CACHE_DIR, default $XDG_CACHE_HOME/mfsreg, else ~/.cache/mfsreg).",
+    no_args_is_help=True,
+)
 
 
 @cache_app.command("warm")
@@ -43,7 +46,9 @@ def unpin(family: str = typer.Argument(...), json_: bool = typer.Option(False, "
     try:
         pinned = cache.pinned()
         if family not in pinned:
-            raise InvalidRequest(f"family {family!r} is not pinned in this cache (pinned: {', '.join(pinned) or 'none'})")
+            raise InvalidRequest(
+                f"family {family!r} is not pinned in this cache (pinned: {', '.join(pinned) or 'none'})"
+            )
         cache.unpin(family)
         pinned.remove(family)
     finally:
@@ -51,7 +56,9 @@ def unpin(family: str = typer.Argument(...), json_: bool = typer.Option(False, "
     if json_:
         emit_json({"family": family, "pinned_families": pinned})
     else:
-        typer.echo(f"{family}: unpinned; its base tier is evicted like any other chunks (`mfsreg cache prune` to shrink now)")
+        typer.echo(
+            f"{family}: unpinned; its base tier is evicted like any other chunks (`mfsreg cache prune` to shrink now)"
+        )
 
 
 @cache_app.command("stats")
@@ -73,7 +80,11 @@ def stats(json_: bool = typer.Option(False, "--json")) -> None:
         emit_json(s)
         return
     typer.echo(f"{s['path']}: {s['chunks']} chunks, {human_bytes(s['bytes'])} (limit {human_bytes(s['max_bytes'])})")
-    table(None, ["tier", "entries", "bytes"], [[t, v["entries"], human_bytes(v["bytes"])] for t, v in s["by_tier"].items()])
+    table(
+        None,
+        ["tier", "entries", "bytes"],
+        [[t, v["entries"], human_bytes(v["bytes"])] for t, v in s["by_tier"].items()],
+    )
 
 
 @cache_app.command("prune", short_help="Evict down to the size limit, and remove temp files that killed writers left.")
@@ -94,8 +105,16 @@ def prune(
         raise InvalidRequest(f"--max-size {max_size!r} is not a size: {SIZE_HINT}") from None
     if (none := missing_cache_stats()) is not None:  # a mistyped MFSREG_CACHE_DIR stays as it was
         if json_:
-            emit_json({"removed": 0, "freed_bytes": 0, "bytes": 0, "temp_files_removed": 0, "unrecorded_files_found": 0,
-                       "in_use_bytes": 0})
+            emit_json(
+                {
+                    "removed": 0,
+                    "freed_bytes": 0,
+                    "bytes": 0,
+                    "temp_files_removed": 0,
+                    "unrecorded_files_found": 0,
+                    "in_use_bytes": 0,
+                }
+            )
         else:
             typer.echo(f"{none['path']}: no cache there yet, nothing to prune")
         return
@@ -109,13 +128,26 @@ def prune(
     # what pulls, loads and switches running now lease stays (eviction.py): said where it kept the cache over
     in_use = cache.leased_bytes() if total > limit else 0
     if json_:
-        emit_json({"removed": removed, "freed_bytes": freed, "bytes": total, "temp_files_removed": temps,
-                   "unrecorded_files_found": orphans, "in_use_bytes": in_use})
+        emit_json(
+            {
+                "removed": removed,
+                "freed_bytes": freed,
+                "bytes": total,
+                "temp_files_removed": temps,
+                "unrecorded_files_found": orphans,
+                "in_use_bytes": in_use,
+            }
+        )
     else:
-        typer.echo(f"removed {removed} entries, freed {human_bytes(freed)}"
-                   + (f", and {temps} temp files left by killed writers" if temps else "")
-                   + (f"; {human_bytes(in_use)} in use by running pulls, loads or switches stays until they end"
-                      if in_use else ""))
+        typer.echo(
+            f"removed {removed} entries, freed {human_bytes(freed)}"
+            + (f", and {temps} temp files left by killed writers" if temps else "")
+            + (
+                f"; {human_bytes(in_use)} in use by running pulls, loads or switches stays until they end"
+                if in_use
+                else ""
+            )
+        )
 
 
 @cache_app.command("verify", short_help="Hash every cached chunk and file against its name; drop what is damaged.")
@@ -129,8 +161,17 @@ def verify(json_: bool = typer.Option(False, "--json")) -> None:
 
     if (none := missing_cache_stats()) is not None:  # a mistyped MFSREG_CACHE_DIR stays as it was
         if json_:
-            emit_json({"chunks": 0, "files": 0, "bytes": 0, "damaged_chunks": [], "damaged_files": [], "damaged_dirs": [],
-                       "unrecorded_files_found": 0})
+            emit_json(
+                {
+                    "chunks": 0,
+                    "files": 0,
+                    "bytes": 0,
+                    "damaged_chunks": [],
+                    "damaged_files": [],
+                    "damaged_dirs": [],
+                    "unrecorded_files_found": 0,
+                }
+            )
         else:
             typer.echo(f"{none['path']}: no cache there yet, nothing to verify")
         return
@@ -141,9 +182,14 @@ def verify(json_: bool = typer.Option(False, "--json")) -> None:
     if json_:
         emit_json(result)
     else:
-        typer.echo(f"checked {result['chunks']} chunks and {result['files']} files ({human_bytes(result['bytes'])}): "
-                   + (f"{damaged} damaged and dropped (fetched again when next needed); check this node's disk"
-                      if damaged else "all intact"))
+        typer.echo(
+            f"checked {result['chunks']} chunks and {result['files']} files ({human_bytes(result['bytes'])}): "
+            + (
+                f"{damaged} damaged and dropped (fetched again when next needed); check this node's disk"
+                if damaged
+                else "all intact"
+            )
+        )
     if damaged:
         raise typer.Exit(4)
 

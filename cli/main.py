@@ -32,8 +32,9 @@ def _show_version(value: bool) -> None:
 
 @app.callback()
 def _root(
-    version: bool = typer.Option(False, "--version", callback=_show_version, is_eager=True,
-                                 help="Print mfsreg's version and exit."),
+    version: bool = typer.Option(
+        False, "--version", callback=_show_version, is_eager=True, help="Print mfsreg's version and exit."
+    ),
 ) -> None:
     """Content-addressed registry for families of fine-tuned models."""
 

@@ -11,8 +11,16 @@ from mfsreg.registry.progress import NullProgress
 if TYPE_CHECKING:
     from rich.progress import Progress
 
-LABELS = {"hash": "hashed", "skip": "skipped (stored)", "send": "sent", "fetch": "fetched", "write": "written", "verify": "checked",
-          "repack": "repacked", "server": "on the server"}
+LABELS = {
+    "hash": "hashed",
+    "skip": "skipped (stored)",
+    "send": "sent",
+    "fetch": "fetched",
+    "write": "written",
+    "verify": "checked",
+    "repack": "repacked",
+    "server": "on the server",
+}
 
 
 class RichProgress:
@@ -42,8 +50,13 @@ def progress_for(quiet: bool):
         yield NullProgress()
         return
     with Progress(
-        TextColumn("{task.description:>16}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-        TimeRemainingColumn(), console=console, transient=True,
+        TextColumn("{task.description:>16}"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        console=console,
+        transient=True,
     ) as p:
         yield RichProgress(p)
 

@@ -33,8 +33,15 @@ def serve(
     # do, at the same level: otherwise Python prints them bare, and --log-level does not reach them.
     log_config = copy.deepcopy(LOGGING_CONFIG)
     log_config["loggers"]["mfsreg"] = {"handlers": ["default"], "level": log_level.upper(), "propagate": False}
-    uvicorn.run("mfsreg.api.app:create_app", factory=True, host=host, port=port, workers=workers, log_level=log_level,
-                log_config=log_config)
+    uvicorn.run(
+        "mfsreg.api.app:create_app",
+        factory=True,
+        host=host,
+        port=port,
+        workers=workers,
+        log_level=log_level,
+        log_config=log_config,
+    )
 
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's
@@ -48,7 +55,9 @@ def _check_serve_options(host: str, port: int, workers: int, log_level: str) -> 
     from mfsreg.registry.errors import InvalidRequest
 
     if not host.strip():  # an unset $HOST in a script: uvicorn would listen on every interface
-        raise InvalidRequest(f"--host {host!r} names no address: give one, e.g. 127.0.0.1 (or 0.0.0.0 for every interface)")
+        raise InvalidRequest(
+            f"--host {host!r} names no address: give one, e.g. 127.0.0.1 (or 0.0.0.0 for every interface)"
+        )
     if not 1 <= port <= 65535:
         raise InvalidRequest(f"--port {port}: give a port from 1 to 65535")
     if workers < 1:
@@ -59,8 +68,9 @@ def _check_serve_options(host: str, port: int, workers: int, log_level: str) -> 
         socket.create_server((host, port)).close()
     except (OSError, UnicodeError, TypeError) as exc:  # TypeError: a name that does not encode (not UTF-8)
         why = exc.strerror if isinstance(exc, OSError) and exc.strerror else "not a name or address this machine has"
-        raise InvalidRequest(f"cannot listen on {host}:{port}: {why}: pick another --port, "
-                             "or a --host this machine has") from None
+        raise InvalidRequest(
+            f"cannot listen on {host}:{port}: {why}: pick another --port, or a --host this machine has"
+        ) from None
 
 
 @token_app.command("create")
@@ -90,12 +100,24 @@ def list_(json_: bool = typer.Option(False, "--json")) -> None:
 
     local_only("token list")
     with embedded(blobs=False) as reg:
-        rows = [dict(prefix=t.prefix, scope=t.role, family=t.family_pattern, description=t.description,
-                     created_at=timestamp(t.created_at)) for t in list_tokens(reg.engine)]
+        rows = [
+            dict(
+                prefix=t.prefix,
+                scope=t.role,
+                family=t.family_pattern,
+                description=t.description,
+                created_at=timestamp(t.created_at),
+            )
+            for t in list_tokens(reg.engine)
+        ]
     if json_:
         emit_json({"tokens": rows})
     else:
-        table(None, ["prefix", "scope", "family", "description"], [[r["prefix"], r["scope"], r["family"], r["description"]] for r in rows])
+        table(
+            None,
+            ["prefix", "scope", "family", "description"],
+            [[r["prefix"], r["scope"], r["family"], r["description"]] for r in rows],
+        )
 
 
 @token_app.command("revoke")

@@ -23,13 +23,31 @@ def stats(
         f"{s['scope']}: {s['versions_count']} versions, {human_bytes(s['logical_bytes'])} logical, "
         f"{human_bytes(s['stored_bytes'])} stored, sharing ratio {s['sharing_ratio']:.2f}x"
     )
-    table("tiers", ["tier", "chunks", "stored"], [[t, v["chunks"], human_bytes(v["bytes"])] for t, v in s["tiers"].items()])
+    table(
+        "tiers",
+        ["tier", "chunks", "stored"],
+        [[t, v["chunks"], human_bytes(v["bytes"])] for t, v in s["tiers"].items()],
+    )
     if s.get("encodings"):
-        table("encodings", ["encoding", "chunks", "raw", "stored"],
-              [[e, v["chunks"], human_bytes(v["raw_bytes"]), human_bytes(v["bytes"])] for e, v in s["encodings"].items()])
+        table(
+            "encodings",
+            ["encoding", "chunks", "raw", "stored"],
+            [[e, v["chunks"], human_bytes(v["raw_bytes"]), human_bytes(v["bytes"])] for e, v in s["encodings"].items()],
+        )
     # with --family every row is that family's: its column would only narrow the others
     named = (lambda v: [v["version"]]) if family else (lambda v: [v["family"], v["version"]])
-    table("versions", ([] if family else ["family"]) + ["version", "logical", "needs stored", "as deltas", "alone holds"],
-          [named(v) + [human_bytes(v["logical_bytes"]), human_bytes(v["stored_bytes"]),
-                       human_bytes(v["delta_bytes"]), human_bytes(v["unique_bytes"])] for v in s["versions"]],
-          names=1 if family else 2)
+    table(
+        "versions",
+        ([] if family else ["family"]) + ["version", "logical", "needs stored", "as deltas", "alone holds"],
+        [
+            named(v)
+            + [
+                human_bytes(v["logical_bytes"]),
+                human_bytes(v["stored_bytes"]),
+                human_bytes(v["delta_bytes"]),
+                human_bytes(v["unique_bytes"]),
+            ]
+            for v in s["versions"]
+        ],
+        names=1 if family else 2,
+    )

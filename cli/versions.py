@@ -20,11 +20,15 @@ def push(
     family: str = typer.Option(..., "--family", "-f", help="Family name, e.g. qwen7b."),
     version: str = typer.Option(..., "--version", "-v", help="Version name, e.g. medical-v3."),
     parent: str = typer.Option(None, "--parent", help="The version this one was fine-tuned from."),
-    mend_damaged: bool = typer.Option(False, "--mend-damaged", help="Read, decode and hash every stored chunk the "
-                                      "version needs (as check --read-data does, costing a pull's reads) and store "
-                                      "again those whose bytes are damaged: a version already stored with this "
-                                      "content is mended, a new one stores them before it commits. Chunks of lost "
-                                      "packs are stored again without it."),
+    mend_damaged: bool = typer.Option(
+        False,
+        "--mend-damaged",
+        help="Read, decode and hash every stored chunk the "
+        "version needs (as check --read-data does, costing a pull's reads) and store "
+        "again those whose bytes are damaged: a version already stored with this "
+        "content is mended, a new one stores them before it commits. Chunks of lost "
+        "packs are stored again without it.",
+    ),
     json_: bool = JsonOption,
     registry: str = RegistryOption,
 ) -> None:
@@ -39,7 +43,9 @@ def push(
     mended = ""
     if result.mended_chunks:
         # a remote push says what it sent; an embedded one stored them itself
-        moved = f"{human_bytes(result.sent_bytes)} sent" if result.sent_bytes else f"{human_bytes(result.new_bytes)} stored"
+        moved = (
+            f"{human_bytes(result.sent_bytes)} sent" if result.sent_bytes else f"{human_bytes(result.new_bytes)} stored"
+        )
         what = "had lost or damaged" if mend_damaged else "had lost"
         mended = f"; mended {result.mended_chunks} chunks that the blob store {what} ({moved})"
     typer.echo(
@@ -53,8 +59,12 @@ def pull(
     family: str = typer.Argument(...),
     version: str = typer.Argument(...),
     out: str = typer.Option(None, "--out", "-o", help="A file for a single-file version, a directory otherwise."),
-    to_dir: str = typer.Option(None, "--to-dir", help="A directory an engine (vLLM, transformers) loads: every file "
-                                "of the version, hardlinked from the node cache where the filesystem allows it."),
+    to_dir: str = typer.Option(
+        None,
+        "--to-dir",
+        help="A directory an engine (vLLM, transformers) loads: every file "
+        "of the version, hardlinked from the node cache where the filesystem allows it.",
+    ),
     json_: bool = JsonOption,
     registry: str = RegistryOption,
 ) -> None:
@@ -74,8 +84,12 @@ def pull(
         return
     extra = ""
     if result.fetched_bytes or result.cached_bytes:
-        extra = f" ({human_bytes(result.fetched_bytes)} fetched, {human_bytes(result.cached_bytes)} from the node cache)"
-    typer.echo(f"pulled {family}/{version} to {result.path}: {human_bytes(result.logical_bytes)} in {result.seconds:.2f}s, verified{extra}")
+        extra = (
+            f" ({human_bytes(result.fetched_bytes)} fetched, {human_bytes(result.cached_bytes)} from the node cache)"
+        )
+    typer.echo(
+        f"pulled {family}/{version} to {result.path}: {human_bytes(result.logical_bytes)} in {result.seconds:.2f}s, verified{extra}"
+    )
 
 
 def _output(value: str) -> Path:
@@ -83,8 +97,9 @@ def _output(value: str) -> Path:
     pull wrote a file of that name where no such directory was."""
     out = _given_path(value, "--out/-o")
     if value.endswith("/") and not out.is_dir():
-        raise InvalidRequest(f"-o {value}: no such directory: make it first, or drop the trailing '/' to write a "
-                             "file of that name")
+        raise InvalidRequest(
+            f"-o {value}: no such directory: make it first, or drop the trailing '/' to write a file of that name"
+        )
     return out
 
 
@@ -105,26 +120,44 @@ def ls(
     with open_backend(registry, blobs=False) as reg:
         if family is None:
             fams = reg.families()
-            rows = [dict(family=f.name, versions=f.member_count, base_quorum=f.base_quorum, chunk_size=f.chunk_size)
-                    for f in fams]
+            rows = [
+                dict(family=f.name, versions=f.member_count, base_quorum=f.base_quorum, chunk_size=f.chunk_size)
+                for f in fams
+            ]
             if json_:
                 emit_json({"families": rows})
             else:
-                table(None, ["family", "versions", "base quorum", "chunk size"],
-                      [[r["family"], r["versions"], r["base_quorum"], human_bytes(r["chunk_size"])] for r in rows])
+                table(
+                    None,
+                    ["family", "versions", "base quorum", "chunk size"],
+                    [[r["family"], r["versions"], r["base_quorum"], human_bytes(r["chunk_size"])] for r in rows],
+                )
             return
         vers = reg.versions(family)
     rows = [
-        dict(family=v.family, version=v.name, parent=v.parent, digest=v.digest, logical_bytes=v.logical_bytes,
-             files=v.file_count, created_at=timestamp(v.created_at))
+        dict(
+            family=v.family,
+            version=v.name,
+            parent=v.parent,
+            digest=v.digest,
+            logical_bytes=v.logical_bytes,
+            files=v.file_count,
+            created_at=timestamp(v.created_at),
+        )
         for v in vers
     ]
     if json_:
         emit_json({"family": family, "versions": rows})
         return
-    table(family, ["version", "parent", "size", "files", "digest"],
-          [[r["version"], r["parent"] or "-", human_bytes(r["logical_bytes"]), r["files"], r["digest"][:19]] for r in rows],
-          names=2)
+    table(
+        family,
+        ["version", "parent", "size", "files", "digest"],
+        [
+            [r["version"], r["parent"] or "-", human_bytes(r["logical_bytes"]), r["files"], r["digest"][:19]]
+            for r in rows
+        ],
+        names=2,
+    )
 
 
 def show(
@@ -141,16 +174,27 @@ def show(
         for f in manifest.files
     ]
     doc = dict(
-        family=row.family, version=row.name, parent=row.parent, digest=row.digest, logical_bytes=row.logical_bytes,
-        created_at=timestamp(row.created_at), chunks=len(manifest.chunk_ids()), files=files,
+        family=row.family,
+        version=row.name,
+        parent=row.parent,
+        digest=row.digest,
+        logical_bytes=row.logical_bytes,
+        created_at=timestamp(row.created_at),
+        chunks=len(manifest.chunk_ids()),
+        files=files,
     )
     if json_:
         emit_json(doc)
         return
     typer.echo(f"{row.family}/{row.name}  {row.digest}")
-    typer.echo(f"parent: {row.parent or '-'}   size: {human_bytes(row.logical_bytes)}   distinct chunks: {doc['chunks']}")
-    table(None, ["file", "kind", "size", "tensors", "chunks"],
-          [[f["path"], f["kind"], human_bytes(f["size"]), f["tensors"], f["chunks"]] for f in files])
+    typer.echo(
+        f"parent: {row.parent or '-'}   size: {human_bytes(row.logical_bytes)}   distinct chunks: {doc['chunks']}"
+    )
+    table(
+        None,
+        ["file", "kind", "size", "tensors", "chunks"],
+        [[f["path"], f["kind"], human_bytes(f["size"]), f["tensors"], f["chunks"]] for f in files],
+    )
 
 
 def delete(

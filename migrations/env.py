@@ -15,8 +15,9 @@ if engine is None:  # plain `alembic` command line: take the URL from the ini fi
 with engine.connect() as connection:
     # one transaction per migration: one that fails leaves the database at the revision before it
     # (registry/db/schema.py says which), with every migration before it kept
-    context.configure(connection=connection, target_metadata=metadata, render_as_batch=True,
-                      transaction_per_migration=True)
+    context.configure(
+        connection=connection, target_metadata=metadata, render_as_batch=True, transaction_per_migration=True
+    )
     with context.begin_transaction():
         context.run_migrations()
     connection.commit()

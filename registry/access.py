@@ -30,8 +30,8 @@ from mfsreg.registry.db import claims as claim_db
 from mfsreg.registry.db import versions as version_db
 from mfsreg.registry.db.engine import read_tx
 from mfsreg.registry.errors import IntegrityError, NotFound, StorageError
-from mfsreg.registry.parallel import sized_batches
 from mfsreg.registry.ingest import RecordedPacks
+from mfsreg.registry.parallel import sized_batches
 from mfsreg.registry.rebuild import decode_batch
 
 log = logging.getLogger("mfsreg")
@@ -87,16 +87,19 @@ def stored_bytes(reg, ids: list[str], purpose: str = "compare a scoped upload wi
             return decode_batch([i for i in ids if i in located], located, reg.read_payloads, reg.pool)
         except (NotFound, IntegrityError, StorageError) as exc:
             log.warning("could not read back stored chunks to %s (attempt %d of 2): %s", purpose, attempt, exc)
-    raise StorageError(f"the registry could not read back stored chunks to {purpose}: send it "
-                       "again, and tell the registry's operator if this persists")
+    raise StorageError(
+        f"the registry could not read back stored chunks to {purpose}: send it "
+        "again, and tell the registry's operator if this persists"
+    )
 
 
 def foreign_chains(conn: Connection, who: Principal | None, family: str, ids: Sequence[str]) -> list[str]:
     return _foreign_chains(conn, who, family, ids)[0]
 
 
-def _foreign_chains(conn: Connection, who: Principal | None, family: str,
-                    ids: Sequence[str]) -> tuple[list[str], dict[str, StoredChunk]]:
+def _foreign_chains(
+    conn: Connection, who: Principal | None, family: str, ids: Sequence[str]
+) -> tuple[list[str], dict[str, StoredChunk]]:
     """Those of ``ids`` stored as deltas whose chain of bases passes through a chunk ``who`` may
     not use: a version using them would list those bases among its chunks (a node needs them to
     decode), and its family's readers could download them. Such chunks get a plain copy of their
@@ -123,8 +126,9 @@ def _foreign_chains(conn: Connection, who: Principal | None, family: str,
     return [i for i in dict.fromkeys(ids) if i in located and reaches(i)], located
 
 
-def detach_foreign_chains(reg, who: Principal | None, family: str, ids: Sequence[str],
-                          go_on: Callable[[Connection], bool] | None = None) -> int:
+def detach_foreign_chains(
+    reg, who: Principal | None, family: str, ids: Sequence[str], go_on: Callable[[Connection], bool] | None = None
+) -> int:
     """Store a plain copy of each of ``ids`` whose delta chain passes through a chunk ``who`` may not
     use, and point its row there, so that a version of ``family`` needs only chunks it proved it
     holds. The registry decodes them itself (their bytes equal what the push uploaded, by id).

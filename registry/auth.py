@@ -62,8 +62,10 @@ MAX_DESCRIPTION = 256
 
 def check_pattern(pattern: str) -> str:
     if not pattern or len(pattern) > 128 or not _PATTERN.fullmatch(pattern):
-        raise InvalidRequest(f"invalid family pattern {shown(pattern)}: use a family name's characters (letters, digits, "
-                             "'.', '_', '-') with the wildcards '*', '?' or [abc], e.g. 'qwen*'")
+        raise InvalidRequest(
+            f"invalid family pattern {shown(pattern)}: use a family name's characters (letters, digits, "
+            "'.', '_', '-') with the wildcards '*', '?' or [abc], e.g. 'qwen*'"
+        )
     return pattern
 
 
@@ -74,8 +76,10 @@ def create_token(engine, role: str, family_pattern: str = "*", description: str 
     check_pattern(family_pattern)
     # kept whole (it was cut at 256 quietly), and on one line of `token list`
     if len(description) > MAX_DESCRIPTION or any(ch < " " or ch == "\x7f" for ch in description):
-        raise InvalidRequest(f"token description of {len(description):,} characters: give at most {MAX_DESCRIPTION}, "
-                             "on one line, without control characters")
+        raise InvalidRequest(
+            f"token description of {len(description):,} characters: give at most {MAX_DESCRIPTION}, "
+            "on one line, without control characters"
+        )
     secret = TOKEN_PREFIX + secrets.token_urlsafe(32)
     with write_tx(engine) as conn:
         token_db.insert_token(conn, hash_token(secret), secret[:10], role, family_pattern, description)

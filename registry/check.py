@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import time
-
 from collections.abc import Iterable
 
 from mfsreg.registry.blobs.packs import StoredChunk, read_payloads
@@ -48,8 +47,11 @@ def check(reg, family: str | None = None, read_data: bool = False, progress: Pro
         needs = {f"{r.family}/{r.name}": lists.get(r.id, []) for r in rows}
         located = chunk_db.locate_closure(conn, {i for ids in needs.values() for i in ids})
     result = CheckResult(
-        scope=family or "registry", versions=len(rows), chunks=len(located),
-        packs=len({c.pack_id for c in located.values()}), stored_bytes=sum(c.stored_size for c in located.values()),
+        scope=family or "registry",
+        versions=len(rows),
+        chunks=len(located),
+        packs=len({c.pack_id for c in located.values()}),
+        stored_bytes=sum(c.stored_size for c in located.values()),
     )
     result.lost_packs = lost_packs(reg, located.values())
     if read_data:
@@ -68,9 +70,14 @@ def check(reg, family: str | None = None, read_data: bool = False, progress: Pro
     return result
 
 
-def unreadable_or_damaged(reg, located: dict[str, StoredChunk], ids: Iterable[str], progress: Progress | None = None,
-                          sizes: PackSizes | None = None, read_data: bool = True
-                          ) -> tuple[set[str], dict[str, str], dict[str, str]]:
+def unreadable_or_damaged(
+    reg,
+    located: dict[str, StoredChunk],
+    ids: Iterable[str],
+    progress: Progress | None = None,
+    sizes: PackSizes | None = None,
+    read_data: bool = True,
+) -> tuple[set[str], dict[str, str], dict[str, str]]:
     """lost.unreadable, and also reading every chunk of ``located`` (the stored ``ids`` and their
     bases: db/chunks.locate_closure) outside the lost packs, decoding and hashing it: those of
     ``ids`` whose bytes, or a basis's down their delta chain, lie in a lost pack or are damaged;
@@ -85,8 +92,14 @@ def unreadable_or_damaged(reg, located: dict[str, StoredChunk], ids: Iterable[st
     return {i for i in ids if through_lost(i, located, lost, damaged)}, lost, damaged
 
 
-def to_mend(reg, located: dict[str, StoredChunk], ids: Iterable[str], progress: Progress | None = None,
-            sizes: PackSizes | None = None, read_data: bool = True) -> tuple[set[str], dict[str, str], LostWarning]:
+def to_mend(
+    reg,
+    located: dict[str, StoredChunk],
+    ids: Iterable[str],
+    progress: Progress | None = None,
+    sizes: PackSizes | None = None,
+    read_data: bool = True,
+) -> tuple[set[str], dict[str, str], LostWarning]:
     """What a push stores again of the stored ``ids`` (unreadable_or_damaged, the same arguments),
     and what it says of it: the damaged chunks are warned of now (warn_damaged), the lost packs go
     into the LostWarning returned, for the caller to say once (with the bases its delta planning
@@ -104,13 +117,29 @@ def warn_damaged(damaged: dict[str, str], located: dict[str, StoredChunk], mende
         return
     first, why = min(damaged.items())
     left = sorted(set(damaged) - mended)
-    rest = (f"; {len(left)} damaged chunks this version does not use (first: {left[0]}, a basis of its deltas) stay "
-            "damaged for the versions that use them (mfsreg check --read-data names them)") if left else ""
-    log.warning("%d stored chunks are damaged (first: chunk %s in pack %s: %s): this push stores again the %d chunks "
-                "of the version that need them%s", len(damaged), first, located[first].pack_id, why, len(mended), rest)
+    rest = (
+        (
+            f"; {len(left)} damaged chunks this version does not use (first: {left[0]}, a basis of its deltas) stay "
+            "damaged for the versions that use them (mfsreg check --read-data names them)"
+        )
+        if left
+        else ""
+    )
+    log.warning(
+        "%d stored chunks are damaged (first: chunk %s in pack %s: %s): this push stores again the %d chunks "
+        "of the version that need them%s",
+        len(damaged),
+        first,
+        located[first].pack_id,
+        why,
+        len(mended),
+        rest,
+    )
 
 
-def find_damaged(reg, located: dict[str, StoredChunk], lost: dict[str, str], progress: Progress) -> tuple[dict[str, str], int]:
+def find_damaged(
+    reg, located: dict[str, StoredChunk], lost: dict[str, str], progress: Progress
+) -> tuple[dict[str, str], int]:
     """Read, decode and hash every chunk outside the lost packs, a batch at a time, each plain
     chunk with the deltas on it; a basis is read again only where a batch ends between them. A
     pack found lost on the way is added to ``lost``. Returns (damaged chunk -> why, encoded bytes
@@ -126,8 +155,10 @@ def find_damaged(reg, located: dict[str, StoredChunk], lost: dict[str, str], pro
             roots[c.id] = c if b is None else root(b)
         return roots[c.id]
 
-    todo = sorted((c for c in located.values() if c.pack_id not in lost),
-                  key=lambda c: (root(c).pack_id, root(c).offset, c.depth, c.pack_id, c.offset))
+    todo = sorted(
+        (c for c in located.values() if c.pack_id not in lost),
+        key=lambda c: (root(c).pack_id, root(c).offset, c.depth, c.pack_id, c.offset),
+    )
     progress.start("verify", sum(c.stored_size for c in todo))
     damaged: dict[str, str] = {}
     read = 0

@@ -132,7 +132,7 @@ class MappedFile:
             self._mm = None
         os.close(self._fd)
 
-    def __enter__(self) -> "MappedFile":
+    def __enter__(self) -> MappedFile:
         return self
 
     def __exit__(self, exc_type, *exc) -> None:

@@ -41,8 +41,12 @@ except ImportError:  # no compiler at install: the numpy versions below (tests r
 if _grouping is not None and not all(hasattr(_grouping, name) for name in _KERNELS):
     # A build left from an older checkout. Without the module, deltas are written ungrouped (larger;
     # every version decodes them) and decoding runs in numpy: say so instead of going on quietly.
-    warnings.warn("registry/_grouping was built from an older mfsreg: run `make install` (or reinstall mfsreg) "
-                  "to rebuild it; until then deltas are stored ungrouped and decoding is slower", RuntimeWarning)
+    warnings.warn(
+        "registry/_grouping was built from an older mfsreg: run `make install` (or reinstall mfsreg) "
+        "to rebuild it; until then deltas are stored ungrouped and decoding is slower",
+        RuntimeWarning,
+        stacklevel=2,
+    )
     _grouping = None
 
 RAW = "raw"
@@ -363,7 +367,9 @@ def _block_ends(counts: np.ndarray, n: int) -> list[int]:
 SPARSE_MAX_DENSITY = 0.5
 
 
-def _sparse_split(stream: np.ndarray, slot: int, ends: list[int] | None = None) -> tuple[np.ndarray, np.ndarray, list[int]]:
+def _sparse_split(
+    stream: np.ndarray, slot: int, ends: list[int] | None = None
+) -> tuple[np.ndarray, np.ndarray, list[int]]:
     """(flag bits, least significant first; the nonzero bytes; how many bytes before each of
     ``ends`` are nonzero) of a byte stream, in this thread's buffers for ``slot``. The C module
     and numpy write the same bytes (tests compare them)."""
@@ -476,7 +482,9 @@ def _decode_grouped(payload, size: int, basis, itemsize: int, nibbles: bool) -> 
     n = m // itemsize
     tail = b""
     if total > n:  # appended rows
-        tail = joined_bytes(np.concatenate([planes[k * total + n : (k + 1) * total] for k in range(itemsize)]), itemsize)
+        tail = joined_bytes(
+            np.concatenate([planes[k * total + n : (k + 1) * total] for k in range(itemsize)]), itemsize
+        )
     return _unsub_grouped(planes, total, b[:m], itemsize, tail)
 
 

@@ -95,8 +95,9 @@ def expand_user(name: str, value: str) -> Path:
     try:
         return Path(value).expanduser()
     except RuntimeError:
-        raise InvalidRequest(f"{name}={value!r} starts with a user name this machine does not have: "
-                             "give an absolute path") from None
+        raise InvalidRequest(
+            f"{name}={value!r} starts with a user name this machine does not have: give an absolute path"
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -132,11 +133,14 @@ class Settings:
             return {}
         if self.s3_error:
             raise InvalidRequest(self.s3_error)
-        return dict(connect_timeout=self.s3_connect_timeout, read_timeout=self.s3_read_timeout,
-                    max_attempts=self.s3_max_attempts)
+        return dict(
+            connect_timeout=self.s3_connect_timeout,
+            read_timeout=self.s3_read_timeout,
+            max_attempts=self.s3_max_attempts,
+        )
 
     @classmethod
-    def from_env(cls, env: dict | None = None, *, blobs: bool = True, **overrides) -> "Settings":
+    def from_env(cls, env: dict | None = None, *, blobs: bool = True, **overrides) -> Settings:
         """``blobs=False`` for a command that never opens the blob store (``db upgrade``, ``ls``,
         ``stats``, the token commands: cli/backend.py's embedded): its URL and S3 settings are then
         not checked here, and Registry.open_blobs checks them wherever the store is opened. With
@@ -144,8 +148,10 @@ class Settings:
         env = dict(os.environ if env is None else env)
         home = expand_user("MFSREG_HOME", env.get("MFSREG_HOME") or str(Path.home() / ".mfsreg"))
         if not home.is_absolute():  # a relative one (or ' ') made a registry in each directory a command ran from
-            raise InvalidRequest(f"MFSREG_HOME={env['MFSREG_HOME']!r} is not an absolute path: give one, e.g. "
-                                 "/var/lib/mfsreg (or unset it for ~/.mfsreg)")
+            raise InvalidRequest(
+                f"MFSREG_HOME={env['MFSREG_HOME']!r} is not an absolute path: give one, e.g. "
+                "/var/lib/mfsreg (or unset it for ~/.mfsreg)"
+            )
         chunk_size = check_chunk_size(_size(env, "MFSREG_CHUNK_SIZE", DEFAULT_CHUNK_SIZE))
         values = dict(
             home=home,
@@ -203,8 +209,10 @@ def _seconds(env: dict, name: str, default: float) -> float:
     except ValueError:
         value = 0.0
     if not 0 < value <= 86400:
-        raise InvalidRequest(f"{name}={env[name]!r} is not a timeout: give seconds over zero (at most a day), "
-                             f"e.g. {default:g} or {default:g}s")
+        raise InvalidRequest(
+            f"{name}={env[name]!r} is not a timeout: give seconds over zero (at most a day), "
+            f"e.g. {default:g} or {default:g}s"
+        )
     return value
 
 
@@ -213,8 +221,9 @@ def _attempts(env: dict, name: str, default: int) -> int:
     if not raw:
         return default
     if not raw.isdigit() or not 1 <= int(raw) <= MAX_S3_ATTEMPTS:
-        raise InvalidRequest(f"{name}={env[name]!r} is not a number of attempts: give 1 to {MAX_S3_ATTEMPTS} (1: no "
-                             "retries), e.g. 3")
+        raise InvalidRequest(
+            f"{name}={env[name]!r} is not a number of attempts: give 1 to {MAX_S3_ATTEMPTS} (1: no retries), e.g. 3"
+        )
     return int(raw)
 
 

@@ -51,8 +51,11 @@ def position_index(files: Iterable[tuple[Sequence[ChunkRef], Sequence[TensorSpan
     return out
 
 
-def plan_bases(new_files: Iterable[tuple[Sequence[ChunkRef], Sequence[TensorSpan]]], basis_index: dict[Position, ChunkRef],
-               wanted: set[str]) -> dict[str, str]:
+def plan_bases(
+    new_files: Iterable[tuple[Sequence[ChunkRef], Sequence[TensorSpan]]],
+    basis_index: dict[Position, ChunkRef],
+    wanted: set[str],
+) -> dict[str, str]:
     """new chunk id -> basis chunk id, for the chunks in ``wanted`` that have a counterpart."""
     out: dict[str, str] = {}
     for chunks, tensors in new_files:
@@ -65,8 +68,12 @@ def plan_bases(new_files: Iterable[tuple[Sequence[ChunkRef], Sequence[TensorSpan
     return out
 
 
-def cap_depth(basis_id: str, located: dict[str, StoredChunk], lost: Container[str] = frozenset(),
-              damaged: Container[str] = frozenset()) -> str | None:
+def cap_depth(
+    basis_id: str,
+    located: dict[str, StoredChunk],
+    lost: Container[str] = frozenset(),
+    damaged: Container[str] = frozenset(),
+) -> str | None:
     """The basis to use instead of ``basis_id`` so that the new delta stays within MAX_DEPTH and
     can be encoded: a basis whose bytes, or those of a basis down its chain, lie in a pack the blob
     store lost (``lost``, registry/lost.py) or are chunks this push has read and found ``damaged``
@@ -87,8 +94,14 @@ class BasisReader:
     ``raw`` concurrently.
     """
 
-    def __init__(self, located: dict[str, StoredChunk], fetch: Callable, decode: Callable,
-                 locate: Callable[[list[str]], dict[str, StoredChunk]], cache_bytes: int = 256 << 20):
+    def __init__(
+        self,
+        located: dict[str, StoredChunk],
+        fetch: Callable,
+        decode: Callable,
+        locate: Callable[[list[str]], dict[str, StoredChunk]],
+        cache_bytes: int = 256 << 20,
+    ):
         self.located = located
         self._fetch = fetch
         self._decode = decode
@@ -155,7 +168,9 @@ class BasisReader:
             return None
         except NotFound as exc:
             now = self._locate(chain)
-            moved = {self.located[i].pack_id for i in chain if i not in now or now[i].pack_id != self.located[i].pack_id}
+            moved = {
+                self.located[i].pack_id for i in chain if i not in now or now[i].pack_id != self.located[i].pack_id
+            }
             lost = getattr(exc, "pack_id", None) if not moved else None
             with self._lock:
                 fresh = lost is not None and lost not in self._skipped_packs
@@ -183,7 +198,9 @@ class BasisReader:
         try:
             data = self._decode(c, payload, basis)
         except IntegrityError as exc:
-            exc.chunk_id = chunk_id  # which chunk of the chain is damaged: ``usable`` sets aside only it and those above
+            exc.chunk_id = (
+                chunk_id  # which chunk of the chain is damaged: ``usable`` sets aside only it and those above
+            )
             raise
         with self._lock:
             if chunk_id not in self._cache:

@@ -73,8 +73,10 @@ def writing(dest: Path) -> Iterator[None]:
     except OSError as exc:
         if exc.errno not in NO_ROOM:
             raise
-        raise StorageError(f"cannot write {dest}: {exc.strerror or exc}: {what_to_do(exc.errno)}, then run it "
-                           "again; nothing was renamed into place") from None
+        raise StorageError(
+            f"cannot write {dest}: {exc.strerror or exc}: {what_to_do(exc.errno)}, then run it "
+            "again; nothing was renamed into place"
+        ) from None
 
 
 def create_beside(tmp: Path, dest: Path, flags: int) -> int:
@@ -134,7 +136,9 @@ class Placing:
         self.pending.append((Path(tmp), Path(dest)))
 
     def place(self) -> None:
-        folders: dict[Path, None] = {d.parent: None for d in reversed(self.made)}  # a new folder's name lives in its parent
+        folders: dict[Path, None] = {
+            d.parent: None for d in reversed(self.made)
+        }  # a new folder's name lives in its parent
         total, placed = len(self.pending), 0
         try:
             while self.pending:
@@ -142,9 +146,11 @@ class Placing:
                 try:
                     os.replace(tmp, dest)
                 except OSError as exc:
-                    raise StorageError(f"cannot rename {tmp.name} over {dest}: {exc.strerror or exc}: check that disk; "
-                                       f"{placed} of the pull's {total} files were renamed into place before it, "
-                                       "the rest removed: pull again") from None
+                    raise StorageError(
+                        f"cannot rename {tmp.name} over {dest}: {exc.strerror or exc}: check that disk; "
+                        f"{placed} of the pull's {total} files were renamed into place before it, "
+                        "the rest removed: pull again"
+                    ) from None
                 # a rename between two links of one inode (a pull into the same directory again) does
                 # nothing and leaves ``tmp``: no stray link stays beside the file, holding old files' space
                 tmp.unlink(missing_ok=True)
@@ -157,8 +163,9 @@ class Placing:
                 try:
                     sync_dir(folder)
                 except OSError as exc:
-                    raise StorageError(f"cannot sync folder {folder}: {exc.strerror or exc}: check that disk, "
-                                       "then pull again") from None
+                    raise StorageError(
+                        f"cannot sync folder {folder}: {exc.strerror or exc}: check that disk, then pull again"
+                    ) from None
 
     def discard(self) -> None:
         for tmp, _ in self.pending:
@@ -171,7 +178,7 @@ class Placing:
                 pass
         self.made.clear()
 
-    def __enter__(self) -> "Placing":
+    def __enter__(self) -> Placing:
         return self
 
     def __exit__(self, kind, *exc) -> None:

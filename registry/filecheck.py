@@ -37,12 +37,16 @@ def check_tiling(entry: FileEntry) -> list[ChunkRef]:
     pos = 0
     for c in chunks:
         if c.offset != pos or c.size < 0:
-            raise IntegrityError(f"{entry.path}: the manifest's chunks do not cover the file exactly "
-                                 f"(a chunk at byte {c.offset}, expected {pos}): the registry's record is damaged")
+            raise IntegrityError(
+                f"{entry.path}: the manifest's chunks do not cover the file exactly "
+                f"(a chunk at byte {c.offset}, expected {pos}): the registry's record is damaged"
+            )
         pos += c.size
     if pos != entry.size:
-        raise IntegrityError(f"{entry.path}: the manifest's chunks cover {pos} bytes of a {entry.size}-byte file: "
-                             "the registry's record is damaged")
+        raise IntegrityError(
+            f"{entry.path}: the manifest's chunks cover {pos} bytes of a {entry.size}-byte file: "
+            "the registry's record is damaged"
+        )
     return chunks
 
 
@@ -114,8 +118,11 @@ class CheckedFile:
         # Xeon VM's node pull of 1.16 GB spent 0.25 of its 1.5 s there; on the thread, the pull took
         # 1.39 s against 1.55, medians of 8 alternating runs). A pool's thread would delay its
         # decoding; smaller files start theirs inline.
-        self._writeback = (ThreadPoolExecutor(1, thread_name_prefix="mfsreg-writeback")
-                           if size > BATCH_BYTES and _sync_file_range is not None else None)
+        self._writeback = (
+            ThreadPoolExecutor(1, thread_name_prefix="mfsreg-writeback")
+            if size > BATCH_BYTES and _sync_file_range is not None
+            else None
+        )
         self.fd = -1
         try:  # from the open: a SIGTERM's KeyboardInterrupt lands the moment the file appears
             self.fd = create_beside(self.tmp, dest, os.O_RDWR)
@@ -171,7 +178,7 @@ class CheckedFile:
         if not self.handed:  # a Placing renames it, or removes it
             self.tmp.unlink(missing_ok=True)
 
-    def __enter__(self) -> "CheckedFile":
+    def __enter__(self) -> CheckedFile:
         return self
 
     def __exit__(self, *exc) -> None:

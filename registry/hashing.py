@@ -7,8 +7,8 @@ touches no database: it reads files, cuts them, hashes and encodes.
 from __future__ import annotations
 
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 from mfsreg.registry import codec
 from mfsreg.registry.chunking import ChunkRef, MappedFile, chunk_id, file_sha256, plan_cuts
@@ -33,7 +33,9 @@ class HashJob:
     def __init__(self, source: Source, chunk_size: int, progress: Progress):
         self.source = source
         self._digests = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mfsreg-digest")
-        self._cancel = threading.Event()  # set by close(): a push that fails or is interrupted does not wait for the digest
+        self._cancel = (
+            threading.Event()
+        )  # set by close(): a push that fails or is interrupted does not wait for the digest
         self._maps: list[MappedFile] = []
         self._futures = []
         self.file_chunks: list[tuple[ChunkRef, ...]] = []
@@ -88,8 +90,12 @@ class HashJob:
         for f, refs, sha in zip(self.source.files, self.file_chunks, digests):
             entries.append(
                 FileEntry(
-                    path=f.rel, kind=SAFETENSORS if f.header else BLOB, size=f.size, sha256=sha,
-                    chunks=refs, tensors=f.header.tensors if f.header else (),
+                    path=f.rel,
+                    kind=SAFETENSORS if f.header else BLOB,
+                    size=f.size,
+                    sha256=sha,
+                    chunks=refs,
+                    tensors=f.header.tensors if f.header else (),
                 )
             )
         return Manifest(files=tuple(entries), single_file=self.source.single_file)
@@ -103,7 +109,7 @@ class HashJob:
         for mf in self._maps:
             mf.close(failing)
 
-    def __enter__(self) -> "HashJob":
+    def __enter__(self) -> HashJob:
         return self
 
     def __exit__(self, exc_type, *exc) -> None:
@@ -111,8 +117,10 @@ class HashJob:
 
 
 def changed_while_pushed(path, why: str) -> InvalidModel:
-    return InvalidModel(f"{path} changed while it was being pushed ({why}): nothing was committed; push it "
-                        "again once whatever writes it has finished")
+    return InvalidModel(
+        f"{path} changed while it was being pushed ({why}): nothing was committed; push it "
+        "again once whatever writes it has finished"
+    )
 
 
 def hash_source(source: Source, chunk_size: int, progress: Progress) -> Manifest:
@@ -126,9 +134,13 @@ def missing_bytes(manifest: Manifest | HashJob, missing: set[str]) -> int:
     return sum(sizes[i] for i in missing if i in sizes)
 
 
-def encoded_chunks(job: HashJob, wanted: set[str], pool: ThreadPoolExecutor,
-                   bases: dict[str, str] | None = None,
-                   basis_raw: Callable[[str], bytes | None] | None = None) -> Iterator[tuple[ChunkRef, str, bytes, str | None]]:
+def encoded_chunks(
+    job: HashJob,
+    wanted: set[str],
+    pool: ThreadPoolExecutor,
+    bases: dict[str, str] | None = None,
+    basis_raw: Callable[[str], bytes | None] | None = None,
+) -> Iterator[tuple[ChunkRef, str, bytes, str | None]]:
     """(chunk, encoding, payload, basis id or None) for each chunk in ``wanted``, once each, in
     file order. With ``bases`` (chunk id -> basis chunk id) and ``basis_raw`` (basis id -> its raw
     bytes, or None where they are gone), a chunk is stored as a delta when that is smaller than plain.

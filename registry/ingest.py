@@ -19,7 +19,9 @@ from pathlib import Path
 
 from sqlalchemy import Connection
 
+from mfsreg.registry import deltas, results
 from mfsreg.registry.blobs.packs import PackWriter, StoredChunk, pack_key
+from mfsreg.registry.check import to_mend
 from mfsreg.registry.config import MAX_CHUNK_SIZE, MIN_CHUNK_SIZE
 from mfsreg.registry.db import chunks as chunk_db
 from mfsreg.registry.db import claims as claim_db
@@ -28,12 +30,10 @@ from mfsreg.registry.db import tiers as tier_db
 from mfsreg.registry.db import versions as version_db
 from mfsreg.registry.db.engine import read_tx, write_tx
 from mfsreg.registry.db.locks import exclude_prune
-from mfsreg.registry import deltas, results
 from mfsreg.registry.deltas import BasisReader
 from mfsreg.registry.errors import Conflict, InvalidRequest, MissingChunks, NotFound, Pruned, StorageError
-from mfsreg.registry.check import to_mend
-from mfsreg.registry.lost import LostWarning, PackSizes, lost_packs, warn_lost_bases
 from mfsreg.registry.hashing import HashJob, encoded_chunks, missing_bytes
+from mfsreg.registry.lost import LostWarning, PackSizes, lost_packs, warn_lost_bases
 from mfsreg.registry.manifest import Manifest
 from mfsreg.registry.names import check_name, check_new_name
 from mfsreg.registry.progress import NullProgress, Progress
@@ -41,10 +41,18 @@ from mfsreg.registry.rebuild import decode_verified
 from mfsreg.registry.results import PushResult
 from mfsreg.registry.source import open_source
 
-def plan_deltas(reg, family: str, parent: str | None, new_files: list, ids: list[str],
-                missing: set[str], pack_sizes: PackSizes | None = None,
-                warning: LostWarning | None = None,
-                damaged: AbstractSet[str] = frozenset()) -> tuple[dict[str, str], BasisReader | None]:
+
+def plan_deltas(
+    reg,
+    family: str,
+    parent: str | None,
+    new_files: list,
+    ids: list[str],
+    missing: set[str],
+    pack_sizes: PackSizes | None = None,
+    warning: LostWarning | None = None,
+    damaged: AbstractSet[str] = frozenset(),
+) -> tuple[dict[str, str], BasisReader | None]:
     """Bases for the missing chunks (see registry/deltas.py) and a reader for their bytes.
     ``new_files`` holds (chunks, tensors) per file of the version being pushed; ``pack_sizes``, the
     pack lookups this push made already (registry/lost.py); ``warning``, where the caller says what
@@ -63,7 +71,11 @@ def plan_deltas(reg, family: str, parent: str | None, new_files: list, ids: list
         if parent is not None:
             row = version_db.find_version(conn, family, parent)
             vid = row.id if row else None
-        vid = vid or version_db.most_shared_version(conn, fam.id, present, fam.member_count) or version_db.first_version(conn, fam.id)
+        vid = (
+            vid
+            or version_db.most_shared_version(conn, fam.id, present, fam.member_count)
+            or version_db.first_version(conn, fam.id)
+        )
         if vid is None:
             return {}, None
         basis_manifest = Manifest.from_bytes(version_db.read_manifest(conn, vid))
@@ -135,9 +147,13 @@ class RecordedPacks(PackWriter):
 ChunkItem = tuple  # (id, size, encoding, payload, basis id or None, depth): what RecordedPacks.add takes
 
 
-def store_chunks(reg, ids: set[str], bases: Iterable[str],
-                 items: Callable[[set[str], set[str] | None], Iterable[ChunkItem]],
-                 mend: AbstractSet[str] = frozenset()) -> int:
+def store_chunks(
+    reg,
+    ids: set[str],
+    bases: Iterable[str],
+    items: Callable[[set[str], set[str] | None], Iterable[ChunkItem]],
+    mend: AbstractSet[str] = frozenset(),
+) -> int:
     """Store the chunks ``ids`` as ``items(wanted, gone)`` yields them (``gone`` None on the first
     pass), deltas against ``bases``; returns the stored bytes added.
 
@@ -166,9 +182,16 @@ def store_chunks(reg, ids: set[str], bases: Iterable[str],
     return first.added + again.added
 
 
-def upload_missing(reg, job: HashJob, missing: set[str], pool: ThreadPoolExecutor, progress: Progress,
-                   bases: dict[str, str] | None = None, reader: BasisReader | None = None,
-                   mend: AbstractSet[str] = frozenset()) -> int:
+def upload_missing(
+    reg,
+    job: HashJob,
+    missing: set[str],
+    pool: ThreadPoolExecutor,
+    progress: Progress,
+    bases: dict[str, str] | None = None,
+    reader: BasisReader | None = None,
+    mend: AbstractSet[str] = frozenset(),
+) -> int:
     """Encode and store the chunks in ``missing`` (``mend``: those among them stored in a pack
     the blob store lost); returns the stored bytes this push added."""
     bases = bases or {}
@@ -215,8 +238,10 @@ def check_cut(manifest: Manifest, family: str, chunk_size: int) -> None:
     created the family at another size after this one looked it up, or a client older than family
     chunk sizes cut at its own."""
     if not manifest.follows_chunk_size(chunk_size):
-        raise Conflict(f"family {family!r} is cut in chunks of {chunk_size:,} bytes and this push is not: push it "
-                       f"again with a client that reads the family's size, or with MFSREG_CHUNK_SIZE={chunk_size}")
+        raise Conflict(
+            f"family {family!r} is cut in chunks of {chunk_size:,} bytes and this push is not: push it "
+            f"again with a client that reads the family's size, or with MFSREG_CHUNK_SIZE={chunk_size}"
+        )
 
 
 def check_new_cut(family: str, cut: int | None) -> None:
@@ -225,9 +250,11 @@ def check_new_cut(family: str, cut: int | None) -> None:
     family at this registry's size and refusing the push as cut otherwise than that (a 409 about a
     family that does not exist yet). Such cuts match no family's, so nothing that could commit is lost."""
     if cut is not None and not MIN_CHUNK_SIZE <= cut <= MAX_CHUNK_SIZE:
-        raise InvalidRequest(f"the manifest is cut in chunks of {cut:,} bytes, which new family {family!r} would take: "
-                             f"a chunk size is {MIN_CHUNK_SIZE:,} to {MAX_CHUNK_SIZE:,} bytes; cut it at one of them "
-                             "(MFSREG_CHUNK_SIZE)")
+        raise InvalidRequest(
+            f"the manifest is cut in chunks of {cut:,} bytes, which new family {family!r} would take: "
+            f"a chunk size is {MIN_CHUNK_SIZE:,} to {MAX_CHUNK_SIZE:,} bytes; cut it at one of them "
+            "(MFSREG_CHUNK_SIZE)"
+        )
 
 
 def check_named_cut(manifest: Manifest, chunk_size: int | None) -> None:
@@ -236,8 +263,13 @@ def check_named_cut(manifest: Manifest, chunk_size: int | None) -> None:
         raise InvalidRequest(f"the manifest is not cut at the chunk size it names ({chunk_size:,} bytes)")
 
 
-def stored_for(conn: Connection, family: str, version: str, manifest: Manifest,
-               unproven: Callable[[Connection, list[str]], set[str]] | None = None) -> dict[str, StoredChunk]:
+def stored_for(
+    conn: Connection,
+    family: str,
+    version: str,
+    manifest: Manifest,
+    unproven: Callable[[Connection, list[str]], set[str]] | None = None,
+) -> dict[str, StoredChunk]:
     """Where the chunks a version uses are stored: its own and, to rebuild them, the bases of its
     deltas (tiers count both). Refuses a manifest that names chunks not stored, or (``unproven``)
     that the pusher has not shown it holds, or gives a chunk another size than the stored one."""
@@ -248,22 +280,32 @@ def stored_for(conn: Connection, family: str, version: str, manifest: Manifest,
     absent = {i for i in ids if i not in located}
     absent |= unproven(conn, [i for i in ids if i in located]) if unproven is not None else set()
     if absent:
-        raise MissingChunks(f"{len(absent)} chunks of {family}/{version} are not stored for this family (first: "
-                            f"{min(absent)}): upload them, then commit again")
+        raise MissingChunks(
+            f"{len(absent)} chunks of {family}/{version} are not stored for this family (first: "
+            f"{min(absent)}): upload them, then commit again"
+        )
     if any(c.basis_id and c.basis_id not in located for c in located.values()):
         # A delta whose basis has no row: prune never leaves one (it keeps every basis in use),
         # so the records are damaged, and no upload of the version's own chunks can mend that.
-        raise StorageError(f"the registry's records lost the basis of a stored chunk of {family}/{version}: "
-                           "tell the registry's operator (`mfsreg prune` does not do this; a restore might have)")
+        raise StorageError(
+            f"the registry's records lost the basis of a stored chunk of {family}/{version}: "
+            "tell the registry's operator (`mfsreg prune` does not do this; a restore might have)"
+        )
     wrong = [c.id for f in manifest.files for c in f.chunks if located[c.id].size != c.size]
     if wrong:
         raise InvalidRequest(f"manifest gives chunk {wrong[0]} a size other than the stored one: it cannot rebuild")
     return located
 
 
-def commit_version(reg, family: str, version: str, parent: str | None, manifest: Manifest,
-                   chunk_size: int | None = None,
-                   unproven: Callable[[Connection, list[str]], set[str]] | None = None) -> tuple[int, object | None]:
+def commit_version(
+    reg,
+    family: str,
+    version: str,
+    parent: str | None,
+    manifest: Manifest,
+    chunk_size: int | None = None,
+    unproven: Callable[[Connection, list[str]], set[str]] | None = None,
+) -> tuple[int, object | None]:
     """Make a version visible: one transaction that checks every chunk is stored, writes the
     version and its chunk uses, and rebalances the family's tiers. ``chunk_size`` is the size the
     manifest was cut at (None from a client older than family chunk sizes: then it is read off the
@@ -297,16 +339,31 @@ def commit_version(reg, family: str, version: str, parent: str | None, manifest:
         if unproven is not None:  # only pushes through the server claim chunks
             claim_db.forget(conn, family, ids)  # the family uses them from now on
         version_db.insert_version(
-            conn, fam.id, version, parent_id, manifest.digest, manifest.logical_bytes, len(manifest.files),
-            manifest.single_file, manifest.to_bytes(), list(located),
+            conn,
+            fam.id,
+            version,
+            parent_id,
+            manifest.digest,
+            manifest.logical_bytes,
+            len(manifest.files),
+            manifest.single_file,
+            manifest.to_bytes(),
+            list(located),
         )
         changed = tier_db.add_member(conn, fam.id, list(located), fam.member_count, fam.base_quorum)
         version_db.set_member_count(conn, fam.id, fam.member_count + 1)
     return changed, None
 
 
-def push(reg, path: Path, family: str, version: str, parent: str | None = None, progress: Progress | None = None,
-         mend_damaged: bool = False) -> PushResult:
+def push(
+    reg,
+    path: Path,
+    family: str,
+    version: str,
+    parent: str | None = None,
+    progress: Progress | None = None,
+    mend_damaged: bool = False,
+) -> PushResult:
     """Store a version (see the module's docstring). ``mend_damaged``: read, decode and hash every
     stored chunk the version needs (its bases down the chains too) and store again, plain, those
     whose bytes are damaged as well as those lost: where the version is stored already with this
@@ -339,8 +396,9 @@ def push(reg, path: Path, family: str, version: str, parent: str | None = None, 
         progress.advance("skip", skipped)
         new_files = [(refs, f.header.tensors if f.header else ()) for refs, f in zip(job.file_chunks, source.files)]
         # chunks mended go plain: a delta would lean on the chain that lost them
-        bases, reader = plan_deltas(reg, family, parent, new_files, ids, missing - mend, pack_sizes, warning,
-                                    damaged.keys())
+        bases, reader = plan_deltas(
+            reg, family, parent, new_files, ids, missing - mend, pack_sizes, warning, damaged.keys()
+        )
         warning.say()
         added = upload_missing(reg, job, missing, reg.pool, progress, bases, reader, mend)
         manifest = job.manifest()  # waits for the file digests, which ran beside the encoding
@@ -357,15 +415,31 @@ def push(reg, path: Path, family: str, version: str, parent: str | None = None, 
     if existing is not None:  # a concurrent push of the same name committed first
         return existing_result(reg, existing, manifest, family, version, t0)
     return PushResult(
-        family=family, version=version, digest=manifest.digest, logical_bytes=manifest.logical_bytes,
-        new_bytes=added, new_chunks=len(missing), reused_chunks=len(ids) - len(missing), chunks=len(ids),
-        files=len(manifest.files), tier_changes=changed, existed=False, seconds=time.perf_counter() - t0,
+        family=family,
+        version=version,
+        digest=manifest.digest,
+        logical_bytes=manifest.logical_bytes,
+        new_bytes=added,
+        new_chunks=len(missing),
+        reused_chunks=len(ids) - len(missing),
+        chunks=len(ids),
+        files=len(manifest.files),
+        tier_changes=changed,
+        existed=False,
+        seconds=time.perf_counter() - t0,
         mended_chunks=len(mend),
     )
 
 
-def mend_existing(reg, job: HashJob, done: PushResult, located: dict[str, StoredChunk], progress: Progress,
-                  t0: float, read_data: bool = False) -> PushResult:
+def mend_existing(
+    reg,
+    job: HashJob,
+    done: PushResult,
+    located: dict[str, StoredChunk],
+    progress: Progress,
+    t0: float,
+    read_data: bool = False,
+) -> PushResult:
     """A push of a version that is stored with this content: those of its chunks whose bytes (or a
     basis's, down their delta chains) lie in a pack the blob store lost are stored again, plain, and
     their rows pointed at the new copies, so that the version pulls again (``mfsreg check`` names such
@@ -379,14 +453,30 @@ def mend_existing(reg, job: HashJob, done: PushResult, located: dict[str, Stored
         return done
     warning.say()
     added = upload_missing(reg, job, mend, reg.pool, progress, mend=mend)
-    return replace(done, new_bytes=added, new_chunks=len(mend), reused_chunks=done.chunks - len(mend),
-                   mended_chunks=len(mend), seconds=time.perf_counter() - t0)
+    return replace(
+        done,
+        new_bytes=added,
+        new_chunks=len(mend),
+        reused_chunks=done.chunks - len(mend),
+        mended_chunks=len(mend),
+        seconds=time.perf_counter() - t0,
+    )
 
 
 def existing_result(reg, row, manifest: Manifest, family: str, version: str, t0: float) -> PushResult:
     layout = stored_layout(reg, row) if row.digest == manifest.digest else None
-    return results.existing_result(row.digest, row.logical_bytes, row.file_count, manifest.digest,
-                                   len(manifest.chunk_ids()), family, version, t0, layout, manifest.layout)
+    return results.existing_result(
+        row.digest,
+        row.logical_bytes,
+        row.file_count,
+        manifest.digest,
+        len(manifest.chunk_ids()),
+        family,
+        version,
+        t0,
+        layout,
+        manifest.layout,
+    )
 
 
 def stored_layout(reg, row) -> str:

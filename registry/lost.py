@@ -65,8 +65,9 @@ def lost_packs(reg, chunks: Iterable[StoredChunk], sizes: PackSizes | None = Non
     return out
 
 
-def unreadable(reg, located: dict[str, StoredChunk], ids: Iterable[str],
-               sizes: PackSizes | None = None) -> tuple[set[str], dict[str, str]]:
+def unreadable(
+    reg, located: dict[str, StoredChunk], ids: Iterable[str], sizes: PackSizes | None = None
+) -> tuple[set[str], dict[str, str]]:
     """Those of the stored ``ids`` whose bytes, or the bytes of a basis down their delta chain,
     lie in a pack the store lost (``located`` holds them and their bases: db/chunks.locate_closure),
     and the lost packs (lost_packs). Such a chunk is mended by storing it again, plain."""
@@ -76,8 +77,9 @@ def unreadable(reg, located: dict[str, StoredChunk], ids: Iterable[str],
     return {i for i in ids if through_lost(i, located, lost)}, lost
 
 
-def through_lost(chunk_id: str, located: dict[str, StoredChunk], lost: Container[str],
-                 bad: Container[str] = frozenset()) -> bool:
+def through_lost(
+    chunk_id: str, located: dict[str, StoredChunk], lost: Container[str], bad: Container[str] = frozenset()
+) -> bool:
     """Whether ``chunk_id``'s bytes, or those of a basis down its delta chain, lie in a ``lost``
     pack, or are one of the ``bad`` chunks (mfsreg check's damaged and unrecorded ones)."""
     i: str | None = chunk_id
@@ -100,9 +102,13 @@ def warn_damaged_basis(chunk_id: str, why: str) -> None:
     """Said once a push where a new chunk could not lean on the basis chosen for it because a chunk
     of that basis's chain is damaged in its pack: the new chunk is stored plain, and the damage
     stays for the versions that use it."""
-    log.warning("basis chunk %s cannot be read back (%s): this push stores the new chunks planned against it (and "
-                "against any other damaged basis) without deltas; `mfsreg check --read-data` names the versions the "
-                "damage breaks, and a push of each again with --mend-damaged mends them", chunk_id, why)
+    log.warning(
+        "basis chunk %s cannot be read back (%s): this push stores the new chunks planned against it (and "
+        "against any other damaged basis) without deltas; `mfsreg check --read-data` names the versions the "
+        "damage breaks, and a push of each again with --mend-damaged mends them",
+        chunk_id,
+        why,
+    )
 
 
 class LostWarning:
@@ -139,5 +145,12 @@ class LostWarning:
             count = f"{self.moved} " if self.moved is not None else ""
             did.append(f"{count}new chunks of this push are stored without deltas against the chunks that lay there")
         them = "the pack's other chunks" if self.mended else "them"
-        log.warning("pack %s%s is lost from the blob store (%s): %s; versions that use %s cannot be pulled until it "
-                    "is restored from a backup", first, more, why, ", and ".join(did), them)
+        log.warning(
+            "pack %s%s is lost from the blob store (%s): %s; versions that use %s cannot be pulled until it "
+            "is restored from a backup",
+            first,
+            more,
+            why,
+            ", and ".join(did),
+            them,
+        )

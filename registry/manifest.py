@@ -96,8 +96,9 @@ class Manifest:
                 if not f.chunks:
                     return False
                 # the header is one chunk, whatever its size; tensors in file order, as a header lists them
-                header = _CutHeader(min(f.chunks, key=lambda c: c.offset).size,
-                                    tuple(sorted(f.tensors, key=lambda t: (t.start, t.end))))
+                header = _CutHeader(
+                    min(f.chunks, key=lambda c: c.offset).size, tuple(sorted(f.tensors, key=lambda t: (t.start, t.end)))
+                )
             have = sorted((c.offset, c.size) for c in f.chunks)
             # Compared a cut at a time, stopping at the first difference: a manifest may claim a file
             # of terabytes in a few kilobytes of JSON (few huge chunks), whose full plan at a small
@@ -132,7 +133,10 @@ class Manifest:
             "single_file": self.single_file,
             "files": [
                 {
-                    "path": f.path, "kind": f.kind, "size": f.size, "sha256": f.sha256,
+                    "path": f.path,
+                    "kind": f.kind,
+                    "size": f.size,
+                    "sha256": f.sha256,
                     "chunks": [[c.id, c.offset, c.size, c.itemsize] for c in f.chunks],
                     "tensors": [[t.name, t.dtype, list(t.shape), t.start, t.end] for t in f.tensors],
                 }
@@ -144,7 +148,7 @@ class Manifest:
         return zstandard.ZstdCompressor(level=3).compress(json.dumps(self.to_doc(), separators=(",", ":")).encode())
 
     @classmethod
-    def from_bytes(cls, data: bytes) -> "Manifest":
+    def from_bytes(cls, data: bytes) -> Manifest:
         return cls.from_doc(cls.doc_of(data))
 
     @staticmethod
@@ -153,10 +157,13 @@ class Manifest:
         return json.loads(zstandard.ZstdDecompressor().decompress(data))
 
     @classmethod
-    def from_doc(cls, doc: dict) -> "Manifest":
+    def from_doc(cls, doc: dict) -> Manifest:
         files = tuple(
             FileEntry(
-                path=f["path"], kind=f["kind"], size=f["size"], sha256=f["sha256"],
+                path=f["path"],
+                kind=f["kind"],
+                size=f["size"],
+                sha256=f["sha256"],
                 chunks=tuple(ChunkRef(i, o, s, w) for i, o, s, w in f["chunks"]),
                 tensors=tuple(TensorSpan(n, d, tuple(sh), s, e) for n, d, sh, s, e in f["tensors"]),
             )
@@ -191,29 +198,40 @@ def parse_doc(doc: object, draft: bool = False) -> Manifest:
         path = shown(f.path, 200)
         bad_file = f"malformed manifest: {path}: bad kind or sha256"
         # a node names files in its cache by this digest: 64 lowercase hex digits and nothing else
-        digest_ok = (isinstance(f.sha256, str) and _SHA256.fullmatch(f.sha256) is not None) or (draft and f.sha256 is None)
+        digest_ok = (isinstance(f.sha256, str) and _SHA256.fullmatch(f.sha256) is not None) or (
+            draft and f.sha256 is None
+        )
         if f.kind not in (SAFETENSORS, BLOB):
             raise InvalidRequest(f"{bad_file}: kind {shown(f.kind, 40)} is not {SAFETENSORS!r} or {BLOB!r}")
         if not digest_ok and f.sha256 is None:
-            raise InvalidRequest(f"{bad_file}: sha256 is null: a commit needs each file's digest (only a negotiation "
-                                 "takes a draft)")
+            raise InvalidRequest(
+                f"{bad_file}: sha256 is null: a commit needs each file's digest (only a negotiation takes a draft)"
+            )
         if not digest_ok:
             raise InvalidRequest(f"{bad_file}: sha256 {shown(f.sha256, 80)} is not 64 lowercase hex digits")
         pos = 0
         for k, c in enumerate(f.chunks):
             check_id(c.id)
             if c.offset != pos:
-                raise InvalidRequest(f"malformed manifest: {path}: chunks do not tile the file at offset {pos} "
-                                     f"(chunk {k} starts at {c.offset}): list them in file order, each where the last ends")
+                raise InvalidRequest(
+                    f"malformed manifest: {path}: chunks do not tile the file at offset {pos} "
+                    f"(chunk {k} starts at {c.offset}): list them in file order, each where the last ends"
+                )
             if c.size <= 0:
-                raise InvalidRequest(f"malformed manifest: {path}: chunk {k} at offset {pos} has size {c.size}: "
-                                     "a chunk holds at least one byte")
+                raise InvalidRequest(
+                    f"malformed manifest: {path}: chunk {k} at offset {pos} has size {c.size}: "
+                    "a chunk holds at least one byte"
+                )
             if c.itemsize not in (1, 2, 4, 8):
-                raise InvalidRequest(f"malformed manifest: {path}: chunk {k} at offset {pos} has itemsize "
-                                     f"{c.itemsize}: use 1, 2, 4 or 8 (its tensor's element size; 1 outside tensors)")
+                raise InvalidRequest(
+                    f"malformed manifest: {path}: chunk {k} at offset {pos} has itemsize "
+                    f"{c.itemsize}: use 1, 2, 4 or 8 (its tensor's element size; 1 outside tensors)"
+                )
             if c.size > MAX_CHUNK_BYTES:
-                raise InvalidRequest(f"malformed manifest: {path}: a chunk of {c.size} bytes at offset {pos}, "
-                                     f"over the {MAX_CHUNK_BYTES} byte limit")
+                raise InvalidRequest(
+                    f"malformed manifest: {path}: a chunk of {c.size} bytes at offset {pos}, "
+                    f"over the {MAX_CHUNK_BYTES} byte limit"
+                )
             pos += c.size
         if pos != f.size:
             raise InvalidRequest(f"malformed manifest: {path}: chunks cover {pos} of {f.size} bytes")
@@ -222,11 +240,15 @@ def parse_doc(doc: object, draft: bool = False) -> Manifest:
             raise InvalidRequest(f"malformed manifest: {path}: a side file cannot hold tensors")
         for t in f.tensors:
             if t.dtype not in DTYPE_SIZES:
-                raise InvalidRequest(f"malformed manifest: {path}: tensor {shown(t.name, 80)} has unknown dtype "
-                                     f"{shown(t.dtype, 20)}: use one of {', '.join(DTYPE_SIZES)}")
+                raise InvalidRequest(
+                    f"malformed manifest: {path}: tensor {shown(t.name, 80)} has unknown dtype "
+                    f"{shown(t.dtype, 20)}: use one of {', '.join(DTYPE_SIZES)}"
+                )
             if t.start not in starts or t.end not in starts or t.start > t.end:
-                raise InvalidRequest(f"malformed manifest: {path}: tensor {shown(t.name, 80)} is not on chunk "
-                                     f"boundaries (bytes {t.start} to {t.end}): it must start and end where chunks do")
+                raise InvalidRequest(
+                    f"malformed manifest: {path}: tensor {shown(t.name, 80)} is not on chunk "
+                    f"boundaries (bytes {t.start} to {t.end}): it must start and end where chunks do"
+                )
         if f.kind == SAFETENSORS and not f.chunks:
             raise InvalidRequest(f"malformed manifest: {path}: a safetensors file without a header chunk")
     return m
@@ -271,8 +293,10 @@ def _check_shape(doc: object) -> None:
     if "format" not in doc:
         raise bad(f"no 'format': a manifest says \"format\": {FORMAT}, the format this server reads")
     if doc["format"] != FORMAT or isinstance(doc["format"], bool):
-        raise bad(f"format {str(doc['format'])[:20]!r}: this server reads format {FORMAT}; upgrade the server, "
-                  "or push with a client of its release")
+        raise bad(
+            f"format {str(doc['format'])[:20]!r}: this server reads format {FORMAT}; upgrade the server, "
+            "or push with a client of its release"
+        )
     # from_doc would take "single_file": "false" for true
     if not isinstance(doc.get("single_file"), bool):
         raise bad("single_file must be true or false")
@@ -315,7 +339,9 @@ def _check_no_file_above_another(m: Manifest) -> None:
         for k in range(1, len(parts)):
             above = "/".join(parts[:k])
             if above in paths:
-                raise InvalidRequest(f"malformed manifest: {above[:200]!r} is a file, but {p[:200]!r} needs it as a folder")
+                raise InvalidRequest(
+                    f"malformed manifest: {above[:200]!r} is a file, but {p[:200]!r} needs it as a folder"
+                )
 
 
 def unsafe_path(path: str) -> bool:
@@ -337,4 +363,3 @@ class _CutHeader:
 
     header_size: int
     tensors: tuple[TensorSpan, ...]
-

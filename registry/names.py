@@ -18,8 +18,7 @@ def check_name(kind: str, name: str) -> str:
     """Return ``name`` if valid for a family or version, else raise InvalidName."""
     if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise InvalidName(
-            f"invalid {kind} name {shown(name)}: use 1-128 letters, digits, '.', '_' or '-', "
-            "not starting with '.'"
+            f"invalid {kind} name {shown(name)}: use 1-128 letters, digits, '.', '_' or '-', not starting with '.'"
         )
     return name
 
@@ -30,6 +29,8 @@ def check_new_name(kind: str, name: str) -> str:
     an earlier release stored can still be pulled, listed and deleted (check_name)."""
     check_name(kind, name)
     if name.startswith("-"):
-        raise InvalidName(f"invalid {kind} name {shown(name)}: a new name may not start with '-', which a command line "
-                          "reads as an option; start it with a letter or digit")
+        raise InvalidName(
+            f"invalid {kind} name {shown(name)}: a new name may not start with '-', which a command line "
+            "reads as an option; start it with a letter or digit"
+        )
     return name

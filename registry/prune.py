@@ -118,8 +118,13 @@ def still_unneeded(conn, garbage: list[q.ChunkState]) -> list[q.ChunkState]:
     return [c for c in garbage if c.id not in kept]
 
 
-def prune(reg, min_age: float = DEFAULT_MIN_AGE, max_unused: float = DEFAULT_MAX_UNUSED, dry_run: bool = False,
-          progress: Progress | None = None) -> PruneResult:
+def prune(
+    reg,
+    min_age: float = DEFAULT_MIN_AGE,
+    max_unused: float = DEFAULT_MAX_UNUSED,
+    dry_run: bool = False,
+    progress: Progress | None = None,
+) -> PruneResult:
     """Delete what no version needs and free its space (see the module docstring); with ``dry_run``,
     only say what that would do."""
     check_prune_args(min_age, max_unused)
@@ -158,11 +163,15 @@ def prune(reg, min_age: float = DEFAULT_MIN_AGE, max_unused: float = DEFAULT_MAX
     repacked = [p for p in plan.repack if p not in damaged]
     result = PruneResult(
         dry_run=dry_run,
-        deleted_chunks=len(garbage), deleted_chunk_bytes=sum(c.stored_size for c in garbage),
-        repacked_packs=len(repacked), moved_bytes=moved,
+        deleted_chunks=len(garbage),
+        deleted_chunk_bytes=sum(c.stored_size for c in garbage),
+        repacked_packs=len(repacked),
+        moved_bytes=moved,
         retired_packs=len(retired) + len(repacked),
-        deleted_packs=len(due), freed_bytes=sum(s for _, s in due),
-        waiting_packs=len(waiting), waiting_bytes=sum(s for _, s in waiting),
+        deleted_packs=len(due),
+        freed_bytes=sum(s for _, s in due),
+        waiting_packs=len(waiting),
+        waiting_bytes=sum(s for _, s in waiting),
         seconds=time.perf_counter() - t0,
     )
     if damaged:
@@ -203,8 +212,10 @@ def _repack(reg, pack_ids: list[str], progress: Progress) -> tuple[int, dict[str
     writer = _MovedPacks(reg, old_pack)
     damaged: dict[str, str] = {}
     for pack_id, chunk_rows in rows.items():
-        located = [StoredChunk(cid, size, enc, stored, pack_id, off, basis, depth)
-                   for cid, size, enc, stored, off, basis, depth in chunk_rows]
+        located = [
+            StoredChunk(cid, size, enc, stored, pack_id, off, basis, depth)
+            for cid, size, enc, stored, off, basis, depth in chunk_rows
+        ]
         try:
             for c, payload in reg.read_payloads(located):
                 old_pack[c.id] = pack_id

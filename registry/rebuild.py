@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from mfsreg.registry import codec, filecheck
-from mfsreg.registry.durable import Placing, writing
 from mfsreg.registry.blobs.packs import StoredChunk
 from mfsreg.registry.chunking import chunk_id
+from mfsreg.registry.durable import Placing, writing
 from mfsreg.registry.errors import IntegrityError, InvalidRequest
 from mfsreg.registry.manifest import FileEntry, Manifest
 from mfsreg.registry.parallel import sized_batches, windowed_map
@@ -48,8 +48,10 @@ class PullResult:
 def decode_verified(chunk: StoredChunk, payload, basis: bytes | None = None) -> bytes:
     """Decode one stored chunk and check that its bytes hash to its id."""
     if not codec.is_known(chunk.encoding):  # a newer registry wrote it: the bytes are fine, this code is old
-        raise IntegrityError(f"chunk {chunk.id} uses encoding {chunk.encoding!r}, which this mfsreg does not know: "
-                             "upgrade mfsreg on this machine")
+        raise IntegrityError(
+            f"chunk {chunk.id} uses encoding {chunk.encoding!r}, which this mfsreg does not know: "
+            "upgrade mfsreg on this machine"
+        )
     try:
         raw = codec.decode(chunk.encoding, payload, chunk.size, basis)
     except Exception as exc:  # zstd raises its own error types on corrupt frames
@@ -61,7 +63,11 @@ def decode_verified(chunk: StoredChunk, payload, basis: bytes | None = None) -> 
 
 def safe_relpath(path: str) -> PurePosixPath:
     p = PurePosixPath(path)
-    if p.is_absolute() or not p.parts or any(part in ("..", "") or part.startswith(".") and part != "." for part in p.parts):
+    if (
+        p.is_absolute()
+        or not p.parts
+        or any(part in ("..", "") or part.startswith(".") and part != "." for part in p.parts)
+    ):
         raise IntegrityError(f"manifest names an unsafe path {path!r}: refusing to write it")
     return p
 
@@ -89,8 +95,10 @@ def targets(manifest: Manifest, out: Path, owned: Owned = ()) -> list[tuple[File
         plan = [(f, dest)]
     else:
         if out.exists() and not out.is_dir():
-            raise InvalidRequest(f"{out} is not a directory, but this version is a directory of {len(manifest.files)} files: "
-                                 "give a directory")
+            raise InvalidRequest(
+                f"{out} is not a directory, but this version is a directory of {len(manifest.files)} files: "
+                "give a directory"
+            )
         plan = _under(manifest, out)
     _check_dests(plan, out, owned)
     return plan
@@ -109,8 +117,10 @@ def check_dir(out: Path, manifest: Manifest, owned: Owned = ()) -> None:
         raise InvalidRequest(f"{out} is not a directory: --to-dir needs a directory (an existing one, or a new name)")
     _check_dests(_under(manifest, out), out, owned)
     if (stray := _stray_weights(out, manifest)) is not None:
-        raise InvalidRequest(f"{out} holds {stray}, which this version does not: an engine loading the directory would "
-                             "read both versions' weights; pull into an empty directory, or remove it")
+        raise InvalidRequest(
+            f"{out} holds {stray}, which this version does not: an engine loading the directory would "
+            "read both versions' weights; pull into an empty directory, or remove it"
+        )
 
 
 WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json")
@@ -145,11 +155,14 @@ def _check_dests(plan: list[tuple[FileEntry, Path]], out: Path, owned: Owned = (
         for root, what in roots:
             if real == root or root in real.parents:
                 where = "that is" if real == root else "that lies in"
-                raise InvalidRequest(f"cannot write {dest}: {where} {what} ({root}), which the pull would damage; "
-                                     "pull elsewhere")
+                raise InvalidRequest(
+                    f"cannot write {dest}: {where} {what} ({root}), which the pull would damage; pull elsewhere"
+                )
         if dest.is_dir():
-            raise InvalidRequest(f"cannot write {dest}: a directory is there, where the version's file {f.path} goes; "
-                                 "move it away or pull elsewhere")
+            raise InvalidRequest(
+                f"cannot write {dest}: a directory is there, where the version's file {f.path} goes; "
+                "move it away or pull elsewhere"
+            )
         try:
             mode = dest.lstat().st_mode
         except (FileNotFoundError, NotADirectoryError):  # nothing there, or a file above it (refused below)
@@ -157,14 +170,18 @@ def _check_dests(plan: list[tuple[FileEntry, Path]], out: Path, owned: Owned = (
         if mode is not None and not (stat.S_ISREG(mode) or stat.S_ISLNK(mode)):
             # the file is built under a temp name and renamed over its place: that would put a file
             # where the device or pipe was (with root's rights, over /dev/full), not write into it
-            raise InvalidRequest(f"cannot write {dest}: it is a pipe, socket or device, which a pull would replace with "
-                                 "a file; give the path of a file or a directory")
+            raise InvalidRequest(
+                f"cannot write {dest}: it is a pipe, socket or device, which a pull would replace with "
+                "a file; give the path of a file or a directory"
+            )
         for parent in dest.parents:
             if parent == out or out not in parent.parents:  # at or above ``out``: checked already
                 break
             if parent.exists() and not parent.is_dir():
-                raise InvalidRequest(f"cannot write {dest}: {parent} is a file, where the version needs a directory; "
-                                     "move it away or pull elsewhere")
+                raise InvalidRequest(
+                    f"cannot write {dest}: {parent} is a file, where the version needs a directory; "
+                    "move it away or pull elsewhere"
+                )
 
 
 def written_path(manifest: Manifest, out: Path) -> Path:
@@ -175,7 +192,9 @@ def written_path(manifest: Manifest, out: Path) -> Path:
     return out
 
 
-def closure(ids: list[str], located: dict[str, StoredChunk], have: Callable[[str], bool] = lambda i: False) -> list[str]:
+def closure(
+    ids: list[str], located: dict[str, StoredChunk], have: Callable[[str], bool] = lambda i: False
+) -> list[str]:
     """``ids`` plus the bases their deltas need, each listed after its basis (decode order).
     Bases for which ``have`` is true (already decoded elsewhere, e.g. in a node cache) stop the walk."""
     order: list[str] = []
@@ -216,8 +235,13 @@ def levels(order: list[str], located: dict[str, StoredChunk]) -> list[list[str]]
     return out
 
 
-def decode_batch(ids: list[str], located: dict[str, StoredChunk], payloads: PayloadSource,
-                 pool: ThreadPoolExecutor, known: Callable[[str], bytes | None] | None = None) -> dict[str, bytes]:
+def decode_batch(
+    ids: list[str],
+    located: dict[str, StoredChunk],
+    payloads: PayloadSource,
+    pool: ThreadPoolExecutor,
+    known: Callable[[str], bytes | None] | None = None,
+) -> dict[str, bytes]:
     """Raw bytes of ``ids`` (and of the bases they need), fetched in one go, decoded level by level
     so that each delta finds its basis decoded; each level decodes in parallel. ``known`` supplies
     raw bytes of bases held elsewhere (a node cache), which are then neither fetched nor decoded."""
@@ -251,8 +275,15 @@ def decode_batch(ids: list[str], located: dict[str, StoredChunk], payloads: Payl
     return raw
 
 
-def write_file(entry: FileEntry, dest: Path, located: dict[str, StoredChunk], payloads: PayloadSource,
-               pool: ThreadPoolExecutor, progress: Progress, placing: Placing) -> None:
+def write_file(
+    entry: FileEntry,
+    dest: Path,
+    located: dict[str, StoredChunk],
+    payloads: PayloadSource,
+    pool: ThreadPoolExecutor,
+    progress: Progress,
+    placing: Placing,
+) -> None:
     """Write one file atomically from its chunks, each decoded and checked against its id, then
     checked again where it lies in the written file (registry/filecheck.py); renamed into place by
     ``placing``, with the version's other files.
@@ -279,21 +310,32 @@ def write_file(entry: FileEntry, dest: Path, located: dict[str, StoredChunk], pa
                 progress.advance("write", sum(c.size for c in batch))
         bad = out.bad()
         if bad:  # each was checked when decoded: what reads back differs from what was written
-            raise IntegrityError(f"{entry.path}: chunk {bad[0].id} does not read back from {out.tmp} as it was written: "
-                                 "check this machine's disk and memory, then pull again")
+            raise IntegrityError(
+                f"{entry.path}: chunk {bad[0].id} does not read back from {out.tmp} as it was written: "
+                "check this machine's disk and memory, then pull again"
+            )
         out.commit(placing)
 
 
-def rebuild(manifest: Manifest, out: Path, located: dict[str, StoredChunk], payloads: PayloadSource,
-            pool: ThreadPoolExecutor, progress: Progress | None = None, to_dir: bool = False,
-            owned: Owned = ()) -> list[Path]:
+def rebuild(
+    manifest: Manifest,
+    out: Path,
+    located: dict[str, StoredChunk],
+    payloads: PayloadSource,
+    pool: ThreadPoolExecutor,
+    progress: Progress | None = None,
+    to_dir: bool = False,
+    owned: Owned = (),
+) -> list[Path]:
     """Write the version's files at ``out`` (see ``targets``), or with ``to_dir`` each at its path
     under the directory ``out``, made with them if missing (and removed again if the pull fails)."""
     progress = progress or NullProgress()
     missing = [c.id for f in manifest.files for c in f.chunks if c.id not in located]
     missing += [c.basis_id for c in located.values() if c.basis_id and c.basis_id not in located]
     if missing:
-        raise IntegrityError(f"{len(missing)} chunks of this version are missing from the registry (first: {missing[0]})")
+        raise IntegrityError(
+            f"{len(missing)} chunks of this version are missing from the registry (first: {missing[0]})"
+        )
     if to_dir:
         check_dir(out, manifest, owned)
         plan = _under(manifest, out)
@@ -304,5 +346,3 @@ def rebuild(manifest: Manifest, out: Path, located: dict[str, StoredChunk], payl
         for entry, dest in plan:
             write_file(entry, dest, located, payloads, pool, progress, placing)
     return [d for _, d in plan]
-
-

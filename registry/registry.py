@@ -31,6 +31,7 @@ if TYPE_CHECKING:  # the push, pull and prune machinery loads when a method need
     from mfsreg.registry.progress import Progress
     from mfsreg.registry.rebuild import PullResult
 
+
 class Registry:
     def __init__(self, settings: Settings | None = None, migrate: bool | None = None):
         self.settings = settings or Settings.from_env()
@@ -81,7 +82,7 @@ class Registry:
         self.pool.shutdown(wait=True)
         self.engine.dispose()
 
-    def __enter__(self) -> "Registry":
+    def __enter__(self) -> Registry:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -89,8 +90,15 @@ class Registry:
 
     # -- push / pull ---------------------------------------------------------------------------
 
-    def push(self, path: Path, family: str, version: str, parent: str | None = None,
-             progress: Progress | None = None, mend_damaged: bool = False) -> PushResult:
+    def push(
+        self,
+        path: Path,
+        family: str,
+        version: str,
+        parent: str | None = None,
+        progress: Progress | None = None,
+        mend_damaged: bool = False,
+    ) -> PushResult:
         from mfsreg.registry import ingest
 
         self.open_blobs()  # before the file is read or the family made: a bad store is refused first
@@ -112,8 +120,9 @@ class Registry:
 
         return read_payloads(self.blobs, chunks)
 
-    def pull(self, family: str, version: str, out: Path, progress: Progress | None = None,
-             to_dir: bool = False) -> PullResult:
+    def pull(
+        self, family: str, version: str, out: Path, progress: Progress | None = None, to_dir: bool = False
+    ) -> PullResult:
         """Rebuild the version at ``out`` (a file, or a directory for a single file to go in), or
         with ``to_dir`` as the files of the directory ``out``, made if missing."""
         from mfsreg.registry import rebuild
@@ -125,21 +134,36 @@ class Registry:
             row, manifest = _manifest_in(conn, family, version)
             located = chunk_db.locate_closure(conn, manifest.chunk_ids())
         try:
-            rebuild.rebuild(manifest, Path(out), located, self.read_payloads, self.pool, progress, to_dir=to_dir,
-                            owned=self._owned())
+            rebuild.rebuild(
+                manifest,
+                Path(out),
+                located,
+                self.read_payloads,
+                self.pool,
+                progress,
+                to_dir=to_dir,
+                owned=self._owned(),
+            )
         except NotFound as exc:
             with read_tx(self.engine) as conn:
                 now = version_db.find_version(conn, family, version)
             if now is None or now.id != row.id:  # deleted meanwhile, and a prune took its packs: the user's race
-                raise NotFound(f"version {family}/{version} was deleted while it was being pulled: "
-                               "nothing was written") from None
+                raise NotFound(
+                    f"version {family}/{version} was deleted while it was being pulled: nothing was written"
+                ) from None
             # a pack the registry records is gone: data loss, said as the server says it
-            raise StorageError(f"the registry's storage lost data ({exc}): check that MFSREG_BLOB_URL names this "
-                               "registry's blob store, else restore that blob from a backup") from None
+            raise StorageError(
+                f"the registry's storage lost data ({exc}): check that MFSREG_BLOB_URL names this "
+                "registry's blob store, else restore that blob from a backup"
+            ) from None
         return rebuild.PullResult(
-            family=family, version=version, digest=row.digest, path=str(rebuild.written_path(manifest, Path(out))),
+            family=family,
+            version=version,
+            digest=row.digest,
+            path=str(rebuild.written_path(manifest, Path(out))),
             logical_bytes=row.logical_bytes,
-            files=row.file_count, seconds=time.perf_counter() - t0,
+            files=row.file_count,
+            seconds=time.perf_counter() - t0,
         )
 
     def _owned(self) -> list[tuple[Path, str]]:
@@ -151,8 +175,10 @@ class Registry:
         url = self.engine.url
         if url.get_backend_name() == "sqlite" and url.database not in (None, "", ":memory:"):
             db = Path(url.database)
-            owned += [(db.with_name(db.name + end), "the registry's database")
-                      for end in ("", "-wal", "-shm", "-journal", ".migrate.lock")]
+            owned += [
+                (db.with_name(db.name + end), "the registry's database")
+                for end in ("", "-wal", "-shm", "-journal", ".migrate.lock")
+            ]
         if isinstance(self.blobs, LocalBlobStore):
             owned.append((self.blobs.root, "the registry's blob store"))
         return owned
@@ -211,7 +237,9 @@ class Registry:
             version_db.set_member_count(conn, fam.id, fam.member_count - 1)
         return DeleteResult(family, version, changed, len(dropped))
 
-    def check(self, family: str | None = None, read_data: bool = False, progress: Progress | None = None) -> CheckResult:
+    def check(
+        self, family: str | None = None, read_data: bool = False, progress: Progress | None = None
+    ) -> CheckResult:
         """Which packs and chunks the stored versions need are lost or damaged, and which versions
         cannot be pulled because of them (registry/check.py); changes nothing."""
         from mfsreg.registry.check import check as check_registry
@@ -219,8 +247,13 @@ class Registry:
         self.open_blobs()
         return check_registry(self, family, read_data, progress)
 
-    def prune(self, min_age: float = PRUNE_MIN_AGE, max_unused: float = PRUNE_MAX_UNUSED,
-              dry_run: bool = False, progress: Progress | None = None) -> PruneResult:
+    def prune(
+        self,
+        min_age: float = PRUNE_MIN_AGE,
+        max_unused: float = PRUNE_MAX_UNUSED,
+        dry_run: bool = False,
+        progress: Progress | None = None,
+    ) -> PruneResult:
         """Delete the chunks no version needs and give back their space (registry/prune.py)."""
         from mfsreg.registry import prune
 

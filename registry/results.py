@@ -37,7 +37,9 @@ class PushResult:
     version: str
     digest: str
     logical_bytes: int
-    new_bytes: int  # stored (encoded) bytes this push added; through a scoped token, the bytes it sent (registry/service.py)
+    new_bytes: (
+        int  # stored (encoded) bytes this push added; through a scoped token, the bytes it sent (registry/service.py)
+    )
     new_chunks: int
     reused_chunks: int
     chunks: int
@@ -83,9 +85,18 @@ class PruneResult:
         return dict(self.__dict__)
 
 
-def existing_result(digest: str, logical_bytes: int, files: int, new_digest: str, n_chunks: int,
-                    family: str, version: str, t0: float, layout: str | None = None,
-                    new_layout: str | None = None) -> PushResult:
+def existing_result(
+    digest: str,
+    logical_bytes: int,
+    files: int,
+    new_digest: str,
+    n_chunks: int,
+    family: str,
+    version: str,
+    t0: float,
+    layout: str | None = None,
+    new_layout: str | None = None,
+) -> PushResult:
     """The result of pushing a version that is already there: fine if it is the same content.
     ``layout``/``new_layout`` (Manifest.layout), where known, must match as well as the digests."""
     if digest != new_digest:
@@ -93,13 +104,24 @@ def existing_result(digest: str, logical_bytes: int, files: int, new_digest: str
             f"version {family}/{version} already exists with other content ({digest[:19]}...): versions are immutable, push under a new name"
         )
     if layout is not None and new_layout is not None and layout != new_layout:
-        raise Conflict(f"version {family}/{version} already exists with other content: the same file digests, other "
-                       "chunks (whatever committed it sent sha256s its bytes do not have); push under a new name, and "
-                       "check what committed it")
+        raise Conflict(
+            f"version {family}/{version} already exists with other content: the same file digests, other "
+            "chunks (whatever committed it sent sha256s its bytes do not have); push under a new name, and "
+            "check what committed it"
+        )
     return PushResult(
-        family=family, version=version, digest=digest, logical_bytes=logical_bytes, new_bytes=0,
-        new_chunks=0, reused_chunks=n_chunks, chunks=n_chunks, files=files, tier_changes=0,
-        existed=True, seconds=time.perf_counter() - t0,
+        family=family,
+        version=version,
+        digest=digest,
+        logical_bytes=logical_bytes,
+        new_bytes=0,
+        new_chunks=0,
+        reused_chunks=n_chunks,
+        chunks=n_chunks,
+        files=files,
+        tier_changes=0,
+        existed=True,
+        seconds=time.perf_counter() - t0,
     )
 
 

@@ -13,39 +13,65 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
-
 from mfsreg.registry import access, codec
 from mfsreg.registry.auth import Principal
 from mfsreg.registry.blobs.packs import StoredChunk
+from mfsreg.registry.check import to_mend, unreadable_or_damaged
 from mfsreg.registry.config import check_chunk_size
 from mfsreg.registry.db import chunks as chunk_db
 from mfsreg.registry.db import claims as claim_db
 from mfsreg.registry.db import tiers as tier_db
 from mfsreg.registry.db import versions as version_db
 from mfsreg.registry.db.engine import read_tx, write_tx
-from mfsreg.registry.errors import (IntegrityError, InvalidModel, InvalidRequest, MissingChunks, NotFound, StorageError,
-                             TooLarge, shown)
 from mfsreg.registry.deltas import BasisReader, cap_depth
-from mfsreg.registry.ingest import (check_cut, check_named_cut, check_new_cut, check_parent, check_push_names, commit_version,
-                             existing_result, plan_deltas, store_chunks, stored_for, stored_layout)
-from mfsreg.registry.check import to_mend, unreadable_or_damaged
+from mfsreg.registry.errors import (
+    IntegrityError,
+    InvalidModel,
+    InvalidRequest,
+    MissingChunks,
+    NotFound,
+    StorageError,
+    TooLarge,
+    shown,
+)
+from mfsreg.registry.ingest import (
+    check_cut,
+    check_named_cut,
+    check_new_cut,
+    check_parent,
+    check_push_names,
+    commit_version,
+    existing_result,
+    plan_deltas,
+    store_chunks,
+    stored_for,
+    stored_layout,
+)
 from mfsreg.registry.lost import PackSizes, lost_packs, unreadable
-from mfsreg.registry.parallel import windowed_map
-from mfsreg.registry.results import PushResult, timestamp
 from mfsreg.registry.manifest import MAX_CHUNK_BYTES, SAFETENSORS, Manifest, parse_doc
 from mfsreg.registry.names import check_name
+from mfsreg.registry.parallel import windowed_map
 from mfsreg.registry.rebuild import decode_verified
+from mfsreg.registry.results import PushResult, timestamp
 from mfsreg.registry.safetensors import parse_header
 from mfsreg.registry.tiers import TIERS
 from mfsreg.registry.wire import RAW_PER_BODY, Entry, check_id, encode_index, parse_batch
+
 
 def _check_encoding(name: str) -> None:
     if not codec.is_known(name):
         raise InvalidRequest(f"unknown chunk encoding {shown(name, 40)}")
 
 
-def negotiate(reg, family: str, version: str, doc: object, parent: str | None = None,
-              who: Principal | None = None, mend_damaged: bool = False) -> dict:
+def negotiate(
+    reg,
+    family: str,
+    version: str,
+    doc: object,
+    parent: str | None = None,
+    who: Principal | None = None,
+    mend_damaged: bool = False,
+) -> dict:
     """Which chunks to upload (those not stored, and those ``who`` may not use without sending
     them: registry/access.py), and for each a suggested basis: the server stores an uploaded chunk
     as a delta against it when that is smaller (the client never needs the basis bytes).
@@ -86,8 +112,17 @@ def negotiate(reg, family: str, version: str, doc: object, parent: str | None = 
     mend, damaged, warning = to_mend(reg, located, reused, sizes=pack_sizes, read_data=mend_damaged)
     # no basis is suggested in a lost pack either: receive_batch could not read it; nor one found
     # damaged just now, which receive_batch would read again only to warn of it a second time
-    bases, _ = plan_deltas(reg, family, parent, [(f.chunks, f.tensors) for f in manifest.files], ids, missing,
-                           pack_sizes, warning, damaged.keys())
+    bases, _ = plan_deltas(
+        reg,
+        family,
+        parent,
+        [(f.chunks, f.tensors) for f in manifest.files],
+        ids,
+        missing,
+        pack_sizes,
+        warning,
+        damaged.keys(),
+    )
     warning.say()
     bases = {c: b for c, b in bases.items() if c not in mend}
     missing |= mend
@@ -105,8 +140,9 @@ def negotiate(reg, family: str, version: str, doc: object, parent: str | None = 
     }
 
 
-def _negotiate_existing(reg, existing, manifest: Manifest, located: dict[str, StoredChunk],
-                        mend_damaged: bool = False) -> dict:
+def _negotiate_existing(
+    reg, existing, manifest: Manifest, located: dict[str, StoredChunk], mend_damaged: bool = False
+) -> dict:
     """The version exists: the client compares its digest and layout with the stored ones, and
     commits nothing. Where its chunks are the stored version's (the same layout, and the same digest
     unless a draft's is not known yet), those whose bytes, or a basis's down their delta chains, lie
@@ -165,8 +201,10 @@ def receive_batch(reg, family: str, body: bytes, who: Principal | None = None) -
     limit = max(RAW_PER_BODY * reg.settings.max_body, MAX_CHUNK_BYTES)  # the largest chunk always fits
     decoded = sum(e.size for e, _ in entries)
     if decoded > limit:
-        raise TooLarge(f"the batch's chunks add up to {decoded:,} bytes once decoded, over this "
-                       f"server's {limit:,} ({RAW_PER_BODY}x MFSREG_MAX_BODY): send fewer chunks per request")
+        raise TooLarge(
+            f"the batch's chunks add up to {decoded:,} bytes once decoded, over this "
+            f"server's {limit:,} ({RAW_PER_BODY}x MFSREG_MAX_BODY): send fewer chunks per request"
+        )
     hinted = list({e.basis_id for e, _ in entries if e.basis_id})
     scoped = not access.reads_everything(who)
     with read_tx(reg.engine) as conn:
@@ -187,14 +225,19 @@ def receive_batch(reg, family: str, body: bytes, who: Principal | None = None) -
     # same, but never one a scoped token must prove, which compare_stored reads back anyway
     mend |= _damaged_uploads(reg, [e.id for e, _ in entries if e.id in stored_here and e.id not in mend | proving])
     if mend & proving:
-        raise StorageError(f"the registry's storage lost data ({next(iter(lost.values()))}): a push through this token "
-                           "cannot mend it; tell the registry's operator")
+        raise StorageError(
+            f"the registry's storage lost data ({next(iter(lost.values()))}): a push through this token "
+            "cannot mend it; tell the registry's operator"
+        )
     reader = BasisReader(located, reg.read_payloads, decode_verified, locate=reg.locate)
     # Every chunk is verified, the stored ones too: an upload is how a scoped token proves it
     # holds a chunk another family stored (registry/access.py); only the missing ones are stored.
     todo_ids = {e.id for e, _ in entries if e.id in missing} | mend
-    basis_of = {e.id: cap_depth(e.basis_id, located) for e, _ in entries
-                if e.id in todo_ids and e.id not in mend and e.basis_id in allowed}
+    basis_of = {
+        e.id: cap_depth(e.basis_id, located)
+        for e, _ in entries
+        if e.id in todo_ids and e.id not in mend and e.basis_id in allowed
+    }
 
     def verify(item):
         e, payload = item
@@ -221,8 +264,10 @@ def receive_batch(reg, family: str, body: bytes, who: Principal | None = None) -
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="mfsreg-bases") as io:
         fetching = io.submit(reader.prefetch, list(basis_of.values()))
         # raw bytes are kept for the chunks to store and those to compare, no others
-        checked = [v if v[0].id in todo_ids or v[0].id in proving else (v[0], v[1], None)
-                   for v in windowed_map(reg.pool, verify, entries)]
+        checked = [
+            v if v[0].id in todo_ids or v[0].id in proving else (v[0], v[1], None)
+            for v in windowed_map(reg.pool, verify, entries)
+        ]
         fetching.result()
     verified = [v for v in checked if v[0].id in todo_ids]
     proved = proving - access.compare_stored(reg, {e.id: raw for e, _, raw in checked if e.id in proving})
@@ -289,8 +334,15 @@ def _check_headers(reg, manifest: Manifest, who: Principal | None = None, family
                 raise InvalidRequest(f"manifest does not match its header: {f.path}: tensors differ")
 
 
-def commit(reg, family: str, version: str, parent: str | None, doc: object, chunk_size: int | None = None,
-           who: Principal | None = None) -> PushResult:
+def commit(
+    reg,
+    family: str,
+    version: str,
+    parent: str | None,
+    doc: object,
+    chunk_size: int | None = None,
+    who: Principal | None = None,
+) -> PushResult:
     t0 = time.perf_counter()
     check_push_names(family, version, parent)
     manifest = parse_doc(doc)
@@ -325,9 +377,18 @@ def commit(reg, family: str, version: str, parent: str | None, doc: object, chun
         return existing_result(reg, existing, manifest, family, version, t0)
     n = len(manifest.chunk_ids())
     return PushResult(
-        family=family, version=version, digest=manifest.digest, logical_bytes=manifest.logical_bytes,
-        new_bytes=0, new_chunks=0, reused_chunks=n, chunks=n, files=len(manifest.files),
-        tier_changes=changed, existed=False, seconds=time.perf_counter() - t0,
+        family=family,
+        version=version,
+        digest=manifest.digest,
+        logical_bytes=manifest.logical_bytes,
+        new_bytes=0,
+        new_chunks=0,
+        reused_chunks=n,
+        chunks=n,
+        files=len(manifest.files),
+        tier_changes=changed,
+        existed=False,
+        seconds=time.perf_counter() - t0,
     )
 
 
@@ -343,8 +404,10 @@ def _check_readable(reg, family: str, version: str, manifest: Manifest) -> None:
         located = chunk_db.locate_closure(conn, ids)
     bad, lost = unreadable(reg, located, [i for i in ids if i in located])
     if bad:
-        raise MissingChunks(f"{len(bad)} chunks of {family}/{version} lie in a pack the registry's storage lost "
-                            f"({next(iter(lost.values()))}): upload them, then commit again")
+        raise MissingChunks(
+            f"{len(bad)} chunks of {family}/{version} lie in a pack the registry's storage lost "
+            f"({next(iter(lost.values()))}): upload them, then commit again"
+        )
 
 
 def plan_download(reg, family: str, ids: list[str]) -> list[StoredChunk]:
@@ -410,9 +473,15 @@ def version_doc(reg, family: str, version: str, if_none_match: str | None = None
         manifest = Manifest.doc_of(version_db.read_manifest(conn, row.id))
         table = chunk_db.version_chunk_table(conn, row.id)
     doc = {
-        "family": row.family, "version": row.name, "parent": row.parent, "digest": row.digest,
-        "logical_bytes": row.logical_bytes, "files": row.file_count, "single_file": row.single_file,
-        "created_at": timestamp(row.created_at), "manifest": manifest,
+        "family": row.family,
+        "version": row.name,
+        "parent": row.parent,
+        "digest": row.digest,
+        "logical_bytes": row.logical_bytes,
+        "files": row.file_count,
+        "single_file": row.single_file,
+        "created_at": timestamp(row.created_at),
+        "manifest": manifest,
         "chunks": table,
     }
     return doc, tag
@@ -432,5 +501,3 @@ def tier_doc(reg, family: str, tier: str | None) -> dict:
     with read_tx(reg.engine) as conn:
         fam = version_db.get_family(conn, family)
         return {"family": family, "tier": tier, "chunks": chunk_db.family_chunk_table(conn, fam.id, tier)}
-
-

@@ -55,8 +55,10 @@ def open_source(path: Path) -> Source:
 def _regular(path: Path) -> None:
     """A pipe, socket or device would be read until it ends (a pipe nobody writes to: never)."""
     if not path.is_file():
-        raise InvalidModel(f"{path}: not a regular file (a pipe, socket or device): push regular files only (a file, or "
-                           "a model directory of them)")
+        raise InvalidModel(
+            f"{path}: not a regular file (a pipe, socket or device): push regular files only (a file, or "
+            "a model directory of them)"
+        )
 
 
 def _safetensors(path: Path, rel: str) -> SourceFile:
@@ -73,8 +75,10 @@ def _storable(rel: str) -> str:
     """A file's path as a version holds it; refused here where the server would refuse it, so that
     no registry (embedded ones included) stores a version a node would refuse to pull."""
     if unsafe_path(rel):
-        raise InvalidModel(f"{rel!r}: a version cannot hold this file name (control characters, bytes that are not "
-                           f"UTF-8, or over {MAX_PATH_BYTES} bytes): rename the file, or move it out of the model")
+        raise InvalidModel(
+            f"{rel!r}: a version cannot hold this file name (control characters, bytes that are not "
+            f"UTF-8, or over {MAX_PATH_BYTES} bytes): rename the file, or move it out of the model"
+        )
     return rel
 
 
@@ -86,16 +90,20 @@ def _walk(root: Path) -> list[Path]:
     out = []
 
     def unlistable(err: OSError) -> None:
-        raise InvalidModel(f"{err.filename}: cannot list this folder ({err.strerror}): give read access to it, or move it "
-                           "out of the model directory") from None
+        raise InvalidModel(
+            f"{err.filename}: cannot list this folder ({err.strerror}): give read access to it, or move it "
+            "out of the model directory"
+        ) from None
 
     for folder, subfolders, names in os.walk(root, onerror=unlistable):
         here = Path(folder)
         subfolders[:] = [d for d in subfolders if not d.startswith(".")]
         for d in subfolders:
             if (here / d).is_symlink():  # os.walk lists it and does not go in
-                raise InvalidModel(f"{here / d}: a link to a folder, which a push does not follow: put the folder's "
-                                   "files there instead, or move the link out of the model directory")
+                raise InvalidModel(
+                    f"{here / d}: a link to a folder, which a push does not follow: put the folder's "
+                    "files there instead, or move the link out of the model directory"
+                )
         for name in names:
             p = here / name
             if name.startswith("."):
@@ -113,9 +121,12 @@ def _dangling(link: Path) -> str:
         link.stat()
     except OSError as err:
         if err.errno == errno.ELOOP:
-            return (f"{link}: a link that leads back to itself (a loop of links): point it at the model file, or "
-                    "remove it")
-    return f"{link}: a link to {os.readlink(link)!r}, which does not exist: restore what it points to, or remove the link"
+            return (
+                f"{link}: a link that leads back to itself (a loop of links): point it at the model file, or remove it"
+            )
+    return (
+        f"{link}: a link to {os.readlink(link)!r}, which does not exist: restore what it points to, or remove the link"
+    )
 
 
 def _directory(root: Path) -> Source:
@@ -154,13 +165,17 @@ def _read_index(path: Path, rel: str) -> dict[str, str]:
     except (UnicodeDecodeError, json.JSONDecodeError):
         raise InvalidModel(f"{rel}: not valid JSON: a sharded checkpoint needs a valid index") from None
     weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
-    if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+    ):
         raise InvalidModel(f"{rel}: no weight_map of tensor names to shard files")
     for shard in set(weight_map.values()):
         p = PurePosixPath(shard)
         if p.is_absolute() or ".." in p.parts or not shard.endswith(".safetensors"):
-            raise InvalidModel(f"{rel}: shard name {shard!r} must be a .safetensors file inside the model directory "
-                               "(no absolute path, no '..')")
+            raise InvalidModel(
+                f"{rel}: shard name {shard!r} must be a .safetensors file inside the model directory "
+                "(no absolute path, no '..')"
+            )
     return weight_map
 
 

@@ -37,8 +37,15 @@ def compute_stats(engine, family: str | None = None) -> dict:
         "tiers": {t: {"chunks": n, "bytes": b} for t, (n, b) in tiers.items()},
         "encodings": {e: {"chunks": n, "raw_bytes": r, "bytes": s} for e, (n, r, s) in sorted(encodings.items())},
         "versions": [
-            {"family": f, "version": v, "logical_bytes": lb, "stored_bytes": need, "unique_bytes": alone,
-             "delta_bytes": delta, "plain_bytes": plain}
+            {
+                "family": f,
+                "version": v,
+                "logical_bytes": lb,
+                "stored_bytes": need,
+                "unique_bytes": alone,
+                "delta_bytes": delta,
+                "plain_bytes": plain,
+            }
             for f, v, lb, need, alone, delta, plain in per_version
         ],
     }

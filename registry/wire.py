@@ -85,8 +85,9 @@ def _count(i: int, d: dict, key: str, default: int | None = None) -> int:
     # is a JSON integer, nothing else, so a client's bug is named here rather than rounded away
     value = d.get(key, default)
     if type(value) is not int or value < 0:
-        raise InvalidRequest(f"malformed chunk batch index: entry {i}'s {key!r} must be a non-negative integer, "
-                             f"not {_json_shown(value)}")
+        raise InvalidRequest(
+            f"malformed chunk batch index: entry {i}'s {key!r} must be a non-negative integer, not {_json_shown(value)}"
+        )
     return value
 
 

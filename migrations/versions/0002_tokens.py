@@ -3,8 +3,9 @@
 Revision ID: 0002
 Revises: 0001
 """
-from alembic import op
+
 import sqlalchemy as sa
+from alembic import op
 
 revision = "0002"
 down_revision = "0001"
@@ -21,7 +22,9 @@ def upgrade() -> None:
         sa.Column("role", sa.String(length=8), nullable=False),
         sa.Column("family_pattern", sa.String(length=128), nullable=False),
         sa.Column("description", sa.String(length=256), server_default="", nullable=False),
-        sa.Column("created_at", sa.DateTime(timezone=True), server_default=sa.text("(CURRENT_TIMESTAMP)"), nullable=False),
+        sa.Column(
+            "created_at", sa.DateTime(timezone=True), server_default=sa.text("(CURRENT_TIMESTAMP)"), nullable=False
+        ),
         sa.Column("revoked_at", sa.DateTime(timezone=True), nullable=True),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_tokens")),
         sa.UniqueConstraint("token_hash", name=op.f("uq_tokens_token_hash")),

@@ -14,8 +14,9 @@ push's size off its manifest and refuses one cut otherwise than its family.
 Revision ID: 0005
 Revises: 0004
 """
-from alembic import op
+
 import sqlalchemy as sa
+from alembic import op
 
 revision = "0005"
 down_revision = "0004"
@@ -32,7 +33,11 @@ def upgrade() -> None:
         batch_op.add_column(sa.Column("chunk_size", sa.Integer(), nullable=False, server_default=str(PREVIOUS_DEFAULT)))
     conn = op.get_bind()
     for (family_id,) in conn.execute(sa.text("SELECT id FROM families")).all():
-        version_ids = conn.execute(sa.text("SELECT id FROM versions WHERE family_id = :f ORDER BY id"), {"f": family_id}).scalars().all()
+        version_ids = (
+            conn.execute(sa.text("SELECT id FROM versions WHERE family_id = :f ORDER BY id"), {"f": family_id})
+            .scalars()
+            .all()
+        )
         for vid in version_ids:  # usually the first has a tensor cut in two
             data = conn.execute(sa.text("SELECT manifest FROM versions WHERE id = :v"), {"v": vid}).scalar_one()
             size = Manifest.from_bytes(bytes(data)).cut_size()

@@ -11,8 +11,9 @@ MissingChunks, and the client uploads them again.
 Revision ID: 0008
 Revises: 0007
 """
-from alembic import op
+
 import sqlalchemy as sa
+from alembic import op
 
 revision = "0008"
 down_revision = "0007"

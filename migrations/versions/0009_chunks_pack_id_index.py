@@ -8,6 +8,7 @@ registry took time in the number of packs times the number of chunks.
 Revision ID: 0009
 Revises: 0008
 """
+
 from alembic import op
 
 revision = "0009"

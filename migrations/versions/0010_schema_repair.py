@@ -17,8 +17,9 @@ cannot tell these histories apart; only the tables can.
 Revision ID: 0010
 Revises: 0009
 """
-from alembic import op
+
 import sqlalchemy as sa
+from alembic import op
 
 revision = "0010"
 down_revision = "0009"
@@ -44,7 +45,9 @@ def upgrade() -> None:
             "unlisted_packs",
             sa.Column("id", sa.String(length=32), nullable=False),
             sa.Column("size", sa.BigInteger(), nullable=False),
-            sa.Column("since", sa.DateTime(timezone=True), server_default=sa.text("(CURRENT_TIMESTAMP)"), nullable=False),
+            sa.Column(
+                "since", sa.DateTime(timezone=True), server_default=sa.text("(CURRENT_TIMESTAMP)"), nullable=False
+            ),
             sa.Column("claimed_at", sa.DateTime(timezone=True), nullable=True),
             sa.PrimaryKeyConstraint("id", name=op.f("pk_unlisted_packs")),
         )
@@ -52,8 +55,10 @@ def upgrade() -> None:
         op.add_column("unlisted_packs", sa.Column("claimed_at", sa.DateTime(timezone=True), nullable=True))
 
     if "retired_packs" in tables:
-        op.execute("INSERT INTO unlisted_packs (id, size, since) SELECT id, size, retired_at FROM retired_packs "
-                   "WHERE id NOT IN (SELECT id FROM unlisted_packs)")
+        op.execute(
+            "INSERT INTO unlisted_packs (id, size, since) SELECT id, size, retired_at FROM retired_packs "
+            "WHERE id NOT IN (SELECT id FROM unlisted_packs)"
+        )
         op.drop_table("retired_packs")
 
 

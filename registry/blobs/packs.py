@@ -9,11 +9,10 @@ same version is pushed again, racing that deletion.
 
 from __future__ import annotations
 
+import uuid
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-
-import uuid
 
 from mfsreg.registry.blobs.base import BlobStore
 
@@ -46,9 +45,14 @@ class PackWriter:
     runs before the blob is written, so that a registry can note a blob it may have to clean up.
     """
 
-    def __init__(self, store: BlobStore, pack_size: int, on_flush: Callable[[str, int, list[StoredChunk]], None],
-                 on_put: Callable[[str, int], None] | None = None,
-                 on_failed_put: Callable[[str], None] | None = None):
+    def __init__(
+        self,
+        store: BlobStore,
+        pack_size: int,
+        on_flush: Callable[[str, int, list[StoredChunk]], None],
+        on_put: Callable[[str, int], None] | None = None,
+        on_failed_put: Callable[[str], None] | None = None,
+    ):
         self.store = store
         self.pack_size = pack_size
         self.on_flush = on_flush
@@ -63,8 +67,9 @@ class PackWriter:
         self._pending: list[tuple] = []
         self.bytes_written = 0
 
-    def add(self, chunk_id: str, size: int, encoding: str, payload: bytes, basis_id: str | None = None,
-            depth: int = 0) -> None:
+    def add(
+        self, chunk_id: str, size: int, encoding: str, payload: bytes, basis_id: str | None = None, depth: int = 0
+    ) -> None:
         self._pending.append((chunk_id, size, encoding, self._size, len(payload), basis_id, depth))
         end = self._size + len(payload)
         # in place where the buffer is long enough; past its end the slice grows it (amortised)

@@ -94,11 +94,14 @@ class S3BlobStore(BlobStore):
                 "s3", endpoint_url=endpoint_url, region_name=session.region_name or "us-east-1", config=config
             )
         except ValueError as exc:  # botocore's "Invalid endpoint: ..."
-            raise InvalidRequest(f"{self.endpoint_setting}={endpoint_url!r}: {exc}: give a URL such as "
-                                 "http://127.0.0.1:9000") from None
+            raise InvalidRequest(
+                f"{self.endpoint_setting}={endpoint_url!r}: {exc}: give a URL such as http://127.0.0.1:9000"
+            ) from None
         except BotoCoreError as exc:  # an AWS_PROFILE that does not exist, an AWS config file that does not parse
-            raise InvalidRequest(f"the AWS configuration for {self.url} cannot be used: {exc}: fix AWS_PROFILE or "
-                                 "the AWS config files (~/.aws/config, ~/.aws/credentials)") from None
+            raise InvalidRequest(
+                f"the AWS configuration for {self.url} cannot be used: {exc}: fix AWS_PROFILE or "
+                "the AWS config files (~/.aws/config, ~/.aws/credentials)"
+            ) from None
         self.endpoint_url = self._s3.meta.endpoint_url
         self.multipart_threshold = multipart_threshold
         self._transfer = TransferConfig(
@@ -128,15 +131,19 @@ class S3BlobStore(BlobStore):
             if status == 404:
                 # a 404 to a put, delete or list names no missing blob: whatever answered is not
                 # the bucket's S3 (another server's page, a proxy's path)
-                raise StorageError(f"S3 {op} of {key or self.url} was answered 404 ({code or 'no S3 error code'}) by "
-                                   f"{self.endpoint_url}: check {self.endpoint_setting} and MFSREG_BLOB_URL") from None
+                raise StorageError(
+                    f"S3 {op} of {key or self.url} was answered 404 ({code or 'no S3 error code'}) by "
+                    f"{self.endpoint_url}: check {self.endpoint_setting} and MFSREG_BLOB_URL"
+                ) from None
             if code == "InvalidRange" or status == 416:
                 raise NotFound(f"blob {key}: requested range is outside the object") from None
             if code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch") or status == 403:
                 raise StorageError(
                     f"S3 refused {op} on {self.url} ({code}): check the AWS credentials and bucket policy"
                 ) from None
-            raise StorageError(f"S3 {op} of {key or self.url} failed: {code} {err.get('Message', '')}".strip()) from None
+            raise StorageError(
+                f"S3 {op} of {key or self.url} failed: {code} {err.get('Message', '')}".strip()
+            ) from None
         except (NoCredentialsError, PartialCredentialsError, CredentialRetrievalError):
             raise StorageError(
                 f"no AWS credentials for {self.url}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE"
@@ -260,4 +267,4 @@ class S3BlobStore(BlobStore):
         with self._errors("list", prefix):
             for page in pages:
                 for obj in page.get("Contents", []):
-                    yield obj["Key"][len(base):]
+                    yield obj["Key"][len(base) :]

@@ -52,9 +52,17 @@ def direct_writes() -> bool:
     return bool(value) and value not in ("0", "false", "no", "off")
 
 
-def write_file(entry: FileEntry, dest: Path, cache: NodeCache, refetch: Callable[[list[str]], None],
-               pool: Executor, progress: Progress, arriving: Callable[[str], None] | None = None,
-               mode: int | None = None, placing: Placing | None = None) -> None:
+def write_file(
+    entry: FileEntry,
+    dest: Path,
+    cache: NodeCache,
+    refetch: Callable[[list[str]], None],
+    pool: Executor,
+    progress: Progress,
+    arriving: Callable[[str], None] | None = None,
+    mode: int | None = None,
+    placing: Placing | None = None,
+) -> None:
     """Write ``entry`` to ``dest`` atomically from cached chunks, each checked against its id.
 
     ``arriving(id)``, when given, waits for a chunk that a fetch running alongside has not landed
@@ -67,9 +75,17 @@ def write_file(entry: FileEntry, dest: Path, cache: NodeCache, refetch: Callable
         _write_file(entry, dest, cache, refetch, pool, progress, arriving, mode, placing)
 
 
-def _write_file(entry: FileEntry, dest: Path, cache: NodeCache, refetch: Callable[[list[str]], None],
-                pool: Executor, progress: Progress, arriving: Callable[[str], None] | None, mode: int | None,
-                placing: Placing | None) -> None:
+def _write_file(
+    entry: FileEntry,
+    dest: Path,
+    cache: NodeCache,
+    refetch: Callable[[list[str]], None],
+    pool: Executor,
+    progress: Progress,
+    arriving: Callable[[str], None] | None,
+    mode: int | None,
+    placing: Placing | None,
+) -> None:
     chunks = check_tiling(entry)
     if placing is not None:
         placing.make_dirs(dest.parent)
@@ -77,15 +93,29 @@ def _write_file(entry: FileEntry, dest: Path, cache: NodeCache, refetch: Callabl
         out = DirectFile.open(dest, entry.size, mode)
         if out is not None:
             with out:
-                _place_all(chunks, lambda c: _from_cache(cache, c, lambda src: _stage_checked(out, c, src)),
-                           cache, refetch, arriving, lambda batch: None, progress)
+                _place_all(
+                    chunks,
+                    lambda c: _from_cache(cache, c, lambda src: _stage_checked(out, c, src)),
+                    cache,
+                    refetch,
+                    arriving,
+                    lambda batch: None,
+                    progress,
+                )
                 out.commit(placing)
             return
     with CheckedFile(dest, entry.size, pool, mode) as out:
         buf = bytearray(max((c.size for c in chunks), default=0))  # one chunk at a time: it stays in the CPU's cache
         with memoryview(buf) as view:
-            _place_all(chunks, lambda c: _from_cache(cache, c, lambda src: _write_checked(view, out.fd, c, src)),
-                       cache, refetch, arriving, out.start_writeback, progress)
+            _place_all(
+                chunks,
+                lambda c: _from_cache(cache, c, lambda src: _write_checked(view, out.fd, c, src)),
+                cache,
+                refetch,
+                arriving,
+                out.start_writeback,
+                progress,
+            )
         out.commit(placing)
 
 
@@ -129,9 +159,15 @@ def _stage_checked(out: DirectFile, c: ChunkRef, src: int) -> bool:
     return False
 
 
-def _place_all(chunks: list[ChunkRef], place: Callable[[ChunkRef], int], cache: NodeCache,
-               refetch: Callable[[list[str]], None], arriving: Callable[[str], None] | None,
-               finished: Callable[[list[ChunkRef]], None], progress: Progress) -> None:
+def _place_all(
+    chunks: list[ChunkRef],
+    place: Callable[[ChunkRef], int],
+    cache: NodeCache,
+    refetch: Callable[[list[str]], None],
+    arriving: Callable[[str], None] | None,
+    finished: Callable[[list[ChunkRef]], None],
+    progress: Progress,
+) -> None:
     """Every chunk placed in order by ``place``; ``finished(batch)`` after each stretch."""
     for batch in sized_batches(chunks, lambda c: c.size, BATCH_BYTES):
         for c in batch:

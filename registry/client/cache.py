@@ -27,7 +27,8 @@ from __future__ import annotations
 import os
 import stat
 import time
-from collections.abc import Iterable, Iterator, Set as AbstractSet
+from collections.abc import Iterable, Iterator
+from collections.abc import Set as AbstractSet
 from pathlib import Path
 
 from mfsreg.registry.chunking import chunk_id as chunk_id_of
@@ -73,8 +74,10 @@ def cache_root(value: str | os.PathLike, name: str = "cache_dir") -> Path:
     whose name ends in a space)."""
     text = os.fsdecode(os.fspath(value))
     if not text:
-        raise InvalidRequest(f"{name}='' is empty: give an absolute path, e.g. /var/cache/mfsreg"
-                             + ("" if name == "MFSREG_CACHE_DIR" else ", or leave it out to use MFSREG_CACHE_DIR"))
+        raise InvalidRequest(
+            f"{name}='' is empty: give an absolute path, e.g. /var/cache/mfsreg"
+            + ("" if name == "MFSREG_CACHE_DIR" else ", or leave it out to use MFSREG_CACHE_DIR")
+        )
     from mfsreg.registry.config import expand_user
 
     path = expand_user(name, text)
@@ -86,8 +89,9 @@ def cache_root(value: str | os.PathLike, name: str = "cache_dir") -> Path:
 
 def _no_padding(text: str, name: str, hint: str = "") -> Path:
     if text != text.strip():
-        raise InvalidRequest(f"{name}={text!r} starts or ends with a space, which no directory is meant to: "
-                             f"remove it{hint}")
+        raise InvalidRequest(
+            f"{name}={text!r} starts or ends with a space, which no directory is meant to: remove it{hint}"
+        )
     return Path(text)
 
 
@@ -161,8 +165,9 @@ class NodeCache(CacheIndex, Eviction):
         """Store verified raw bytes (the caller checked them against the id)."""
         self.put_many([(chunk_id, raw, tier, family)])
 
-    def put_many(self, items: Iterable[tuple[str, bytes, str | None, str | None]],
-                 replace: bool | AbstractSet[str] = False) -> None:
+    def put_many(
+        self, items: Iterable[tuple[str, bytes, str | None, str | None]], replace: bool | AbstractSet[str] = False
+    ) -> None:
         """Store many verified chunks: each file written atomically, then one index transaction.
         ``replace``: write over a file already there (one found missing, cut short or damaged, and
         fetched again): renamed over it, so a reader sees the old file or the new, and a good copy
@@ -212,8 +217,10 @@ class NodeCache(CacheIndex, Eviction):
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError):  # gone, or a directory by now
             return False
         except OSError as exc:
-            raise StorageError(f"cannot remove {path}, which stands where the node cache keeps a directory of chunks: "
-                               f"{exc.strerror}: remove it by hand, or set MFSREG_CACHE_DIR to a cache of your own") from None
+            raise StorageError(
+                f"cannot remove {path}, which stands where the node cache keeps a directory of chunks: "
+                f"{exc.strerror}: remove it by hand, or set MFSREG_CACHE_DIR to a cache of your own"
+            ) from None
         return True
 
     def discard(self, chunk_id: str, seen: os.stat_result | None = None) -> None:
@@ -257,11 +264,15 @@ class NodeCache(CacheIndex, Eviction):
         """The error for a chunk that is missing or damaged even after it was fetched again."""
         if not self.has(chunk_id):  # evicted again meanwhile by another process
             if self.max_bytes is None:
-                return IntegrityError(f"chunk {chunk_id} left the node cache again while it was being placed (another "
-                                      "process's `cache verify` or `cache prune` dropped it): run it again")
+                return IntegrityError(
+                    f"chunk {chunk_id} left the node cache again while it was being placed (another "
+                    "process's `cache verify` or `cache prune` dropped it): run it again"
+                )
             return IntegrityError(f"chunk {chunk_id} keeps leaving the node cache: raise MFSREG_CACHE_MAX")
-        return IntegrityError(f"chunk {chunk_id} does not match its id even after fetching it again: "
-                              "check this node's disk and memory, then retry")
+        return IntegrityError(
+            f"chunk {chunk_id} does not match its id even after fetching it again: "
+            "check this node's disk and memory, then retry"
+        )
 
     def discard_file(self, sha256: str, seen: os.stat_result | None = None) -> None:
         """Drop one materialised file (found damaged): its row, then the file (links elsewhere keep
@@ -320,7 +331,9 @@ class NodeCache(CacheIndex, Eviction):
         return removed
 
     def stats(self) -> dict:
-        rows = self._conn().execute("SELECT rank, COUNT(*), COALESCE(SUM(size), 0) FROM entries GROUP BY rank").fetchall()
+        rows = (
+            self._conn().execute("SELECT rank, COUNT(*), COALESCE(SUM(size), 0) FROM entries GROUP BY rank").fetchall()
+        )
         return _stats(self.root, self.max_bytes, rows, self.pinned())
 
 
@@ -336,6 +349,10 @@ def _stats(root: Path, max_bytes: int | None, rows: list[tuple[int, int, int]], 
     names = {FILE_RANK: "files", **{r: t for t, r in RANK.items()}}
     by = {names[r]: {"entries": n, "bytes": b} for r, n, b in rows}
     return {
-        "path": str(root), "max_bytes": max_bytes, "bytes": sum(b for _, _, b in rows),
-        "chunks": sum(n for r, n, _ in rows if r != FILE_RANK), "by_tier": by, "pinned_families": pinned,
+        "path": str(root),
+        "max_bytes": max_bytes,
+        "bytes": sum(b for _, _, b in rows),
+        "chunks": sum(n for r, n, _ in rows if r != FILE_RANK),
+        "by_tier": by,
+        "pinned_families": pinned,
     }

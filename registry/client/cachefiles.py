@@ -19,7 +19,9 @@ STALE_TEMP_SECONDS = 3600  # temp files older than this were left by a writer th
 
 # Opened without blocking: a fifo at a chunk's name made the open wait for a writer forever (and a
 # load or pull hang); without following a link (no writer makes one: it is damage, written over).
-CACHE_READ_FLAGS = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+CACHE_READ_FLAGS = (
+    os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+)
 
 
 def open_plain(path: str) -> tuple[int, os.stat_result] | None:
@@ -59,8 +61,10 @@ def may_replace(path: str) -> bool:
 def unreadable(path: str, exc: OSError) -> StorageError:
     """The one line for a cache file this user may neither read nor replace (a shared cache another
     user owns)."""
-    return StorageError(f"cannot read {path} in the node cache: {exc.strerror}: check its permissions, or set "
-                        "MFSREG_CACHE_DIR to a cache of your own")
+    return StorageError(
+        f"cannot read {path} in the node cache: {exc.strerror}: check its permissions, or set "
+        "MFSREG_CACHE_DIR to a cache of your own"
+    )
 
 
 def read_plain(path: str) -> tuple[bytes, os.stat_result] | None:
@@ -96,12 +100,16 @@ def make_dir(path: Path) -> None:
         path.mkdir(parents=True, exist_ok=True)
     except (FileExistsError, NotADirectoryError):  # exist_ok covers a directory there only
         blocker = next((p for p in (path, *path.parents) if os.path.lexists(p) and not p.is_dir()), path)
-        raise InvalidRequest(f"the node cache cannot use {path} ({blocker} is a file): a file is where a directory is "
-                             "needed; move it away, or set MFSREG_CACHE_DIR (or cache_dir=) to a directory") from None
+        raise InvalidRequest(
+            f"the node cache cannot use {path} ({blocker} is a file): a file is where a directory is "
+            "needed; move it away, or set MFSREG_CACHE_DIR (or cache_dir=) to a directory"
+        ) from None
     except OSError as exc:
         no_room(str(path), exc)
-        raise StorageError(f"the node cache cannot make {path}: {exc.strerror}: check its permissions, or set "
-                           "MFSREG_CACHE_DIR to a cache of your own") from None
+        raise StorageError(
+            f"the node cache cannot make {path}: {exc.strerror}: check its permissions, or set "
+            "MFSREG_CACHE_DIR to a cache of your own"
+        ) from None
 
 
 def temp_name(path: str) -> str:
@@ -147,7 +155,7 @@ def atomic_write(path: str, data, mode: int = 0o644) -> None:
             os.fchmod(fd, mode)
             view = memoryview(data).cast("B")
             while view:
-                view = view[os.write(fd, view):]
+                view = view[os.write(fd, view) :]
         finally:
             os.close(fd)
         try:
@@ -166,8 +174,9 @@ def atomic_write(path: str, data, mode: int = 0o644) -> None:
 
 def directory_in_the_way(path: str | os.PathLike) -> StorageError:
     """The error for a directory standing where a cache file is to be renamed into place."""
-    return StorageError(f"cannot write {path}: a directory stands at that name in the node cache; "
-                        "`mfsreg cache verify` removes it")
+    return StorageError(
+        f"cannot write {path}: a directory stands at that name in the node cache; `mfsreg cache verify` removes it"
+    )
 
 
 def no_room(path: str, exc: OSError) -> None:
@@ -175,6 +184,11 @@ def no_room(path: str, exc: OSError) -> None:
     # full, read-only or failing), not the output
     if exc.errno in NO_ROOM:
         full = exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
-        raise StorageError(f"the node cache cannot take {path}: {exc.strerror}: {what_to_do(exc.errno)}"
-                           + (", or set MFSREG_CACHE_MAX to a size it has room for" if full else
-                              ", or set MFSREG_CACHE_DIR to a cache on another disk")) from None
+        raise StorageError(
+            f"the node cache cannot take {path}: {exc.strerror}: {what_to_do(exc.errno)}"
+            + (
+                ", or set MFSREG_CACHE_MAX to a size it has room for"
+                if full
+                else ", or set MFSREG_CACHE_DIR to a cache on another disk"
+            )
+        ) from None

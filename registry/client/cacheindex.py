@@ -48,8 +48,11 @@ class CacheIndex:
                         self._mark_unrecorded()
                 else:
                     # a cache from before family_base: what its rows knew (one family per chunk)
-                    db.execute("INSERT OR IGNORE INTO family_base (family, key) SELECT family, key FROM entries "
-                               "WHERE rank = ? AND family IS NOT NULL", (RANK["base"],))
+                    db.execute(
+                        "INSERT OR IGNORE INTO family_base (family, key) SELECT family, key FROM entries "
+                        "WHERE rank = ? AND family IS NOT NULL",
+                        (RANK["base"],),
+                    )
                 db.execute("PRAGMA user_version = 1")
         self._record_unrecorded()
 
@@ -121,8 +124,12 @@ class CacheIndex:
                     [(r, t, fam, k) for k, _, r, fam, t in rows],
                 ).rowcount
                 if rows and updated != len(rows):
-                    known = {r[0] for r in rows_in(db, "SELECT key FROM entries WHERE key IN ({})",
-                                                   list(dict.fromkeys(k for k, *_ in rows)))}
+                    known = {
+                        r[0]
+                        for r in rows_in(
+                            db, "SELECT key FROM entries WHERE key IN ({})", list(dict.fromkeys(k for k, *_ in rows))
+                        )
+                    }
                     gone = {k for k, *_ in rows if k not in known and not is_plain(self.chunk_file(k))}
                     if gone:
                         rows = [r for r in rows if r[0] not in gone]
@@ -185,12 +192,16 @@ class CacheIndex:
         try:
             with self._db() as db:
                 key = f"file:{sha256}"
-                if (db.execute("SELECT 1 FROM entries WHERE key = ?", (key,)).fetchone() is None
-                        and not is_plain(str(self.file_path(sha256)))):
+                if db.execute("SELECT 1 FROM entries WHERE key = ?", (key,)).fetchone() is None and not is_plain(
+                    str(self.file_path(sha256))
+                ):
                     return
-                db.execute("INSERT INTO entries (key, size, rank, family, last_used) VALUES (?, ?, ?, NULL, ?) "
-                           "ON CONFLICT(key) DO UPDATE SET size = excluded.size, rank = excluded.rank, "
-                           "last_used = excluded.last_used", (key, size, FILE_RANK, time.time()))
+                db.execute(
+                    "INSERT INTO entries (key, size, rank, family, last_used) VALUES (?, ?, ?, NULL, ?) "
+                    "ON CONFLICT(key) DO UPDATE SET size = excluded.size, rank = excluded.rank, "
+                    "last_used = excluded.last_used",
+                    (key, size, FILE_RANK, time.time()),
+                )
         except StorageError:
             self._mark_unrecorded()  # as record does: the file is there, its row is not
             raise
@@ -199,8 +210,11 @@ class CacheIndex:
 
     def record_pull(self, family: str, version: str) -> None:
         with self._db() as db:
-            db.execute("INSERT INTO pulls (family, version, last_used) VALUES (?, ?, ?) "
-                       "ON CONFLICT(family, version) DO UPDATE SET last_used = excluded.last_used", (family, version, time.time()))
+            db.execute(
+                "INSERT INTO pulls (family, version, last_used) VALUES (?, ?, ?) "
+                "ON CONFLICT(family, version) DO UPDATE SET last_used = excluded.last_used",
+                (family, version, time.time()),
+            )
 
     def forget_pull(self, family: str, version: str) -> None:
         with self._db() as db:
@@ -216,8 +230,9 @@ class CacheIndex:
         """Rows for the chunk and materialised files that have none (their writer was killed between
         renaming the file into place and recording it): counted against the size limit and evicted
         like any other entry from now on. Returns how many."""
-        found = {(f"file:{e.name}" if kind == "file" else e.name): e
-                 for kind, e in self.disk_files() if not is_temp(e.name)}
+        found = {
+            (f"file:{e.name}" if kind == "file" else e.name): e for kind, e in self.disk_files() if not is_temp(e.name)
+        }
         keys = list(found)
         known = {r[0] for r in rows_in(self._conn(), "SELECT key FROM entries WHERE key IN ({})", keys)}
         chunks, files = [], []
@@ -254,17 +269,25 @@ def _rerank(db: sqlite3.Connection, told: list[tuple[str, str, int]], only_cache
     if only_cached:
         cached = {r[0] for r in rows_in(db, "SELECT key FROM entries WHERE key IN ({})", keys)}
         changed = [(f, k, r) for f, k, r in changed if k in cached]
-    db.executemany("INSERT INTO family_rank (family, key, rank) VALUES (?, ?, ?) "
-                   "ON CONFLICT(family, key) DO UPDATE SET rank = excluded.rank", changed)
-    db.executemany("UPDATE entries SET rank = (SELECT MAX(rank) FROM family_rank WHERE family_rank.key = entries.key) "
-                   "WHERE key = ?", [(k,) for k in dict.fromkeys(k for _, k, _ in changed)])
+    db.executemany(
+        "INSERT INTO family_rank (family, key, rank) VALUES (?, ?, ?) "
+        "ON CONFLICT(family, key) DO UPDATE SET rank = excluded.rank",
+        changed,
+    )
+    db.executemany(
+        "UPDATE entries SET rank = (SELECT MAX(rank) FROM family_rank WHERE family_rank.key = entries.key) "
+        "WHERE key = ?",
+        [(k,) for k in dict.fromkeys(k for _, k, _ in changed)],
+    )
 
 
 def _note_base(db: sqlite3.Connection, items: list[tuple[str, str | None, str | None]]) -> None:
     """Keep family_base in step with (key, tier, family) as the registry last told them: a chunk
     enters its family's base tier, or leaves it (a member that drifted moved it to group)."""
     told = [(fam, k, t) for k, t, fam in items if fam is not None and t is not None]
-    db.executemany("INSERT OR IGNORE INTO family_base (family, key) VALUES (?, ?)",
-                   [(fam, k) for fam, k, t in told if t == "base"])
-    db.executemany("DELETE FROM family_base WHERE family = ? AND key = ?",
-                   [(fam, k) for fam, k, t in told if t != "base"])
+    db.executemany(
+        "INSERT OR IGNORE INTO family_base (family, key) VALUES (?, ?)", [(fam, k) for fam, k, t in told if t == "base"]
+    )
+    db.executemany(
+        "DELETE FROM family_base WHERE family = ? AND key = ?", [(fam, k) for fam, k, t in told if t != "base"]
+    )

@@ -52,7 +52,7 @@ class DirectFile:
     the file."""
 
     @classmethod
-    def open(cls, dest: Path, size: int, mode: int | None = None) -> "DirectFile | None":
+    def open(cls, dest: Path, size: int, mode: int | None = None) -> DirectFile | None:
         flag = getattr(os, "O_DIRECT", 0)
         if not flag:
             return None
@@ -177,7 +177,9 @@ class DirectFile:
                 # (EINVAL would hide the cause): go on from the block's start, so that the next call
                 # either gets further or raises the real error.
                 if n < ALIGN:
-                    raise OSError(errno.EIO, f"the disk took only {n} bytes of a {length - done}-byte write (is it full?)")
+                    raise OSError(
+                        errno.EIO, f"the disk took only {n} bytes of a {length - done}-byte write (is it full?)"
+                    )
                 done += n // ALIGN * ALIGN
 
     # -- the end ------------------------------------------------------------------------------
@@ -224,7 +226,7 @@ class DirectFile:
         if not self.renamed:
             self.tmp.unlink(missing_ok=True)
 
-    def __enter__(self) -> "DirectFile":
+    def __enter__(self) -> DirectFile:
         return self
 
     def __exit__(self, *exc) -> None:

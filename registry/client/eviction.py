@@ -146,7 +146,7 @@ class Lease:
     """What ``leased`` yields: ``add`` leases more keys under the same holder (one lock file and one
     row however many times it is called: a warm adds each recent member's chunks)."""
 
-    def __init__(self, cache: "Eviction", holder: str | None):
+    def __init__(self, cache: Eviction, holder: str | None):
         self._cache, self.holder = cache, holder
 
     def add(self, keys: Iterable[str]) -> None:
@@ -160,7 +160,9 @@ class Lease:
 
 
 def _insert_leases(db, holder: str, keys: Iterable[str]) -> None:
-    db.executemany("INSERT OR IGNORE INTO leases (holder, key) VALUES (?, ?)", [(holder, k) for k in dict.fromkeys(keys)])
+    db.executemany(
+        "INSERT OR IGNORE INTO leases (holder, key) VALUES (?, ?)", [(holder, k) for k in dict.fromkeys(keys)]
+    )
 
 
 class Eviction:
@@ -202,8 +204,10 @@ class Eviction:
         else:
             try:
                 with self._db() as db:
-                    db.execute("INSERT INTO holders (holder, host, pid, since) VALUES (?, ?, ?, ?)",
-                               (holder, _HOST, os.getpid(), time.time()))
+                    db.execute(
+                        "INSERT INTO holders (holder, host, pid, since) VALUES (?, ?, ?, ?)",
+                        (holder, _HOST, os.getpid(), time.time()),
+                    )
                     _insert_leases(db, holder, keys)
             except StorageError:
                 _unhold(lock_file, fd)
@@ -225,8 +229,11 @@ class Eviction:
 
     def leased_bytes(self) -> int:
         """The bytes of cached entries some holder leases now (kept over the limit by evictions)."""
-        return self._conn().execute("SELECT COALESCE(SUM(size), 0) FROM entries WHERE key IN "
-                                    "(SELECT key FROM leases)").fetchone()[0]
+        return (
+            self._conn()
+            .execute("SELECT COALESCE(SUM(size), 0) FROM entries WHERE key IN (SELECT key FROM leases)")
+            .fetchone()[0]
+        )
 
     def leased_keys(self) -> set[str]:
         """The keys some holder leases now, its process alive or not."""
@@ -247,9 +254,11 @@ class Eviction:
         keep = set(protect)
         removed = freed = 0
         victims = []
-        q = ("SELECT key, size FROM entries WHERE NOT EXISTS (SELECT 1 FROM family_base b JOIN pins p "
-             "ON p.family = b.family WHERE b.key = entries.key) "
-             "AND NOT EXISTS (SELECT 1 FROM leases l WHERE l.key = entries.key) ORDER BY rank, last_used")
+        q = (
+            "SELECT key, size FROM entries WHERE NOT EXISTS (SELECT 1 FROM family_base b JOIN pins p "
+            "ON p.family = b.family WHERE b.key = entries.key) "
+            "AND NOT EXISTS (SELECT 1 FROM leases l WHERE l.key = entries.key) ORDER BY rank, last_used"
+        )
         # The total, the choice and the deletion in one write transaction: two pulls finishing
         # together would otherwise each count the other's chunks as still there and both evict,
         # emptying the cache far below its limit. The files go inside it too: a process that found

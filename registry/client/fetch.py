@@ -79,14 +79,21 @@ class Fetcher:
         doc, tag = self.remote.version_doc_if(family, version, kept[0] if kept else None)
         if doc is None:  # a 304: only ever the answer to the tag of a kept document
             if kept is None:
-                raise StorageError(f"{self.remote.url} answered 304 Not Modified to a request that named no tag: "
-                                   "check the proxy in front of the registry")
+                raise StorageError(
+                    f"{self.remote.url} answered 304 Not Modified to a request that named no tag: "
+                    "check the proxy in front of the registry"
+                )
             info = kept[1]
         else:
             located, tiers = self.remote.chunk_table(doc)
             info = VersionInfo(
-                family=family, version=version, digest=doc["digest"], logical_bytes=doc["logical_bytes"],
-                manifest=self.remote.manifest_of(doc), located=located, tiers=tiers,
+                family=family,
+                version=version,
+                digest=doc["digest"],
+                logical_bytes=doc["logical_bytes"],
+                manifest=self.remote.manifest_of(doc),
+                located=located,
+                tiers=tiers,
             )
         with self._versions_lock:
             if tag:
@@ -98,10 +105,18 @@ class Fetcher:
                 self._versions.pop(key, None)
         return info
 
-    def ensure(self, family: str, ids: list[str], located: dict[str, StoredChunk], tiers: dict[str, str | None],
-               progress: Progress | None = None, landed: Callable[[Iterable[str]], None] | None = None,
-               cancel: threading.Event | None = None, again: bool = False,
-               planned: Callable[[list[str]], None] | None = None) -> FetchStats:
+    def ensure(
+        self,
+        family: str,
+        ids: list[str],
+        located: dict[str, StoredChunk],
+        tiers: dict[str, str | None],
+        progress: Progress | None = None,
+        landed: Callable[[Iterable[str]], None] | None = None,
+        cancel: threading.Event | None = None,
+        again: bool = False,
+        planned: Callable[[list[str]], None] | None = None,
+    ) -> FetchStats:
         """Make ``ids`` present in the cache; returns what came from the network and from the cache.
         ``landed(ids)`` is called (on a fetch thread) as each batch of chunks is written to the cache.
         Once ``cancel`` is set, batches not yet started are dropped and FetchCancelled is raised.
@@ -127,23 +142,26 @@ class Fetcher:
             return stats
         batches = list(sized_batches(missing, lambda i: located[i].size, BATCH_BYTES))
         with ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix="mfsreg-fetch") as requests:
-            results = requests.map(lambda b: (self._fetch_batch(family, b, located, tiers, landed, cancel, again), b),
-                                   batches)
+            results = requests.map(
+                lambda b: (self._fetch_batch(family, b, located, tiers, landed, cancel, again), b), batches
+            )
             for (received, got), batch in results:
                 stats.fetched_bytes += received
                 stats.fetched_chunks += got
                 progress.advance("fetch", sum(located[i].size for i in batch))
         return stats
 
-    def note_used(self, family: str, ids: Iterable[str], located: dict[str, StoredChunk],
-                  tiers: dict[str, str | None]) -> None:
+    def note_used(
+        self, family: str, ids: Iterable[str], located: dict[str, StoredChunk], tiers: dict[str, str | None]
+    ) -> None:
         """Record cached chunks as used now, and in this family's tiers: a chunk cached through another
         family is marked base of this one too (a pin of either keeps it), and a file whose writer
         died before its row was written gets one, so that the size limit counts it."""
         self.cache.record((i, located[i].size, tiers.get(i), family) for i in ids)
 
-    def _fetch_batch(self, family: str, batch: list[str], located, tiers, landed=None, cancel=None,
-                     replace: bool = False) -> tuple[int, int]:
+    def _fetch_batch(
+        self, family: str, batch: list[str], located, tiers, landed=None, cancel=None, replace: bool = False
+    ) -> tuple[int, int]:
         if cancel is not None and cancel.is_set():
             raise FetchCancelled("the fetch was called off")
         received = 0

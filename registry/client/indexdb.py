@@ -65,14 +65,20 @@ def index_error(path: Path, exc: sqlite3.DatabaseError) -> StorageError:
     # sqlite3 module itself has no code, and reads as damage or a full disk, below.
     code = (getattr(exc, "sqlite_errorcode", None) or 0) & 0xFF
     if code in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED):
-        return StorageError(f"the node cache's index {path} is locked: another process has held it for over a minute; "
-                            f"wait for it, or find it (fuser {path}); the index is shared, do not delete it")
+        return StorageError(
+            f"the node cache's index {path} is locked: another process has held it for over a minute; "
+            f"wait for it, or find it (fuser {path}); the index is shared, do not delete it"
+        )
     if code in (sqlite3.SQLITE_READONLY, sqlite3.SQLITE_CANTOPEN, sqlite3.SQLITE_PERM, sqlite3.SQLITE_AUTH):
-        return StorageError(f"the node cache's index {path} cannot be opened or written ({exc}): this user may not "
-                            "write to that cache; check its permissions, or set MFSREG_CACHE_DIR to a cache of your own")
-    return StorageError(f"the node cache's index {path} cannot be used ({exc}): free space if the disk is full; "
-                        "if the file is damaged, delete it (the cached chunks stay, and the next opening of the "
-                        "cache records them again)")
+        return StorageError(
+            f"the node cache's index {path} cannot be opened or written ({exc}): this user may not "
+            "write to that cache; check its permissions, or set MFSREG_CACHE_DIR to a cache of your own"
+        )
+    return StorageError(
+        f"the node cache's index {path} cannot be used ({exc}): free space if the disk is full; "
+        "if the file is damaged, delete it (the cached chunks stay, and the next opening of the "
+        "cache records them again)"
+    )
 
 
 class WriteTx:
@@ -117,7 +123,8 @@ def use_wal(conn: sqlite3.Connection, path: Path, wait: float = 60.0) -> None:
                 raise
         if time.monotonic() > deadline:
             conn.close()
-            raise StorageError(f"the node cache's index {path} stays locked: another process holds it; "
-                               "check for a stuck mfsreg process")
+            raise StorageError(
+                f"the node cache's index {path} stays locked: another process holds it; "
+                "check for a stuck mfsreg process"
+            )
         time.sleep(0.005)
-

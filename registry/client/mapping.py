@@ -122,7 +122,9 @@ class Region:
     def _map_one(self, start: int, size: int, path: str) -> bool:
         """map_many's way through ctypes, one file at a time, where the C helper is not built."""
         try:
-            fd = os.open(path, CACHE_READ_FLAGS)  # as the cache's readers: a fifo does not block, a link is not followed
+            fd = os.open(
+                path, CACHE_READ_FLAGS
+            )  # as the cache's readers: a fifo does not block, a link is not followed
         except OSError:
             return False  # missing (evicted by another process), a link, or unreadable: the caller reads or refetches
         try:
@@ -182,8 +184,11 @@ def map_many(jobs: list[tuple[Region, int, int, str]]) -> list[bool]:
     if _mapfiles is None:
         mapped, hole = [jobs[k][0]._map_one(*jobs[k][1:]) for k in admitted], False  # _map_one raises at a hole
     else:
-        status = _mapfiles.map_files([jobs[k][0].addr + jobs[k][1] for k in admitted], [jobs[k][2] for k in admitted],
-                                     [jobs[k][3] for k in admitted])
+        status = _mapfiles.map_files(
+            [jobs[k][0].addr + jobs[k][1] for k in admitted],
+            [jobs[k][2] for k in admitted],
+            [jobs[k][3] for k in admitted],
+        )
         mapped, hole = [st == _MAPPED for st in status], _HOLE in status
     done = [False] * len(jobs)
     for k, ok in zip(admitted, mapped):
@@ -196,8 +201,10 @@ def map_many(jobs: list[tuple[Region, int, int, str]]) -> list[bool]:
 
 
 def _hole(why: str) -> MemoryError:
-    return MemoryError(f"cannot map a chunk into a tensor, and its memory could not be restored: {why}; free "
-                       "memory or raise vm.max_map_count and load again")
+    return MemoryError(
+        f"cannot map a chunk into a tensor, and its memory could not be restored: {why}; free "
+        "memory or raise vm.max_map_count and load again"
+    )
 
 
 def _reserve(length: int) -> int:

@@ -37,8 +37,13 @@ def refetcher(fetcher: Fetcher, info: VersionInfo, stats: FetchStats | None = No
     return refetch
 
 
-def gone_meanwhile(fetcher: Fetcher, info: VersionInfo, error: BaseException, doing: str = "pulled",
-                   outcome: str = "nothing was written") -> BaseException:
+def gone_meanwhile(
+    fetcher: Fetcher,
+    info: VersionInfo,
+    error: BaseException,
+    doing: str = "pulled",
+    outcome: str = "nothing was written",
+) -> BaseException:
     """The error a failed fetch is reported by: a version deleted on the registry while it was
     being pulled (or loaded: ``doing``) makes its chunks no longer the family's, and the server
     answers that they are not part of it, which names chunks the user never asked for. So a
@@ -50,8 +55,10 @@ def gone_meanwhile(fetcher: Fetcher, info: VersionInfo, error: BaseException, do
     except NotFound:
         return NotFound(f"version {info.family}/{info.version} was deleted while it was being {doing}: {outcome}")
     if doc.get("digest") != info.digest:
-        return NotFound(f"version {info.family}/{info.version} was pushed again with other bytes while it was being "
-                        f"{doing}: {outcome}; ask for it again")
+        return NotFound(
+            f"version {info.family}/{info.version} was pushed again with other bytes while it was being "
+            f"{doing}: {outcome}; ask for it again"
+        )
     return error
 
 
@@ -86,14 +93,18 @@ class _Arrivals:
     def wait(self, chunk_id: str) -> None:
         """Until ``chunk_id`` has landed or the fetch is over; a failed fetch raises its error here."""
         with self._cond:
-            self._cond.wait_for(lambda: chunk_id in self._landed or self._over
-                                or self._coming is not None and chunk_id not in self._coming)
+            self._cond.wait_for(
+                lambda: (
+                    chunk_id in self._landed or self._over or self._coming is not None and chunk_id not in self._coming
+                )
+            )
             if self.error is not None:
                 raise self.error
 
 
-def pull(fetcher: Fetcher, family: str, version: str, out: Path, progress: Progress | None = None,
-         to_dir: bool = False) -> PullResult:
+def pull(
+    fetcher: Fetcher, family: str, version: str, out: Path, progress: Progress | None = None, to_dir: bool = False
+) -> PullResult:
     """Fetch what the cache lacks and, at the same time, assemble the files from what it holds."""
     progress = progress or NullProgress()
     t0 = time.perf_counter()
@@ -111,8 +122,16 @@ def pull(fetcher: Fetcher, family: str, version: str, out: Path, progress: Progr
 
     def fetch() -> None:
         try:
-            fetched["stats"] = fetcher.ensure(family, ids, info.located, info.tiers, progress, landed=arrivals.land,
-                                              cancel=stop, planned=arrivals.plan)
+            fetched["stats"] = fetcher.ensure(
+                family,
+                ids,
+                info.located,
+                info.tiers,
+                progress,
+                landed=arrivals.land,
+                cancel=stop,
+                planned=arrivals.plan,
+            )
         except BaseException as exc:  # handed to the assembly, which raises it
             arrivals.finish(exc)
         else:
@@ -135,8 +154,9 @@ def pull(fetcher: Fetcher, family: str, version: str, out: Path, progress: Progr
                 else:
                     progress.start("write", info.logical_bytes)
                     for entry, dest in plan:
-                        assemble.write_file(entry, dest, cache, refetch, fetcher.remote.pool, progress, arrivals.wait,
-                                            placing=placing)
+                        assemble.write_file(
+                            entry, dest, cache, refetch, fetcher.remote.pool, progress, arrivals.wait, placing=placing
+                        )
             assembled = True
         except NotFound as exc:  # the fetch's error, raised where the assembly waited, or a refetch's
             failed = exc
@@ -154,9 +174,13 @@ def pull(fetcher: Fetcher, family: str, version: str, out: Path, progress: Progr
     # a chunk found cached and then fetched again (damaged, or evicted by another process) counts as fetched only
     recounted = stats.cached.intersection(refetched.chunk_ids)
     return PullResult(
-        family=family, version=version, digest=info.digest,
-        path=str(rebuild.written_path(info.manifest, out)), logical_bytes=info.logical_bytes,
-        files=len(info.manifest.files), seconds=time.perf_counter() - t0,
+        family=family,
+        version=version,
+        digest=info.digest,
+        path=str(rebuild.written_path(info.manifest, out)),
+        logical_bytes=info.logical_bytes,
+        files=len(info.manifest.files),
+        seconds=time.perf_counter() - t0,
         fetched_bytes=stats.fetched_bytes + refetched.fetched_bytes,
         cached_bytes=stats.cached_bytes - sum(info.located[i].size for i in recounted),
     )
@@ -189,8 +213,9 @@ def _intact(stored: Path, entry, pool) -> bool:
         os.close(fd)
 
 
-def _materialise_dir(fetcher: Fetcher, info: VersionInfo, out: Path, progress: Progress, refetch, arriving,
-                     placing: Placing) -> None:
+def _materialise_dir(
+    fetcher: Fetcher, info: VersionInfo, out: Path, progress: Progress, refetch, arriving, placing: Placing
+) -> None:
     """Every file of the version under ``out`` (a single-file version keeps its file name), each
     built once in the cache's files/ store and hardlinked into place; copied where links fail. The
     links and copies are renamed into place by ``placing``, together, once all are made."""

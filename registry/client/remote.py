@@ -23,14 +23,31 @@ from mfsreg.registry import rebuild
 from mfsreg.registry.blobs.packs import StoredChunk
 from mfsreg.registry.config import DEFAULT_CHUNK_SIZE, check_chunk_size, size_from_env
 from mfsreg.registry.errors import (
-    Conflict, Forbidden, IntegrityError, InvalidRequest, MissingChunks, NotFound, Pruned, RegistryError, StorageError,
-    TooLarge, Unauthorized,
+    Conflict,
+    Forbidden,
+    IntegrityError,
+    InvalidRequest,
+    MissingChunks,
+    NotFound,
+    Pruned,
+    RegistryError,
+    StorageError,
+    TooLarge,
+    Unauthorized,
 )
 from mfsreg.registry.hashing import HashJob, encoded_chunks, missing_bytes
 from mfsreg.registry.manifest import Manifest, parse_doc
 from mfsreg.registry.names import check_name
 from mfsreg.registry.progress import NullProgress, Progress
-from mfsreg.registry.results import CheckResult, DeleteResult, FamilyRow, PruneResult, PushResult, VersionRow, existing_result
+from mfsreg.registry.results import (
+    CheckResult,
+    DeleteResult,
+    FamilyRow,
+    PruneResult,
+    PushResult,
+    VersionRow,
+    existing_result,
+)
 from mfsreg.registry.source import open_source
 from mfsreg.registry.tiers import TIERS
 from mfsreg.registry.wire import RAW_PER_BODY, Entry, StreamBrokeOff, build_batch, check_id, read_stream
@@ -41,8 +58,16 @@ DOWNLOAD_BATCH = 64 << 20  # stored bytes per download request
 LEGACY_CHUNK_SIZE = 1 << 20  # the default before families recorded theirs (migration 0005)
 
 # One table from HTTP status to the registry's error tree (the server sends problem details).
-_STATUS = {400: InvalidRequest, 401: Unauthorized, 403: Forbidden, 404: NotFound, 409: Conflict,
-           413: TooLarge, 422: IntegrityError, 503: StorageError}
+_STATUS = {
+    400: InvalidRequest,
+    401: Unauthorized,
+    403: Forbidden,
+    404: NotFound,
+    409: Conflict,
+    413: TooLarge,
+    422: IntegrityError,
+    503: StorageError,
+}
 # The problem's type names the kind where a status has several: 422 is a chunk that fails its
 # check (IntegrityError) or a request body of the wrong shape (invalid_request, api/errors.py).
 _CODES = {k.code: k for k in (MissingChunks, Pruned, InvalidRequest)}
@@ -84,13 +109,21 @@ class Closable:
         loads through ")."""
         if self.closed:
             name = type(self).__name__
-            raise InvalidRequest((f"the {name} {user}is closed" if user else f"this {name} is closed")
-                                 + f": make a new one{self.closed_note}")
+            raise InvalidRequest(
+                (f"the {name} {user}is closed" if user else f"this {name} is closed")
+                + f": make a new one{self.closed_note}"
+            )
 
 
 class RemoteRegistry(Closable):
-    def __init__(self, url: str, token: str | None = None, chunk_size: int | None = None, workers: int | None = None,
-                 timeout: float = 300.0):
+    def __init__(
+        self,
+        url: str,
+        token: str | None = None,
+        chunk_size: int | None = None,
+        workers: int | None = None,
+        timeout: float = 300.0,
+    ):
         if not url.startswith(("http://", "https://")):
             raise InvalidRequest(f"registry URL {url!r} must start with http:// or https://")
         _check_url(url)
@@ -100,17 +133,23 @@ class RemoteRegistry(Closable):
         if token and not (token.isascii() and token.isprintable() and " " not in token):
             # an HTTP header cannot carry it (httpx raises UnicodeEncodeError, or a protocol error
             # that reads like an unreachable server): a copy that took in a newline, a quote, a letter
-            raise Unauthorized("MFSREG_TOKEN holds characters no token has (spaces, control characters or letters "
-                               "beyond ASCII): copy it again from `mfsreg token create`")
+            raise Unauthorized(
+                "MFSREG_TOKEN holds characters no token has (spaces, control characters or letters "
+                "beyond ASCII): copy it again from `mfsreg token create`"
+            )
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.http = httpx.Client(
-            base_url=self.url, headers=headers, timeout=httpx.Timeout(timeout, connect=10.0),
+            base_url=self.url,
+            headers=headers,
+            timeout=httpx.Timeout(timeout, connect=10.0),
             transport=httpx.HTTPTransport(retries=3),  # retries failed connects, not requests
         )
         # only the client's own settings: the server's (MFSREG_MAX_BODY, MFSREG_PACK_SIZE, MFSREG_HOME...)
         # are no client's business, and a bad one in its environment refused every command
         self.chunk_size = chunk_size or check_chunk_size(size_from_env("MFSREG_CHUNK_SIZE", DEFAULT_CHUNK_SIZE))
-        self.pool = ThreadPoolExecutor(max_workers=workers or max(1, os.cpu_count() or 1), thread_name_prefix="mfsreg-client")
+        self.pool = ThreadPoolExecutor(
+            max_workers=workers or max(1, os.cpu_count() or 1), thread_name_prefix="mfsreg-client"
+        )
         self.upload_batch = size_from_env("MFSREG_UPLOAD_BATCH", UPLOAD_BATCH)
         self.bytes_received = 0  # network bytes of chunk payloads, over this client's life
         self.closed = False
@@ -120,7 +159,7 @@ class RemoteRegistry(Closable):
         self.http.close()
         self.pool.shutdown(wait=True)
 
-    def __enter__(self) -> "RemoteRegistry":
+    def __enter__(self) -> RemoteRegistry:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -133,7 +172,9 @@ class RemoteRegistry(Closable):
         try:
             resp = self.http.request(method, path, **kw)
         except httpx.TransportError as exc:
-            raise StorageError(f"cannot reach the registry at {self.url}: {exc.__class__.__name__}; check MFSREG_URL and that the server runs") from None
+            raise StorageError(
+                f"cannot reach the registry at {self.url}: {exc.__class__.__name__}; check MFSREG_URL and that the server runs"
+            ) from None
         _raise_for(resp)
         return resp
 
@@ -144,8 +185,10 @@ class RemoteRegistry(Closable):
         try:
             return resp.json()
         except ValueError:  # a proxy's or another server's page: every mfsreg answer is JSON
-            raise InvalidRequest(f"{self.url} answered {method} {path} with {resp.status_code} and a body that is not "
-                                 "JSON: check that MFSREG_URL points at an mfsreg server") from None
+            raise InvalidRequest(
+                f"{self.url} answered {method} {path} with {resp.status_code} and a body that is not "
+                "JSON: check that MFSREG_URL points at an mfsreg server"
+            ) from None
 
     def _doc(self, method: str, path: str, build, **kw):
         """``build`` of an answer's JSON. An answer of another shape (another server that answers
@@ -157,13 +200,22 @@ class RemoteRegistry(Closable):
             return build(doc)
         except (KeyError, TypeError, ValueError, AttributeError, IndexError, InvalidRequest) as exc:
             detail = str(exc) if isinstance(exc, InvalidRequest) else f"{exc.__class__.__name__} {exc}"
-            raise IntegrityError(f"{self.url} answered {method} {path} with a document of another shape ({detail[:200]}): "
-                                 "check that MFSREG_URL points at an mfsreg server of this release") from None
+            raise IntegrityError(
+                f"{self.url} answered {method} {path} with a document of another shape ({detail[:200]}): "
+                "check that MFSREG_URL points at an mfsreg server of this release"
+            ) from None
 
     # -- push -------------------------------------------------------------------------------------
 
-    def push(self, path: Path, family: str, version: str, parent: str | None = None,
-             progress: Progress | None = None, mend_damaged: bool = False) -> PushResult:
+    def push(
+        self,
+        path: Path,
+        family: str,
+        version: str,
+        parent: str | None = None,
+        progress: Progress | None = None,
+        mend_damaged: bool = False,
+    ) -> PushResult:
         progress = progress or NullProgress()
         t0 = time.perf_counter()
         check_name("family", family)
@@ -180,8 +232,9 @@ class RemoteRegistry(Closable):
             asked = {"mend_damaged": True} if mend_damaged else {}
 
             def negotiate(m: Manifest) -> dict:
-                return self._doc("POST", f"{base}/negotiate", _negotiation,
-                                 json={"manifest": m.to_doc(), "parent": parent, **asked})
+                return self._doc(
+                    "POST", f"{base}/negotiate", _negotiation, json={"manifest": m.to_doc(), "parent": parent, **asked}
+                )
 
             draft = job.draft()
             try:
@@ -193,16 +246,27 @@ class RemoteRegistry(Closable):
                 neg = negotiate(draft)
             if neg["exists"]:
                 manifest = job.manifest()
-                done = existing_result(neg["existing_digest"], manifest.logical_bytes, len(manifest.files),
-                                       manifest.digest, neg["chunks"], family, version, t0,
-                                       neg.get("existing_layout"), manifest.layout)  # other content: refused
+                done = existing_result(
+                    neg["existing_digest"],
+                    manifest.logical_bytes,
+                    len(manifest.files),
+                    manifest.digest,
+                    neg["chunks"],
+                    family,
+                    version,
+                    t0,
+                    neg.get("existing_layout"),
+                    manifest.layout,
+                )  # other content: refused
             if mend_damaged and neg.get("mend_damaged") is not True:
                 # an older server ignores the field (one of the release before, for a new version): it
                 # read nothing, so "already stored" would read as "nothing was damaged", and a new
                 # version would commit over damaged chunks. Said before anything is uploaded.
-                raise InvalidRequest(f"the server at {self.url} is older than push --mend-damaged: it did not read "
-                                     "the stored chunks this version needs, so nothing damaged was mended; upgrade "
-                                     "it, or push without --mend-damaged to mend only lost packs")
+                raise InvalidRequest(
+                    f"the server at {self.url} is older than push --mend-damaged: it did not read "
+                    "the stored chunks this version needs, so nothing damaged was mended; upgrade "
+                    "it, or push without --mend-damaged to mend only lost packs"
+                )
             if neg["exists"]:
                 return self._mend_existing(family, job, draft, done, set(neg.get("mend", ())), progress, t0)
             missing = set(neg["missing"])
@@ -224,12 +288,28 @@ class RemoteRegistry(Closable):
                 sent, added, missing = sent + more_sent, added + more_added, missing | lost
                 mended |= set(neg.get("mend", ())) & lost
                 res = self._doc("POST", f"{base}/commit", _committed, json=commit)
-        return PushResult(**{**res, "new_bytes": added, "new_chunks": len(missing),
-                             "reused_chunks": res["chunks"] - len(missing), "sent_bytes": sent,
-                             "seconds": time.perf_counter() - t0, "mended_chunks": len(mended)})
+        return PushResult(
+            **{
+                **res,
+                "new_bytes": added,
+                "new_chunks": len(missing),
+                "reused_chunks": res["chunks"] - len(missing),
+                "sent_bytes": sent,
+                "seconds": time.perf_counter() - t0,
+                "mended_chunks": len(mended),
+            }
+        )
 
-    def _mend_existing(self, family: str, job: HashJob, draft: Manifest, done: PushResult, mend: set[str],
-                       progress: Progress, t0: float) -> PushResult:
+    def _mend_existing(
+        self,
+        family: str,
+        job: HashJob,
+        draft: Manifest,
+        done: PushResult,
+        mend: set[str],
+        progress: Progress,
+        t0: float,
+    ) -> PushResult:
         """The version is stored with this content: the chunks the server listed to mend (stored
         in a pack its blob store lost) are uploaded, which stores them again there, and nothing is
         committed. A server older than mending lists none, and the push is 'already stored' as before."""
@@ -237,11 +317,25 @@ class RemoteRegistry(Closable):
         if not mend:
             return done
         sent, added = self._upload(family, job, draft, mend, progress, {})
-        return replace(done, new_bytes=added, new_chunks=len(mend), reused_chunks=done.chunks - len(mend),
-                       sent_bytes=sent, mended_chunks=len(mend), seconds=time.perf_counter() - t0)
+        return replace(
+            done,
+            new_bytes=added,
+            new_chunks=len(mend),
+            reused_chunks=done.chunks - len(mend),
+            sent_bytes=sent,
+            mended_chunks=len(mend),
+            seconds=time.perf_counter() - t0,
+        )
 
-    def _upload(self, family: str, job: HashJob, manifest: Manifest, missing: set[str], progress: Progress,
-                bases: dict[str, str]) -> tuple[int, int]:
+    def _upload(
+        self,
+        family: str,
+        job: HashJob,
+        manifest: Manifest,
+        missing: set[str],
+        progress: Progress,
+        bases: dict[str, str],
+    ) -> tuple[int, int]:
         """Send the missing chunks in batches; UPLOAD_INFLIGHT batches are in flight while the next is
         encoded (the server stores one while it verifies and delta-encodes another).
         Returns (payload bytes sent, stored bytes the server added)."""
@@ -251,8 +345,13 @@ class RemoteRegistry(Closable):
         inflight: deque = deque()
 
         def post(batch: list[tuple[Entry, bytes]], raw: int) -> tuple[int, int]:
-            added = self._doc("POST", f"/v1/families/{family}/chunks", lambda r: _counted(r["new_bytes"]),
-                              content=build_batch(batch), headers={"Content-Type": "application/octet-stream"})
+            added = self._doc(
+                "POST",
+                f"/v1/families/{family}/chunks",
+                lambda r: _counted(r["new_bytes"]),
+                content=build_batch(batch),
+                headers={"Content-Type": "application/octet-stream"},
+            )
             progress.advance("send", raw)
             return sum(len(p) for _, p in batch), added
 
@@ -334,8 +433,10 @@ class RemoteRegistry(Closable):
 
     def _bad_document(self, exc: Exception) -> IntegrityError:
         detail = str(exc) if isinstance(exc, InvalidRequest) else f"{exc.__class__.__name__} {exc}"
-        return IntegrityError(f"{self.url} sent a document that fails its checks ({detail}): nothing was written; "
-                              "check that MFSREG_URL points at an mfsreg server you trust")
+        return IntegrityError(
+            f"{self.url} sent a document that fails its checks ({detail}): nothing was written; "
+            "check that MFSREG_URL points at an mfsreg server you trust"
+        )
 
     def tier_doc(self, family: str, tier: str | None = None) -> dict:
         check_name("family", family)
@@ -367,15 +468,22 @@ class RemoteRegistry(Closable):
                     if known is None:
                         raise IntegrityError(f"server sent chunk {entry.id}, which was not asked for")
                     self.bytes_received += len(payload)
-                    yield StoredChunk(entry.id, entry.size, entry.encoding, entry.length, "", 0, entry.basis_id), payload
+                    yield (
+                        StoredChunk(entry.id, entry.size, entry.encoding, entry.length, "", 0, entry.basis_id),
+                        payload,
+                    )
         except httpx.TransportError as exc:
-            raise StorageError(f"connection to {self.url} broke during a download ({exc.__class__.__name__}): try again") from None
+            raise StorageError(
+                f"connection to {self.url} broke during a download ({exc.__class__.__name__}): try again"
+            ) from None
         except StreamBrokeOff:
-            raise StorageError(f"{self.url} broke off a download (its log says why, e.g. its blob store failed): "
-                               "try again") from None
+            raise StorageError(
+                f"{self.url} broke off a download (its log says why, e.g. its blob store failed): try again"
+            ) from None
 
-    def pull(self, family: str, version: str, out: Path, progress: Progress | None = None,
-             to_dir: bool = False, cache=None) -> rebuild.PullResult:
+    def pull(
+        self, family: str, version: str, out: Path, progress: Progress | None = None, to_dir: bool = False, cache=None
+    ) -> rebuild.PullResult:
         """Pull through the node cache (MFSREG_CACHE_DIR): only chunks it lacks cross the network."""
         from mfsreg.registry.client import node
         from mfsreg.registry.client.cache import NodeCache
@@ -428,23 +536,37 @@ class RemoteRegistry(Closable):
         check_name("version", version)
         return self._doc("DELETE", f"/v1/families/{family}/versions/{version}", lambda d: DeleteResult(**_dict(d)))
 
-    def prune(self, min_age: float, max_unused: float, dry_run: bool = False, progress: Progress | None = None) -> PruneResult:
+    def prune(
+        self, min_age: float, max_unused: float, dry_run: bool = False, progress: Progress | None = None
+    ) -> PruneResult:
         """The server prunes its registry (admin token for every family); ``progress`` gets one task
         of unknown size ("server") until the answer comes, when the run ends, however long a repack
         takes: no read timeout."""
         params = {"min_age": min_age, "max_unused": max_unused, "dry_run": str(dry_run).lower()}
         (progress or NullProgress()).start("server", None)  # the server reports nothing until it is done
-        return self._doc("POST", "/v1/prune", lambda d: PruneResult(**_dict(d)), params=params,
-                         timeout=httpx.Timeout(None, connect=10.0))
+        return self._doc(
+            "POST",
+            "/v1/prune",
+            lambda d: PruneResult(**_dict(d)),
+            params=params,
+            timeout=httpx.Timeout(None, connect=10.0),
+        )
 
-    def check(self, family: str | None = None, read_data: bool = False, progress: Progress | None = None) -> CheckResult:
+    def check(
+        self, family: str | None = None, read_data: bool = False, progress: Progress | None = None
+    ) -> CheckResult:
         """The server checks its blob store (an admin token: for ``family``, or for every family);
         ``progress`` gets one task of unknown size ("server") until the answer comes. No read
         timeout: --read-data reads every stored byte."""
         params = {"read_data": str(read_data).lower(), **({"family": family} if family is not None else {})}
         (progress or NullProgress()).start("server", None)  # a bar that pulses: the wait is not a hang
-        return self._doc("GET", "/v1/check", lambda d: CheckResult(**{k: v for k, v in _dict(d).items() if k != "ok"}),
-                         params=params, timeout=httpx.Timeout(None, connect=10.0))
+        return self._doc(
+            "GET",
+            "/v1/check",
+            lambda d: CheckResult(**{k: v for k, v in _dict(d).items() if k != "ok"}),
+            params=params,
+            timeout=httpx.Timeout(None, connect=10.0),
+        )
 
     def health(self) -> dict:
         return self._doc("GET", "/healthz", _dict)
@@ -508,8 +630,17 @@ def _version_doc(d) -> dict:
 
 
 def _version_row(d: dict) -> VersionRow:
-    return VersionRow(0, d["family"], d["version"], d.get("parent"), d["digest"], d["logical_bytes"], d["files"],
-                      bool(d["single_file"]), d["created_at"])
+    return VersionRow(
+        0,
+        d["family"],
+        d["version"],
+        d.get("parent"),
+        d["digest"],
+        d["logical_bytes"],
+        d["files"],
+        bool(d["single_file"]),
+        d["created_at"],
+    )
 
 
 class NoRoute(NotFound):
@@ -524,14 +655,18 @@ def _check_url(url: str) -> None:
     try:
         parsed = httpx.URL(url)
     except httpx.InvalidURL as exc:
-        raise InvalidRequest(f"registry URL {url!r} cannot be read ({exc}): fix MFSREG_URL, e.g. http://host:8700") from None
+        raise InvalidRequest(
+            f"registry URL {url!r} cannot be read ({exc}): fix MFSREG_URL, e.g. http://host:8700"
+        ) from None
     if not parsed.host:
         raise InvalidRequest(f"registry URL {url!r} names no host: fix MFSREG_URL, e.g. http://host:8700")
     if parsed.port is not None and not 0 < parsed.port < 65536:
         raise InvalidRequest(f"registry URL {url!r} names port {parsed.port}, beyond 65535: fix MFSREG_URL")
     if parsed.userinfo:
-        raise InvalidRequest(f"registry URL {url!r} carries a user name or password, which mfsreg does not send: "
-                             "remove it from MFSREG_URL and put the token in MFSREG_TOKEN")
+        raise InvalidRequest(
+            f"registry URL {url!r} carries a user name or password, which mfsreg does not send: "
+            "remove it from MFSREG_URL and put the token in MFSREG_TOKEN"
+        )
 
 
 def _raise_for(resp: httpx.Response) -> None:
@@ -544,17 +679,21 @@ def _raise_for(resp: httpx.Response) -> None:
         # a proxy's or another server's page (every mfsreg answer is JSON): its HTML says nothing to
         # the user, and a 404 from it is no "not found" of a family or version
         kind = StorageError if resp.status_code >= 500 else InvalidRequest
-        raise kind(f"{resp.url.copy_with(query=None)} answered {resp.status_code} {resp.reason_phrase} with a body that "
-                   "is not JSON: check that MFSREG_URL points at an mfsreg server (and any proxy before it)") from None
+        raise kind(
+            f"{resp.url.copy_with(query=None)} answered {resp.status_code} {resp.reason_phrase} with a body that "
+            "is not JSON: check that MFSREG_URL points at an mfsreg server (and any proxy before it)"
+        ) from None
     detail = " ".join(str(detail).split())[:500]  # one line, whatever the server put in it
     mfsreg_problem = isinstance(body, dict) and str(body.get("type", "")).startswith("urn:mfsreg:")
     # an mfsreg server answers a path it has no route for as urn:mfsreg:http_error (api/errors.py)
     if resp.status_code == 404 and (not mfsreg_problem or body.get("type") == "urn:mfsreg:http_error"):
         # not mfsreg's "no such family or version" (a problem with its type) but the server's
         # "no such route": MFSREG_URL names another server, or a path the API is not mounted at
-        raise NoRoute(f"{resp.url.copy_with(query=None)} answered 404 {resp.reason_phrase}: no mfsreg API there; "
-                             "check that MFSREG_URL is the server's address (http://host:port, with a path only "
-                             "where a proxy mounts the API under one)")
+        raise NoRoute(
+            f"{resp.url.copy_with(query=None)} answered 404 {resp.reason_phrase}: no mfsreg API there; "
+            "check that MFSREG_URL is the server's address (http://host:port, with a path only "
+            "where a proxy mounts the API under one)"
+        )
     kind = _STATUS.get(resp.status_code, RegistryError)
     if kind is not RegistryError and isinstance(body, dict):
         # A finer kind the caller acts on, named by the problem's type (api/errors.py); a server

@@ -31,8 +31,14 @@ class ResidentModel(Closable):
 
     closed_note = " (its tensors stay as they are)"
 
-    def __init__(self, family: str, version: str, device: str | torch.device = "cpu", node: Node | None = None,
-                 verify: bool = True):
+    def __init__(
+        self,
+        family: str,
+        version: str,
+        device: str | torch.device = "cpu",
+        node: Node | None = None,
+        verify: bool = True,
+    ):
         self.device = target_device(device)  # before anything is asked of the node
         self._own = node is None
         if node is not None:
@@ -66,12 +72,23 @@ class ResidentModel(Closable):
                 for name in realloc:  # one at a time, each old one freed as its new one comes: no higher peak
                     self.tensors.pop(name, None)
                     self.tensors[name] = self.copier.empty(new[name][0])
-                copied = fill(self.node, target, new, self.copier, self.tensors, todo, cached=True,
-                              outcome="the switch stopped partway")
+                copied = fill(
+                    self.node,
+                    target,
+                    new,
+                    self.copier,
+                    self.tensors,
+                    todo,
+                    cached=True,
+                    outcome="the switch stopped partway",
+                )
             except RegistryError as exc:
-                raise _reworded(exc, f"switch of {family} to {version} stopped partway: {exc}; the tensors are a mix of "
-                                     f"{before or 'versions'} and {version}, and .version is None: switch again (to any "
-                                     "version: it refills every tensor) or make a new ResidentModel") from None
+                raise _reworded(
+                    exc,
+                    f"switch of {family} to {version} stopped partway: {exc}; the tensors are a mix of "
+                    f"{before or 'versions'} and {version}, and .version is None: switch again (to any "
+                    "version: it refills every tensor) or make a new ResidentModel",
+                ) from None
             self.info, self.version = target, version
             self.node.cache.record_pull(family, version)
             return copied
@@ -91,9 +108,14 @@ class ResidentModel(Closable):
             for name, (span, pieces) in new.items():
                 prior = old.get(renames.get(name, name))
                 t = self.tensors.get(renames.get(name, name))
-                same = (prior is not None and t is not None and prior[0].dtype == span.dtype
-                        and prior[0].shape == span.shape and tuple(t.shape) == span.shape
-                        and t.dtype == self.copier.empty_dtype(span))
+                same = (
+                    prior is not None
+                    and t is not None
+                    and prior[0].dtype == span.dtype
+                    and prior[0].shape == span.shape
+                    and tuple(t.shape) == span.shape
+                    and t.dtype == self.copier.empty_dtype(span)
+                )
                 if not same:
                     realloc.append(name)
                     todo[name] = pieces
@@ -106,8 +128,11 @@ class ResidentModel(Closable):
         except RegistryError as exc:
             if needed:
                 evict_quietly(self.node.cache, needed)  # the limit holds after a failed switch too
-            kept = (f"nothing changed: the model still holds {before}" if before else
-                    "nothing changed: the model still holds the mix a failed switch left")
+            kept = (
+                f"nothing changed: the model still holds {before}"
+                if before
+                else "nothing changed: the model still holds the mix a failed switch left"
+            )
             if isinstance(exc, NotFound) and target is not None:
                 gone = gone_meanwhile(self.node.fetcher, target, exc, "switched to", kept)
                 if gone is not exc:

@@ -70,6 +70,12 @@ def verify_cache(cache: NodeCache, progress: Progress | None = None) -> dict:
     # what passed and has no row (a writer killed, or an index write that failed on a full disk):
     # recorded, so that stats and the size limit count it again
     orphans = cache.record_orphans()
-    return {"chunks": sum(k == "chunk" for k, _, _ in found), "files": sum(k == "file" for k, _, _ in found),
-            "bytes": sum(size for _, _, size in found), "damaged_chunks": damaged["chunk"], "damaged_files": damaged["file"],
-            "damaged_dirs": damaged["dir"], "unrecorded_files_found": orphans}
+    return {
+        "chunks": sum(k == "chunk" for k, _, _ in found),
+        "files": sum(k == "file" for k, _, _ in found),
+        "bytes": sum(size for _, _, size in found),
+        "damaged_chunks": damaged["chunk"],
+        "damaged_files": damaged["file"],
+        "damaged_dirs": damaged["dir"],
+        "unrecorded_files_found": orphans,
+    }

@@ -40,10 +40,22 @@ except (ImportError, AttributeError, OSError):  # no POSIX mmap through libc (Wi
     mapping = None
 
 DTYPES = {
-    "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32,
-    "I64": torch.int64, "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64,
-    "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64, "C64": torch.complex64,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "BOOL": torch.bool,
+    "U8": torch.uint8,
+    "I8": torch.int8,
+    "I16": torch.int16,
+    "I32": torch.int32,
+    "I64": torch.int64,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "U16": torch.uint16,
+    "U32": torch.uint32,
+    "U64": torch.uint64,
+    "C64": torch.complex64,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
 }
 if hasattr(torch, "float8_e8m0fnu"):
     DTYPES["F8_E8M0"] = torch.float8_e8m0fnu
@@ -118,7 +130,9 @@ def target_device(device) -> torch.device:
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError, ValueError):
-        raise InvalidRequest(f"device {device!r} is not a device torch knows: use 'cpu' or 'cuda' (or 'cuda:N')") from None
+        raise InvalidRequest(
+            f"device {device!r} is not a device torch knows: use 'cpu' or 'cuda' (or 'cuda:N')"
+        ) from None
     if dev.type == "cpu":
         if dev.index not in (None, 0):
             raise InvalidRequest(f"device {device!r}: the CPU has no device {dev.index}: use 'cpu'")
@@ -126,11 +140,14 @@ def target_device(device) -> torch.device:
     if dev.type != "cuda":
         raise InvalidRequest(f"device {device!r}: mfsreg loads tensors onto 'cpu' or 'cuda' only")
     if not torch.cuda.is_available():
-        raise InvalidRequest(f"device {device!r}: this process sees no CUDA device (torch.cuda.is_available() is "
-                             "False: no GPU, or a torch built without CUDA): use 'cpu'")
+        raise InvalidRequest(
+            f"device {device!r}: this process sees no CUDA device (torch.cuda.is_available() is "
+            "False: no GPU, or a torch built without CUDA): use 'cpu'"
+        )
     if dev.index is not None and dev.index >= torch.cuda.device_count():
-        raise InvalidRequest(f"device {device!r}: this process sees {torch.cuda.device_count()} CUDA device(s), "
-                             f"numbered from 0")
+        raise InvalidRequest(
+            f"device {device!r}: this process sees {torch.cuda.device_count()} CUDA device(s), numbered from 0"
+        )
     if dev.index is None:
         # "cuda" is whichever device is current, and torch looks that up again at each use, per
         # thread: a ResidentModel made with GPU 1 current and switched from a thread (or a block)
@@ -217,12 +234,18 @@ class Copier:
         def place_run(run: list) -> list:
             return [(place, p) for place, p in run if not place(p)]
 
-        mapped = mapping.map_many([(region, p.start, p.chunk.size, self.cache.chunk_file(p.chunk.id))
-                                   for _, _, region, p in maps]) if maps else []
+        mapped = (
+            mapping.map_many(
+                [(region, p.start, p.chunk.size, self.cache.chunk_file(p.chunk.id)) for _, _, region, p in maps]
+            )
+            if maps
+            else []
+        )
         # those not mapped (a file missing or of another size, past the budget) are read instead, or
         # else fetched again below (and then mapped where they can be)
-        failed = [(place, p) for (place, arr, _, p), ok in zip(maps, mapped)
-                  if not ok and not self._place(arr, None, p)]
+        failed = [
+            (place, p) for (place, arr, _, p), ok in zip(maps, mapped) if not ok and not self._place(arr, None, p)
+        ]
         if self.pool is not None and len(jobs) > 1:
             runs = [jobs[i : i + PIECES_PER_TASK] for i in range(0, len(jobs), PIECES_PER_TASK)]
             failed += [job for bad in windowed_map(self.pool, place_run, runs) for job in bad]
@@ -275,8 +298,10 @@ class Copier:
         """Drop these chunks' cache files (missing, cut short or damaged) and fetch them again, in one go."""
         ids = list(dict.fromkeys(c.id for c in chunks))
         if self.refetch is None:
-            raise IntegrityError(f"chunk {ids[0]} in the node cache is missing or damaged, and this copy has no "
-                                 "registry to fetch it from: load through mfsreg.load_tensors")
+            raise IntegrityError(
+                f"chunk {ids[0]} in the node cache is missing or damaged, and this copy has no "
+                "registry to fetch it from: load through mfsreg.load_tensors"
+            )
         self.refetch(ids)
 
     def _grow_stages(self, n: int) -> None:
@@ -354,9 +379,18 @@ def chunk_ids(lay: dict) -> list[str]:
     return list(dict.fromkeys(p.chunk.id for _, pieces in lay.values() for p in pieces))
 
 
-def fill(node: Node, info: VersionInfo, lay: dict, copier: Copier, targets: dict[str, torch.Tensor],
-         todo: dict[str, list[Piece]], cached: bool | None = None, record: bool = True, refetch=None,
-         outcome: str = "no tensors were handed out") -> int:
+def fill(
+    node: Node,
+    info: VersionInfo,
+    lay: dict,
+    copier: Copier,
+    targets: dict[str, torch.Tensor],
+    todo: dict[str, list[Piece]],
+    cached: bool | None = None,
+    record: bool = True,
+    refetch=None,
+    outcome: str = "no tensors were handed out",
+) -> int:
     """Fetch what ``todo`` needs (ahead of the copies) and copy it into ``targets``; returns bytes
     copied. ``lay`` is layout(info), which every caller has already (a few ms for a 1 GB model).
     ``cached``: whether the caller has just seen every chunk of ``todo`` in the cache (None: look).
@@ -384,7 +418,10 @@ def fill(node: Node, info: VersionInfo, lay: dict, copier: Copier, targets: dict
             # leased while they are fetched and copied: another process's eviction passes them over
             # (cache eviction.py). Not above: a warm load's copies take milliseconds, and a chunk
             # evicted under them is fetched again by the copier.
-            with node.cache.leased(needed), contextlib.closing(_fetch_ahead(node.fetcher, info, chunk_groups)) as landed:
+            with (
+                node.cache.leased(needed),
+                contextlib.closing(_fetch_ahead(node.fetcher, info, chunk_groups)) as landed,
+            ):
                 for k in landed:
                     copied += copier.copy_many([(targets[name], todo[name]) for name in groups[k]])
         done = True
@@ -477,15 +514,23 @@ class _Deferred(Exception):
     from the registry's answer, which fetches them."""
 
 
-def _from(node: Node, info: VersionInfo, lay: dict, copier: Copier, cached: bool | None = None,
-          record: bool = True, refetch=None) -> dict[str, torch.Tensor]:
+def _from(
+    node: Node,
+    info: VersionInfo,
+    lay: dict,
+    copier: Copier,
+    cached: bool | None = None,
+    record: bool = True,
+    refetch=None,
+) -> dict[str, torch.Tensor]:
     tensors = {name: copier.empty(span) for name, (span, _) in lay.items()}
     fill(node, info, lay, copier, tensors, {name: pieces for name, (_, pieces) in lay.items()}, cached, record, refetch)
     return tensors
 
 
-def load_tensors(family: str, version: str, device: str | torch.device = "cpu", node: Node | None = None,
-                 verify: bool = True) -> dict[str, torch.Tensor]:
+def load_tensors(
+    family: str, version: str, device: str | torch.device = "cpu", node: Node | None = None, verify: bool = True
+) -> dict[str, torch.Tensor]:
     """A version's tensors on ``device``, built from the node cache (fetching what it lacks).
 
     Every chunk is checked against its id as it is fetched. ``verify`` (the default) checks each

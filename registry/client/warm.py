@@ -12,12 +12,19 @@ from mfsreg.registry.tiers import TIERS
 MAX_RECENT = 100_000  # a node keeps far fewer members; the index's LIMIT takes no more than 2**63 - 1
 
 
-def warm_cache(remote: RemoteRegistry, family: str, tier: str | None = "base", recent: int = 0, pin: bool = True,
-               cache: NodeCache | None = None) -> dict:
+def warm_cache(
+    remote: RemoteRegistry,
+    family: str,
+    tier: str | None = "base",
+    recent: int = 0,
+    pin: bool = True,
+    cache: NodeCache | None = None,
+) -> dict:
     if not 0 <= recent <= MAX_RECENT:
         remote.close()
-        raise InvalidRequest(f"--recent {recent} is out of range: give how many recently pulled members to keep "
-                             f"warm, 0 to {MAX_RECENT}")
+        raise InvalidRequest(
+            f"--recent {recent} is out of range: give how many recently pulled members to keep warm, 0 to {MAX_RECENT}"
+        )
     if tier is not None and tier not in TIERS:  # '' asked for every tier and kept none
         remote.close()
         raise InvalidRequest(f"unknown tier {tier!r}: use one of {', '.join(TIERS)}")
@@ -54,6 +61,12 @@ def warm_cache(remote: RemoteRegistry, family: str, tier: str | None = "base", r
         # brought (more than the limit can hold keeps all of it, as a pull keeps its own chunks)
         cache.evict(protect=warm)
         chunks = len(set(warm))  # a chunk the tier and recent members share counts once
-        return {"family": family, "tier": tier, "chunks": chunks, "fetched_bytes": fetched, "pinned": pin and tier == "base"}
+        return {
+            "family": family,
+            "tier": tier,
+            "chunks": chunks,
+            "fetched_bytes": fetched,
+            "pinned": pin and tier == "base",
+        }
     finally:
         remote.close()

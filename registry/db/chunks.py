@@ -27,8 +27,9 @@ def missing_ids(conn: Connection, ids: Sequence[str]) -> set[str]:
     return set(ids) - present
 
 
-def record_pack(conn: Connection, pack_id: str, size: int, stored: Sequence[StoredChunk],
-                mend: Set[str] = frozenset()) -> int:
+def record_pack(
+    conn: Connection, pack_id: str, size: int, stored: Sequence[StoredChunk], mend: Set[str] = frozenset()
+) -> int:
     """Record a durable pack (announced before it was written: db/prune.announce_pack) and its
     chunks; returns the stored bytes of the chunks that were new, or mended.
 
@@ -49,12 +50,25 @@ def record_pack(conn: Connection, pack_id: str, size: int, stored: Sequence[Stor
     bases = {c.basis_id for c in stored if c.basis_id} - {c.id for c in stored}
     gone = missing_ids(conn, list(bases))
     if gone:
-        raise Pruned(f"the basis chunk {min(gone)} of a delta in this push was deleted by a prune meanwhile: push again")
+        raise Pruned(
+            f"the basis chunk {min(gone)} of a delta in this push was deleted by a prune meanwhile: push again"
+        )
     list_pack(conn, pack_id, size)
     # Sorted rows: two transactions inserting overlapping ids lock them in the same order (no deadlock).
     rows = sorted(
-        (dict(id=c.id, size=c.size, encoding=c.encoding, stored_size=c.stored_size,
-              pack_id=c.pack_id, offset=c.offset, basis_id=c.basis_id, depth=c.depth) for c in stored),
+        (
+            dict(
+                id=c.id,
+                size=c.size,
+                encoding=c.encoding,
+                stored_size=c.stored_size,
+                pack_id=c.pack_id,
+                offset=c.offset,
+                basis_id=c.basis_id,
+                depth=c.depth,
+            )
+            for c in stored
+        ),
         key=lambda r: r["id"],
     )
     if not rows:
@@ -63,15 +77,24 @@ def record_pack(conn: Connection, pack_id: str, size: int, stored: Sequence[Stor
     # Passed as a list of parameter sets, SQLAlchemy compiles the statement once and sends the rows
     # in multi-row batches ("insertmanyvalues"); an insert().values(rows) was compiled afresh for
     # every batch, at about 0.1 ms a row.
-    result = conn.execute(insert(conn, chunks).on_conflict_do_nothing().returning(chunks.c.id, chunks.c.stored_size), rows)
+    result = conn.execute(
+        insert(conn, chunks).on_conflict_do_nothing().returning(chunks.c.id, chunks.c.stored_size), rows
+    )
     added = {i: n for i, n in result}
     again = [r for r in rows if r["id"] in mend and r["id"] not in added]
     if again:
         before = locate(conn, [r["id"] for r in again])
         stmt = (
-            update(chunks).where(chunks.c.id == bindparam("cid"))
-            .values(encoding=bindparam("encoding"), stored_size=bindparam("stored_size"), pack_id=pack_id,
-                    offset=bindparam("offset"), basis_id=bindparam("basis_id"), depth=bindparam("depth"))
+            update(chunks)
+            .where(chunks.c.id == bindparam("cid"))
+            .values(
+                encoding=bindparam("encoding"),
+                stored_size=bindparam("stored_size"),
+                pack_id=pack_id,
+                offset=bindparam("offset"),
+                basis_id=bindparam("basis_id"),
+                depth=bindparam("depth"),
+            )
         )
         conn.execute(stmt, [dict(r, cid=r["id"]) for r in again])
         rechain(conn, [r["id"] for r in again if before[r["id"]].basis_id != r["basis_id"]])
@@ -87,12 +110,21 @@ def repoint_plain(conn: Connection, pack_id: str, size: int, stored: Sequence[St
     list_pack(conn, pack_id, size)
     before = locate(conn, [c.id for c in stored])
     stmt = (
-        update(chunks).where(chunks.c.id == bindparam("cid"))
-        .values(encoding=bindparam("enc"), stored_size=bindparam("n"), pack_id=pack_id, offset=bindparam("off"),
-                basis_id=None, depth=0)
+        update(chunks)
+        .where(chunks.c.id == bindparam("cid"))
+        .values(
+            encoding=bindparam("enc"),
+            stored_size=bindparam("n"),
+            pack_id=pack_id,
+            offset=bindparam("off"),
+            basis_id=None,
+            depth=0,
+        )
     )
-    conn.execute(stmt, [dict(cid=c.id, enc=c.encoding, n=c.stored_size, off=c.offset)
-                        for c in sorted(stored, key=lambda c: c.id)])
+    conn.execute(
+        stmt,
+        [dict(cid=c.id, enc=c.encoding, n=c.stored_size, off=c.offset) for c in sorted(stored, key=lambda c: c.id)],
+    )
     rechain(conn, sorted(i for i, c in before.items() if c.basis_id is not None))
 
 
@@ -113,11 +145,16 @@ def rechain(conn: Connection, ids: Sequence[str]) -> int:
         return 0
     names: set[str] = set()
     for batch in batches(list(ids)):
-        names.update(conn.execute(
-            select(families.c.name).distinct().select_from(version_chunks)
-            .join(versions, versions.c.id == version_chunks.c.version_id)
-            .join(families, families.c.id == versions.c.family_id)
-            .where(version_chunks.c.chunk_id.in_(batch))).scalars())
+        names.update(
+            conn.execute(
+                select(families.c.name)
+                .distinct()
+                .select_from(version_chunks)
+                .join(versions, versions.c.id == version_chunks.c.version_id)
+                .join(families, families.c.id == versions.c.family_id)
+                .where(version_chunks.c.chunk_id.in_(batch))
+            ).scalars()
+        )
     changed = 0
     for name in sorted(names):
         fam = version_db.lock_family(conn, name)
@@ -131,9 +168,12 @@ def rechain(conn: Connection, ids: Sequence[str]) -> int:
             need = _needed(own[vid], located)
             gained, lost = sorted(need - had), sorted(had - need)
             if lost:
-                conn.execute(delete(version_chunks).where(version_chunks.c.version_id == vid,
-                                                          version_chunks.c.chunk_id == bindparam("cid")),
-                             [dict(cid=c) for c in lost])
+                conn.execute(
+                    delete(version_chunks).where(
+                        version_chunks.c.version_id == vid, version_chunks.c.chunk_id == bindparam("cid")
+                    ),
+                    [dict(cid=c) for c in lost],
+                )
             if gained:
                 conn.execute(version_chunks.insert(), [dict(version_id=vid, chunk_id=c) for c in gained])
             uses.update(dict.fromkeys(gained, 1))
@@ -147,10 +187,14 @@ def rechain(conn: Connection, ids: Sequence[str]) -> int:
 def _versions_using(conn: Connection, family_id: int, ids: Sequence[str]) -> set[int]:
     found: set[int] = set()
     for batch in batches(list(ids)):
-        found.update(conn.execute(
-            select(version_chunks.c.version_id).distinct()
-            .join(versions, versions.c.id == version_chunks.c.version_id)
-            .where(versions.c.family_id == family_id, version_chunks.c.chunk_id.in_(batch))).scalars())
+        found.update(
+            conn.execute(
+                select(version_chunks.c.version_id)
+                .distinct()
+                .join(versions, versions.c.id == version_chunks.c.version_id)
+                .where(versions.c.family_id == family_id, version_chunks.c.chunk_id.in_(batch))
+            ).scalars()
+        )
     return found
 
 
@@ -168,8 +212,16 @@ def _needed(own: Iterable[str], located: dict[str, StoredChunk]) -> set[str]:
 def locate(conn: Connection, ids: Iterable[str]) -> dict[str, StoredChunk]:
     """Where each of ``ids`` is stored. Ids that are not stored are simply absent from the result."""
     out: dict[str, StoredChunk] = {}
-    cols = (chunks.c.id, chunks.c.size, chunks.c.encoding, chunks.c.stored_size,
-            chunks.c.pack_id, chunks.c.offset, chunks.c.basis_id, chunks.c.depth)
+    cols = (
+        chunks.c.id,
+        chunks.c.size,
+        chunks.c.encoding,
+        chunks.c.stored_size,
+        chunks.c.pack_id,
+        chunks.c.offset,
+        chunks.c.basis_id,
+        chunks.c.depth,
+    )
     for batch in batches(list(dict.fromkeys(ids))):
         for row in conn.execute(select(*cols).where(chunks.c.id.in_(batch))):
             out[row.id] = StoredChunk(*row)
@@ -199,11 +251,15 @@ def version_chunk_table(conn: Connection, version_id: int) -> dict[str, list]:
     took time in the size of the registry, not of the version (224 ms against 89 at 1.75M rows)."""
     family_id = conn.execute(select(versions.c.family_id).where(versions.c.id == version_id)).scalar()
     q = (
-        select(chunks.c.id, chunks.c.encoding, chunks.c.stored_size, chunks.c.basis_id, chunks.c.size, family_chunks.c.tier)
+        select(
+            chunks.c.id, chunks.c.encoding, chunks.c.stored_size, chunks.c.basis_id, chunks.c.size, family_chunks.c.tier
+        )
         .select_from(version_chunks)
         .join(chunks, chunks.c.id == version_chunks.c.chunk_id)
-        .outerjoin(family_chunks, and_(family_chunks.c.family_id == family_id,
-                                       family_chunks.c.chunk_id == version_chunks.c.chunk_id))
+        .outerjoin(
+            family_chunks,
+            and_(family_chunks.c.family_id == family_id, family_chunks.c.chunk_id == version_chunks.c.chunk_id),
+        )
         .where(version_chunks.c.version_id == version_id)
     )
     return {row[0]: list(row[1:]) for row in conn.execute(q).all()}  # one fetchall, not a fetch per row
@@ -217,7 +273,9 @@ def family_chunk_table(conn: Connection, family_id: int, tier: str | None = None
     trips (1.6 s) where the join takes 0.35 s. All tiers hold every basis already (a commit
     records the bases of a version's deltas among its chunks)."""
     q = (
-        select(chunks.c.id, chunks.c.encoding, chunks.c.stored_size, chunks.c.basis_id, chunks.c.size, family_chunks.c.tier)
+        select(
+            chunks.c.id, chunks.c.encoding, chunks.c.stored_size, chunks.c.basis_id, chunks.c.size, family_chunks.c.tier
+        )
         .select_from(family_chunks)
         .join(chunks, chunks.c.id == family_chunks.c.chunk_id)
         .where(family_chunks.c.family_id == family_id)

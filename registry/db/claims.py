@@ -17,15 +17,17 @@ def record(conn: Connection, family: str, ids: Sequence[str]) -> None:
     """Claims for ``ids`` (a claim made again starts its grace period afresh)."""
     for batch in batches(sorted(set(ids))):
         stmt = insert(conn, cc).values([{"family": family, "chunk_id": i} for i in batch])
-        conn.execute(stmt.on_conflict_do_update(index_elements=[cc.c.family, cc.c.chunk_id],
-                                                set_={"created_at": func.now()}))
+        conn.execute(
+            stmt.on_conflict_do_update(index_elements=[cc.c.family, cc.c.chunk_id], set_={"created_at": func.now()})
+        )
 
 
 def claimed(conn: Connection, family: str, ids: Sequence[str]) -> set[str]:
     found: set[str] = set()
     for batch in batches(list(ids)):
-        found.update(conn.execute(
-            select(cc.c.chunk_id).where(cc.c.family == family, cc.c.chunk_id.in_(batch))).scalars())
+        found.update(
+            conn.execute(select(cc.c.chunk_id).where(cc.c.family == family, cc.c.chunk_id.in_(batch))).scalars()
+        )
     return found
 
 
@@ -47,6 +49,9 @@ def used_by_families(conn: Connection, family_ids: Sequence[int], ids: Sequence[
         return found
     fam_ids = list(family_ids)
     for batch in batches(list(ids)):
-        found.update(conn.execute(
-            select(fc.c.chunk_id).distinct().where(fc.c.family_id.in_(fam_ids), fc.c.chunk_id.in_(batch))).scalars())
+        found.update(
+            conn.execute(
+                select(fc.c.chunk_id).distinct().where(fc.c.family_id.in_(fam_ids), fc.c.chunk_id.in_(batch))
+            ).scalars()
+        )
     return found

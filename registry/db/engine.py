@@ -38,8 +38,10 @@ def create_db_engine(url: str) -> Engine:
         if parsed.get_backend_name() == "sqlite":
             _check_sqlite_path(url, parsed.database)
             if parsed.query:  # ?mode=ro was dropped with a warning on stderr, and the database made anyway
-                raise InvalidRequest(f"MFSREG_DATABASE_URL={url} carries options ({', '.join(sorted(parsed.query))}), "
-                                     "which mfsreg does not pass to SQLite: give the path alone, sqlite:////srv/mfsreg/registry.db")
+                raise InvalidRequest(
+                    f"MFSREG_DATABASE_URL={url} carries options ({', '.join(sorted(parsed.query))}), "
+                    "which mfsreg does not pass to SQLite: give the path alone, sqlite:////srv/mfsreg/registry.db"
+                )
             Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
             engine = create_engine(url, poolclass=NullPool, connect_args={"timeout": 60, "check_same_thread": False})
             _sqlite_events(engine)
@@ -48,8 +50,9 @@ def create_db_engine(url: str) -> Engine:
             url = parsed.set(drivername="postgresql+psycopg").render_as_string(hide_password=False)
         return create_engine(url, pool_pre_ping=True, pool_size=8, max_overflow=8)
     except (NoSuchModuleError, ImportError):  # another database, or a driver this install lacks
-        raise InvalidRequest(f"MFSREG_DATABASE_URL names driver {parsed.drivername!r}, which mfsreg does not use: "
-                             f"use {SUPPORTED}") from None
+        raise InvalidRequest(
+            f"MFSREG_DATABASE_URL names driver {parsed.drivername!r}, which mfsreg does not use: use {SUPPORTED}"
+        ) from None
 
 
 def _check_sqlite_path(url: str, database: str | None) -> None:
@@ -57,14 +60,20 @@ def _check_sqlite_path(url: str, database: str | None) -> None:
     the rest as relative to the current directory, so each directory a command ran from would
     quietly get a registry of its own; an in-memory database keeps no version past the command."""
     if not database or database == ":memory:":
-        raise InvalidRequest(f"MFSREG_DATABASE_URL={url} names no database file (an in-memory one keeps nothing "
-                             "past the command): give a path, sqlite:////srv/mfsreg/registry.db")
+        raise InvalidRequest(
+            f"MFSREG_DATABASE_URL={url} names no database file (an in-memory one keeps nothing "
+            "past the command): give a path, sqlite:////srv/mfsreg/registry.db"
+        )
     if database.startswith("file:"):
-        raise InvalidRequest(f"MFSREG_DATABASE_URL={url}: mfsreg does not take SQLite URI file names; give a path, "
-                             "sqlite:////srv/mfsreg/registry.db")
+        raise InvalidRequest(
+            f"MFSREG_DATABASE_URL={url}: mfsreg does not take SQLite URI file names; give a path, "
+            "sqlite:////srv/mfsreg/registry.db"
+        )
     if not Path(database).is_absolute():
-        raise InvalidRequest(f"MFSREG_DATABASE_URL={url} names {database!r}, a path relative to the current directory: "
-                             f"give an absolute path, after four slashes (here: sqlite:///{Path(database).absolute()})")
+        raise InvalidRequest(
+            f"MFSREG_DATABASE_URL={url} names {database!r}, a path relative to the current directory: "
+            f"give an absolute path, after four slashes (here: sqlite:///{Path(database).absolute()})"
+        )
 
 
 def _redacted(url: str) -> str:
@@ -141,8 +150,10 @@ def _connect(engine: Engine) -> Connection:
         raise
     except DBAPIError as exc:
         reason = str(exc.orig).strip().splitlines()[0] if exc.orig else exc.__class__.__name__
-        raise StorageError(f"database {engine.url.render_as_string(hide_password=True)}: {reason}; check "
-                           "MFSREG_DATABASE_URL (a database of mfsreg's, with options its driver takes)") from None
+        raise StorageError(
+            f"database {engine.url.render_as_string(hide_password=True)}: {reason}; check "
+            "MFSREG_DATABASE_URL (a database of mfsreg's, with options its driver takes)"
+        ) from None
 
 
 @contextmanager
@@ -152,6 +163,9 @@ def _storage_errors(engine: Engine) -> Iterator[None]:
     except OperationalError as exc:
         where = engine.url.render_as_string(hide_password=True)
         reason = str(exc.orig).strip().splitlines()[0] if exc.orig else "unknown error"
-        check = ("that this process may read and write the file" if engine.dialect.name == "sqlite"
-                 else "that the server runs")
+        check = (
+            "that this process may read and write the file"
+            if engine.dialect.name == "sqlite"
+            else "that the server runs"
+        )
         raise StorageError(f"database {where}: {reason}; check MFSREG_DATABASE_URL and {check}") from None

@@ -28,8 +28,19 @@
 from __future__ import annotations
 
 from sqlalchemy import (
-    BigInteger, Column, DateTime, Float, ForeignKey, Index, Integer, LargeBinary, MetaData,
-    String, Table, UniqueConstraint, func,
+    BigInteger,
+    Column,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    String,
+    Table,
+    UniqueConstraint,
+    func,
 )
 
 metadata = MetaData(
@@ -44,7 +55,8 @@ metadata = MetaData(
 CHUNK_ID = String(32)  # xxh3-128, hex
 
 families = Table(
-    "families", metadata,
+    "families",
+    metadata,
     Column("id", Integer, primary_key=True),
     Column("name", String(128), nullable=False, unique=True),
     Column("base_quorum", Float, nullable=False, server_default="1.0"),
@@ -58,7 +70,8 @@ families = Table(
 )
 
 versions = Table(
-    "versions", metadata,
+    "versions",
+    metadata,
     Column("id", Integer, primary_key=True),
     Column("family_id", Integer, ForeignKey("families.id"), nullable=False),
     Column("name", String(128), nullable=False),
@@ -73,14 +86,16 @@ versions = Table(
 )
 
 packs = Table(
-    "packs", metadata,
+    "packs",
+    metadata,
     Column("id", String(32), primary_key=True),
     Column("size", BigInteger, nullable=False),
     Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
 )
 
 unlisted_packs = Table(
-    "unlisted_packs", metadata,
+    "unlisted_packs",
+    metadata,
     Column("id", String(32), primary_key=True),
     Column("size", BigInteger, nullable=False),
     Column("since", DateTime(timezone=True), nullable=False, server_default=func.now()),
@@ -90,7 +105,8 @@ unlisted_packs = Table(
 )
 
 chunks = Table(
-    "chunks", metadata,
+    "chunks",
+    metadata,
     Column("id", CHUNK_ID, primary_key=True),
     Column("size", BigInteger, nullable=False),
     # No longer written (migration 0004); kept, nullable, while processes of the release before it
@@ -109,14 +125,16 @@ chunks = Table(
 )
 
 version_chunks = Table(
-    "version_chunks", metadata,
+    "version_chunks",
+    metadata,
     Column("version_id", Integer, ForeignKey("versions.id", ondelete="CASCADE"), primary_key=True),
     Column("chunk_id", CHUNK_ID, primary_key=True),
     Index(None, "chunk_id"),
 )
 
 family_chunks = Table(
-    "family_chunks", metadata,
+    "family_chunks",
+    metadata,
     Column("family_id", Integer, ForeignKey("families.id"), primary_key=True),
     Column("chunk_id", CHUNK_ID, primary_key=True),
     Column("users", Integer, nullable=False),
@@ -127,7 +145,8 @@ family_chunks = Table(
 )
 
 chunk_claims = Table(
-    "chunk_claims", metadata,
+    "chunk_claims",
+    metadata,
     # the family's name, not its id: a first push uploads before its family row exists
     Column("family", String(128), primary_key=True),
     Column("chunk_id", CHUNK_ID, primary_key=True),
@@ -135,7 +154,8 @@ chunk_claims = Table(
 )
 
 tokens = Table(
-    "tokens", metadata,
+    "tokens",
+    metadata,
     Column("id", Integer, primary_key=True),
     Column("token_hash", String(64), nullable=False, unique=True),
     Column("prefix", String(16), nullable=False),  # first characters, to tell tokens apart in listings

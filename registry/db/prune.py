@@ -60,7 +60,9 @@ class ChunkState:
 
 def chunk_states(conn: Connection, cutoff: datetime) -> list[ChunkState]:
     used = exists().where(version_chunks.c.chunk_id == chunks.c.id)
-    q = select(chunks.c.id, chunks.c.pack_id, chunks.c.stored_size, chunks.c.basis_id, used, chunks.c.created_at < cutoff)
+    q = select(
+        chunks.c.id, chunks.c.pack_id, chunks.c.stored_size, chunks.c.basis_id, used, chunks.c.created_at < cutoff
+    )
     return [ChunkState(i, p, int(s), b, bool(u), bool(o)) for i, p, s, b, u, o in conn.execute(q)]
 
 
@@ -108,8 +110,19 @@ def retire_packs(conn: Connection, ids: Sequence[str]) -> list[str]:
 
 def chunks_in(conn: Connection, pack_id: str) -> list[tuple]:
     """(id, size, encoding, stored size, offset, basis id, depth) of every chunk row in a pack."""
-    q = select(chunks.c.id, chunks.c.size, chunks.c.encoding, chunks.c.stored_size, chunks.c.offset,
-               chunks.c.basis_id, chunks.c.depth).where(chunks.c.pack_id == pack_id).order_by(chunks.c.offset)
+    q = (
+        select(
+            chunks.c.id,
+            chunks.c.size,
+            chunks.c.encoding,
+            chunks.c.stored_size,
+            chunks.c.offset,
+            chunks.c.basis_id,
+            chunks.c.depth,
+        )
+        .where(chunks.c.pack_id == pack_id)
+        .order_by(chunks.c.offset)
+    )
     return [tuple(r) for r in conn.execute(q)]
 
 
@@ -180,6 +193,8 @@ def list_pack(conn: Connection, pack_id: str, size: int) -> None:
     """A pack whose blob is durable, from unlisted to packs. Refused if prune deleted the blob in the
     meantime (its writer took longer than the grace period): then no chunk row may point into it."""
     if conn.execute(delete(unlisted_packs).where(_announced(pack_id))).rowcount != 1:
-        raise Pruned(f"pack {pack_id} was taken for abandoned and deleted by a prune before it was recorded (writing "
-                     "it took longer than prune's --min-age, or prune ran with --min-age 0): push again")
+        raise Pruned(
+            f"pack {pack_id} was taken for abandoned and deleted by a prune before it was recorded (writing "
+            "it took longer than prune's --min-age, or prune ran with --min-age 0): push again"
+        )
     conn.execute(insert(conn, packs).values(id=pack_id, size=size))

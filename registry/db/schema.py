@@ -11,7 +11,6 @@ import fcntl
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
 from sqlalchemy import Engine, text
@@ -86,9 +85,11 @@ def upgrade(engine: Engine) -> str:
             first = (str(getattr(exc, "orig", None) or exc).splitlines() or [""])[0]
             stays = current_revision(engine)
             failed = _next_revision(engine, stays)
-            raise StorageError(f"schema migration {failed} failed ({type(exc).__name__}: {first}); the database "
-                               f"stays at revision {stays or 'none'}, with the migrations before it: set "
-                               "MFSREG_DEBUG=1 for the traceback and tell mfsreg's developers") from exc
+            raise StorageError(
+                f"schema migration {failed} failed ({type(exc).__name__}: {first}); the database "
+                f"stays at revision {stays or 'none'}, with the migrations before it: set "
+                "MFSREG_DEBUG=1 for the traceback and tell mfsreg's developers"
+            ) from exc
     return head
 
 
@@ -115,8 +116,10 @@ def _known(engine: Engine, current: str | None) -> str:
             script.get_revision(current)
         except CommandError:
             where = engine.url.render_as_string(hide_password=True)
-            raise StorageError(f"database {where} is at schema revision {current}, newer than this mfsreg knows "
-                               f"(up to {head}): upgrade mfsreg to the release that wrote it, or later") from None
+            raise StorageError(
+                f"database {where} is at schema revision {current}, newer than this mfsreg knows "
+                f"(up to {head}): upgrade mfsreg to the release that wrote it, or later"
+            ) from None
     return head
 
 
@@ -141,7 +144,9 @@ def ensure_current(engine: Engine, auto_upgrade: bool) -> None:
     )
 
 
-_MIGRATING = 0x6D667303  # Postgres advisory lock key: a schema upgrade is running (db/locks.py, db/prune.py have others)
+_MIGRATING = (
+    0x6D667303  # Postgres advisory lock key: a schema upgrade is running (db/locks.py, db/prune.py have others)
+)
 
 
 @contextmanager

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from sqlalchemy import Connection, and_, case, exists, func, select
 
-from mfsreg.registry.db.models import chunks, families, family_chunks as fc, packs, unlisted_packs, version_chunks as vc, versions
+from mfsreg.registry.db.models import chunks, families, packs, unlisted_packs, versions
+from mfsreg.registry.db.models import family_chunks as fc
+from mfsreg.registry.db.models import version_chunks as vc
 from mfsreg.registry.tiers import BASE, GROUP, TIERS, UNIQUE
 
 
@@ -68,8 +70,12 @@ def version_figures(conn: Connection, family: str | None) -> list[tuple[str, str
     alone = case((and_(fc.c.users == 1, ~elsewhere), chunks.c.stored_size), else_=0)
     delta = case((chunks.c.basis_id.is_not(None), chunks.c.stored_size), else_=0)
     per = (
-        select(vc.c.version_id, func.sum(chunks.c.stored_size).label("needed"), func.sum(alone).label("alone"),
-               func.sum(delta).label("delta"))
+        select(
+            vc.c.version_id,
+            func.sum(chunks.c.stored_size).label("needed"),
+            func.sum(alone).label("alone"),
+            func.sum(delta).label("delta"),
+        )
         .join(versions, versions.c.id == vc.c.version_id)
         .join(fc, (fc.c.chunk_id == vc.c.chunk_id) & (fc.c.family_id == versions.c.family_id))
         .join(chunks, chunks.c.id == vc.c.chunk_id)
@@ -79,8 +85,14 @@ def version_figures(conn: Connection, family: str | None) -> list[tuple[str, str
         per = per.where(versions.c.family_id.in_(select(families.c.id).where(families.c.name == family)))
     per = per.subquery()
     q = (
-        select(families.c.name, versions.c.name, versions.c.logical_bytes,
-               func.coalesce(per.c.needed, 0), func.coalesce(per.c.alone, 0), func.coalesce(per.c.delta, 0))
+        select(
+            families.c.name,
+            versions.c.name,
+            versions.c.logical_bytes,
+            func.coalesce(per.c.needed, 0),
+            func.coalesce(per.c.alone, 0),
+            func.coalesce(per.c.delta, 0),
+        )
         .join(families, families.c.id == versions.c.family_id)
         .outerjoin(per, per.c.version_id == versions.c.id)
         .order_by(families.c.name, versions.c.id)

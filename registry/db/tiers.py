@@ -30,9 +30,7 @@ def _retier(conn: Connection, family_id: int, chunk_ids: Sequence[str], members:
     changed = 0
     for batch in batches(list(chunk_ids)):
         changed += conn.execute(
-            update(fc)
-            .where(fc.c.family_id == family_id, fc.c.chunk_id.in_(batch), fc.c.tier != tier)
-            .values(tier=tier)
+            update(fc).where(fc.c.family_id == family_id, fc.c.chunk_id.in_(batch), fc.c.tier != tier).values(tier=tier)
         ).rowcount
     return changed
 
@@ -49,7 +47,9 @@ def add_member(conn: Connection, family_id: int, chunk_ids: Sequence[str], membe
     members = members_before + 1
     if chunk_ids:
         stmt = insert(conn, fc)
-        stmt = stmt.on_conflict_do_update(index_elements=[fc.c.family_id, fc.c.chunk_id], set_={"users": fc.c.users + 1})
+        stmt = stmt.on_conflict_do_update(
+            index_elements=[fc.c.family_id, fc.c.chunk_id], set_={"users": fc.c.users + 1}
+        )
         conn.execute(stmt, [dict(family_id=family_id, chunk_id=c, users=1, tier=UNIQUE) for c in chunk_ids])
     changed = _retier(conn, family_id, chunk_ids, members, quorum)
     # The threshold rose from t0 to t1: chunks the new member does not use, with users in [t0, t1),
@@ -64,7 +64,9 @@ def add_member(conn: Connection, family_id: int, chunk_ids: Sequence[str], membe
     return changed
 
 
-def remove_member(conn: Connection, family_id: int, chunk_ids: Sequence[str], members_before: int, quorum: float) -> tuple[int, list[str]]:
+def remove_member(
+    conn: Connection, family_id: int, chunk_ids: Sequence[str], members_before: int, quorum: float
+) -> tuple[int, list[str]]:
     """A member that used ``chunk_ids`` leaves; returns (rows that changed tier, ids no member uses now)."""
     bump_epoch(conn, family_id)  # also for the children it leaves: they now descend from its parent
     members = members_before - 1
@@ -85,8 +87,9 @@ def remove_member(conn: Connection, family_id: int, chunk_ids: Sequence[str], me
     return changed, dropped
 
 
-def change_uses(conn: Connection, family_id: int, uses: Mapping[str, int], members: int,
-                quorum: float) -> tuple[int, list[str]]:
+def change_uses(
+    conn: Connection, family_id: int, uses: Mapping[str, int], members: int, quorum: float
+) -> tuple[int, list[str]]:
     """Members now need other chunks, none joining or leaving: a mend re-chained chunks they use
     (db/chunks.rechain). ``uses`` gives per chunk how many more members use it (fewer where
     negative); returns (rows that changed tier, ids no member uses now). The member count, and so
@@ -96,13 +99,18 @@ def change_uses(conn: Connection, family_id: int, uses: Mapping[str, int], membe
     more = [dict(family_id=family_id, chunk_id=c, users=n, tier=UNIQUE) for c, n in sorted(uses.items()) if n > 0]
     if more:
         stmt = insert(conn, fc)
-        stmt = stmt.on_conflict_do_update(index_elements=[fc.c.family_id, fc.c.chunk_id],
-                                          set_={"users": fc.c.users + stmt.excluded.users})
+        stmt = stmt.on_conflict_do_update(
+            index_elements=[fc.c.family_id, fc.c.chunk_id], set_={"users": fc.c.users + stmt.excluded.users}
+        )
         conn.execute(stmt, more)
     fewer = sorted(c for c, n in uses.items() if n < 0)
     if fewer:
-        conn.execute(update(fc).where(fc.c.family_id == family_id, fc.c.chunk_id == bindparam("cid"))
-                     .values(users=fc.c.users - bindparam("n")), [dict(cid=c, n=-uses[c]) for c in fewer])
+        conn.execute(
+            update(fc)
+            .where(fc.c.family_id == family_id, fc.c.chunk_id == bindparam("cid"))
+            .values(users=fc.c.users - bindparam("n")),
+            [dict(cid=c, n=-uses[c]) for c in fewer],
+        )
     dropped = _drop_unused(conn, family_id, fewer)
     return _retier(conn, family_id, [c for c, n in uses.items() if n], members, quorum), dropped
 
@@ -139,13 +147,11 @@ def chunk_tiers(conn: Connection, family_id: int, tier: str | None = None) -> di
     return {c: (t, u) for c, t, u in conn.execute(q)}
 
 
-
-
 def family_chunk_ids(conn: Connection, family_id: int, ids: Sequence[str]) -> set[str]:
     """The subset of ``ids`` that the family uses (directly or as a delta basis)."""
     found: set[str] = set()
     for batch in batches(list(ids)):
-        found.update(conn.execute(
-            select(fc.c.chunk_id).where(fc.c.family_id == family_id, fc.c.chunk_id.in_(batch))
-        ).scalars())
+        found.update(
+            conn.execute(select(fc.c.chunk_id).where(fc.c.family_id == family_id, fc.c.chunk_id.in_(batch))).scalars()
+        )
     return found

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from sqlalchemy import Connection, select, update
 
@@ -20,12 +20,24 @@ class TokenRow:
     created_at: datetime
 
 
-_COLS = (tokens.c.id, tokens.c.prefix, tokens.c.role, tokens.c.family_pattern, tokens.c.description, tokens.c.created_at)
+_COLS = (
+    tokens.c.id,
+    tokens.c.prefix,
+    tokens.c.role,
+    tokens.c.family_pattern,
+    tokens.c.description,
+    tokens.c.created_at,
+)
 
 
-def insert_token(conn: Connection, token_hash: str, prefix: str, role: str, family_pattern: str, description: str) -> None:
-    conn.execute(tokens.insert().values(token_hash=token_hash, prefix=prefix, role=role,
-                                        family_pattern=family_pattern, description=description))
+def insert_token(
+    conn: Connection, token_hash: str, prefix: str, role: str, family_pattern: str, description: str
+) -> None:
+    conn.execute(
+        tokens.insert().values(
+            token_hash=token_hash, prefix=prefix, role=role, family_pattern=family_pattern, description=description
+        )
+    )
 
 
 def find_token(conn: Connection, token_hash: str) -> TokenRow | None:
@@ -34,10 +46,14 @@ def find_token(conn: Connection, token_hash: str) -> TokenRow | None:
 
 
 def list_tokens(conn: Connection) -> list[TokenRow]:
-    return [TokenRow(*r) for r in conn.execute(select(*_COLS).where(tokens.c.revoked_at.is_(None)).order_by(tokens.c.id))]
+    return [
+        TokenRow(*r) for r in conn.execute(select(*_COLS).where(tokens.c.revoked_at.is_(None)).order_by(tokens.c.id))
+    ]
 
 
 def revoke(conn: Connection, prefix: str) -> int:
     return conn.execute(
-        update(tokens).where(tokens.c.prefix == prefix, tokens.c.revoked_at.is_(None)).values(revoked_at=datetime.now(timezone.utc))
+        update(tokens)
+        .where(tokens.c.prefix == prefix, tokens.c.revoked_at.is_(None))
+        .values(revoked_at=datetime.now(UTC))
     ).rowcount

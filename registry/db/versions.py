@@ -11,7 +11,6 @@ from mfsreg.registry.db.models import families, family_chunks, version_chunks, v
 from mfsreg.registry.errors import NotFound
 from mfsreg.registry.results import FamilyRow, VersionRow
 
-
 _FAMILY = (families.c.id, families.c.name, families.c.base_quorum, families.c.member_count, families.c.chunk_size)
 
 
@@ -42,8 +41,15 @@ def _version_query():
     parent = versions.alias("parent")
     return (
         select(
-            versions.c.id, families.c.name, versions.c.name, parent.c.name, versions.c.digest,
-            versions.c.logical_bytes, versions.c.file_count, versions.c.single_file, versions.c.created_at,
+            versions.c.id,
+            families.c.name,
+            versions.c.name,
+            parent.c.name,
+            versions.c.digest,
+            versions.c.logical_bytes,
+            versions.c.file_count,
+            versions.c.single_file,
+            versions.c.created_at,
         )
         .join(families, families.c.id == versions.c.family_id)
         .outerjoin(parent, parent.c.id == versions.c.parent_id)
@@ -61,8 +67,9 @@ def find_version(conn: Connection, family: str, name: str) -> VersionRow | None:
 
 def find_version_and_epoch(conn: Connection, family: str, name: str) -> tuple[VersionRow, int] | None:
     """The version and its family's epoch (service.version_doc's tag), in one query; None if absent."""
-    r = conn.execute(_version_query().add_columns(families.c.epoch)
-                     .where(families.c.name == family, versions.c.name == name)).first()
+    r = conn.execute(
+        _version_query().add_columns(families.c.epoch).where(families.c.name == family, versions.c.name == name)
+    ).first()
     return (_row(r), r[-1]) if r else None
 
 
@@ -104,13 +111,27 @@ def read_manifest(conn: Connection, version_id: int) -> bytes:
 
 
 def insert_version(
-    conn: Connection, family_id: int, name: str, parent_id: int | None, digest: str,
-    logical_bytes: int, file_count: int, single_file: bool, manifest: bytes, chunk_ids: Sequence[str],
+    conn: Connection,
+    family_id: int,
+    name: str,
+    parent_id: int | None,
+    digest: str,
+    logical_bytes: int,
+    file_count: int,
+    single_file: bool,
+    manifest: bytes,
+    chunk_ids: Sequence[str],
 ) -> int:
     vid = conn.execute(
         versions.insert().values(
-            family_id=family_id, name=name, parent_id=parent_id, digest=digest, logical_bytes=logical_bytes,
-            file_count=file_count, single_file=int(single_file), manifest=manifest,
+            family_id=family_id,
+            name=name,
+            parent_id=parent_id,
+            digest=digest,
+            logical_bytes=logical_bytes,
+            file_count=file_count,
+            single_file=int(single_file),
+            manifest=manifest,
         )
     ).inserted_primary_key[0]
     for batch in batches(list(chunk_ids), 5000):
@@ -119,7 +140,9 @@ def insert_version(
 
 
 def version_chunk_ids(conn: Connection, version_id: int) -> list[str]:
-    return list(conn.execute(select(version_chunks.c.chunk_id).where(version_chunks.c.version_id == version_id)).scalars())
+    return list(
+        conn.execute(select(version_chunks.c.chunk_id).where(version_chunks.c.version_id == version_id)).scalars()
+    )
 
 
 def chunk_ids_by_version(conn: Connection, family: str | None = None) -> dict[int, list[str]]:
@@ -127,8 +150,11 @@ def chunk_ids_by_version(conn: Connection, family: str | None = None) -> dict[in
     version, in one query."""
     q = select(version_chunks.c.version_id, version_chunks.c.chunk_id)
     if family is not None:
-        q = (q.join(versions, versions.c.id == version_chunks.c.version_id)
-             .join(families, families.c.id == versions.c.family_id).where(families.c.name == family))
+        q = (
+            q.join(versions, versions.c.id == version_chunks.c.version_id)
+            .join(families, families.c.id == versions.c.family_id)
+            .where(families.c.name == family)
+        )
     out: dict[int, list[str]] = {}
     for vid, cid in conn.execute(q):
         out.setdefault(vid, []).append(cid)
@@ -144,7 +170,9 @@ def delete_version(conn: Connection, version_id: int) -> None:
 
 
 def count_versions(conn: Connection, family_id: int) -> int:
-    return conn.execute(select(func.count()).select_from(versions).where(versions.c.family_id == family_id)).scalar_one()
+    return conn.execute(
+        select(func.count()).select_from(versions).where(versions.c.family_id == family_id)
+    ).scalar_one()
 
 
 def most_shared_version(conn: Connection, family_id: int, ids: Sequence[str], member_count: int) -> int | None:
@@ -156,7 +184,10 @@ def most_shared_version(conn: Connection, family_id: int, ids: Sequence[str], me
     counts: dict[int, int] = {}
     for batch in batches(list(ids)):
         lacked = select(family_chunks.c.chunk_id).where(
-            family_chunks.c.family_id == family_id, family_chunks.c.chunk_id.in_(batch), family_chunks.c.users < member_count)
+            family_chunks.c.family_id == family_id,
+            family_chunks.c.chunk_id.in_(batch),
+            family_chunks.c.users < member_count,
+        )
         q = (
             select(version_chunks.c.version_id, func.count())
             .join(versions, versions.c.id == version_chunks.c.version_id)
