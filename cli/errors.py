@@ -83,13 +83,25 @@ def _terminated(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
+def _fail_if_signalled() -> None:
+    """Exit 128 + the signal, in one line, if SIGTERM or SIGHUP stopped the command."""
+    if _signalled:
+        fail(
+            f"stopped by {signal.Signals(_signalled[0]).name}; nothing partial was committed, re-run to continue",
+            128 + _signalled[0],
+        )
+
+
 def run_guarded(fn) -> None:
     """Run the Typer app, turning every error into one line and an exit code."""
+    import threading
+
     import typer
 
     usage_error = usage_error_type()
-    for signum in (signal.SIGTERM, signal.SIGHUP):  # `serve` hands them to uvicorn, which sets its own
-        signal.signal(signum, _terminated)
+    if threading.current_thread() is threading.main_thread():  # only there may handlers be set
+        for signum in (signal.SIGTERM, signal.SIGHUP):  # `serve` hands them to uvicorn, which sets its own
+            signal.signal(signum, _terminated)
     try:
         code = fn()
         if code == 130:  # Ctrl-C: Typer catches the KeyboardInterrupt itself and returns its exit code
@@ -105,16 +117,17 @@ def run_guarded(fn) -> None:
     except e.RegistryError as exc:
         fail(str(exc), exit_code(exc))
     except (KeyboardInterrupt, typer.Abort):  # Ctrl-C (or a signal above), seen by Python or by click first
-        if _signalled:
-            fail(f"stopped by {signal.Signals(_signalled[0]).name}; nothing partial was committed, re-run to continue",
-                 128 + _signalled[0])
+        _fail_if_signalled()
         fail("interrupted; nothing partial was committed, re-run to continue", 130)
     except (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError, NotADirectoryError) as exc:
         fail(f"{exc.filename or ''}: {exc.strerror}{_HINTS.get(type(exc), '')}", 2)
     except OSError as exc:
         if exc.errno == errno.EROFS:  # a path given on a read-only mount: the user's to move
-            fail(f"{exc.filename or ''}: {exc.strerror}: that filesystem is mounted read-only; give a path elsewhere, "
-                 "or remount it read-write", 2)
+            fail(
+                f"{exc.filename or ''}: {exc.strerror}: that filesystem is mounted read-only; give a path elsewhere, "
+                "or remount it read-write",
+                2,
+            )
         if os.environ.get("MFSREG_DEBUG"):
             raise
         fail(f"{exc.strerror or exc}: {exc.filename or ''}", 1)
@@ -124,6 +137,9 @@ def run_guarded(fn) -> None:
         given = exc.object.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
         fail(f"'{given}' is not UTF-8 text: give arguments and MFSREG_* settings in UTF-8", 2)
     except Exception as exc:  # a bug, not a user mistake: still one line unless debugging
+        # the signal's KeyboardInterrupt can come out as another error while the command unwinds
+        # (raised inside Condition.wait, it leaves a lock that a `with` then releases again)
+        _fail_if_signalled()
         if os.environ.get("MFSREG_DEBUG"):
             raise
         fail(f"internal error: {exc.__class__.__name__}: {exc} (re-run with MFSREG_DEBUG=1 for a traceback)", 1)
