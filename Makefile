@@ -5,8 +5,12 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 # The CPU build of torch lies on disk; asking for it by exact version keeps pip from fetching a CUDA build.
 TORCH   ?= torch==2.13.0
+# pytest-xdist workers: one per core
+WORKERS ?= auto
+# mypy reads the package through links that place the folders under mfsreg/, as the wheel does
+TYPECHECK := build/typecheck
 
-.PHONY: install demo test serve bench clean
+.PHONY: install demo test test-fast lint docs serve bench clean
 
 install: $(STAMP)
 
@@ -20,14 +24,31 @@ $(STAMP): pyproject.toml setup.py registry/_grouping.c registry/_busguard.c regi
 demo: install
 	$(BIN)/python examples/demo.py
 
+# every test, on SQLite and the Postgres server, moto's S3 server and uvicorn on loopback
 test: install
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(WORKERS)
+
+# the edit loop: no Postgres, no S3, no spawned processes
+test-fast: install
+	$(BIN)/python -m pytest -q -n $(WORKERS) -m "not services and not process"
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	rm -rf $(TYPECHECK) && mkdir -p $(TYPECHECK)/mfsreg
+	ln -s $(CURDIR)/mfsreg/__init__.py $(CURDIR)/mfsreg/__main__.py $(TYPECHECK)/mfsreg/
+	for d in registry api cli migrations; do ln -s $(CURDIR)/$$d $(TYPECHECK)/mfsreg/$$d; done
+	MYPYPATH=$(TYPECHECK) $(BIN)/mypy -p mfsreg
+
+docs: install
+	$(BIN)/mkdocs build --strict
 
 serve: install
 	$(BIN)/mfsreg serve --host 127.0.0.1 --port 8700
 
 bench: install
 	$(BIN)/python -m pip install -q -e ".[bench]"
+	$(BIN)/python -m benchmarks.cli_startup
 	$(BIN)/python -m benchmarks.bench_core
 	$(BIN)/python -m benchmarks.bench_delta
 	$(BIN)/python -m benchmarks.bench_api
@@ -38,4 +59,4 @@ bench: install
 	$(BIN)/python -m benchmarks.bench_trained
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info registry/*.so registry/client/*.so dist site
+	rm -rf $(VENV) .pytest_cache build *.egg-info registry/*.so registry/client/*.so site

@@ -29,8 +29,7 @@ MFSREG = str(Path(sys.executable).with_name("mfsreg"))
 
 def run(*args: str, capture: bool = False) -> str:
     print(f"\n$ mfsreg {' '.join(shlex.quote(str(a)) for a in args)}", flush=True)
-    proc = subprocess.run([MFSREG, *map(str, args)], check=True, text=True,
-                          capture_output=capture)
+    proc = subprocess.run([MFSREG, *map(str, args)], check=True, text=True, capture_output=capture)
     return proc.stdout if capture else ""
 
 
@@ -42,15 +41,22 @@ def main() -> None:
     os.environ.pop("MFSREG_URL", None)
     print(f"building a synthetic family (bf16, LLM-shaped) in {DEMO / 'family'} ...", flush=True)
     members = generate(DEMO / "family", scale=0.02)
-    parents = {"lora-chat": "base", "lastlayers-code": "base", "full-medical": "base", "vocab-ext": "base",
-               "lora-chat-v2": "lora-chat"}
+    parents = {
+        "lora-chat": "base",
+        "lastlayers-code": "base",
+        "full-medical": "base",
+        "vocab-ext": "base",
+        "lora-chat-v2": "lora-chat",
+    }
     for name, path in members.items():
         args = ["push", path, "--family", "demo-llm", "--version", name]
         if name in parents:
             args += ["--parent", parents[name]]
         res = json.loads(run(*args, "--json", capture=True))
-        print(f"  {name:16s} {res['logical_bytes'] / 1e6:8.1f} MB logical, {res['new_bytes'] / 1e6:8.1f} MB new, "
-              f"{res['reused_chunks']}/{res['chunks']} chunks reused")
+        print(
+            f"  {name:16s} {res['logical_bytes'] / 1e6:8.1f} MB logical, {res['new_bytes'] / 1e6:8.1f} MB new, "
+            f"{res['reused_chunks']}/{res['chunks']} chunks reused"
+        )
     run("ls", "demo-llm")
     run("stats", "--family", "demo-llm")
     out = DEMO / "pulled" / "vocab-ext.safetensors"
@@ -61,6 +67,7 @@ def main() -> None:
     if not same:
         raise SystemExit(1)
     if home != DEMO / "home":
+        point_here(home)
         return  # prune acts on a whole registry: only on the demo's own
     # deleting a version drops its references; prune gives back the space its own chunks took
     run("delete", "demo-llm", "lastlayers-code")
@@ -69,6 +76,14 @@ def main() -> None:
     if not filecmp.cmp(out, members["vocab-ext"], shallow=False):
         raise SystemExit("vocab-ext changed after the prune")
     print("\nafter the prune, vocab-ext still pulls byte-identical")
+    point_here(home)
+
+
+def point_here(home: Path) -> None:
+    """The line that points the user's own shell at the demo's registry."""
+    print(
+        f"\nthe demo's registry is in {home}; to look at it with the CLI:\n\n    export MFSREG_HOME={shlex.quote(str(home))}"
+    )
 
 
 if __name__ == "__main__":

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import psycopg
@@ -11,9 +13,10 @@ import pytest
 
 from mfsreg.registry.config import Settings
 from mfsreg.registry.registry import Registry
-
 from tests import synth
-from tests.s3server import s3_blob_url, s3_bucket, s3_server  # noqa: F401
+
+# fixtures of the S3 server and of API servers, for every test module
+pytest_plugins = ["tests.s3server", "tests.server"]
 
 PG_ADMIN = os.environ.get("MFSREG_TEST_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
 
@@ -23,9 +26,9 @@ def _pg_url(dbname: str) -> str:
     return f"{base}/{dbname}"
 
 
-@pytest.fixture
-def pg_database():
-    """A scratch database on the real Postgres server, dropped afterwards."""
+@contextmanager
+def scratch_pg_database() -> Iterator[str]:
+    """A new database on the real Postgres server (its SQLAlchemy URL), dropped afterwards."""
     name = f"mfsreg_test_{uuid.uuid4().hex[:12]}"
     with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
         conn.execute(f'CREATE DATABASE "{name}"')
@@ -34,6 +37,13 @@ def pg_database():
     finally:
         with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture
+def pg_database():
+    """A scratch database on the real Postgres server, dropped afterwards."""
+    with scratch_pg_database() as url:
+        yield url
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
@@ -72,3 +82,20 @@ def home_env(tmp_path) -> dict:
     env["MFSREG_HOME"] = str(tmp_path / "clihome")
     env["MFSREG_CHUNK_SIZE"] = str(64 << 10)
     return env
+
+
+# A test needs the Postgres server or the S3 server when one of these fixtures is in its closure, or
+# when it is the postgres case of db_url (which asks for pg_database only as it runs): marked
+# `services`, so that `make test-fast` can leave it out.
+SERVICE_FIXTURES = {"pg_database", "s3_server", "s3_bucket", "s3_blob_url", "server_env", "family_server"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if (
+            SERVICE_FIXTURES & set(getattr(item, "fixturenames", ()))
+            or "postgres" in params.values()
+            or params.get("store") == "s3"
+        ):
+            item.add_marker(pytest.mark.services)

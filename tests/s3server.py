@@ -13,6 +13,8 @@ import functools
 import logging
 import os
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import boto3
 import pytest
@@ -70,11 +72,18 @@ def _client(endpoint_url: str):
 
 @pytest.fixture
 def s3_bucket(s3_server):
+    with scratch_bucket(s3_server) as bucket:
+        yield s3_server, bucket
+
+
+@contextmanager
+def scratch_bucket(endpoint_url: str) -> Iterator[str]:
+    """A new bucket on the server at ``endpoint_url``, emptied and removed afterwards."""
     bucket = f"mfsreg-test-{uuid.uuid4().hex[:16]}"
-    s3 = _client(s3_server)
+    s3 = _client(endpoint_url)
     s3.create_bucket(Bucket=bucket)
     try:
-        yield s3_server, bucket
+        yield bucket
     finally:
         # the server keeps objects in memory for the whole session: free them with the bucket
         for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket):

@@ -41,8 +41,10 @@ def lora(base: dict, targets=("q_proj", "v_proj"), seed: int = 1, rank: int = 4)
 def retrain_last(base: dict, seed: int = 2) -> dict:
     g = torch.Generator().manual_seed(seed)
     last = f"model.layers.{LAYERS - 1}."
-    return {k: ((v.float() + torch.randn(v.shape, generator=g) * 0.01).to(v.dtype) if k.startswith(last) else v)
-            for k, v in base.items()}
+    return {
+        k: ((v.float() + torch.randn(v.shape, generator=g) * 0.01).to(v.dtype) if k.startswith(last) else v)
+        for k, v in base.items()
+    }
 
 
 def dense_update(base: dict, seed: int = 3) -> dict:
@@ -89,7 +91,9 @@ def sharded_dir(dirpath: Path, tensors: dict, shards: int = 2, side_files: bool 
         save_file({n: tensors[n] for n in part}, str(dirpath / fname))
         weight_map.update({n: fname for n in part})
     total = sum(t.numel() * t.element_size() for t in tensors.values())
-    (dirpath / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+    (dirpath / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map})
+    )
     if side_files:
         (dirpath / "config.json").write_text(json.dumps({"hidden_size": HIDDEN, "vocab_size": VOCAB}))
         (dirpath / "tokenizer.json").write_text(json.dumps({"vocab": {f"t{i}": i for i in range(2000)}}))
@@ -115,7 +119,7 @@ def last_file_victim(old, new) -> tuple[str, str]:
     old_files = {f.path: f.sha256 for f in old.files}
     for k in range(len(new.files) - 1, 0, -1):
         before, last = new.files[:k], new.files[k]
-        elsewhere = {c.id for f in (*old.files, *before, *new.files[k + 1:]) for c in f.chunks}
+        elsewhere = {c.id for f in (*old.files, *before, *new.files[k + 1 :]) for c in f.chunks}
         own = [c.id for c in last.chunks if c.id not in elsewhere]
         if own and any(old_files.get(f.path) != f.sha256 for f in before):
             return last.path, own[0]

@@ -17,7 +17,7 @@ import torch
 
 from tests import synth
 from tests.cli_run import MFSREG, mfsreg, mfsreg_json
-from tests.server import servers, server_env, token  # noqa: F401  (fixtures)
+from tests.server import token
 
 
 def big_member(path: Path, seed: int, shared: dict | None = None, tensors: int = 12) -> Path:
@@ -29,13 +29,18 @@ def big_member(path: Path, seed: int, shared: dict | None = None, tensors: int =
     return synth.write(path, t)
 
 
+@pytest.mark.process
 def test_killed_push_leaves_nothing_visible_and_rerun_sends_only_the_rest(home_env, tmp_path):
     src = big_member(tmp_path / "big.safetensors", seed=7, tensors=40)  # 160 MiB: long enough to kill midway
     env = dict(home_env, MFSREG_PACK_SIZE=str(1 << 20), MFSREG_CHUNK_SIZE=str(256 << 10))
     mfsreg("db", "upgrade", env=env)
     packs = Path(env["MFSREG_HOME"]) / "blobs" / "packs"
-    proc = subprocess.Popen([MFSREG, "push", str(src), "--family", "fam", "--version", "big"], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [MFSREG, "push", str(src), "--family", "fam", "--version", "big"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and proc.poll() is None:
         if packs.exists() and sum(1 for _ in packs.rglob("*.pack")) >= 3:
@@ -59,6 +64,7 @@ def test_killed_push_leaves_nothing_visible_and_rerun_sends_only_the_rest(home_e
     assert filecmp.cmp(tmp_path / "out.safetensors", src, shallow=False)
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("backend", ["sqlite", "postgres"])
 def test_concurrent_pushes_of_members_sharing_chunks(backend, home_env, tmp_path, request):
     env = dict(home_env, MFSREG_PACK_SIZE=str(1 << 20))
@@ -70,12 +76,17 @@ def test_concurrent_pushes_of_members_sharing_chunks(backend, home_env, tmp_path
     a = big_member(tmp_path / "a.safetensors", seed=1, shared=shared)
     b = big_member(tmp_path / "b.safetensors", seed=2, shared=shared)
     procs = [
-        subprocess.Popen([MFSREG, "push", str(p), "--family", "fam", "--version", v, "--json"], env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [MFSREG, "push", str(p), "--family", "fam", "--version", v, "--json"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for p, v in ((a, "a"), (b, "b"))
     ]
     outs = [p.communicate(timeout=300) for p in procs]
-    for p, (out, err) in zip(procs, outs):
+    for p, (_, err) in zip(procs, outs):
         assert p.returncode == 0, err
     results = [json.loads(out) for out, _ in outs]
     assert {r["version"] for r in results} == {"a", "b"}
@@ -105,6 +116,7 @@ def test_sync_dir_skips_only_filesystems_that_cannot_sync_a_directory(tmp_path, 
         sync_dir(tmp_path / "gone")
     real = os.fsync
     for err, raised in ((errno.EINVAL, False), (errno.EIO, True)):
+
         def failing(fd, err=err):
             raise OSError(err, os.strerror(err))
 
@@ -138,7 +150,6 @@ def test_a_blob_put_makes_the_names_of_new_directories_durable(tmp_path, monkeyp
     """A pack written into directories made for it: the pack's name is synced in its directory, and
     each new directory's name in its parent (a crash could otherwise lose the directory, and the
     pack in it, after the commit that needs it)."""
-    import os
 
     from mfsreg.registry.blobs.local import LocalBlobStore
 
@@ -190,7 +201,9 @@ def test_a_rename_that_fails_partway_is_one_line_and_leaves_no_temp_file(reg, tm
 
     with synced_inodes(monkeypatch) as synced:
         monkeypatch.setattr(os, "replace", failing_second)
-        with pytest.raises(StorageError, match=rf"1 of the pull's {len(list(v2.iterdir()))} files were renamed into place"):
+        with pytest.raises(
+            StorageError, match=rf"1 of the pull's {len(list(v2.iterdir()))} files were renamed into place"
+        ):
             reg.pull("fam", "v2", out)
         monkeypatch.setattr(os, "replace", real_replace)
     assert out.stat().st_ino in synced
@@ -268,7 +281,6 @@ def test_a_file_rewritten_while_it_is_pushed_to_a_server_is_refused_by_the_clien
         _refused_then_intact(remote, fam, tmp_path)
 
 
-
 # A push, in a process of its own, whose file is cut to a tenth as the hash reaches its first chunk:
 # a trainer reopening its checkpoint with O_TRUNC. Every later read of the map past the new end
 # raises SIGBUS, which (unguarded) ends the process with no message.
@@ -304,15 +316,22 @@ def _cut_short_then_intact(env: dict, fam, tmp_path) -> None:
     src = tmp_path / "member.safetensors"
     intact = fam["full-med"].read_bytes()
     src.write_bytes(intact)
-    proc = subprocess.run([sys.executable, "-c", _CUT_SHORT_PUSH, str(src)], env=env, capture_output=True,
-                          text=True, timeout=300, cwd=Path(__file__).resolve().parents[1])
+    proc = subprocess.run(
+        [sys.executable, "-c", _CUT_SHORT_PUSH, str(src)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=Path(__file__).resolve().parents[1],
+    )
     assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)  # -7 (SIGBUS) unguarded
     msg = proc.stdout.strip()
     assert "\n" not in msg and str(src) in msg and "changed while it was being pushed" in msg, msg
     assert "cut short" in msg, msg
     listed = mfsreg("ls", "fam", "--json", env=env, check=False)  # nothing committed: no family, or no v1
-    assert ((listed.returncode == 2 and "does not exist" in listed.stderr)
-            or (listed.returncode == 0 and "v1" not in listed.stdout)), listed
+    assert (listed.returncode == 2 and "does not exist" in listed.stderr) or (
+        listed.returncode == 0 and "v1" not in listed.stdout
+    ), listed
     src.write_bytes(intact)
     mfsreg("push", str(src), "--family", "fam", "--version", "v1", env=env)
     out = tmp_path / "out.safetensors"
@@ -353,14 +372,20 @@ m[40000]                       # a real fault: must end the process
 """
 
 
+@pytest.mark.process
 def test_a_fault_the_guard_does_not_know_still_ends_the_process(tmp_path):
     """A SIGBUS outside every guarded map is handed back and ends the process as without the
     guard, also where faulthandler was enabled between two pushes (the two handlers passed it back
     and forth for good, printing a traceback each time)."""
     import sys
 
-    proc = subprocess.run([sys.executable, "-c", _REAL_FAULT_AFTER_FAULTHANDLER, str(tmp_path)], capture_output=True,
-                          text=True, timeout=20, cwd=Path(__file__).resolve().parents[1])
+    proc = subprocess.run(
+        [sys.executable, "-c", _REAL_FAULT_AFTER_FAULTHANDLER, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=20,
+        cwd=Path(__file__).resolve().parents[1],
+    )
     assert proc.returncode == -signal.SIGBUS, (proc.returncode, proc.stderr[-500:])
     assert proc.stderr.count("Fatal Python error: Bus error") == 1, proc.stderr[-500:]
 

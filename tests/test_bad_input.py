@@ -42,7 +42,8 @@ def snapshot(home: Path) -> tuple:
         con.close()
     blobs = tuple(
         (p.relative_to(home).as_posix(), hashlib.sha256(p.read_bytes()).hexdigest())
-        for p in sorted((home / "blobs").rglob("*")) if p.is_file()
+        for p in sorted((home / "blobs").rglob("*"))
+        if p.is_file()
     )
     return rows, blobs
 
@@ -144,8 +145,10 @@ def test_malformed_file_is_refused_and_nothing_changes(case, seeded, tmp_path):
     assert "bad" not in mfsreg("ls", "fam", "--json", env=seeded).stdout
 
 
-@pytest.mark.parametrize("family,version", [("../../x", "v1"), ("fam", "../../x"), (".hidden", "v1"), ("fam", "a/b"),
-                                            ("--json", "v1"), ("fam", "-v")])
+@pytest.mark.parametrize(
+    "family,version",
+    [("../../x", "v1"), ("fam", "../../x"), (".hidden", "v1"), ("fam", "a/b"), ("--json", "v1"), ("fam", "-v")],
+)
 def test_bad_names_are_refused(family, version, seeded, fam):
     home = Path(seeded["MFSREG_HOME"])
     before = snapshot(home)
@@ -163,8 +166,12 @@ def test_not_a_model_and_missing_path(seeded, tmp_path):
     loop.symlink_to(loop.name)
     broken = tmp_path / "broken.safetensors"
     broken.symlink_to("gone.safetensors")
-    for path, words in ((txt, "not a .safetensors file"), (tmp_path / "missing.safetensors", "no such file"),
-                        (loop, "leads back to itself"), (broken, "'gone.safetensors', which does not exist")):
+    for path, words in (
+        (txt, "not a .safetensors file"),
+        (tmp_path / "missing.safetensors", "no such file"),
+        (loop, "leads back to itself"),
+        (broken, "'gone.safetensors', which does not exist"),
+    ):
         proc = mfsreg("push", path, "--family", "fam", "--version", "x", env=seeded, check=False)
         assert proc.returncode == 2 and words in proc.stderr and "Traceback" not in proc.stderr
         assert len(proc.stderr.strip().splitlines()) == 1
@@ -230,7 +237,11 @@ class _Impostor(http.server.BaseHTTPRequestHandler):
         pass
 
 
-HTML_404 = (404, "text/html", b"<!DOCTYPE HTML>\n<html><body>\n<h1>Error response</h1>\n<p>Error code: 404</p>\n</body></html>\n")
+HTML_404 = (
+    404,
+    "text/html",
+    b"<!DOCTYPE HTML>\n<html><body>\n<h1>Error response</h1>\n<p>Error code: 404</p>\n</body></html>\n",
+)
 ANSWERS = {
     "an HTML 404": (HTML_404, "not JSON"),
     "an HTML 502": ((502, "text/html", HTML_404[2]), "not JSON"),
@@ -253,11 +264,23 @@ def test_a_server_that_is_not_mfsreg_gets_one_line_for_every_command(answer, fam
     impostor.answer = (status, ctype, body)
     threading.Thread(target=impostor.serve_forever, daemon=True).start()
     env = {k: v for k, v in os.environ.items() if not k.startswith("MFSREG_")}
-    env.update(MFSREG_URL=f"http://127.0.0.1:{impostor.server_address[1]}", MFSREG_TOKEN="t",
-               MFSREG_HOME=str(tmp_path / "home"), MFSREG_CACHE_DIR=str(tmp_path / "cache"))
-    commands = [["ls"], ["ls", "fam"], ["show", "fam", "v1"], ["stats"], ["delete", "fam", "v1"],
-                ["prune", "--min-age", "0"], ["push", fam["base"], "--family", "fam", "--version", "v1"],
-                ["pull", "fam", "v1", "-o", tmp_path / "out.safetensors"], ["cache", "warm", "fam"]]
+    env.update(
+        MFSREG_URL=f"http://127.0.0.1:{impostor.server_address[1]}",
+        MFSREG_TOKEN="t",
+        MFSREG_HOME=str(tmp_path / "home"),
+        MFSREG_CACHE_DIR=str(tmp_path / "cache"),
+    )
+    commands = [
+        ["ls"],
+        ["ls", "fam"],
+        ["show", "fam", "v1"],
+        ["stats"],
+        ["delete", "fam", "v1"],
+        ["prune", "--min-age", "0"],
+        ["push", fam["base"], "--family", "fam", "--version", "v1"],
+        ["pull", "fam", "v1", "-o", tmp_path / "out.safetensors"],
+        ["cache", "warm", "fam"],
+    ]
     try:
         for args in commands:
             if body == b"[]" and args[0] == "ls":  # a registry without families, or a family without versions
@@ -297,15 +320,18 @@ def _pg(query: str = "") -> str:
     return _pg_url("test") + query
 
 
-@pytest.mark.parametrize("url,code,says", [
-    ("sqlite:///{tmp}/not-a-db", 5, "file is not a database"),
-    ("sqlite:///{tmp}", 5, "unable to open database file"),  # a directory
-    ("postgresql+psycopg://u@127.0.0.1:notaport/db", 2, "is not a database URL"),
-    ("postgresql+psycopg2://u@127.0.0.1/db", 2, "names driver 'postgresql+psycopg2', which mfsreg does not use"),
-    ("mysql://a@b/c", 2, "names driver 'mysql'"),
-    ("{pg}?connect_timeout=abc", 5, "bad value for connect_timeout"),
-    ("{pg}?bogus_option=1", 5, 'invalid connection option "bogus_option"'),
-])
+@pytest.mark.parametrize(
+    "url,code,says",
+    [
+        ("sqlite:///{tmp}/not-a-db", 5, "file is not a database"),
+        ("sqlite:///{tmp}", 5, "unable to open database file"),  # a directory
+        ("postgresql+psycopg://u@127.0.0.1:notaport/db", 2, "is not a database URL"),
+        ("postgresql+psycopg2://u@127.0.0.1/db", 2, "names driver 'postgresql+psycopg2', which mfsreg does not use"),
+        ("mysql://a@b/c", 2, "names driver 'mysql'"),
+        ("{pg}?connect_timeout=abc", 5, "bad value for connect_timeout"),
+        ("{pg}?bogus_option=1", 5, 'invalid connection option "bogus_option"'),
+    ],
+)
 def test_a_database_url_that_cannot_work_is_one_line(url, code, says, tmp_path):
     """A file that is not a database, a port that is not a number, a driver mfsreg does not use, an
     option the driver refuses: one line naming it (each was 'internal error: ...', some on two lines)."""
@@ -315,7 +341,9 @@ def test_a_database_url_that_cannot_work_is_one_line(url, code, says, tmp_path):
     env.update(MFSREG_HOME=str(tmp_path / "home"), MFSREG_DATABASE_URL=url.format(tmp=tmp_path, pg=_pg()))
     proc = mfsreg("ls", env=env, check=False)
     assert proc.returncode == code and proc.stderr.count("\n") == 1, proc.stderr
-    assert says in proc.stderr and "internal error" not in proc.stderr and "MFSREG_DATABASE_URL" in proc.stderr, proc.stderr
+    assert says in proc.stderr and "internal error" not in proc.stderr and "MFSREG_DATABASE_URL" in proc.stderr, (
+        proc.stderr
+    )
     if url.startswith("sqlite"):
         assert "server" not in proc.stderr, proc.stderr  # a file has no server to run
     assert (tmp_path / "not-a-db").read_bytes() == before
@@ -349,7 +377,9 @@ def test_a_home_with_a_space_keeps_its_packs_inside_it(fam, tmp_path):
     assert any((home / "blobs").rglob("*.pack")) and not (tmp_path / "my%20home").exists()
     # a given URL's escapes are read too
     given = dict(env, MFSREG_BLOB_URL=(tmp_path / "other packs").as_uri())
-    mfsreg("push", fam["base"], "--family", "fam2", "--version", "v1", env=dict(given, MFSREG_HOME=str(tmp_path / "h2")))
+    mfsreg(
+        "push", fam["base"], "--family", "fam2", "--version", "v1", env=dict(given, MFSREG_HOME=str(tmp_path / "h2"))
+    )
     assert any((tmp_path / "other packs").rglob("*.pack"))
     out = tmp_path / "out.safetensors"
     mfsreg("pull", "fam", "v1", "-o", str(out), env=env)
@@ -367,13 +397,18 @@ def test_a_store_left_at_its_escaped_path_is_named_with_the_move_that_fixes_it(f
     left = tmp_path / "my%20home" / "blobs"
     left.parent.mkdir()
     (home / "blobs").rename(left)  # where the earlier release put them
+
     def state():
         return snapshot(home)[0], sorted((p.name, p.read_bytes()) for p in left.rglob("*") if p.is_file())
+
     before = state()
     assert before[1]
     assert [v["version"] for v in mfsreg_json("ls", "fam", env=env)["versions"]] == ["v1"]
-    for args in (["check"], ["pull", "fam", "v1", "-o", str(tmp_path / "out")],
-                 ["push", fam["lora-chat"], "--family", "fam", "--version", "chat"]):
+    for args in (
+        ["check"],
+        ["pull", "fam", "v1", "-o", str(tmp_path / "out")],
+        ["push", fam["lora-chat"], "--family", "fam", "--version", "chat"],
+    ):
         proc = mfsreg(*args, env=env, check=False)
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
         assert f"packs are in {left}" in proc.stderr and "mv " in proc.stderr, proc.stderr
@@ -390,8 +425,13 @@ def _pull_under_a_file_size_limit(env: dict, out: Path, kib: int = 64):
 
     from tests.cli_run import MFSREG
 
-    return subprocess.run(["bash", "-c", f'ulimit -f {kib}; exec "$0" pull fam base -o "$1"', MFSREG, str(out)],
-                          env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        ["bash", "-c", f'ulimit -f {kib}; exec "$0" pull fam base -o "$1"', MFSREG, str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_a_pull_that_cannot_write_its_file_names_it_in_one_line(seeded, tmp_path):
@@ -404,6 +444,7 @@ def test_a_pull_that_cannot_write_its_file_names_it_in_one_line(seeded, tmp_path
     assert not (tmp_path / "out").exists()  # no temp file, nor the folder the pull made for it
 
 
+@pytest.mark.process
 def test_a_push_whose_pack_cannot_be_written_leaves_nothing_waiting_for_prune(seeded, tmp_path):
     """A pack blob the store could not write (here a file size limit, as a full disk would): the
     push fails in one line, and its announcement of the pack goes too; stats counted it as unlisted
@@ -418,15 +459,20 @@ def test_a_push_whose_pack_cannot_be_written_leaves_nothing_waiting_for_prune(se
     synth.write(model, {"w": torch.randn(512, 1024, generator=torch.Generator().manual_seed(7))})  # 2 MiB, new
     home = Path(seeded["MFSREG_HOME"])
     before = snapshot(home)
-    proc = subprocess.run(["bash", "-c", 'ulimit -f 1024; exec "$0" push "$1" --family fam --version big', MFSREG,
-                           str(model)], env={**seeded, "MFSREG_PACK_SIZE": "8MiB"}, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        ["bash", "-c", 'ulimit -f 1024; exec "$0" push "$1" --family fam --version big', MFSREG, str(model)],
+        env={**seeded, "MFSREG_PACK_SIZE": "8MiB"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 5 and proc.stderr.count("\n") == 1, proc.stderr
     assert "File too large" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     assert snapshot(home) == before
     assert mfsreg_json("stats", env=seeded)["unlisted_pack_bytes"] == 0
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
 def test_a_pull_stopped_by_a_signal_leaves_no_temp_file(home_env, tmp_path, signum):
     """`timeout`, `kill` or a closed terminal killed a pull on the spot, leaving its temp file (as
@@ -445,8 +491,12 @@ def test_a_pull_stopped_by_a_signal_leaves_no_temp_file(home_env, tmp_path, sign
     out = tmp_path / "out"
     out.mkdir()
     for _ in range(5):  # until the signal lands while the file is being written
-        proc = subprocess.Popen([MFSREG, "pull", "fam", "big", "-o", str(out / "big.safetensors")], env=home_env,
-                                stderr=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            [MFSREG, "pull", "fam", "big", "-o", str(out / "big.safetensors")],
+            env=home_env,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         while proc.poll() is None and not any(p.name.endswith(".tmp") for p in out.iterdir()):
             time.sleep(0.001)
         proc.send_signal(signum)
@@ -459,15 +509,26 @@ def test_a_pull_stopped_by_a_signal_leaves_no_temp_file(home_env, tmp_path, sign
     assert list(out.iterdir()) == []
 
 
-@pytest.mark.parametrize("args,extra_env,says", [
-    ([b"token", b"create", b"--scope", b"push", b"--family", b"fam", b"--description", b"a\xffb"], {},
-     "'a\\xffb' is not UTF-8 text"),
-    ([b"token", b"revoke", b"\xff"], {}, "'\\xff' is not UTF-8 text"),
-    ([b"serve", b"--host", b"\xff", b"--port", b"1"], {}, "cannot listen on"),
-    ([b"ls"], {b"MFSREG_URL": b"http://127.0.0.1:9/\xff"}, "is not UTF-8 text"),
-    ([b"push", b"no\nsuch\x1b[31m", b"--family", b"fam", b"--version", b"x"], {}, "no\\nsuch\\x1b[31m: no such file"),
-    ([b"ls"], {b"MFSREG_HOME": b"/dev/null/a\nb"}, "/dev/null/a\\nb: Not a directory"),
-])
+@pytest.mark.process
+@pytest.mark.parametrize(
+    "args,extra_env,says",
+    [
+        (
+            [b"token", b"create", b"--scope", b"push", b"--family", b"fam", b"--description", b"a\xffb"],
+            {},
+            "'a\\xffb' is not UTF-8 text",
+        ),
+        ([b"token", b"revoke", b"\xff"], {}, "'\\xff' is not UTF-8 text"),
+        ([b"serve", b"--host", b"\xff", b"--port", b"1"], {}, "cannot listen on"),
+        ([b"ls"], {b"MFSREG_URL": b"http://127.0.0.1:9/\xff"}, "is not UTF-8 text"),
+        (
+            [b"push", b"no\nsuch\x1b[31m", b"--family", b"fam", b"--version", b"x"],
+            {},
+            "no\\nsuch\\x1b[31m: no such file",
+        ),
+        ([b"ls"], {b"MFSREG_HOME": b"/dev/null/a\nb"}, "/dev/null/a\\nb: Not a directory"),
+    ],
+)
 def test_values_that_are_not_utf8_or_hold_control_characters_get_one_line(seeded, args, extra_env, says):
     """Bytes that are not UTF-8 in an argument or setting ended in 'internal error: UnicodeEncodeError',
     exit 1; a path with a newline or an escape sequence printed two lines, or recoloured the
@@ -523,11 +584,13 @@ def test_a_pull_onto_the_registrys_own_files_is_refused(seeded, tmp_path):
     pack = next(p for p in (home / "blobs").rglob("*") if p.is_file())
     (tmp_path / "link.db").symlink_to(home / "registry.db")
     before = snapshot(home)
-    for args, says in ((["-o", home / "registry.db"], "that is the registry's database"),
-                       (["-o", home / "registry.db-wal"], "that is the registry's database"),
-                       (["-o", pack], "that lies in the registry's blob store"),
-                       (["--to-dir", home / "blobs" / "engine"], "that lies in the registry's blob store"),
-                       (["-o", tmp_path / "link.db"], f"that is the registry's database ({home / 'registry.db'})")):
+    for args, says in (
+        (["-o", home / "registry.db"], "that is the registry's database"),
+        (["-o", home / "registry.db-wal"], "that is the registry's database"),
+        (["-o", pack], "that lies in the registry's blob store"),
+        (["--to-dir", home / "blobs" / "engine"], "that lies in the registry's blob store"),
+        (["-o", tmp_path / "link.db"], f"that is the registry's database ({home / 'registry.db'})"),
+    ):
         proc = mfsreg("pull", "fam", "base", *args, env=seeded, check=False)
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
         assert says in proc.stderr and "pull elsewhere" in proc.stderr, proc.stderr
@@ -537,6 +600,7 @@ def test_a_pull_onto_the_registrys_own_files_is_refused(seeded, tmp_path):
     assert mfsreg_json("ls", "fam", env=seeded)["versions"]
 
 
+@pytest.mark.process
 def test_a_blob_store_this_user_may_not_write_says_so_and_keeps_the_registry(seeded, tmp_path):
     """It said "cannot write blob packs/84/<id>.pack: Permission denied": a path inside the store,
     and nothing to do. Root is given up for the push (setpriv), as the file modes stop no one else."""
@@ -577,6 +641,7 @@ def test_a_pull_into_a_folder_it_may_not_write_names_the_folder_not_a_temp_file(
     assert ".tmp" not in proc.stderr
 
 
+@pytest.mark.process
 def test_a_relative_home_is_refused_and_a_client_ignores_server_settings(tmp_path):
     """A relative MFSREG_HOME (or ' ') made a registry in each directory a command ran from. A
     remote client refused every command on a bad server-only setting (MFSREG_MAX_BODY=bogus) in
@@ -587,17 +652,25 @@ def test_a_relative_home_is_refused_and_a_client_ignores_server_settings(tmp_pat
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("MFSREG_")}
     for rel in ("relhome", " "):
-        proc = subprocess.run([MFSREG, "ls"], env=dict(env, MFSREG_HOME=rel), cwd=tmp_path, capture_output=True,
-                              text=True, timeout=60)
+        proc = subprocess.run(
+            [MFSREG, "ls"], env=dict(env, MFSREG_HOME=rel), cwd=tmp_path, capture_output=True, text=True, timeout=60
+        )
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
         assert f"MFSREG_HOME={rel!r} is not an absolute path" in proc.stderr, proc.stderr
     assert list(tmp_path.iterdir()) == []
-    remote = dict(env, MFSREG_URL="http://127.0.0.1:9", MFSREG_MAX_BODY="bogus", MFSREG_PACK_SIZE="bogus",
-                  MFSREG_DELTA="maybe", MFSREG_HOME="relhome")
+    remote = dict(
+        env,
+        MFSREG_URL="http://127.0.0.1:9",
+        MFSREG_MAX_BODY="bogus",
+        MFSREG_PACK_SIZE="bogus",
+        MFSREG_DELTA="maybe",
+        MFSREG_HOME="relhome",
+    )
     proc = subprocess.run([MFSREG, "ls"], env=remote, cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 5 and "cannot reach" in proc.stderr.lower(), proc.stderr  # on to the server
-    proc = subprocess.run([MFSREG, "ls"], env=dict(remote, MFSREG_CHUNK_SIZE="bogus"), capture_output=True, text=True,
-                          timeout=60)
+    proc = subprocess.run(
+        [MFSREG, "ls"], env=dict(remote, MFSREG_CHUNK_SIZE="bogus"), capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 2 and "MFSREG_CHUNK_SIZE" in proc.stderr, proc.stderr  # the client's own: checked
 
 
@@ -608,11 +681,15 @@ def test_a_home_or_cache_that_is_a_file_says_what_to_do(tmp_path):
     (tmp_path / "cache").mkdir()
     (tmp_path / "cache" / "chunks").write_text("not a directory")
     env = {k: v for k, v in os.environ.items() if not k.startswith("MFSREG_")}
-    for extra, args, path in (({"MFSREG_HOME": str(tmp_path / "home")}, ["ls"], tmp_path / "home"),
-                              ({"MFSREG_CACHE_DIR": str(tmp_path / "cache")}, ["cache", "stats"], tmp_path / "cache" / "chunks")):
+    for extra, args, path in (
+        ({"MFSREG_HOME": str(tmp_path / "home")}, ["ls"], tmp_path / "home"),
+        ({"MFSREG_CACHE_DIR": str(tmp_path / "cache")}, ["cache", "stats"], tmp_path / "cache" / "chunks"),
+    ):
         proc = mfsreg(*args, env={**env, **extra}, check=False)
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
-        assert str(path) in proc.stderr and "a file is where a directory is needed; move it away" in proc.stderr, proc.stderr
+        assert str(path) in proc.stderr and "a file is where a directory is needed; move it away" in proc.stderr, (
+            proc.stderr
+        )
 
 
 def _model_with(tmp_path, odd: str) -> Path:
@@ -631,8 +708,10 @@ def _model_with(tmp_path, odd: str) -> Path:
     return d
 
 
-@pytest.mark.parametrize("odd,says", [("broken-link", "which does not exist"), ("link-to-folder", "a link to a folder"),
-                                      ("pipe", "not a regular file")])
+@pytest.mark.parametrize(
+    "odd,says",
+    [("broken-link", "which does not exist"), ("link-to-folder", "a link to a folder"), ("pipe", "not a regular file")],
+)
 def test_a_model_directory_entry_that_is_no_file_is_refused_not_left_out(odd, says, seeded, tmp_path):
     """A broken link, a link to a folder or a pipe in a model directory: refused, naming it. The
     push passed over them and stored a version without them, exit 0. A link to a file (as in a
@@ -652,6 +731,7 @@ def test_a_model_directory_entry_that_is_no_file_is_refused_not_left_out(odd, sa
     assert files == ["model.safetensors"]
 
 
+@pytest.mark.process
 def test_a_model_folder_the_push_may_not_list_is_refused_not_left_out(seeded, tmp_path):
     """A subfolder without read access: refused, naming it (it was left out of the version).
     As root, permissions do not stop reads: the push runs without the capabilities that let root
@@ -669,8 +749,14 @@ def test_a_model_folder_the_push_may_not_list_is_refused_not_left_out(seeded, tm
             import subprocess
 
             from tests.cli_run import MFSREG
-            proc = subprocess.run(["setpriv", f"--bounding-set={caps}", f"--inh-caps={caps}", "--", MFSREG, *map(str, args)],
-                                  env=seeded, capture_output=True, text=True, timeout=120)
+
+            proc = subprocess.run(
+                ["setpriv", f"--bounding-set={caps}", f"--inh-caps={caps}", "--", MFSREG, *map(str, args)],
+                env=seeded,
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
         else:
             proc = mfsreg(*args, env=seeded, check=False)
     finally:
@@ -691,8 +777,15 @@ def test_a_pull_onto_a_pipe_refuses_instead_of_replacing_it(seeded, tmp_path):
     assert pipe.is_fifo()
 
 
-@pytest.mark.parametrize("args", [["pull", "fam", "base", "-o", ""], ["pull", "fam", "base", "--to-dir", " "],
-                                  ["push", "", "--family", "fam", "--version", "cwd"]])
+@pytest.mark.process
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["pull", "fam", "base", "-o", ""],
+        ["pull", "fam", "base", "--to-dir", " "],
+        ["push", "", "--family", "fam", "--version", "cwd"],
+    ],
+)
 def test_an_empty_path_is_refused_not_taken_for_the_current_directory(args, seeded, tmp_path):
     """An empty path (an unset variable in a script) was the current directory: a pull wrote the
     version there, over a file of the same name; a push stored whatever the directory held."""
@@ -705,6 +798,7 @@ def test_an_empty_path_is_refused_not_taken_for_the_current_directory(args, seed
     import subprocess
 
     from tests.cli_run import MFSREG
+
     proc = subprocess.run([MFSREG, *args], env=seeded, cwd=cwd, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert "is empty: give a path" in proc.stderr, proc.stderr
@@ -712,18 +806,23 @@ def test_an_empty_path_is_refused_not_taken_for_the_current_directory(args, seed
     assert (cwd / "base.safetensors").read_bytes() == b"mine" and snapshot(home) == before
 
 
-@pytest.mark.parametrize("url,says", [
-    ("http://[::1", "cannot be read"),
-    ("http://256.1.1.1:80", "cannot be read"),
-    ("http://", "names no host"),
-    ("http://127.0.0.1:99999", "beyond 65535"),
-    ("http://user:secret@127.0.0.1:1", "carries a user name or password"),
-])
+@pytest.mark.parametrize(
+    "url,says",
+    [
+        ("http://[::1", "cannot be read"),
+        ("http://256.1.1.1:80", "cannot be read"),
+        ("http://", "names no host"),
+        ("http://127.0.0.1:99999", "beyond 65535"),
+        ("http://user:secret@127.0.0.1:1", "carries a user name or password"),
+    ],
+)
 def test_a_registry_url_that_cannot_work_is_one_line(url, says, tmp_path):
     """MFSREG_URL that httpx cannot parse was an internal error (exit 1); one with a user name and
     password sent them as Basic credentials, which the server called a malformed token."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MFSREG_")}
-    env.update(MFSREG_URL=url, MFSREG_TOKEN="t", MFSREG_HOME=str(tmp_path / "home"), MFSREG_CACHE_DIR=str(tmp_path / "c"))
+    env.update(
+        MFSREG_URL=url, MFSREG_TOKEN="t", MFSREG_HOME=str(tmp_path / "home"), MFSREG_CACHE_DIR=str(tmp_path / "c")
+    )
     for args in (["ls"], ["pull", "fam", "v1", "-o", tmp_path / "o"]):
         proc = mfsreg(*args, env=env, check=False, timeout=60)
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1, (args, proc.stderr)
@@ -753,7 +852,9 @@ def test_a_token_description_too_long_or_on_several_lines_is_refused(description
     assert "give at most 256, on one line, without control characters" in proc.stderr, proc.stderr
     assert mfsreg("token", "list", "--json", env=seeded).stdout == listed
     made = mfsreg_json("token", "create", "--description", "d" * 256, env=seeded)
-    assert any(t["description"] == "d" * 256 for t in mfsreg_json("token", "list", "--json", env=seeded)["tokens"]), made
+    assert any(t["description"] == "d" * 256 for t in mfsreg_json("token", "list", "--json", env=seeded)["tokens"]), (
+        made
+    )
 
 
 @pytest.mark.parametrize("name", ["MFSREG_DELTA", "MFSREG_ANONYMOUS_READ"])
@@ -761,7 +862,9 @@ def test_a_yes_no_setting_of_another_value_is_refused(name, seeded, fam):
     """MFSREG_DELTA=maybe was read as on, MFSREG_ANONYMOUS_READ=maybe as off, without a word."""
     home = Path(seeded["MFSREG_HOME"])
     before = snapshot(home)
-    proc = mfsreg("push", fam["lora-chat"], "--family", "fam", "--version", "chat", env={**seeded, name: "maybe"}, check=False)
+    proc = mfsreg(
+        "push", fam["lora-chat"], "--family", "fam", "--version", "chat", env={**seeded, name: "maybe"}, check=False
+    )
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert f"{name}='maybe' is not a yes/no setting" in proc.stderr, proc.stderr
     assert snapshot(home) == before
@@ -778,8 +881,15 @@ def test_a_command_that_only_reads_leaves_a_missing_blob_directory_missing(seede
     proc = mfsreg("pull", "fam", "base", "-o", tmp_path / "out", env=env, check=False)
     assert proc.returncode == 5 and "MFSREG_BLOB_URL" in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
     assert not (tmp_path / "no-such").exists() and not (tmp_path / "out").exists()
-    mfsreg("push", synth.write(tmp_path / "m.safetensors", synth.base_tensors(seed=9)), "--family", "other",
-           "--version", "v1", env=env)
+    mfsreg(
+        "push",
+        synth.write(tmp_path / "m.safetensors", synth.base_tensors(seed=9)),
+        "--family",
+        "other",
+        "--version",
+        "v1",
+        env=env,
+    )
     assert any(missing.rglob("*.pack"))
 
 
@@ -793,13 +903,20 @@ def test_a_blob_url_naming_a_file_is_refused(seeded, fam, tmp_path):
     assert [v["version"] for v in mfsreg_json("ls", "fam", env=seeded)["versions"]] == ["base"]
 
 
-@pytest.mark.parametrize("url, says", [
-    ("sqlite:///rel/registry.db", "'rel/registry.db', a path relative to the current directory"),
-    ("sqlite://", "names no database file"),
-    ("sqlite:///:memory:", "names no database file"),
-    # options: dropped with a SQLAlchemy warning on stderr, and a "read-only" database made
-    ("sqlite:////tmp/mfsreg-test-options.db?mode=ro", "carries options (mode), which mfsreg does not pass to SQLite"),
-])
+@pytest.mark.process
+@pytest.mark.parametrize(
+    "url, says",
+    [
+        ("sqlite:///rel/registry.db", "'rel/registry.db', a path relative to the current directory"),
+        ("sqlite://", "names no database file"),
+        ("sqlite:///:memory:", "names no database file"),
+        # options: dropped with a SQLAlchemy warning on stderr, and a "read-only" database made
+        (
+            "sqlite:////tmp/mfsreg-test-options.db?mode=ro",
+            "carries options (mode), which mfsreg does not pass to SQLite",
+        ),
+    ],
+)
 def test_a_sqlite_url_without_an_absolute_path_is_refused(url, says, fam, tmp_path):
     """With three slashes SQLAlchemy reads the path as relative to the current directory: each
     directory a command ran from got a registry of its own, quietly; an in-memory database kept
@@ -811,8 +928,14 @@ def test_a_sqlite_url_without_an_absolute_path_is_refused(url, says, fam, tmp_pa
     env = {k: v for k, v in os.environ.items() if not k.startswith("MFSREG_")}
     env.update(MFSREG_HOME=str(tmp_path / "home"), MFSREG_DATABASE_URL=url)
     (tmp_path / "cwd").mkdir()
-    proc = subprocess.run([MFSREG, "push", str(fam["base"]), "--family", "fam", "--version", "v1"], env=env,
-                          cwd=tmp_path / "cwd", capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [MFSREG, "push", str(fam["base"]), "--family", "fam", "--version", "v1"],
+        env=env,
+        cwd=tmp_path / "cwd",
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert says in proc.stderr and "sqlite:////" in proc.stderr and "MFSREG_DATABASE_URL" in proc.stderr, proc.stderr
     assert list((tmp_path / "cwd").iterdir()) == [] and not Path("/tmp/mfsreg-test-options.db").exists()
@@ -836,6 +959,7 @@ def test_a_device_the_loader_cannot_use_is_refused_before_anything_is_asked(devi
     assert not (tmp_path / "cache").exists()
 
 
+@pytest.mark.process
 def test_ctrl_c_is_one_line_and_exit_130(tmp_path, fam):
     """Ctrl-C exited 130 with nothing on stderr: Typer turns the KeyboardInterrupt into its exit
     code, and the CLI's line for it never ran. Here the command waits on a server that accepts the
@@ -852,17 +976,26 @@ def test_ctrl_c_is_one_line_and_exit_130(tmp_path, fam):
     silent.listen(8)
     silent.settimeout(120)
     env = {k: v for k, v in os.environ.items() if not k.startswith("MFSREG_")}
-    env.update(MFSREG_URL=f"http://127.0.0.1:{silent.getsockname()[1]}", MFSREG_TOKEN="mfs_x",
-               MFSREG_CACHE_DIR=str(tmp_path / "cache"), MFSREG_HOME=str(tmp_path / "home"))
+    env.update(
+        MFSREG_URL=f"http://127.0.0.1:{silent.getsockname()[1]}",
+        MFSREG_TOKEN="mfs_x",
+        MFSREG_CACHE_DIR=str(tmp_path / "cache"),
+        MFSREG_HOME=str(tmp_path / "home"),
+    )
     try:
         for args in (["ls"], ["push", fam["base"], "--family", "fam", "--version", "v1"]):
-            proc = subprocess.Popen([MFSREG, *map(str, args)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            proc = subprocess.Popen(
+                [MFSREG, *map(str, args)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
             waiting, _ = silent.accept()  # the command is running, and waits on the server
             time.sleep(0.2)
             proc.send_signal(signal.SIGINT)
             _, err = proc.communicate(timeout=30)
             waiting.close()
-            assert proc.returncode == 130 and err.startswith("mfsreg: error: interrupted;") and err.count("\n") == 1, (args, err)
+            assert proc.returncode == 130 and err.startswith("mfsreg: error: interrupted;") and err.count("\n") == 1, (
+                args,
+                err,
+            )
     finally:
         silent.close()
 
@@ -870,32 +1003,46 @@ def test_ctrl_c_is_one_line_and_exit_130(tmp_path, fam):
 def test_a_home_or_cache_under_an_unknown_user_is_one_line(tmp_path):
     """~nosuchuser/...: pathlib's RuntimeError reached the user as an internal error."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MFSREG_")}
-    for extra, args, name in (({"MFSREG_HOME": "~mfsreg-no-such-user/h"}, ["ls"], "MFSREG_HOME"),
-                              ({"MFSREG_CACHE_DIR": "~mfsreg-no-such-user/c", "MFSREG_URL": "http://127.0.0.1:9",
-                                "MFSREG_HOME": str(tmp_path / "home")}, ["pull", "fam", "v1", "-o", tmp_path / "o"], "MFSREG_CACHE_DIR")):
+    for extra, args, name in (
+        ({"MFSREG_HOME": "~mfsreg-no-such-user/h"}, ["ls"], "MFSREG_HOME"),
+        (
+            {
+                "MFSREG_CACHE_DIR": "~mfsreg-no-such-user/c",
+                "MFSREG_URL": "http://127.0.0.1:9",
+                "MFSREG_HOME": str(tmp_path / "home"),
+            },
+            ["pull", "fam", "v1", "-o", tmp_path / "o"],
+            "MFSREG_CACHE_DIR",
+        ),
+    ):
         proc = mfsreg(*args, env={**env, **extra}, check=False)
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
-        assert f"{name}='~mfsreg-no-such-user/" in proc.stderr and "user name this machine does not have" in proc.stderr, proc.stderr
+        assert (
+            f"{name}='~mfsreg-no-such-user/" in proc.stderr and "user name this machine does not have" in proc.stderr
+        ), proc.stderr
 
 
+@pytest.mark.process
 def test_a_node_cache_without_room_is_named_not_the_pull_output(tmp_path):
     """A pull writes the node cache and its output: a cache on a full disk read "cannot write
     OUT: ... make room there". Files capped at 1 KiB (ulimit -f) stand in for the full disk."""
     import subprocess
     import sys
 
-    code = ("import os, resource, signal, sys\n"
-            "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
-            "from mfsreg.registry.client.cache import NodeCache\n"
-            "from mfsreg.registry.chunking import chunk_id\n"
-            "from mfsreg.registry.errors import StorageError\n"
-            "cache = NodeCache(sys.argv[1])\n"
-            "resource.setrlimit(resource.RLIMIT_FSIZE, (1024, resource.RLIM_INFINITY))\n"
-            "data = os.urandom(5000)\n"
-            "try:\n"
-            "    cache.put(chunk_id(data), data)\n"
-            "except StorageError as exc:\n"
-            "    print(exc)\n")
+    code = (
+        "import os, resource, signal, sys\n"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+        "from mfsreg.registry.client.cache import NodeCache\n"
+        "from mfsreg.registry.chunking import chunk_id\n"
+        "from mfsreg.registry.errors import StorageError\n"
+        "cache = NodeCache(sys.argv[1])\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (1024, resource.RLIM_INFINITY))\n"
+        "data = os.urandom(5000)\n"
+        "try:\n"
+        "    cache.put(chunk_id(data), data)\n"
+        "except StorageError as exc:\n"
+        "    print(exc)\n"
+    )
     proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "c")], capture_output=True, text=True, timeout=60)
     said = proc.stdout.strip()
     assert said.startswith(f"the node cache cannot take {tmp_path / 'c' / 'chunks'}") and "File too large" in said, proc
@@ -928,26 +1075,31 @@ def test_a_read_only_destination_is_not_told_to_make_room(capsys):
         run_guarded(make_on_read_only)
     err = capsys.readouterr().err
     assert exited.value.code == 2 and err.count("\n") == 1, err
-    assert err.startswith("mfsreg: error: /mnt/ro/engine: Read-only file system: that filesystem is mounted read-only"), err
+    assert err.startswith(
+        "mfsreg: error: /mnt/ro/engine: Read-only file system: that filesystem is mounted read-only"
+    ), err
 
 
 SECRET = "s3cr3t-Value-mfsreg"
 
 
-@pytest.mark.parametrize("url, says", [
-    (f"s3://AKIAMFSREG:{SECRET}@bucket/p", "AWS_ACCESS_KEY_ID"),
-    ("s3://bucket:9000/p", "MFSREG_S3_ENDPOINT_URL"),
-    ("s3://../", "not a bucket name"),
-    ("s3://", "names no bucket"),
-    ("s3:////x", "names no bucket"),
-    ("s3://Bad_Bucket/p", "not a bucket name"),
-    ("s3://ab/p", "not a bucket name"),
-    ("s3://mfsreg-packs/a/../b", "prefix"),
-    (f"s3://mfsreg-packs/p?token={SECRET}", "'?' or '#'"),
-    (f"s3://mfsreg-packs/p#{SECRET}", "'?' or '#'"),
-    (f"https://user:{SECRET}@example.com/p", "s3://bucket/prefix"),
-    ("file:///srv/blobs?x=1", "'?' or '#'"),
-])
+@pytest.mark.parametrize(
+    "url, says",
+    [
+        (f"s3://AKIAMFSREG:{SECRET}@bucket/p", "AWS_ACCESS_KEY_ID"),
+        ("s3://bucket:9000/p", "MFSREG_S3_ENDPOINT_URL"),
+        ("s3://../", "not a bucket name"),
+        ("s3://", "names no bucket"),
+        ("s3:////x", "names no bucket"),
+        ("s3://Bad_Bucket/p", "not a bucket name"),
+        ("s3://ab/p", "not a bucket name"),
+        ("s3://mfsreg-packs/a/../b", "prefix"),
+        (f"s3://mfsreg-packs/p?token={SECRET}", "'?' or '#'"),
+        (f"s3://mfsreg-packs/p#{SECRET}", "'?' or '#'"),
+        (f"https://user:{SECRET}@example.com/p", "s3://bucket/prefix"),
+        ("file:///srv/blobs?x=1", "'?' or '#'"),
+    ],
+)
 def test_a_bad_blob_url_is_refused_in_one_line_without_its_secret(url, says, seeded, fam, tmp_path):
     """MFSREG_BLOB_URL that cannot name a store: refused before anything connects, exit 2, one
     line that says what to give instead and never quotes a credential (these exited 5 with
@@ -955,8 +1107,12 @@ def test_a_bad_blob_url_is_refused_in_one_line_without_its_secret(url, says, see
     home = Path(seeded["MFSREG_HOME"])
     before = snapshot(home)
     env = dict(seeded, MFSREG_BLOB_URL=url, MFSREG_S3_ENDPOINT_URL="http://127.0.0.1:9")
-    for args in (["check"], ["push", fam["lora-chat"], "--family", "fam", "--version", "chat"],
-                 ["pull", "fam", "base", "-o", tmp_path / "out"], ["serve", "--port", free_port()]):
+    for args in (
+        ["check"],
+        ["push", fam["lora-chat"], "--family", "fam", "--version", "chat"],
+        ["pull", "fam", "base", "-o", tmp_path / "out"],
+        ["serve", "--port", free_port()],
+    ):
         proc = mfsreg(*args, env=env, check=False, timeout=60)
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1, (args, proc.stderr)
         assert says in proc.stderr and "MFSREG_BLOB_URL" in proc.stderr, (args, proc.stderr)
@@ -977,29 +1133,54 @@ def test_db_upgrade_runs_whatever_the_blob_url(url, home_env):
 
 
 # what reads or changes only the database; the blob store is never opened for them
-DATABASE_ONLY = (["ls"], ["ls", "fam"], ["show", "fam", "base"], ["stats"], ["stats", "--family", "fam"],
-                 ["token", "list"], ["family", "quorum", "fam", "1"], ["db", "upgrade"])
+DATABASE_ONLY = (
+    ["ls"],
+    ["ls", "fam"],
+    ["show", "fam", "base"],
+    ["stats"],
+    ["stats", "--family", "fam"],
+    ["token", "list"],
+    ["family", "quorum", "fam", "1"],
+    ["db", "upgrade"],
+)
 
 
 def _needs_blobs(fam, out: Path) -> tuple:
-    return (["push", fam["lora-chat"], "--family", "fam", "--version", "chat"], ["pull", "fam", "base", "-o", out],
-            ["check"], ["prune", "--min-age", "0"])
+    return (
+        ["push", fam["lora-chat"], "--family", "fam", "--version", "chat"],
+        ["pull", "fam", "base", "-o", out],
+        ["check"],
+        ["prune", "--min-age", "0"],
+    )
 
 
-@pytest.mark.parametrize("setting, says", [
-    ({"MFSREG_BLOB_URL": "bogus://x"}, "MFSREG_BLOB_URL is neither a file:///path nor an s3://bucket/prefix URL"),
-    ({"MFSREG_BLOB_URL": f"s3://AKIAMFSREG:{SECRET}@bucket/p"}, "MFSREG_BLOB_URL holds credentials"),
-    ({"MFSREG_BLOB_URL": "s3://mfsreg-packs/p", "MFSREG_S3_ENDPOINT_URL": "not a url"},
-     "MFSREG_S3_ENDPOINT_URL='not a url'"),
-    ({"MFSREG_BLOB_URL": "s3://mfsreg-packs/p", "MFSREG_S3_ENDPOINT_URL": "http://host:notaport"},
-     "MFSREG_S3_ENDPOINT_URL='http://host:notaport': has a port that is not a number"),
-    ({"MFSREG_BLOB_URL": "s3://mfsreg-packs/p", "MFSREG_S3_READ_TIMEOUT": "soon"},
-     "MFSREG_S3_READ_TIMEOUT='soon' is not a timeout"),
-    ({"MFSREG_BLOB_URL": "s3://mfsreg-packs/p", "MFSREG_S3_CONNECT_TIMEOUT": "-1"},
-     "MFSREG_S3_CONNECT_TIMEOUT='-1' is not a timeout"),
-    ({"MFSREG_BLOB_URL": "s3://mfsreg-packs/p", "MFSREG_S3_MAX_ATTEMPTS": "0"},
-     "MFSREG_S3_MAX_ATTEMPTS='0' is not a number of attempts"),
-])
+@pytest.mark.parametrize(
+    "setting, says",
+    [
+        ({"MFSREG_BLOB_URL": "bogus://x"}, "MFSREG_BLOB_URL is neither a file:///path nor an s3://bucket/prefix URL"),
+        ({"MFSREG_BLOB_URL": f"s3://AKIAMFSREG:{SECRET}@bucket/p"}, "MFSREG_BLOB_URL holds credentials"),
+        (
+            {"MFSREG_BLOB_URL": "s3://mfsreg-packs/p", "MFSREG_S3_ENDPOINT_URL": "not a url"},
+            "MFSREG_S3_ENDPOINT_URL='not a url'",
+        ),
+        (
+            {"MFSREG_BLOB_URL": "s3://mfsreg-packs/p", "MFSREG_S3_ENDPOINT_URL": "http://host:notaport"},
+            "MFSREG_S3_ENDPOINT_URL='http://host:notaport': has a port that is not a number",
+        ),
+        (
+            {"MFSREG_BLOB_URL": "s3://mfsreg-packs/p", "MFSREG_S3_READ_TIMEOUT": "soon"},
+            "MFSREG_S3_READ_TIMEOUT='soon' is not a timeout",
+        ),
+        (
+            {"MFSREG_BLOB_URL": "s3://mfsreg-packs/p", "MFSREG_S3_CONNECT_TIMEOUT": "-1"},
+            "MFSREG_S3_CONNECT_TIMEOUT='-1' is not a timeout",
+        ),
+        (
+            {"MFSREG_BLOB_URL": "s3://mfsreg-packs/p", "MFSREG_S3_MAX_ATTEMPTS": "0"},
+            "MFSREG_S3_MAX_ATTEMPTS='0' is not a number of attempts",
+        ),
+    ],
+)
 def test_database_only_commands_run_whatever_the_blob_store_settings(setting, says, seeded, fam, tmp_path):
     """ls, show, stats, tokens, family quorum and delete never open the blob store: a malformed
     MFSREG_BLOB_URL (or S3 endpoint, or S3 timeout) refused them all with exit 2, so an admin could
@@ -1028,8 +1209,14 @@ def test_a_malformed_s3_timeout_stops_serve_at_start_up_and_a_local_store_ignore
     no MFSREG_S3_ENDPOINT_URL), so the embedded default pushes and pulls whatever they hold."""
     home = Path(seeded["MFSREG_HOME"])
     before = snapshot(home)
-    proc = mfsreg("serve", "--port", free_port(), check=False, timeout=60,
-                  env=dict(seeded, MFSREG_BLOB_URL="s3://mfsreg-packs/p", MFSREG_S3_READ_TIMEOUT="1 minute"))
+    proc = mfsreg(
+        "serve",
+        "--port",
+        free_port(),
+        check=False,
+        timeout=60,
+        env=dict(seeded, MFSREG_BLOB_URL="s3://mfsreg-packs/p", MFSREG_S3_READ_TIMEOUT="1 minute"),
+    )
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert "MFSREG_S3_READ_TIMEOUT='1 minute' is not a timeout" in proc.stderr, proc.stderr
     assert snapshot(home) == before
@@ -1049,15 +1236,24 @@ def test_database_only_commands_never_contact_an_s3_endpoint(seeded, fam, tmp_pa
     sock, endpoint = silent_endpoint()
     try:
         sock.settimeout(0)
-        env = dict(seeded, MFSREG_BLOB_URL="s3://mfsreg-packs/p", MFSREG_S3_ENDPOINT_URL=endpoint,
-                   MFSREG_S3_READ_TIMEOUT="1", MFSREG_S3_MAX_ATTEMPTS="1", AWS_ACCESS_KEY_ID="testing",
-                   AWS_SECRET_ACCESS_KEY="testing", AWS_EC2_METADATA_DISABLED="true")
+        env = dict(
+            seeded,
+            MFSREG_BLOB_URL="s3://mfsreg-packs/p",
+            MFSREG_S3_ENDPOINT_URL=endpoint,
+            MFSREG_S3_READ_TIMEOUT="1",
+            MFSREG_S3_MAX_ATTEMPTS="1",
+            AWS_ACCESS_KEY_ID="testing",
+            AWS_SECRET_ACCESS_KEY="testing",
+            AWS_EC2_METADATA_DISABLED="true",
+        )
         for args in (*DATABASE_ONLY, ["token", "create"]):
             mfsreg(*args, env=env, timeout=60)
         with pytest.raises(BlockingIOError):  # nobody knocked
             sock.accept()
         before = snapshot(home)
-        proc = mfsreg("push", fam["lora-chat"], "--family", "fam", "--version", "chat", env=env, check=False, timeout=60)
+        proc = mfsreg(
+            "push", fam["lora-chat"], "--family", "fam", "--version", "chat", env=env, check=False, timeout=60
+        )
         assert proc.returncode == 5 and proc.stderr.count("\n") == 1, proc.stderr
         assert endpoint in proc.stderr and "did not answer" in proc.stderr, proc.stderr
         sock.accept()[0].close()  # the push did: the check above can fail
@@ -1075,29 +1271,39 @@ def test_a_good_s3_blob_url_with_a_trailing_slash_is_taken(s3_blob_url, tmp_path
     assert open_blob_store(blob_url, endpoint).get("k") == b"x"
 
 
-@pytest.mark.parametrize("variable, endpoint, says", [
-    ("MFSREG_S3_ENDPOINT_URL", "not a url", "is not an http:// or https:// URL"),
-    ("MFSREG_S3_ENDPOINT_URL", "localhost:9000", "is not an http:// or https:// URL"),
-    ("MFSREG_S3_ENDPOINT_URL", "ftp://x", "is not an http:// or https:// URL"),
-    ("MFSREG_S3_ENDPOINT_URL", "http://", "names no host"),
-    ("MFSREG_S3_ENDPOINT_URL", "http://my host:9000", "holds a space"),
-    ("MFSREG_S3_ENDPOINT_URL", "http://-minio-:9000", "not a host name or address"),
-    ("MFSREG_S3_ENDPOINT_URL", "http://host:notaport", "port"),
-    ("MFSREG_S3_ENDPOINT_URL", "http://127.0.0.1:99999", "port"),
-    ("MFSREG_S3_ENDPOINT_URL", f"http://minio:{SECRET}@127.0.0.1:9000", "credentials"),
-    ("MFSREG_S3_ENDPOINT_URL", f"http://127.0.0.1:9000/?token={SECRET}", "'?' or '#'"),
-    ("AWS_ENDPOINT_URL_S3", "ftp://x", "is not an http:// or https:// URL"),
-])
-def test_a_malformed_s3_endpoint_is_refused_before_a_new_home_is_made(variable, endpoint, says, home_env, fam,
-                                                                      tmp_path):
+@pytest.mark.parametrize(
+    "variable, endpoint, says",
+    [
+        ("MFSREG_S3_ENDPOINT_URL", "not a url", "is not an http:// or https:// URL"),
+        ("MFSREG_S3_ENDPOINT_URL", "localhost:9000", "is not an http:// or https:// URL"),
+        ("MFSREG_S3_ENDPOINT_URL", "ftp://x", "is not an http:// or https:// URL"),
+        ("MFSREG_S3_ENDPOINT_URL", "http://", "names no host"),
+        ("MFSREG_S3_ENDPOINT_URL", "http://my host:9000", "holds a space"),
+        ("MFSREG_S3_ENDPOINT_URL", "http://-minio-:9000", "not a host name or address"),
+        ("MFSREG_S3_ENDPOINT_URL", "http://host:notaport", "port"),
+        ("MFSREG_S3_ENDPOINT_URL", "http://127.0.0.1:99999", "port"),
+        ("MFSREG_S3_ENDPOINT_URL", f"http://minio:{SECRET}@127.0.0.1:9000", "credentials"),
+        ("MFSREG_S3_ENDPOINT_URL", f"http://127.0.0.1:9000/?token={SECRET}", "'?' or '#'"),
+        ("AWS_ENDPOINT_URL_S3", "ftp://x", "is not an http:// or https:// URL"),
+    ],
+)
+def test_a_malformed_s3_endpoint_is_refused_before_a_new_home_is_made(
+    variable, endpoint, says, home_env, fam, tmp_path
+):
     """A malformed S3 endpoint was refused (by botocore) only once the database was open, so on a
     new MFSREG_HOME push, pull, check, prune and serve made an empty registry.db before they failed;
     some (ftp://x, http://host:notaport) were not refused at all, and each S3 request then failed
     with exit 5. Each now refuses in one line (exit 2), naming the variable and the URL to give,
     before anything is made; a local directory store still reads no endpoint."""
     home = Path(home_env["MFSREG_HOME"])
-    env = dict(home_env, MFSREG_BLOB_URL="s3://mfsreg-packs/p", AWS_ACCESS_KEY_ID="testing",
-               AWS_SECRET_ACCESS_KEY="testing", AWS_EC2_METADATA_DISABLED="true", **{variable: endpoint})
+    env = dict(
+        home_env,
+        MFSREG_BLOB_URL="s3://mfsreg-packs/p",
+        AWS_ACCESS_KEY_ID="testing",
+        AWS_SECRET_ACCESS_KEY="testing",
+        AWS_EC2_METADATA_DISABLED="true",
+        **{variable: endpoint},
+    )
     for args in (*_needs_blobs(fam, tmp_path / "out"), ["serve", "--port", free_port()]):
         proc = mfsreg(*args, env=env, check=False, timeout=60)
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1, (args, proc.stderr)

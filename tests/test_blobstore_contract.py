@@ -20,10 +20,9 @@ import pytest
 from mfsreg.registry.blobs import open_blob_store
 from mfsreg.registry.blobs.base import BlobStore
 from mfsreg.registry.blobs.packs import PackWriter, StoredChunk, read_payloads
-from mfsreg.registry.config import Settings
 from mfsreg.registry.blobs.s3 import MULTIPART_CHUNK, MULTIPART_THRESHOLD, S3BlobStore
+from mfsreg.registry.config import Settings
 from mfsreg.registry.errors import InvalidRequest, NotFound, StorageError
-from tests.s3server import s3_bucket, s3_server  # noqa: F401  (fixtures)
 
 DATA = bytes(range(256)) * 40 + b"tail"  # 10244 bytes, every offset distinguishable
 
@@ -83,7 +82,14 @@ def test_empty_object(store):
 
 @pytest.mark.parametrize(
     "start,end",
-    [(5, len(DATA) + 1), (len(DATA), len(DATA) + 10), (len(DATA) + 5, len(DATA) + 10), (len(DATA) + 1, None), (-1, 4), (9, 3)],
+    [
+        (5, len(DATA) + 1),
+        (len(DATA), len(DATA) + 10),
+        (len(DATA) + 5, len(DATA) + 10),
+        (len(DATA) + 1, None),
+        (-1, 4),
+        (9, 3),
+    ],
 )
 def test_range_outside_object_raises_not_found(store, start, end):
     store.put("k", DATA)
@@ -281,7 +287,12 @@ def test_s3_unreachable_endpoint(monkeypatch):
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
     endpoint = f"http://127.0.0.1:{_closed_port()}"
     store = S3BlobStore("bucket", "p", endpoint_url=endpoint, max_attempts=1, connect_timeout=1)
-    for call in (lambda: store.put("k", b"x"), lambda: store.get("k"), lambda: store.size("k"), lambda: list(store.list())):
+    for call in (
+        lambda: store.put("k", b"x"),
+        lambda: store.get("k"),
+        lambda: store.size("k"),
+        lambda: list(store.list()),
+    ):
         with pytest.raises(StorageError) as info:
             call()
         msg = _one_line(info.value)
@@ -334,7 +345,12 @@ def test_s3_a_bad_or_dead_endpoint_set_the_aws_way_is_named_as_such(monkeypatch)
 
 def test_s3_missing_bucket(s3_server):
     store = S3BlobStore("no-such-bucket-mfsreg", "p", endpoint_url=s3_server)
-    for call in (lambda: store.put("k", b"x"), lambda: store.get("k"), lambda: store.size("k"), lambda: list(store.list())):
+    for call in (
+        lambda: store.put("k", b"x"),
+        lambda: store.get("k"),
+        lambda: store.size("k"),
+        lambda: list(store.list()),
+    ):
         with pytest.raises(StorageError) as info:
             call()
         assert "does not exist" in _one_line(info.value)
@@ -342,9 +358,15 @@ def test_s3_missing_bucket(s3_server):
 
 def test_s3_no_credentials(s3_bucket, monkeypatch, tmp_path):
     endpoint_url, bucket = s3_bucket
-    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE",
-                "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "AWS_CONTAINER_CREDENTIALS_FULL_URI",
-                "AWS_WEB_IDENTITY_TOKEN_FILE"):
+    for var in (
+        "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY",
+        "AWS_SESSION_TOKEN",
+        "AWS_PROFILE",
+        "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+        "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+        "AWS_WEB_IDENTITY_TOKEN_FILE",
+    ):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
@@ -463,10 +485,15 @@ def test_s3_an_endpoint_that_never_answers_fails_in_bounded_time_naming_it(monke
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
     sock, endpoint = silent_endpoint()
     try:
-        settings = Settings.from_env({"MFSREG_HOME": "/nonexistent-mfsreg", "MFSREG_S3_READ_TIMEOUT": "1s",
-                                      "MFSREG_S3_MAX_ATTEMPTS": "2"})
-        store = open_blob_store("s3://mfsreg-packs/p", endpoint, read_timeout=settings.s3_read_timeout,
-                                max_attempts=settings.s3_max_attempts)
+        settings = Settings.from_env(
+            {"MFSREG_HOME": "/nonexistent-mfsreg", "MFSREG_S3_READ_TIMEOUT": "1s", "MFSREG_S3_MAX_ATTEMPTS": "2"}
+        )
+        store = open_blob_store(
+            "s3://mfsreg-packs/p",
+            endpoint,
+            read_timeout=settings.s3_read_timeout,
+            max_attempts=settings.s3_max_attempts,
+        )
         for call in (lambda: store.get("k", 0, 10), lambda: store.size("k")):
             t0 = time.monotonic()
             with pytest.raises(StorageError) as info:
@@ -502,14 +529,26 @@ def test_s3_timeouts_default_to_about_a_minute_and_bad_settings_are_refused(s3_s
     config = S3BlobStore("mfsreg-packs", "p", endpoint_url=s3_server)._s3.meta.config
     assert config.connect_timeout == 5 and config.read_timeout == 20
     assert config.retries == {"mode": "standard", "total_max_attempts": 3}  # three tries in all, not 1 + 3
-    s = Settings.from_env({"MFSREG_HOME": "/x", "MFSREG_S3_CONNECT_TIMEOUT": "2", "MFSREG_S3_READ_TIMEOUT": "1m",
-                           "MFSREG_S3_MAX_ATTEMPTS": "1"})
+    s = Settings.from_env(
+        {
+            "MFSREG_HOME": "/x",
+            "MFSREG_S3_CONNECT_TIMEOUT": "2",
+            "MFSREG_S3_READ_TIMEOUT": "1m",
+            "MFSREG_S3_MAX_ATTEMPTS": "1",
+        }
+    )
     assert (s.s3_connect_timeout, s.s3_read_timeout, s.s3_max_attempts) == (2, 60, 1)
     s3 = {"MFSREG_HOME": "/x", "MFSREG_BLOB_URL": "s3://mfsreg-packs/p"}
-    for name, value in (("MFSREG_S3_READ_TIMEOUT", "0"), ("MFSREG_S3_READ_TIMEOUT", "soon"),
-                        ("MFSREG_S3_CONNECT_TIMEOUT", "-1"), ("MFSREG_S3_MAX_ATTEMPTS", "0"),
-                        ("MFSREG_S3_MAX_ATTEMPTS", "2.5"), ("MFSREG_S3_MAX_ATTEMPTS", "99"),
-                        ("MFSREG_S3_ENDPOINT_URL", "ftp://x"), ("AWS_ENDPOINT_URL_S3", "http://host:notaport")):
+    for name, value in (
+        ("MFSREG_S3_READ_TIMEOUT", "0"),
+        ("MFSREG_S3_READ_TIMEOUT", "soon"),
+        ("MFSREG_S3_CONNECT_TIMEOUT", "-1"),
+        ("MFSREG_S3_MAX_ATTEMPTS", "0"),
+        ("MFSREG_S3_MAX_ATTEMPTS", "2.5"),
+        ("MFSREG_S3_MAX_ATTEMPTS", "99"),
+        ("MFSREG_S3_ENDPOINT_URL", "ftp://x"),
+        ("AWS_ENDPOINT_URL_S3", "http://host:notaport"),
+    ):
         with pytest.raises(InvalidRequest, match=name):
             Settings.from_env({**s3, name: value})
         # a command that never opens the store reads the settings all the same, and the refusal
@@ -520,17 +559,33 @@ def test_s3_timeouts_default_to_about_a_minute_and_bad_settings_are_refused(s3_s
         assert Settings.from_env({"MFSREG_HOME": "/x", name: value}).blob_store_options() == {}
 
 
-@pytest.mark.parametrize("url", ["http://localhost:9000", "http://minio:9000/", "https://s3.us-east-1.amazonaws.com",
-                                 "http://[::1]:9000", "http://minio.internal.:9000", "HTTP://127.0.0.1:9000",
-                                 "https://gateway.example/s3/prefix"])
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://localhost:9000",
+        "http://minio:9000/",
+        "https://s3.us-east-1.amazonaws.com",
+        "http://[::1]:9000",
+        "http://minio.internal.:9000",
+        "HTTP://127.0.0.1:9000",
+        "https://gateway.example/s3/prefix",
+    ],
+)
 def test_the_usual_s3_endpoints_are_taken(url):
     from mfsreg.registry.blobs import check_endpoint_url
 
     assert check_endpoint_url(url) == url
 
 
-@pytest.mark.parametrize("url", ["minioadmin:s3cret@localhost:9000", "http:/user:s3cret@host:9000",
-                                 "http:///user:s3cret@host", "http://user:s3cret@host:9000"])
+@pytest.mark.parametrize(
+    "url",
+    [
+        "minioadmin:s3cret@localhost:9000",
+        "http:/user:s3cret@host:9000",
+        "http:///user:s3cret@host",
+        "http://user:s3cret@host:9000",
+    ],
+)
 def test_an_endpoint_with_credentials_is_refused_without_quoting_them(url):
     from mfsreg.registry.blobs import check_endpoint_url
 

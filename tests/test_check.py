@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from mfsreg.registry.blobs.packs import pack_key
 from mfsreg.registry.client.remote import RemoteRegistry
 from mfsreg.registry.config import Settings
@@ -13,7 +15,8 @@ from mfsreg.registry.errors import IntegrityError, NotFound, StorageError
 from mfsreg.registry.registry import Registry
 from mfsreg.registry.service import version_doc
 from tests.cli_run import mfsreg, mfsreg_json
-from tests.server import client_env, servers, server_env, token  # noqa: F401
+from tests.dialects import sqlite_only
+from tests.server import client_env, token
 from tests.test_bad_input import snapshot
 from tests.test_tiers import expected_tiers
 
@@ -55,6 +58,7 @@ def test_a_whole_registry_checks_clean(reg, fam, tmp_path):
     assert all(_pullable(reg, fam, tmp_path).values())
 
 
+@sqlite_only
 def test_a_lost_pack_names_exactly_the_versions_that_cannot_be_pulled(reg, fam, tmp_path):
     _push_family(reg, fam)
     pack = _pack_of_a_delta(reg, "full-med")
@@ -64,10 +68,13 @@ def test_a_lost_pack_names_exactly_the_versions_that_cannot_be_pulled(reg, fam, 
         assert not res.ok and list(res.lost_packs) == [pack] and "missing" in res.lost_packs[pack]
         assert not res.damaged_chunks and res.unreadable_chunks > 0
         pulls = _pullable(reg, fam, tmp_path)
-        assert res.broken_versions == [f"fam/{v}" for v in fam if not pulls[v]] and "fam/full-med" in res.broken_versions
+        assert (
+            res.broken_versions == [f"fam/{v}" for v in fam if not pulls[v]] and "fam/full-med" in res.broken_versions
+        )
         assert any(pulls.values())  # the other packs still serve some versions
 
 
+@sqlite_only
 def test_a_pack_cut_short_is_lost_too(reg, fam, tmp_path):
     _push_family(reg, fam)
     pack = _pack_of_a_delta(reg, "lora-chat")
@@ -80,14 +87,16 @@ def test_a_pack_cut_short_is_lost_too(reg, fam, tmp_path):
     assert res.broken_versions == [f"fam/{v}" for v in fam if not pulls[v]] and "fam/lora-chat" in res.broken_versions
 
 
+@sqlite_only
 def test_damaged_bytes_are_found_by_read_data_alone_with_what_leans_on_them(reg, fam, tmp_path):
     """Flipped bytes keep a pack's size: only reading finds them; the versions named are those
     whose pull fails, including those whose deltas lean on a damaged basis."""
     _push_family(reg, fam)
     _, manifest = reg.manifest("fam", "base")
     located = reg.locate(manifest.chunk_ids())
-    basis_ids = {c.basis_id for name in fam for c in reg.locate(reg.manifest("fam", name)[1].chunk_ids()).values()
-                 if c.basis_id}
+    basis_ids = {
+        c.basis_id for name in fam for c in reg.locate(reg.manifest("fam", name)[1].chunk_ids()).values() if c.basis_id
+    }
     victim = next(c for c in located.values() if c.id in basis_ids)  # a base chunk that deltas decode against
     _damage(reg, victim)
     assert reg.check().ok  # sizes alone look whole
@@ -99,6 +108,7 @@ def test_damaged_bytes_are_found_by_read_data_alone_with_what_leans_on_them(reg,
     assert "fam/base" in res.broken_versions and len(res.broken_versions) > 1  # a delta's basis: others break too
 
 
+@sqlite_only
 def test_a_chunk_row_the_database_lost_is_named_too(reg, fam, tmp_path):
     """No foreign key ties a version's chunk list to the chunk rows: a row deleted by hand leaves a
     version that names a chunk the registry cannot locate, which its pull cannot rebuild."""
@@ -120,8 +130,13 @@ def test_a_chunk_row_the_database_lost_is_named_too(reg, fam, tmp_path):
 
 def test_check_on_s3_finds_a_lost_pack(tmp_path, fam, s3_blob_url):
     blob_url, endpoint = s3_blob_url
-    settings = Settings.from_env({"MFSREG_HOME": str(tmp_path / "home")}, blob_url=blob_url,
-                                 s3_endpoint_url=endpoint, chunk_size=64 << 10, pack_size=1 << 20)
+    settings = Settings.from_env(
+        {"MFSREG_HOME": str(tmp_path / "home")},
+        blob_url=blob_url,
+        s3_endpoint_url=endpoint,
+        chunk_size=64 << 10,
+        pack_size=1 << 20,
+    )
     with Registry(settings, migrate=True) as reg:
         _push_family(reg, fam)
         assert reg.check(read_data=True).ok
@@ -192,8 +207,10 @@ def test_the_server_checks_its_store_for_an_admin(servers, server_env, fam, tmp_
     scoped = client_env(tmp_path, srv.url, token(server_env, "admin", "fam"))
     one = mfsreg("check", "--family", "fam", env=scoped, check=False)
     assert one.returncode == 4 and "cannot be pulled: fam/lora-chat" in one.stdout, one.stdout + one.stderr
-    for env, args, says in ((scoped, [], "give --family"), (client_env(tmp_path, srv.url, token(server_env, "read")),
-                                                             ["--family", "fam"], "admin")):
+    for env, args, says in (
+        (scoped, [], "give --family"),
+        (client_env(tmp_path, srv.url, token(server_env, "read")), ["--family", "fam"], "admin"),
+    ):
         refused = mfsreg("check", *args, env=env, check=False)
         assert refused.returncode == 3 and refused.stderr.count("\n") == 1 and says in refused.stderr, refused.stderr
 
@@ -240,6 +257,7 @@ def _needing(reg: Registry, fam: dict, chunk_id: str) -> list[str]:
     return [f"fam/{v}" for v in fam if chunk_id in reg.locate(reg.manifest("fam", v)[1].chunk_ids())]
 
 
+@sqlite_only
 def test_a_repush_with_mend_damaged_stores_damaged_chunks_again(reg, fam, tmp_path):
     """A damaged chunk (its pack present, its bytes wrong) is not mended by an identical re-push,
     which only looks packs up; with mend_damaged the re-push reads, decodes and hashes every chunk the
@@ -292,6 +310,7 @@ def _shared_plain_chunk(reg: Registry, version: str, other: str):
     return next(c for i, c in sorted(reg.locate(ids).items()) if i in ids & theirs and not c.basis_id)
 
 
+@sqlite_only
 def test_a_new_push_with_mend_damaged_stores_the_damaged_chunks_it_reuses_again(reg, fam, tmp_path, caplog):
     """A new version that reuses a stored chunk whose bytes are damaged: without the flag it commits
     over it (a pack's size shows nothing), and check names it broken; with mend_damaged the push
@@ -326,6 +345,7 @@ def test_a_new_push_with_mend_damaged_stores_the_damaged_chunks_it_reuses_again(
     assert not again.existed and again.mended_chunks == 0 and again.new_bytes == 0, again
 
 
+@sqlite_only
 def test_a_repush_that_mends_a_lost_basis_frees_it_once_no_version_needs_it(reg, fam, tmp_path):
     """The pack of a basis that a delta of full-med decodes against is lost: full-med's re-push stores
     those chunks again, plain, and from then on full-med no longer needs that basis. Check passes
@@ -419,8 +439,10 @@ def test_the_command_names_mend_damaged_and_the_push_mends_a_pack_damaged_on_dis
     assert mfsreg("check", "--read-data", env=home_env, check=False).returncode == 4
 
     out = mfsreg("push", fam["base"], "--family", "fam", "--version", "v1", "--mend-damaged", env=home_env)
-    assert out.stdout.startswith("already stored fam/v1") and "; mended 1 chunks that the blob store had lost or " \
-        "damaged (" in out.stdout, out.stdout
+    assert (
+        out.stdout.startswith("already stored fam/v1")
+        and "; mended 1 chunks that the blob store had lost or damaged (" in out.stdout
+    ), out.stdout
     assert "damaged" in out.stderr and out.stderr.count("\n") == 1, out.stderr  # one warning, no traceback
     assert mfsreg("check", "--read-data", env=home_env).returncode == 0
     mfsreg("pull", "fam", "v1", "-o", tmp_path / "v1.out", env=home_env)
@@ -493,6 +515,7 @@ def test_a_new_push_over_http_with_mend_damaged_mends_the_damaged_chunks_it_reus
     assert not again["existed"] and again["sent_bytes"] == 0 and again["mended_chunks"] == 0, again
 
 
+@sqlite_only
 def test_a_new_push_whose_basis_is_damaged_stores_its_chunks_plain(reg, fam, tmp_path, caplog):
     """A fine-tune pushed anew while a base chunk it would lean on is damaged in its pack is stored
     (those chunks plain, with one warning that names the chunk and what to run), where the push
@@ -531,8 +554,9 @@ def test_a_new_push_over_http_whose_basis_is_damaged_is_stored(servers, server_e
         local.delete("fam", "med")
         local.prune(min_age=0)
         _damage(local, local.locate([victim.id])[victim.id])
-    done = mfsreg("push", fam["full-med"], "--family", "fam", "--version", "med2", "--parent", "base", env=env,
-                  check=False)
+    done = mfsreg(
+        "push", fam["full-med"], "--family", "fam", "--version", "med2", "--parent", "base", env=env, check=False
+    )
     assert done.returncode == 0, done.stderr
     mfsreg("pull", "fam", "med2", "-o", tmp_path / "med2.out", env=env)
     assert filecmp.cmp(tmp_path / "med2.out", fam["full-med"], shallow=False)
@@ -580,10 +604,14 @@ class _Reads:
     def of(self, chunk) -> int:
         """How many reads took in ``chunk``'s stored bytes."""
         end = chunk.offset + chunk.stored_size
-        return sum(1 for key, (a, b) in self.ranges
-                   if key == pack_key(chunk.pack_id) and a < end and (b is None or b > chunk.offset))
+        return sum(
+            1
+            for key, (a, b) in self.ranges
+            if key == pack_key(chunk.pack_id) and a < end and (b is None or b > chunk.offset)
+        )
 
 
+@sqlite_only
 def test_a_new_push_with_mend_damaged_plans_no_delta_against_what_its_read_found_damaged(reg, fam, tmp_path, caplog):
     """A new version reuses a stored chunk whose bytes are damaged and would lean a new chunk on it.
     The mend's read finds it damaged; delta planning takes that for known, as it does a lost pack:
@@ -613,12 +641,13 @@ def test_a_new_push_with_mend_damaged_plans_no_delta_against_what_its_read_found
     assert all(_pullable(reg, {"base": fam["base"], "tied": tied}, tmp_path).values())
 
 
+@pytest.mark.process
 def test_a_new_push_over_http_with_mend_damaged_is_warned_of_a_damaged_basis_once(servers, server_env, fam, tmp_path):
     """The same through a server: the negotiation's read finds the reused chunk damaged and
     suggests it as no basis, so the upload does not try it as one: the server's log names it once."""
     import filecmp
 
-    (srv,) = servers(1)
+    (srv,) = servers(1, process=True)  # the test reads the process's log
     env = client_env(tmp_path, srv.url, token(server_env, "push", "fam"))
     admin = client_env(tmp_path, srv.url, token(server_env, "admin", "fam"))
     tied = _tied_to_base(fam, tmp_path)
@@ -626,8 +655,9 @@ def test_a_new_push_over_http_with_mend_damaged_is_warned_of_a_damaged_basis_onc
     with Registry(Settings.from_env(server_env)) as local:
         victim = _reused_basis(local, tied)
         _damage(local, victim)
-    med = mfsreg_json("push", tied, "--family", "fam", "--version", "tied", "--parent", "base", "--mend-damaged",
-                      env=env)
+    med = mfsreg_json(
+        "push", tied, "--family", "fam", "--version", "tied", "--parent", "base", "--mend-damaged", env=env
+    )
     assert not med["existed"] and med["mended_chunks"] == 1, med
     srv.log.flush()
     log = Path(srv.log.name).read_text()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import filecmp
 
+import pytest
+
 from tests.cli_run import mfsreg, mfsreg_json
 
 
@@ -12,7 +14,9 @@ def test_json_contract(home_env, fam, tmp_path):
     assert {"family", "version", "digest", "logical_bytes", "new_bytes"} <= set(push)
     assert push["logical_bytes"] == fam["base"].stat().st_size and push["new_bytes"] > 0
     assert push["digest"].startswith("sha256:")
-    child = mfsreg_json("push", fam["lora-chat"], "--family", "fam", "--version", "chat", "--parent", "base", env=home_env)
+    child = mfsreg_json(
+        "push", fam["lora-chat"], "--family", "fam", "--version", "chat", "--parent", "base", env=home_env
+    )
     assert 0 < child["new_bytes"] < push["new_bytes"]
 
     pulled = mfsreg_json("pull", "fam", "chat", "-o", tmp_path / "chat.safetensors", env=home_env)
@@ -119,10 +123,15 @@ def test_bad_option_values_are_one_line(home_env, fam):
     assert proc.returncode == 2 and "base_quorum -0.5 is out of range" in proc.stderr, proc.stderr
     # and an unknown option, wherever it stands, is named as one (it read "Invalid value for 'value'")
     # alone, or with an argument missing, it is named too (it read "Missing argument 'VALUE'")
-    for args, says in ((["--bogus"], "No such option: --bogus"), (["nofam", "-x"], "No such option: -x"),
-                       (["--bogus", "nofam", "0.5"], "No such option: --bogus"), (["nofam", "--bogus", "0.5"], "No such option: --bogus"),
-                       (["nofam", "0.5", "7"], "unexpected extra argument(s) (7)"), (["nofam", "half"], "'half' is not a number: give a fraction in (0, 1]"),
-                       (["nofam", "--bogus=3", "0.5"], "No such option: --bogus (see")):
+    for args, says in (
+        (["--bogus"], "No such option: --bogus"),
+        (["nofam", "-x"], "No such option: -x"),
+        (["--bogus", "nofam", "0.5"], "No such option: --bogus"),
+        (["nofam", "--bogus", "0.5"], "No such option: --bogus"),
+        (["nofam", "0.5", "7"], "unexpected extra argument(s) (7)"),
+        (["nofam", "half"], "'half' is not a number: give a fraction in (0, 1]"),
+        (["nofam", "--bogus=3", "0.5"], "No such option: --bogus (see"),
+    ):
         proc = mfsreg("family", "quorum", *args, env=home_env, check=False)
         assert proc.returncode == 2 and says in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     env = dict(home_env, MFSREG_CHUNK_SIZE="lots")
@@ -142,8 +151,13 @@ def test_database_commands_refuse_to_run_while_mfsreg_url_names_a_server(home_en
     home = Path(home_env["MFSREG_HOME"])
     before = (home / "registry.db").read_bytes()
     env = dict(home_env, MFSREG_URL="http://127.0.0.1:9")  # never reached
-    for args in (["family", "quorum", "fam", "0.5"], ["token", "create", "--scope", "read"], ["token", "list"],
-                 ["token", "revoke", "abc"], ["db", "upgrade"]):
+    for args in (
+        ["family", "quorum", "fam", "0.5"],
+        ["token", "create", "--scope", "read"],
+        ["token", "list"],
+        ["token", "revoke", "abc"],
+        ["db", "upgrade"],
+    ):
         proc = mfsreg(*args, env=env, check=False)
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1, (args, proc.stderr)
         assert f"`mfsreg {' '.join(args[:2])}` acts on the registry's database directly" in proc.stderr, proc.stderr
@@ -160,11 +174,16 @@ def test_serve_options_are_checked_before_it_starts(home_env):
     taken = socket.create_server(("127.0.0.1", 0))
     try:
         port = taken.getsockname()[1]
-        for args, says in ((["--port", "-1"], "give a port from 1 to 65535"), (["--port", "99999"], "from 1 to 65535"),
-                           (["--workers", "0"], "1 or more worker"), (["--log-level", "bogus"], "use one of"),
-                           (["--port", str(port)], "cannot listen on 127.0.0.1"),
-                           (["--host", "no such host.invalid"], "cannot listen on no such host.invalid"),
-                           (["--host", ""], "--host '' names no address"), (["--host", " "], "--host ' ' names no address")):
+        for args, says in (
+            (["--port", "-1"], "give a port from 1 to 65535"),
+            (["--port", "99999"], "from 1 to 65535"),
+            (["--workers", "0"], "1 or more worker"),
+            (["--log-level", "bogus"], "use one of"),
+            (["--port", str(port)], "cannot listen on 127.0.0.1"),
+            (["--host", "no such host.invalid"], "cannot listen on no such host.invalid"),
+            (["--host", ""], "--host '' names no address"),
+            (["--host", " "], "--host ' ' names no address"),
+        ):
             proc = mfsreg("serve", *args, env=home_env, check=False, timeout=60)
             assert proc.returncode == 2 and proc.stderr.count("\n") == 1, (args, proc.stderr)
             assert says in proc.stderr, (args, proc.stderr)
@@ -176,11 +195,13 @@ def test_usage_errors_are_one_line_and_bare_groups_print_their_help(home_env):
     """A missing argument, a value of the wrong type, an unknown command or option: one line naming
     the help to read, exit 2 (they were a five-line box). `mfsreg` and `mfsreg cache` alone print
     their help, as before."""
-    for args, says in ((["push"], "Missing argument 'path'. (see `mfsreg push --help`)"),
-                       (["prune", "--max-unused", "abc"], "Invalid value for '--max-unused'"),
-                       (["bogus"], "No such command 'bogus'."),
-                       (["ls", "--no-such-option"], "No such option: --no-such-option"),
-                       (["cache", "warm"], "Missing argument 'family'. (see `mfsreg cache warm --help`)")):
+    for args, says in (
+        (["push"], "Missing argument 'path'. (see `mfsreg push --help`)"),
+        (["prune", "--max-unused", "abc"], "Invalid value for '--max-unused'"),
+        (["bogus"], "No such command 'bogus'."),
+        (["ls", "--no-such-option"], "No such option: --no-such-option"),
+        (["cache", "warm"], "Missing argument 'family'. (see `mfsreg cache warm --help`)"),
+    ):
         proc = mfsreg(*args, env=home_env, check=False)
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1, (args, proc.stderr)
         assert proc.stderr.startswith("mfsreg: error: ") and says in proc.stderr, (args, proc.stderr)
@@ -197,7 +218,7 @@ def test_each_command_is_listed_in_one_line(home_env):
     env = dict(home_env, COLUMNS="200")
     for group in ([], ["cache"], ["token"], ["db"], ["family"]):
         out = mfsreg(*group, "--help", env=env).stdout
-        box = out[out.index("─ Commands"):].splitlines()[1:]
+        box = out[out.index("─ Commands") :].splitlines()[1:]
         rows = [line for line in box[: next(i for i, line in enumerate(box) if line.startswith("╰"))]]
         assert rows and all(line[2] != " " for line in rows), (group, rows)  # no continuation lines
 
@@ -230,8 +251,9 @@ def test_embedded_pull_to_dir_writes_the_files_and_makes_nothing_when_it_fails(h
         assert not (tmp_path / "new").exists()
 
 
-def test_a_pull_from_an_s3_endpoint_gone_silent_fails_in_one_line_within_its_timeouts(home_env, fam, s3_blob_url,
-                                                                                      tmp_path):
+def test_a_pull_from_an_s3_endpoint_gone_silent_fails_in_one_line_within_its_timeouts(
+    home_env, fam, s3_blob_url, tmp_path
+):
     """Packs in S3, then the endpoint stops answering (it takes connections and says nothing): the
     pull stops after MFSREG_S3_MAX_ATTEMPTS x MFSREG_S3_READ_TIMEOUT with one line (exit 5) naming
     the endpoint, and writes nothing; it sat silent for about six minutes."""
@@ -245,11 +267,50 @@ def test_a_pull_from_an_s3_endpoint_gone_silent_fails_in_one_line_within_its_tim
     sock, silent = silent_endpoint()
     try:
         t0 = time.monotonic()
-        proc = mfsreg("pull", "fam", "chat", "-o", tmp_path / "out", check=False, timeout=120,
-                      env=dict(env, MFSREG_S3_ENDPOINT_URL=silent, MFSREG_S3_READ_TIMEOUT="1", MFSREG_S3_MAX_ATTEMPTS="2"))
+        proc = mfsreg(
+            "pull",
+            "fam",
+            "chat",
+            "-o",
+            tmp_path / "out",
+            check=False,
+            timeout=120,
+            env=dict(env, MFSREG_S3_ENDPOINT_URL=silent, MFSREG_S3_READ_TIMEOUT="1", MFSREG_S3_MAX_ATTEMPTS="2"),
+        )
         took = time.monotonic() - t0
     finally:
         sock.close()
     assert proc.returncode == 5 and proc.stderr.count("\n") == 1, proc.stderr
     assert silent in proc.stderr and "did not answer" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     assert took < 30 and not (tmp_path / "out").exists()
+
+
+def test_an_error_a_signal_leaves_while_the_command_unwinds_is_reported_as_the_signal(capsys):
+    """SIGHUP raised KeyboardInterrupt inside a Condition.wait of a pull, which left its lock
+    released, and the `with` around it failed with "RuntimeError: release unlocked lock": the
+    command said "internal error" and exited 1. A command a signal stopped says so, 128 + signal."""
+    import os
+    import signal
+    import time
+
+    from mfsreg.cli import errors
+
+    def command():
+        try:
+            os.kill(os.getpid(), signal.SIGHUP)
+            time.sleep(5)  # the handler's KeyboardInterrupt arrives here
+        except KeyboardInterrupt:
+            raise RuntimeError("release unlocked lock") from None
+        raise AssertionError("the signal did not arrive")
+
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        with pytest.raises(SystemExit) as stopped:
+            errors.run_guarded(command)
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler)
+        errors._signalled.clear()
+    err = capsys.readouterr().err
+    assert stopped.value.code == 128 + signal.SIGHUP, err
+    assert err.count("\n") == 1 and "stopped by SIGHUP; nothing partial was committed" in err, err

@@ -13,9 +13,10 @@ from mfsreg.registry import codec
 from mfsreg.registry.blobs.packs import StoredChunk, pack_key
 from mfsreg.registry.chunking import chunk_id
 from mfsreg.registry.deltas import MAX_DEPTH
-from mfsreg.registry.errors import IntegrityError, NotFound, StorageError
+from mfsreg.registry.errors import IntegrityError, StorageError
 from mfsreg.registry.rebuild import decode_verified
 from tests import synth
+from tests.dialects import sqlite_only
 
 
 @pytest.mark.parametrize("itemsize", [1, 2, 4, 8])
@@ -25,7 +26,11 @@ def test_codec_round_trip(itemsize, basis_len):
     data = rng.integers(0, 255, 4096 * itemsize, dtype=np.uint8)
     basis = data.copy()
     basis[::7] ^= 1  # near-duplicate
-    basis = basis[: int(basis.size * basis_len) // itemsize * itemsize] if basis_len <= 1 else np.concatenate([basis, basis[:100 * itemsize]])
+    basis = (
+        basis[: int(basis.size * basis_len) // itemsize * itemsize]
+        if basis_len <= 1
+        else np.concatenate([basis, basis[: 100 * itemsize]])
+    )
     enc, payload, is_delta = codec.best_encoding(data.tobytes(), itemsize, basis.tobytes())
     assert codec.decode(enc, payload, data.size, basis.tobytes() if is_delta else None) == data.tobytes()
     plain_enc, plain = codec.encode(data.tobytes(), itemsize)
@@ -46,7 +51,11 @@ def test_delta_round_trip(itemsize, elements, change, basis_len, monkeypatch):
         basis[:: itemsize * 3] ^= 1  # one lowest byte in three: a difference of +-1
     else:
         basis[::3] = rng.integers(0, 256, basis[::3].size, dtype=np.uint8)
-    basis = basis[: int(elements * basis_len) * itemsize] if basis_len <= 1 else np.concatenate([basis, basis[: 5 * itemsize]])
+    basis = (
+        basis[: int(elements * basis_len) * itemsize]
+        if basis_len <= 1
+        else np.concatenate([basis, basis[: 5 * itemsize]])
+    )
     enc, payload = codec.encode_delta(data.tobytes(), basis.tobytes(), itemsize)
     assert codec.is_delta(enc) and codec.is_known(enc)
     assert codec.decode(enc, payload, data.size, basis.tobytes()) == data.tobytes()
@@ -122,7 +131,9 @@ def test_grouping_module_is_built():
     """setup.py builds registry/_grouping.c optionally, so a broken build would only show as slow,
     ungrouped deltas: where a compiler is at hand (as in CI) the module must be there, or the
     tests that compare it with numpy would compare numpy with itself."""
-    assert codec._grouping is not None, "registry/_grouping.c is not built, or built from an older checkout: make install"
+    assert codec._grouping is not None, (
+        "registry/_grouping.c is not built, or built from an older checkout: make install"
+    )
 
 
 @pytest.mark.parametrize("itemsize", [2, 4, 8])
@@ -263,7 +274,9 @@ def test_sparse_split_refuses_ends_out_of_order():
     flags, values = np.empty(4, dtype=np.uint8), np.empty(32, dtype=np.uint8)
     for ends in ([5, 3], [40], [-1]):
         with pytest.raises(ValueError, match="ascend"):
-            codec._grouping.sparse_split(stream, flags, values, np.array(ends, dtype=np.int64), np.empty(len(ends), dtype=np.int64))
+            codec._grouping.sparse_split(
+                stream, flags, values, np.array(ends, dtype=np.int64), np.empty(len(ends), dtype=np.int64)
+            )
 
 
 def test_sparse_stream_with_too_few_values_is_refused(monkeypatch):
@@ -303,9 +316,13 @@ def test_malformed_grouped_deltas_are_refused(with_module, monkeypatch):
     body = codec._dctx().decompress(payload)
     if not with_module:
         monkeypatch.setattr(codec, "_grouping", None)
-    for bad, says in ((bytes([0x80]) + body[1:], "names streams"), (body + b"x", "past its streams"),
-                      (body[:-1], "cut short|more values"), (body + bytes(len(moved)), "declares"),
-                      (b"", "no header")):
+    for bad, says in (
+        (bytes([0x80]) + body[1:], "names streams"),
+        (body + b"x", "past its streams"),
+        (body[:-1], "cut short|more values"),
+        (body + bytes(len(moved)), "declares"),
+        (b"", "no header"),
+    ):
         with pytest.raises(ValueError, match=says):
             codec.decode(enc, zstandard.ZstdCompressor().compress(bad), len(moved), base)
     with pytest.raises(ValueError, match="cannot hold"):  # a size the element width does not divide
@@ -338,7 +355,13 @@ def test_unrelated_basis_falls_back_to_plain():
     other = (torch.randn(1 << 16) * 0.02).to(torch.bfloat16).view(torch.uint8).numpy().tobytes()
     enc, payload, is_delta = codec.best_encoding(t, 2, other)
     assert not is_delta and enc.startswith("zstd")
-    near = (torch.frombuffer(bytearray(t), dtype=torch.bfloat16).float() * 1.001).to(torch.bfloat16).view(torch.uint8).numpy().tobytes()
+    near = (
+        (torch.frombuffer(bytearray(t), dtype=torch.bfloat16).float() * 1.001)
+        .to(torch.bfloat16)
+        .view(torch.uint8)
+        .numpy()
+        .tobytes()
+    )
     enc, payload, is_delta = codec.best_encoding(near, 2, t)
     assert is_delta and enc == "esubn-p2" and len(payload) < len(codec.encode(near, 2)[1]) / 2
 
@@ -350,7 +373,13 @@ def test_plain_candidate_at_hand_is_not_encoded_again():
     other = (torch.randn(1 << 16) * 0.02).to(torch.bfloat16).view(torch.uint8).numpy().tobytes()
     uploaded = codec.encode(t, 2)
     assert codec.best_encoding(t, 2, other, plain=uploaded) == (uploaded[0], uploaded[1], False)
-    near = (torch.frombuffer(bytearray(t), dtype=torch.bfloat16).float() * 1.001).to(torch.bfloat16).view(torch.uint8).numpy().tobytes()
+    near = (
+        (torch.frombuffer(bytearray(t), dtype=torch.bfloat16).float() * 1.001)
+        .to(torch.bfloat16)
+        .view(torch.uint8)
+        .numpy()
+        .tobytes()
+    )
     enc, payload, is_delta = codec.best_encoding(near, 2, t, plain=codec.encode(near, 2))
     assert is_delta and codec.decode(enc, payload, len(near), basis=t) == near
 
@@ -375,6 +404,7 @@ def test_corrupt_delta_is_detected():
         decode_verified(chunk, payload[:-3] + b"xyz", base)
 
 
+@sqlite_only
 def test_a_push_whose_bases_are_damaged_in_storage_stores_its_chunks_plain(reg, fam, tmp_path, caplog):
     """Bases whose stored bytes no longer decode to their ids (every chunk of base damaged in its
     pack): the push stored nothing and stopped with that error, for bytes it does not store. Now
@@ -406,6 +436,7 @@ def _lose_packs_of(reg, ids) -> set[str]:
     return packs
 
 
+@sqlite_only
 @pytest.mark.parametrize("when", ["before the push", "while it encodes"])
 def test_a_push_whose_basis_pack_is_lost_from_storage_stores_its_chunks_without_it(when, reg, fam, tmp_path, caplog):
     """Packs gone from storage while their chunks are still recorded (deleted by hand): a push whose
@@ -428,10 +459,12 @@ def test_a_push_whose_basis_pack_is_lost_from_storage_stores_its_chunks_without_
     assert not {c.pack_id for c in located.values()} & lost
     reg.pull("fam", "full-med", tmp_path / "out")
     assert filecmp.cmp(tmp_path / "out", fam["full-med"], shallow=False)
-    assert any("is lost from the blob store" in r.getMessage() and r.getMessage().split()[1] in lost
-               for r in caplog.records), caplog.text
+    assert any(
+        "is lost from the blob store" in r.getMessage() and r.getMessage().split()[1] in lost for r in caplog.records
+    ), caplog.text
 
 
+@sqlite_only
 def test_a_push_that_mends_a_lost_pack_and_leans_on_no_basis_there_warns_once(reg, fam, tmp_path, caplog):
     """A push that reuses chunks of a lost pack (stored again) and whose new chunks would be deltas
     against chunks there (stored without them) warned twice, naming the pack each time: once now,
@@ -448,6 +481,7 @@ def test_a_push_that_mends_a_lost_pack_and_leans_on_no_basis_there_warns_once(re
     assert filecmp.cmp(tmp_path / "out", fam["lora-chat"], shallow=False)
 
 
+@sqlite_only
 def test_a_basis_in_a_lost_pack_gives_way_to_a_readable_one_down_its_chain(reg, tmp_path):
     """v1 is stored as deltas against base, and v1's packs are lost: v2 (parent v1) is stored as
     deltas against base's chunks, which still decode, instead of stopping or going plain."""
@@ -470,6 +504,7 @@ def test_a_basis_in_a_lost_pack_gives_way_to_a_readable_one_down_its_chain(reg, 
     assert filecmp.cmp(tmp_path / "out", paths[2], shallow=False)
 
 
+@sqlite_only
 def test_full_fine_tune_is_stored_as_small_deltas(reg, fam, tmp_path):
     base = reg.push(fam["base"], "fam", "base")
     full = reg.push(fam["full-med"], "fam", "full-med", parent="base")
@@ -501,6 +536,7 @@ def test_chain_of_fine_tunes_round_trips_with_bounded_depth(reg, tmp_path, dtype
         assert filecmp.cmp(out, p, shallow=False), f"v{i}"
 
 
+@sqlite_only
 def test_vocab_extended_tail_changes_size(reg, tmp_path):
     base = synth.base_tensors()
     ext = synth.dense_update(synth.extend_vocab(base, rows=8), seed=8)  # the last chunk grows, no new chunk
@@ -547,6 +583,7 @@ def test_basis_is_the_most_similar_member_without_parent(reg, fam, tmp_path):
     assert deltas and {c.basis_id for c in deltas} <= set(base.chunk_ids())
 
 
+@sqlite_only
 def test_a_commit_whose_stored_chunk_lost_its_basis_is_a_storage_error(reg, fam):
     """A delta whose basis has no row is damage (prune keeps every basis in use): a push that would
     use it gets a storage error, not "upload them", which no upload of its own chunks could mend."""
@@ -566,6 +603,7 @@ def test_a_commit_whose_stored_chunk_lost_its_basis_is_a_storage_error(reg, fam)
     assert sorted(v.name for v in reg.versions("fam")) == ["base", "med"]
 
 
+@sqlite_only
 def test_a_header_an_uploader_stored_as_a_delta_still_passes_the_commit_check(reg, fam, tmp_path):
     """An uploader may name any chunk its family uses as a basis, a header's too. The server then
     stores that header as a delta when it is smaller; the commit's check of each header against the

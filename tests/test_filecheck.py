@@ -21,10 +21,12 @@ def _entry(data: bytes, cuts: list[tuple[int, int]], size: int | None = None) ->
 def test_tiling_orders_the_chunks_and_refuses_gaps_overlaps_and_short_covers():
     data = os.urandom(300)
     assert [c.offset for c in check_tiling(_entry(data, [(200, 100), (0, 100), (100, 100)]))] == [0, 100, 200]
-    for cuts, size in (([(0, 100), (150, 150)], None),   # a gap
-                       ([(0, 150), (100, 200)], None),   # an overlap
-                       ([(0, 100), (100, 100)], None),   # the end left uncovered
-                       ([(0, 300)], 400)):               # a file longer than its chunks
+    for cuts, size in (
+        ([(0, 100), (150, 150)], None),  # a gap
+        ([(0, 150), (100, 200)], None),  # an overlap
+        ([(0, 100), (100, 100)], None),  # the end left uncovered
+        ([(0, 300)], 400),
+    ):  # a file longer than its chunks
         with pytest.raises(IntegrityError, match="damaged"):
             check_tiling(_entry(data, cuts, size))
 
@@ -66,7 +68,7 @@ def test_a_big_file_starts_its_writeback_on_a_thread_that_ends_with_it(tmp_path,
         with CheckedFile(dest, size, pool) as out:
             for batch in stretches:
                 c = batch[0]
-                os.pwrite(out.fd, data[c.offset:c.offset + c.size], c.offset)
+                os.pwrite(out.fd, data[c.offset : c.offset + c.size], c.offset)
                 out.start_writeback(batch)
             helpers = [t for t in threading.enumerate() if t.name.startswith("mfsreg-writeback")]
             assert len(helpers) == (1 if _sync_file_range is not None else 0)

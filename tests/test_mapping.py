@@ -109,12 +109,16 @@ def mapper(request, monkeypatch):
     return request.param
 
 
-@pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")), reason="no C compiler: mapping goes through ctypes")
+@pytest.mark.skipif(
+    not (shutil.which("cc") or shutil.which("gcc")), reason="no C compiler: mapping goes through ctypes"
+)
 def test_mapfiles_module_is_built():
     """setup.py builds registry/client/_mapfiles.c optionally, so a broken build would only show as
     slower loads: where a compiler is at hand (as in CI) the module must be there, or the tests
     above would run the ctypes path twice."""
-    assert mapping._mapfiles is not None, "registry/client/_mapfiles.c is not built, or built from an older checkout: make install"
+    assert mapping._mapfiles is not None, (
+        "registry/client/_mapfiles.c is not built, or built from an older checkout: make install"
+    )
 
 
 def test_an_unchecked_copy_maps_what_it_can_and_reads_the_rest(cache, mapper, monkeypatch):

@@ -77,8 +77,10 @@ def test_chunk_rows_of_the_previous_release_and_this_one_live_side_by_side(db_ur
     from mfsreg.registry.db.schema import _config
 
     engine = create_db_engine(db_url)
-    old_insert = text("INSERT INTO chunks (id, size, sha256, encoding, stored_size, pack_id, \"offset\", depth) "
-                      "VALUES (:id, 4, :sha, 'raw', 4, 'p1', 0, 0)")
+    old_insert = text(
+        'INSERT INTO chunks (id, size, sha256, encoding, stored_size, pack_id, "offset", depth) '
+        "VALUES (:id, 4, :sha, 'raw', 4, 'p1', 0, 0)"
+    )
     try:
         command.upgrade(_config(engine), "0003")
         with engine.begin() as conn:
@@ -120,8 +122,10 @@ def test_existing_families_get_the_chunk_size_they_were_cut_at(db_url, tmp_path)
     cut = {size: hash_source(open_source(path), size, NullProgress()) for size in (32 << 10, 64 << 20)}
     assert cut[32 << 10].cut_size() == 32 << 10 and cut[64 << 20].cut_size() is None
     engine = create_db_engine(db_url)
-    add_version = text("INSERT INTO versions (family_id, name, digest, logical_bytes, file_count, single_file, manifest) "
-                       "VALUES ((SELECT id FROM families WHERE name = :f), 'v1', 'sha256:x', 1, 1, 1, :m)")
+    add_version = text(
+        "INSERT INTO versions (family_id, name, digest, logical_bytes, file_count, single_file, manifest) "
+        "VALUES ((SELECT id FROM families WHERE name = :f), 'v1', 'sha256:x', 1, 1, 1, :m)"
+    )
     try:
         command.upgrade(_config(engine), "0004")
         with engine.begin() as conn:
@@ -210,9 +214,14 @@ def test_a_migration_that_fails_is_one_line_and_leaves_the_database_before_it(db
         command.upgrade(_config(engine), "0003")
         with engine.begin() as conn:
             conn.execute(text("INSERT INTO families (name) VALUES ('fam')"))
-            conn.execute(text("INSERT INTO versions (family_id, name, digest, logical_bytes, file_count, single_file, "
-                              "manifest) VALUES ((SELECT id FROM families WHERE name = 'fam'), 'v1', 'sha256:x', 1, 1, 1, "
-                              ":m)"), {"m": b"not a zstd frame"})
+            conn.execute(
+                text(
+                    "INSERT INTO versions (family_id, name, digest, logical_bytes, file_count, single_file, "
+                    "manifest) VALUES ((SELECT id FROM families WHERE name = 'fam'), 'v1', 'sha256:x', 1, 1, 1, "
+                    ":m)"
+                ),
+                {"m": b"not a zstd frame"},
+            )
         try:
             upgrade(engine)
         except StorageError as exc:
@@ -249,16 +258,23 @@ def test_databases_built_by_pre_release_migrations_are_repaired(db_url, tmp_path
             conn.execute(text("ALTER TABLE chunks DROP COLUMN sha256"))  # 0004 as first committed
             if history == "retired_packs":  # 0006 as first committed
                 conn.execute(text("DROP TABLE unlisted_packs"))
-                conn.execute(text("CREATE TABLE retired_packs (id VARCHAR(32) NOT NULL PRIMARY KEY, size BIGINT NOT NULL, "
-                                  "retired_at TIMESTAMP WITH TIME ZONE NOT NULL DEFAULT CURRENT_TIMESTAMP)"))
-                conn.execute(text("INSERT INTO retired_packs (id, size, retired_at) VALUES ('old', 5, :t)"),
-                             {"t": datetime.fromisoformat(retired["old"])})
+                conn.execute(
+                    text(
+                        "CREATE TABLE retired_packs (id VARCHAR(32) NOT NULL PRIMARY KEY, size BIGINT NOT NULL, "
+                        "retired_at TIMESTAMP WITH TIME ZONE NOT NULL DEFAULT CURRENT_TIMESTAMP)"
+                    )
+                )
+                conn.execute(
+                    text("INSERT INTO retired_packs (id, size, retired_at) VALUES ('old', 5, :t)"),
+                    {"t": datetime.fromisoformat(retired["old"])},
+                )
                 conn.execute(text("INSERT INTO retired_packs (id, size) VALUES ('new', 5)"))
             else:  # 0006 as committed in between
                 conn.execute(text("ALTER TABLE unlisted_packs DROP COLUMN claimed_at"))
         assert current_revision(engine) == "0009"
-        settings = Settings.from_env({"MFSREG_HOME": str(tmp_path / "home")}, database_url=db_url,
-                                     chunk_size=64 << 10, pack_size=1 << 20)
+        settings = Settings.from_env(
+            {"MFSREG_HOME": str(tmp_path / "home")}, database_url=db_url, chunk_size=64 << 10, pack_size=1 << 20
+        )
         upgrade_database(settings)
         with engine.connect() as conn:
             assert compare_metadata(MigrationContext.configure(conn), metadata) == []

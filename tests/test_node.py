@@ -32,22 +32,62 @@ from mfsreg.registry.client import ResidentModel, load_tensors
 from mfsreg.registry.client.cache import NodeCache
 from mfsreg.registry.client.direct import taken as takes_direct
 from mfsreg.registry.client.remote import RemoteRegistry
-from mfsreg.registry.manifest import Manifest
-from mfsreg.registry.config import parse_size
 from mfsreg.registry.client.torch_loader import Node, _fetch_ahead, chunk_ids, layout
+from mfsreg.registry.config import parse_size
+from mfsreg.registry.manifest import Manifest
 from tests import synth
 from tests.cli_run import MFSREG, mfsreg, mfsreg_json
+from tests.conftest import scratch_pg_database
 from tests.pagecache import resident_fraction
-from tests.server import client_env, servers, server_env, token  # noqa: F401
+from tests.s3server import scratch_bucket
+from tests.server import Servers, client_env, make_server_env, token
+
+
+def publish(fam: dict, env: dict) -> None:
+    for name, path in fam.items():
+        mfsreg_json(
+            "push",
+            path,
+            "--family",
+            "fam",
+            "--version",
+            name,
+            *(["--parent", "base"] if name != "base" else []),
+            env=env,
+        )
+
+
+@pytest.fixture(scope="module")
+def family_server(s3_server, fam, tmp_path_factory):
+    """One server per module holding the synthetic family, for the tests that only read from it
+    (each with a node cache of its own): (server, push token)."""
+    where = tmp_path_factory.mktemp("family-server")
+    with scratch_pg_database() as db, scratch_bucket(s3_server) as bucket:
+        started = Servers(make_server_env(db, (f"s3://{bucket}/blobs", s3_server), where), where)
+        try:
+            (srv,) = started(1)
+            tok = token(started.env, "push")
+            publish(fam, client_env(where, srv.url, tok))
+            yield srv, tok
+        finally:
+            started.stop()
 
 
 @pytest.fixture
-def published(servers, server_env, fam, tmp_path):
-    """A server holding the synthetic family, and a node environment with an empty cache."""
+def published(family_server, tmp_path):
+    """The shared server holding the synthetic family, and a node environment with an empty cache.
+    A test that changes what the server holds takes ``published_alone``."""
+    srv, tok = family_server
+    return srv, client_env(tmp_path, srv.url, tok)
+
+
+@pytest.fixture
+def published_alone(servers, server_env, fam, tmp_path):
+    """A server of the test's own (on ``server_env``) holding the synthetic family, and a node
+    environment with an empty cache: for a test that pushes, deletes or damages what it holds."""
     (srv,) = servers(1)
     env = client_env(tmp_path, srv.url, token(server_env, "push"))
-    for name, path in fam.items():
-        mfsreg_json("push", path, "--family", "fam", "--version", name, *(["--parent", "base"] if name != "base" else []), env=env)
+    publish(fam, env)
     return srv, env
 
 
@@ -75,11 +115,17 @@ def assert_written(path: Path, writes: str) -> None:
 
 def needed(env: dict, version: str) -> dict:
     """chunk id -> [encoding, stored bytes, basis, raw bytes, tier], for what the version needs."""
-    return Node(env["MFSREG_URL"], env["MFSREG_TOKEN"], env["MFSREG_CACHE_DIR"]).remote.version_doc("fam", version)["chunks"]
+    return Node(env["MFSREG_URL"], env["MFSREG_TOKEN"], env["MFSREG_CACHE_DIR"]).remote.version_doc("fam", version)[
+        "chunks"
+    ]
 
 
 def cached_ids(env: dict) -> list[str]:
-    return [p.name for p in (Path(env["MFSREG_CACHE_DIR"]) / "chunks").rglob("*") if p.is_file() and not p.name.startswith(".")]
+    return [
+        p.name
+        for p in (Path(env["MFSREG_CACHE_DIR"]) / "chunks").rglob("*")
+        if p.is_file() and not p.name.startswith(".")
+    ]
 
 
 def test_pull_with_base_cached_fetches_only_what_is_not_shared(published, writes, fam, tmp_path):
@@ -122,15 +168,14 @@ def test_load_tensors_equals_safetensors_for_every_member(published, fam):
     assert not list(Path(env["MFSREG_CACHE_DIR"]).rglob("*.safetensors"))  # no file was written
 
 
-
-def test_a_load_from_a_kept_document_waits_for_the_registry(published, server_env, fam, tmp_path):
+def test_a_load_from_a_kept_document_waits_for_the_registry(published_alone, server_env, fam, tmp_path):
     """A node that holds a version's document lays the tensors out from it while it asks whether it
     is current (torch_loader.build), every chunk still cached each time: tiers that moved keep the
     tensors, a version deleted and pushed again with other bytes loads as those bytes, and a version
     deleted is the registry's one-line error, not tensors of what it was."""
     from mfsreg.registry.errors import NotFound
 
-    srv, env = published
+    srv, env = published_alone
     admin = client_env(tmp_path, srv.url, token(server_env, "admin"))
     node = Node(env["MFSREG_URL"], env["MFSREG_TOKEN"], env["MFSREG_CACHE_DIR"])
     try:
@@ -175,12 +220,12 @@ def test_a_load_from_a_kept_document_waits_for_the_registry(published, server_en
         node.close()
 
 
-def test_a_load_from_a_kept_document_fetches_nothing_on_its_word(published, server_env, fam, tmp_path):
+def test_a_load_from_a_kept_document_fetches_nothing_on_its_word(published_alone, server_env, fam, tmp_path):
     """A chunk found damaged while tensors are laid out from a kept document is dropped, and fetched
     again only if the registry's answer still needs it: here lora-chat was deleted and pushed again
     as last-code's bytes, so a damaged chunk of the old lora-chat is not fetched (a copy of the old
     lora-chat keeps it in the family, so the stale document's word would have brought it)."""
-    srv, env = published
+    srv, env = published_alone
     admin = client_env(tmp_path, srv.url, token(server_env, "admin"))
     node = Node(env["MFSREG_URL"], env["MFSREG_TOKEN"], env["MFSREG_CACHE_DIR"])
     try:
@@ -290,20 +335,40 @@ print("whole")
 """
 
 
-def test_copies_fetch_again_what_another_process_evicted(published, fam):
+@pytest.mark.process
+def test_copies_fetch_again_what_another_process_evicted(published_alone, fam):
     """Chunk files that vanish between the fetch and the copy (another process evicted them) are
     fetched again and the tensors still come out whole. Re-fetching from inside the copy threads
     once waited on the very pool those threads occupy and hung, so this runs in a process with a
     deadline."""
-    _, env = published
+    _, env = published_alone
     # 4 KiB chunks: every tensor spans several, so its chunks are copied on the pool's threads (in a
     # family of its own: a push to "fam" would cut at that family's size)
-    mfsreg_json("push", fam["full-med"], "--family", "small", "--version", "small-chunks",
-                env={**env, "MFSREG_CHUNK_SIZE": str(4 << 10)})
+    mfsreg_json(
+        "push",
+        fam["full-med"],
+        "--family",
+        "small",
+        "--version",
+        "small-chunks",
+        env={**env, "MFSREG_CHUNK_SIZE": str(4 << 10)},
+    )
     assert not cached_ids(env)
     try:
-        proc = subprocess.run([sys.executable, "-c", _COPY_EVICTED, env["MFSREG_URL"], env["MFSREG_TOKEN"],
-                               env["MFSREG_CACHE_DIR"], str(fam["full-med"])], capture_output=True, text=True, timeout=120)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                _COPY_EVICTED,
+                env["MFSREG_URL"],
+                env["MFSREG_TOKEN"],
+                env["MFSREG_CACHE_DIR"],
+                str(fam["full-med"]),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     except subprocess.TimeoutExpired:
         pytest.fail("the copies hung fetching evicted chunks again")
     assert proc.returncode == 0 and proc.stdout.strip() == "whole", proc.stderr
@@ -320,8 +385,13 @@ def test_load_tensors_replaces_a_damaged_cached_chunk(published, fam):
         # chunks that are mapped into their tensors (page-aligned): the flipped one is mapped and fails
         # its check; the one cut short is refused by the mapping (its size is wrong) and read instead
         pieces = [(span, p) for span, ps in layout(node.fetcher.version("fam", "lora-chat")).values() for p in ps]
-        mapped = [p.chunk.id for span, p in pieces if p.start % mmap.PAGESIZE == 0 and p.chunk.size >= 2 * mmap.PAGESIZE
-                  and (p.chunk.size % mmap.PAGESIZE == 0 or p.start + p.chunk.size == span.nbytes)]
+        mapped = [
+            p.chunk.id
+            for span, p in pieces
+            if p.start % mmap.PAGESIZE == 0
+            and p.chunk.size >= 2 * mmap.PAGESIZE
+            and (p.chunk.size % mmap.PAGESIZE == 0 or p.start + p.chunk.size == span.nbytes)
+        ]
         flipped, cut = list(dict.fromkeys(mapped))[:2]
         _damage(env, flipped, cut)
         _equal_to_file(load_tensors("fam", "lora-chat", node=node), fam["lora-chat"])
@@ -342,8 +412,13 @@ def test_an_unverified_load_trusts_the_cache_and_a_scrub_finds_what_rotted(publi
     try:
         _equal_to_file(load_tensors("fam", "lora-chat", node=node, verify=False), fam["lora-chat"])  # fetched, checked
         pieces = [(span, p) for span, ps in layout(node.fetcher.version("fam", "lora-chat")).values() for p in ps]
-        mapped = [(span.name, p) for span, p in pieces if p.start % mmap.PAGESIZE == 0 and p.chunk.size >= 2 * mmap.PAGESIZE
-                  and (p.chunk.size % mmap.PAGESIZE == 0 or p.start + p.chunk.size == span.nbytes)]
+        mapped = [
+            (span.name, p)
+            for span, p in pieces
+            if p.start % mmap.PAGESIZE == 0
+            and p.chunk.size >= 2 * mmap.PAGESIZE
+            and (p.chunk.size % mmap.PAGESIZE == 0 or p.start + p.chunk.size == span.nbytes)
+        ]
         (name, first), (_, second) = mapped[0], next(m for m in mapped if m[1].chunk.id != mapped[0][1].chunk.id)
         flipped, cut = first.chunk.id, second.chunk.id
         _damage(env, flipped, cut)
@@ -391,7 +466,11 @@ def test_a_resident_model_that_cannot_load_closes_what_it_opened(published):
     def open_fds() -> int:
         return len(os.listdir("/proc/self/fd"))
 
-    node_env = {"MFSREG_URL": env["MFSREG_URL"], "MFSREG_TOKEN": env["MFSREG_TOKEN"], "MFSREG_CACHE_DIR": env["MFSREG_CACHE_DIR"]}
+    node_env = {
+        "MFSREG_URL": env["MFSREG_URL"],
+        "MFSREG_TOKEN": env["MFSREG_TOKEN"],
+        "MFSREG_CACHE_DIR": env["MFSREG_CACHE_DIR"],
+    }
     saved = {k: os.environ.get(k) for k in node_env}
     os.environ.update(node_env)
     gc.collect()
@@ -420,14 +499,28 @@ def test_resident_model_switch_copies_only_differing_chunks(published, fam):
         for target in ("lora-chat", "vocab-ext", "lora-chat", "base"):
             old = model.info
             copied = model.switch(target)
-            old_pieces = {(c.offset - t.start, c.size, c.id, t.name) for f in old.manifest.files for t in f.tensors
-                          for c in f.chunks if t.start <= c.offset < t.end}
-            new_pieces = {(c.offset - t.start, c.size, c.id, t.name) for f in model.info.manifest.files for t in f.tensors
-                          for c in f.chunks if t.start <= c.offset < t.end}
+            old_pieces = {
+                (c.offset - t.start, c.size, c.id, t.name)
+                for f in old.manifest.files
+                for t in f.tensors
+                for c in f.chunks
+                if t.start <= c.offset < t.end
+            }
+            new_pieces = {
+                (c.offset - t.start, c.size, c.id, t.name)
+                for f in model.info.manifest.files
+                for t in f.tensors
+                for c in f.chunks
+                if t.start <= c.offset < t.end
+            }
             old_shapes = {t.name: t.shape for f in old.manifest.files for t in f.tensors}
             new_shapes = {t.name: t.shape for f in model.info.manifest.files for t in f.tensors}
             reshaped = {n for n in new_shapes if old_shapes.get(n) != new_shapes[n]}
-            expected = sum(size for off, size, cid, name in new_pieces if name in reshaped or (off, size, cid, name) not in old_pieces)
+            expected = sum(
+                size
+                for off, size, cid, name in new_pieces
+                if name in reshaped or (off, size, cid, name) not in old_pieces
+            )
             assert copied == expected, target
             assert copied < fam[target].stat().st_size / 2
             want = load_file(str(fam[target]))
@@ -444,11 +537,11 @@ def test_resident_model_switch_copies_only_differing_chunks(published, fam):
         node.close()
 
 
-def test_a_switch_to_a_member_with_renamed_tensors_copies_only_what_differs(published, fam, tmp_path):
+def test_a_switch_to_a_member_with_renamed_tensors_copies_only_what_differs(published_alone, fam, tmp_path):
     """A member saved under other names (PEFT's "base_model.model." prefix) with two tensors changed:
     matched by name alone the switch reallocated and refilled every tensor. Each renamed tensor now
     takes over the one whose chunks it shares, in place, and only the changed chunks are copied."""
-    _, env = published
+    _, env = published_alone
     base = load_file(str(fam["base"]))
     changed = synth.lora(base, targets=("q_proj",))
     renamed = {f"base_model.model.{k}": v for k, v in changed.items()}
@@ -467,8 +560,12 @@ def test_a_switch_to_a_member_with_renamed_tensors_copies_only_what_differs(publ
             assert torch.equal(model.tensors[name].view(torch.uint8), t.view(torch.uint8)), name
         new = layout(model.info)
         reshaped = "base_model.model.lm_head.weight"
-        expected = sum(p.chunk.size for name, (_, pieces) in new.items() for p in pieces
-                       if name == reshaped or (p.start, p.chunk.id) not in old[name.removeprefix("base_model.model.")])
+        expected = sum(
+            p.chunk.size
+            for name, (_, pieces) in new.items()
+            for p in pieces
+            if name == reshaped or (p.start, p.chunk.id) not in old[name.removeprefix("base_model.model.")]
+        )
         assert copied == expected and 0 < copied < path.stat().st_size / 4, (copied, expected)
         for name in want:  # taken over in place, not reallocated
             if name != reshaped:
@@ -496,21 +593,24 @@ def _lose_pack_of(server_env: dict, chunk: str) -> str:
     return pack_id
 
 
-def test_a_switch_whose_fetch_fails_leaves_the_model_as_it_was(published, server_env, fam, tmp_path):
+def test_a_switch_whose_fetch_fails_leaves_the_model_as_it_was(published_alone, server_env, fam, tmp_path):
     """A switch brings what it copies into the node cache before it touches a tensor: a chunk the
     registry can no longer send leaves the model whole at its version (before, the grown embedding
     was reallocated, empty, and .version still said base), in one line that says it was the switch."""
     from mfsreg.registry.errors import StorageError
 
-    srv, env = published
+    srv, env = published_alone
     node = Node(srv.url, env["MFSREG_TOKEN"], str(tmp_path / "cold"))
     model = ResidentModel("fam", "base", node=node)
     try:
         have = set(chunk_ids(layout(model.info)))
         victim = sorted(i for i in chunk_ids(layout(node.fetcher.version("fam", "vocab-ext"))) if i not in have)[-1]
         _lose_pack_of(server_env, victim)
-        with pytest.raises(StorageError, match=r"^switch of fam to vocab-ext failed: .*storage lost data.*; "
-                                               r"nothing changed: the model still holds base$") as got:
+        with pytest.raises(
+            StorageError,
+            match=r"^switch of fam to vocab-ext failed: .*storage lost data.*; "
+            r"nothing changed: the model still holds base$",
+        ) as got:
             model.switch("vocab-ext")
         assert "\n" not in str(got.value)
         assert model.version == "base" and model.info.version == "base"
@@ -519,13 +619,13 @@ def test_a_switch_whose_fetch_fails_leaves_the_model_as_it_was(published, server
         node.close()
 
 
-def test_a_switch_that_fails_while_copying_says_the_model_is_a_mix(published, server_env, fam):
+def test_a_switch_that_fails_while_copying_says_the_model_is_a_mix(published_alone, server_env, fam):
     """A cached chunk found damaged while a switch copies, and the registry unable to send it again:
     the tensors are part old, part new, so .version is None (it said the old version) and the error
     says to switch again; a switch after it refills every tensor."""
     from mfsreg.registry.errors import StorageError
 
-    _, env = published
+    _, env = published_alone
     node = Node(env["MFSREG_URL"], env["MFSREG_TOKEN"], env["MFSREG_CACHE_DIR"])
     model = ResidentModel("fam", "base", node=node)
     try:
@@ -538,9 +638,12 @@ def test_a_switch_that_fails_while_copying_says_the_model_is_a_mix(published, se
         data[len(data) // 2] ^= 0x40
         path.write_bytes(data)
         _lose_pack_of(server_env, victim)
-        with pytest.raises(StorageError, match=r"^switch of fam to lora-chat stopped partway: .*storage lost data.*; "
-                                               r"the tensors are a mix of base and lora-chat, and \.version is None: "
-                                               r"switch again") as got:
+        with pytest.raises(
+            StorageError,
+            match=r"^switch of fam to lora-chat stopped partway: .*storage lost data.*; "
+            r"the tensors are a mix of base and lora-chat, and \.version is None: "
+            r"switch again",
+        ) as got:
             model.switch("lora-chat")
         assert "\n" not in str(got.value)
         assert model.version is None and model.info is None
@@ -587,8 +690,12 @@ def test_an_edit_in_place_stays_where_a_switch_copies_nothing(published, fam):
     try:
         model = ResidentModel("fam", "base", node=node)
         old, new = layout(model.info), layout(node.fetcher.version("fam", "lora-chat"))
-        shared = sorted(n for n in new if n in old and [p.chunk.id for p in old[n][1]] == [p.chunk.id for p in new[n][1]])
-        changed = sorted(n for n in new if n in old and not {p.chunk.id for p in old[n][1]} & {p.chunk.id for p in new[n][1]})
+        shared = sorted(
+            n for n in new if n in old and [p.chunk.id for p in old[n][1]] == [p.chunk.id for p in new[n][1]]
+        )
+        changed = sorted(
+            n for n in new if n in old and not {p.chunk.id for p in old[n][1]} & {p.chunk.id for p in new[n][1]}
+        )
         assert shared and changed
         for name in (shared[0], changed[0]):
             model.tensors[name].view(torch.uint8).fill_(7)
@@ -615,7 +722,7 @@ def test_many_openers_of_a_new_cache_all_get_in(tmp_path):
             gate.wait()
             try:
                 NodeCache(root).close()
-            except Exception as exc:  # noqa: BLE001: any failure to open is the bug
+            except Exception as exc:  # any failure to open is the bug
                 failures.append(exc)
 
         threads = [threading.Thread(target=open_cache) for _ in range(8)]
@@ -626,11 +733,17 @@ def test_many_openers_of_a_new_cache_all_get_in(tmp_path):
     assert failures == []
 
 
+@pytest.mark.process
 def test_two_processes_pull_into_one_cache(published, fam, tmp_path):
     _, env = published
     procs = [
-        subprocess.Popen([MFSREG, "pull", "fam", m, "-o", str(tmp_path / f"{m}.out"), "--json"], env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [MFSREG, "pull", "fam", m, "-o", str(tmp_path / f"{m}.out"), "--json"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for m in ("lora-chat", "last-code")
     ]
     for p in procs:
@@ -684,6 +797,7 @@ with cache.leased(sys.argv[2:]):
 """
 
 
+@pytest.mark.process
 def test_another_process_eviction_passes_over_what_a_running_pull_leases(tmp_path):
     """A chunk another process is using (leased: a pull, load or switch running) stays through this
     process's eviction, the cache above its limit meanwhile; once released it goes like any other.
@@ -706,8 +820,12 @@ def test_another_process_eviction_passes_over_what_a_running_pull_leases(tmp_pat
         assert evictor.evict() == (2, 2 * 4096) and not any(user.has(i) for i in ids)
 
         user.put_many([(i, d, "unique", "fam") for i, d in zip(ids, data)])
-        proc = subprocess.run([sys.executable, "-c", _LEASE_AND_DIE, str(tmp_path / "c"), *ids],
-                              capture_output=True, text=True, timeout=60)
+        proc = subprocess.run(
+            [sys.executable, "-c", _LEASE_AND_DIE, str(tmp_path / "c"), *ids],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert proc.returncode == 0 and proc.stdout.strip() == "leased", proc.stderr
         assert evictor.leased_keys() == set(ids)  # its rows stayed ...
         assert evictor.evict() == (3, 3 * 4096)  # ... and held nothing: its lock went with it
@@ -735,6 +853,7 @@ def _first_line(proc: subprocess.Popen, timeout: float = 60) -> str:
     return proc.stdout.readline().strip()
 
 
+@pytest.mark.process
 def test_a_lease_holds_while_its_holder_runs_whatever_pid_it_recorded(tmp_path):
     """Processes sharing a cache from containers each see pids of their own: the pid a holder in
     another container records names no process here (or another one), though it runs. Its lease
@@ -746,8 +865,12 @@ def test_a_lease_holds_while_its_holder_runs_whatever_pid_it_recorded(tmp_path):
         data = [bytes([k + 1]) * 4096 for k in range(3)]
         ids = [chunk_id(d) for d in data]
         evictor.put_many([(i, d, "unique", "fam") for i, d in zip(ids, data)])
-        proc = subprocess.Popen([sys.executable, "-c", _LEASE_AND_WAIT, str(tmp_path / "c"), *ids[:2]],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _LEASE_AND_WAIT, str(tmp_path / "c"), *ids[:2]],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         assert _first_line(proc) == "leased"
         ended = subprocess.Popen([sys.executable, "-c", ""])
         ended.wait()
@@ -779,7 +902,9 @@ def test_a_pull_keeps_its_chunks_through_another_process_eviction(published, fam
     _, env = published
     cache_dir = tmp_path / "cache"
     for member in ("base", "lora-chat"):  # cached: lora-chat's chunks, and base's it does not share
-        mfsreg("pull", "fam", member, "-o", tmp_path / f"{member}.first", env=dict(env, MFSREG_CACHE_DIR=str(cache_dir)))
+        mfsreg(
+            "pull", "fam", member, "-o", tmp_path / f"{member}.first", env=dict(env, MFSREG_CACHE_DIR=str(cache_dir))
+        )
     cache, other = NodeCache(cache_dir), NodeCache(cache_dir, max_bytes=0)
     remote = RemoteRegistry(env["MFSREG_URL"], token=env["MFSREG_TOKEN"])
     try:
@@ -838,6 +963,7 @@ def test_a_load_and_a_switch_keep_what_they_fetched_through_another_process_evic
         node.close()
 
 
+@pytest.mark.process
 def test_an_eviction_removes_the_lock_files_no_running_holder_keeps(tmp_path):
     """A holder killed after it made its lock file and before it wrote its rows leaves a file no row
     names: the next eviction removes it, and leaves the file a running holder has locked."""
@@ -850,8 +976,12 @@ def test_an_eviction_removes_the_lock_files_no_running_holder_keeps(tmp_path):
         holders.mkdir(exist_ok=True)
         (holders / ("ab" * 16)).write_bytes(b"")  # left by a holder killed before its rows
         (holders / "notes.txt").write_bytes(b"")  # not a lock file's name: not ours to remove
-        proc = subprocess.Popen([sys.executable, "-c", _LEASE_AND_WAIT, str(tmp_path / "c"), "nothing-cached"],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _LEASE_AND_WAIT, str(tmp_path / "c"), "nothing-cached"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         assert _first_line(proc) == "leased"
         running = {p.name for p in holders.iterdir()} - {"ab" * 16, "notes.txt"}
         assert len(running) == 1
@@ -864,6 +994,7 @@ def test_an_eviction_removes_the_lock_files_no_running_holder_keeps(tmp_path):
         cache.close()
 
 
+@pytest.mark.process
 def test_lease_rows_without_a_lock_file(tmp_path):
     """Rows of the release before lock files hold while their pid runs on this host, and lapse once
     it is gone; a row naming something other than a lock file lapses, and no file it names is touched."""
@@ -878,11 +1009,15 @@ def test_lease_rows_without_a_lock_file(tmp_path):
         victim.write_bytes(b"keep")
         host = socket.gethostname()
         with sqlite3.connect(tmp_path / "c" / "index.db") as db:
-            rows = [(f"{host}:{os.getpid()}:{'1' * 32}", os.getpid(), ids[0]),  # an old release's, running
-                    (f"{host}:{ended.pid}:{'2' * 32}", ended.pid, ids[1]),  # an old release's, ended
-                    ("flock:../../victim", os.getpid(), ids[2])]  # no lock file's name
-            db.executemany("INSERT INTO holders (holder, host, pid, since) VALUES (?, ?, ?, ?)",
-                           [(h, host, pid, time.time()) for h, pid, _ in rows])
+            rows = [
+                (f"{host}:{os.getpid()}:{'1' * 32}", os.getpid(), ids[0]),  # an old release's, running
+                (f"{host}:{ended.pid}:{'2' * 32}", ended.pid, ids[1]),  # an old release's, ended
+                ("flock:../../victim", os.getpid(), ids[2]),
+            ]  # no lock file's name
+            db.executemany(
+                "INSERT INTO holders (holder, host, pid, since) VALUES (?, ?, ?, ?)",
+                [(h, host, pid, time.time()) for h, pid, _ in rows],
+            )
             db.executemany("INSERT INTO leases (holder, key) VALUES (?, ?)", [(h, k) for h, _, k in rows])
         assert cache.evict() == (2, 2 * 4096)
         assert [cache.has(i) for i in ids] == [True, False, False]
@@ -913,8 +1048,14 @@ def test_a_warm_keeps_what_it_fetched_through_another_process_eviction(published
 
     monkeypatch.setattr(Fetcher, "ensure", ensure_then_evict)
     try:
-        res = warm_cache(RemoteRegistry(env["MFSREG_URL"], token=env["MFSREG_TOKEN"]), "fam", "base", recent=1,
-                         pin=False, cache=cache)
+        res = warm_cache(
+            RemoteRegistry(env["MFSREG_URL"], token=env["MFSREG_TOKEN"]),
+            "fam",
+            "base",
+            recent=1,
+            pin=False,
+            cache=cache,
+        )
         assert len(kept) == 2 and all(kept), kept  # the base tier, then lora-chat's chunks: both kept
         assert res["chunks"] == len(cached_ids(dict(env, MFSREG_CACHE_DIR=str(cache_dir))))
         assert cache.leased_keys() == set()
@@ -938,17 +1079,22 @@ def test_pinned_base_survives_prune(published, fam, tmp_path):
     assert cached_ids(env) == []
 
 
-def test_a_pin_keeps_base_chunks_another_family_cached_first(published, fam, tmp_path):
+def test_a_pin_keeps_base_chunks_another_family_cached_first(published_alone, fam, tmp_path):
     """Two families share their base's bytes: chunks cached through one are still the other's base,
     and a pin of the other keeps them."""
-    _, env = published
+    _, env = published_alone
     mfsreg_json("push", fam["base"], "--family", "other", "--version", "base", env=env)
     mfsreg_json("pull", "fam", "base", "-o", tmp_path / "base.out", env=env)  # cached through fam, not pinned
     warm = mfsreg_json("cache", "warm", "other", "--tier", "base", env=env)
     assert warm["pinned"] and warm["fetched_bytes"] == 0
     mfsreg_json("cache", "prune", "--max-size", "1", env=env)
-    other_base = {i for i, r in Node(env["MFSREG_URL"], env["MFSREG_TOKEN"], env["MFSREG_CACHE_DIR"]).remote
-                  .version_doc("other", "base")["chunks"].items() if r[4] == "base"}
+    other_base = {
+        i
+        for i, r in Node(env["MFSREG_URL"], env["MFSREG_TOKEN"], env["MFSREG_CACHE_DIR"])
+        .remote.version_doc("other", "base")["chunks"]
+        .items()
+        if r[4] == "base"
+    }
     assert other_base and set(cached_ids(env)) == other_base
 
 
@@ -1000,18 +1146,20 @@ def test_warm_keeps_the_size_limit_and_refuses_bad_counts_and_tiers(published, f
     assert mfsreg_json("cache", "stats", env=small)["bytes"] <= limit
     before = mfsreg_json("cache", "stats", env=small)
     # past SQLite's integers it was an internal error (OverflowError); an empty tier warmed nothing, exit 0
-    for args, says in ((["--recent", "-1"], "--recent -1 is out of range"),
-                       (["--recent", "99999999999999999999999"], "--recent 99999999999999999999999 is out of range"),
-                       (["--tier", ""], "unknown tier ''")):
+    for args, says in (
+        (["--recent", "-1"], "--recent -1 is out of range"),
+        (["--recent", "99999999999999999999999"], "--recent 99999999999999999999999 is out of range"),
+        (["--tier", ""], "unknown tier ''"),
+    ):
         proc = mfsreg("cache", "warm", "fam", *args, env=small, check=False)
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and says in proc.stderr, proc.stderr
     assert mfsreg_json("cache", "stats", env=small) == before
 
 
-def test_warm_of_recent_members_passes_over_one_deleted_since(published, server_env, fam, tmp_path):
+def test_warm_of_recent_members_passes_over_one_deleted_since(published_alone, server_env, fam, tmp_path):
     """A member pulled, then deleted on the registry: a warm of recent members warms the others and
     forgets it (it stopped every such warm with 'does not exist' before)."""
-    srv, env = published
+    srv, env = published_alone
     for member in ("lora-chat", "vocab-ext"):
         mfsreg_json("pull", "fam", member, "-o", tmp_path / member, env=env)
     admin = client_env(tmp_path, srv.url, token(server_env, "admin"))
@@ -1025,13 +1173,13 @@ def test_warm_of_recent_members_passes_over_one_deleted_since(published, server_
         cache.close()
 
 
-def test_a_node_pull_whose_version_is_deleted_meanwhile_says_so(published, server_env, tmp_path):
+def test_a_node_pull_whose_version_is_deleted_meanwhile_says_so(published_alone, server_env, tmp_path):
     """Deleted as the node starts fetching: the server then answers that the chunks are not the
     family's; the pull says what happened instead (exit 2), and writes nothing."""
     from mfsreg.registry.errors import NotFound
     from mfsreg.registry.progress import NullProgress
 
-    srv, env = published
+    srv, env = published_alone
     admin = RemoteRegistry(srv.url, token=token(server_env, "admin"))
 
     class DeleteAtFetch(NullProgress):
@@ -1050,13 +1198,13 @@ def test_a_node_pull_whose_version_is_deleted_meanwhile_says_so(published, serve
     assert not (tmp_path / "out.safetensors").exists() and not list(tmp_path.glob(".out.safetensors.*"))
 
 
-def test_a_load_or_switch_whose_version_is_deleted_meanwhile_says_so(published, server_env, fam, tmp_path):
+def test_a_load_or_switch_whose_version_is_deleted_meanwhile_says_so(published_alone, server_env, fam, tmp_path):
     """Deleted as the node starts fetching its chunks: load_tensors and switch say that the version
     went, not that chunks the caller never named are 'not part of family'; a switch fetches before
     it touches a tensor, so a resident model so interrupted still holds its version, whole."""
     from mfsreg.registry.errors import NotFound
 
-    srv, env = published
+    srv, env = published_alone
     admin = RemoteRegistry(srv.url, token=token(server_env, "admin"))
     node = Node(srv.url, env["MFSREG_TOKEN"], str(tmp_path / "cold"))
     ensure = node.fetcher.ensure
@@ -1070,12 +1218,17 @@ def test_a_load_or_switch_whose_version_is_deleted_meanwhile_says_so(published, 
     node.fetcher.ensure = delete_first
     try:
         doomed.append("lora-chat")
-        with pytest.raises(NotFound, match="fam/lora-chat was deleted while it was being loaded: no tensors were handed out"):
+        with pytest.raises(
+            NotFound, match="fam/lora-chat was deleted while it was being loaded: no tensors were handed out"
+        ):
             load_tensors("fam", "lora-chat", node=node)
         model = ResidentModel("fam", "base", node=node)
         doomed.append("full-med")
-        with pytest.raises(NotFound, match="fam/full-med was deleted while it was being switched to: nothing changed: "
-                                           "the model still holds base"):
+        with pytest.raises(
+            NotFound,
+            match="fam/full-med was deleted while it was being switched to: nothing changed: "
+            "the model still holds base",
+        ):
             model.switch("full-med")
         assert model.version == "base"
         _equal_to_file(model.tensors, fam["base"])
@@ -1115,6 +1268,7 @@ def test_to_dir_hardlinks_from_the_cache(published, writes, fam, tmp_path):
     assert os.stat(fc).st_ino != os.stat(fa).st_ino
 
 
+@pytest.mark.process
 def test_cache_commands_need_a_registry_and_sane_sizes(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("MFSREG_")}
     env["MFSREG_CACHE_DIR"] = str(tmp_path / "c")
@@ -1128,8 +1282,14 @@ def test_cache_commands_need_a_registry_and_sane_sizes(tmp_path):
     NodeCache(tmp_path / "c").close()
     # a relative cache directory (or ' ') named a new cache in each directory a command ran from
     for rel in ("rel/cache", " "):
-        proc = subprocess.run([MFSREG, "cache", "stats"], env=dict(env, MFSREG_CACHE_DIR=rel), cwd=tmp_path,
-                              capture_output=True, text=True, timeout=60)
+        proc = subprocess.run(
+            [MFSREG, "cache", "stats"],
+            env=dict(env, MFSREG_CACHE_DIR=rel),
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
         assert f"MFSREG_CACHE_DIR={rel!r} is not an absolute path" in proc.stderr, proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]
@@ -1149,11 +1309,13 @@ def test_an_explicit_cache_dir_is_checked_as_mfsreg_cache_dir_is(tmp_path, monke
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     for env in ("MFSREG_CACHE_DIR", "XDG_CACHE_HOME"):
         monkeypatch.delenv(env, raising=False)
-    for bad, says in (("", "cache_dir='' is empty: give an absolute path"),
-                      ("rel/cache", "cache_dir='rel/cache' is not an absolute path"),
-                      (" ", "cache_dir=' ' is not an absolute path"),
-                      (f"{tmp_path}/c ", "starts or ends with a space"),
-                      ("~mfsreg-no-such-user/c", "user name this machine does not have")):
+    for bad, says in (
+        ("", "cache_dir='' is empty: give an absolute path"),
+        ("rel/cache", "cache_dir='rel/cache' is not an absolute path"),
+        (" ", "cache_dir=' ' is not an absolute path"),
+        (f"{tmp_path}/c ", "starts or ends with a space"),
+        ("~mfsreg-no-such-user/c", "user name this machine does not have"),
+    ):
         for make in (lambda: NodeCache(bad), lambda: Node("http://127.0.0.1:9", "t", bad)):
             with pytest.raises(InvalidRequest, match=says) as got:
                 make()
@@ -1168,8 +1330,9 @@ def test_an_explicit_cache_dir_is_checked_as_mfsreg_cache_dir_is(tmp_path, monke
     monkeypatch.setenv("XDG_CACHE_HOME", "rel")
     assert default_cache_dir() == tmp_path / "home" / ".cache" / "mfsreg"
     monkeypatch.setenv("XDG_CACHE_HOME", f"{tmp_path}/xdg ")
-    with pytest.raises(InvalidRequest, match="XDG_CACHE_HOME=.* starts or ends with a space, .*: remove it, or set "
-                                             "MFSREG_CACHE_DIR"):
+    with pytest.raises(
+        InvalidRequest, match="XDG_CACHE_HOME=.* starts or ends with a space, .*: remove it, or set MFSREG_CACHE_DIR"
+    ):
         NodeCache()
     monkeypatch.setenv("XDG_CACHE_HOME", f"{tmp_path}/xdg")
     assert default_cache_dir() == tmp_path / "xdg" / "mfsreg"
@@ -1183,8 +1346,10 @@ def test_an_empty_url_or_token_is_refused_not_read_from_the_environment(tmp_path
 
     monkeypatch.setenv("MFSREG_URL", "http://127.0.0.1:9")
     monkeypatch.setenv("MFSREG_TOKEN", "from-the-environment")
-    for kw, says in (({"url": ""}, "^url='' is empty: give one, or leave url= out to use MFSREG_URL$"),
-                     ({"token": ""}, "^token='' is empty: give one, or leave token= out to use MFSREG_TOKEN$")):
+    for kw, says in (
+        ({"url": ""}, "^url='' is empty: give one, or leave url= out to use MFSREG_URL$"),
+        ({"token": ""}, "^token='' is empty: give one, or leave token= out to use MFSREG_TOKEN$"),
+    ):
         with pytest.raises(InvalidRequest, match=says):
             Node(cache_dir=str(tmp_path / "c"), **kw)
     assert not (tmp_path / "c").exists()
@@ -1307,8 +1472,12 @@ def test_a_damaged_cache_index_is_one_line_and_a_new_one_recovers_the_chunks(tmp
 def _on_disk(env: dict) -> list[int]:
     """The sizes of the chunk and materialised files in the cache (temp files left out)."""
     root = Path(env["MFSREG_CACHE_DIR"])
-    return [p.stat().st_size for d in ("chunks", "files") for p in (root / d).rglob("*")
-            if p.is_file() and not p.name.startswith(".")]
+    return [
+        p.stat().st_size
+        for d in ("chunks", "files")
+        for p in (root / d).rglob("*")
+        if p.is_file() and not p.name.startswith(".")
+    ]
 
 
 def test_a_new_index_records_the_chunks_already_cached(published, fam, tmp_path):
@@ -1372,7 +1541,6 @@ def test_a_damaged_cached_chunk_is_fetched_again(published, writes, fam, tmp_pat
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
 
 
-
 def test_a_directory_at_a_cached_chunks_name_is_found_by_verify(published, fam, tmp_path):
     """A directory made where a chunk's file was: `cache verify` passed it over (it lists plain
     files), and a pull failed naming a temp file of its own. The pull says what is in the way and
@@ -1416,10 +1584,15 @@ def test_a_cache_path_that_is_a_file_is_one_line(tmp_path):
     (tmp_path / "a-file").write_text("mine")
     (tmp_path / "c" / "chunks").parent.mkdir()
     (tmp_path / "c" / "chunks").write_text("mine")
-    for root, blocker in ((tmp_path / "a-file", tmp_path / "a-file"), (tmp_path / "a-file" / "deeper", tmp_path / "a-file"),
-                          (tmp_path / "c", tmp_path / "c" / "chunks")):
+    for root, blocker in (
+        (tmp_path / "a-file", tmp_path / "a-file"),
+        (tmp_path / "a-file" / "deeper", tmp_path / "a-file"),
+        (tmp_path / "c", tmp_path / "c" / "chunks"),
+    ):
         for make in (lambda: NodeCache(root), lambda: Node("http://127.0.0.1:9", "t", str(root))):
-            with pytest.raises(InvalidRequest, match=f"\\({blocker} is a file\\): a file is where a directory is needed; move it away") as got:
+            with pytest.raises(
+                InvalidRequest, match=f"\\({blocker} is a file\\): a file is where a directory is needed; move it away"
+            ) as got:
                 make()
             assert "\n" not in str(got.value)
     assert (tmp_path / "a-file").read_text() == "mine" and (tmp_path / "c" / "chunks").read_text() == "mine"
@@ -1430,14 +1603,18 @@ def _mappable_and_not(node: Node, version: str) -> tuple[str, str]:
     pieces = [(span, p) for span, ps in layout(node.fetcher.version("fam", version)).values() for p in ps]
 
     def maps(span, p) -> bool:
-        return p.start % mmap.PAGESIZE == 0 and p.chunk.size >= mmap.PAGESIZE and (
-            p.chunk.size % mmap.PAGESIZE == 0 or p.start + p.chunk.size == span.nbytes)
+        return (
+            p.start % mmap.PAGESIZE == 0
+            and p.chunk.size >= mmap.PAGESIZE
+            and (p.chunk.size % mmap.PAGESIZE == 0 or p.start + p.chunk.size == span.nbytes)
+        )
 
     mapped = {p.chunk.id for span, p in pieces if maps(span, p)}
     read = [p.chunk.id for span, p in pieces if not maps(span, p) and p.chunk.id not in mapped]
     return sorted(mapped)[0], read[0]
 
 
+@pytest.mark.process
 def test_a_fifo_or_directory_at_a_cached_chunks_name_is_damage_not_a_hang(published, fam, tmp_path):
     """A fifo standing where a chunk's file goes made the mapping's open wait for a writer, forever
     (a load hung), and a pull's; a directory there raised IsADirectoryError from read_into. A fifo
@@ -1485,8 +1662,10 @@ def test_a_fifo_or_directory_at_a_cached_chunks_name_is_damage_not_a_hang(publis
                 if path.is_file():
                     path.unlink()
                     path.mkdir()
-            with pytest.raises(StorageError, match="a directory stands at that name in the node cache; `mfsreg cache "
-                                                   "verify` removes it") as got:
+            with pytest.raises(
+                StorageError,
+                match="a directory stands at that name in the node cache; `mfsreg cache verify` removes it",
+            ) as got:
                 load_tensors("fam", "lora-chat", node=node, verify=verify)
             assert "\n" not in str(got.value) and ".tmp" not in str(got.value)
     finally:
@@ -1546,6 +1725,7 @@ def _bound_by_modes(*args, env: dict) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.process
 def test_a_cached_chunk_this_user_may_not_read_is_replaced_where_the_cache_is_writable(published, fam, tmp_path):
     """A chunk file of mode 000 (a chmod by hand, a restore that lost modes) stopped every pull in
     one line, though the cache is this user's to write and a rename over the file repairs it, as it
@@ -1572,8 +1752,10 @@ def test_a_cached_chunk_this_user_may_not_read_is_replaced_where_the_cache_is_wr
         for args in (("pull", "fam", "lora-chat", "-o", tmp_path / "again"), ("cache", "verify")):
             proc = _bound_by_modes(*args, env=env)
             assert proc.returncode == 5 and proc.stderr.count("\n") == 1, proc.stderr
-            assert f"cannot read {_cache_file(env, victim)} in the node cache: Permission denied: check its " \
-                   "permissions" in proc.stderr, proc.stderr
+            assert (
+                f"cannot read {_cache_file(env, victim)} in the node cache: Permission denied: check its "
+                "permissions" in proc.stderr
+            ), proc.stderr
         assert not (tmp_path / "again").exists()
     finally:
         shard.chmod(0o755)
@@ -1599,6 +1781,7 @@ def test_a_damaged_cached_basis_is_fetched_again(published, fam, tmp_path):
     assert res["fetched_bytes"] == expected + basis_stored
 
 
+@pytest.mark.process
 def test_a_cached_basis_this_user_may_not_read_is_written_over_once_fetched(published, fam, tmp_path):
     """A delta's basis whose cache file this user may not read (mode 000, in a cache the user may
     write) is fetched to decode the delta, as a damaged one is; but the copy fetched was not written
@@ -1630,7 +1813,7 @@ def test_a_cached_basis_this_user_may_not_read_is_written_over_once_fetched(publ
     assert users and json.loads(proc.stdout)["fetched_bytes"] == sum(rows[i][1] for i in users)  # the basis not again
 
 
-def test_a_pack_lost_behind_the_first_of_a_batch_is_reported_before_the_stream(published, server_env, tmp_path):
+def test_a_pack_lost_behind_the_first_of_a_batch_is_reported_before_the_stream(published_alone, server_env, tmp_path):
     """The server checks every pack of a download batch before it streams: with the first pack it
     would read still there and a later one gone, the pull gets the storage error in one line, not
     a stream that breaks off halfway."""
@@ -1638,7 +1821,7 @@ def test_a_pack_lost_behind_the_first_of_a_batch_is_reported_before_the_stream(p
     from mfsreg.registry.config import Settings
     from mfsreg.registry.registry import Registry
 
-    _, env = published
+    _, env = published_alone
     reg = Registry(Settings.from_env(server_env))
     try:
         ids = list(needed(env, "last-code"))
@@ -1652,6 +1835,7 @@ def test_a_pack_lost_behind_the_first_of_a_batch_is_reported_before_the_stream(p
     assert proc.returncode == 5 and "storage lost data" in proc.stderr and packs[1] in proc.stderr, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert not (tmp_path / "out").exists()
+
 
 def test_pulls_write_through_the_page_cache_unless_asked_otherwise(published, fam, tmp_path):
     """Unset, MFSREG_PULL_DIRECT leaves pulled files in the page cache, where whoever reads them next
@@ -1707,11 +1891,11 @@ def test_a_pull_writes_through_the_page_cache_where_o_direct_is_refused(publishe
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp file of either way
 
 
-def test_a_fetch_that_fails_mid_pull_is_one_line_and_writes_nothing(published, s3_bucket, tmp_path):
+def test_a_fetch_that_fails_mid_pull_is_one_line_and_writes_nothing(published_alone, s3_bucket, tmp_path):
     """The fetch runs beside the assembly: when the registry cannot serve the chunks (its packs
     are gone), the pull stops with the registry's error (read before its stream starts, so not a
     broken connection), leaves no file and no temp file, and what the cache held stays."""
-    _, env = published
+    _, env = published_alone
     mfsreg_json("cache", "warm", "fam", "--tier", "base", env=env)
     before = sorted(cached_ids(env))
     endpoint, bucket = s3_bucket
@@ -1731,11 +1915,15 @@ def test_pull_to_an_impossible_path_is_one_line(published, tmp_path):
     (tmp_path / "a-file").write_text("not a directory")
     proc = mfsreg("pull", "fam", "lora-chat", "-o", tmp_path / "a-file" / "out", env=env, check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert len(proc.stderr.strip().splitlines()) == 1 and "a-file is a file, not a directory" in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "a-file is a file, not a directory" in proc.stderr, (
+        proc.stderr
+    )
     assert (tmp_path / "a-file").read_text() == "not a directory"
     # --to-dir onto a file: refused before anything is fetched
     proc = mfsreg("pull", "fam", "lora-chat", "--to-dir", tmp_path / "a-file", env=env, check=False)
-    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "--to-dir needs a directory" in proc.stderr, proc.stderr
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "--to-dir needs a directory" in proc.stderr, (
+        proc.stderr
+    )
     assert cached_ids(env) == [] and (tmp_path / "a-file").read_text() == "not a directory"
     # a directory where a file of the version goes: one line, and no temp link left beside it
     engine = tmp_path / "engine"
@@ -1743,7 +1931,6 @@ def test_pull_to_an_impossible_path_is_one_line(published, tmp_path):
     proc = mfsreg("pull", "fam", "lora-chat", "--to-dir", engine, env=env, check=False)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert sorted(os.listdir(engine)) == ["lora-chat.safetensors"]
-
 
 
 def test_prune_removes_temp_files_that_killed_writers_left(tmp_path):
@@ -1828,6 +2015,7 @@ print(os.path.exists(root + "/unrecorded"))
 """
 
 
+@pytest.mark.process
 def test_stats_count_the_chunks_whose_index_rows_a_full_disk_stopped(tmp_path):
     """A full disk (here a file size limit, ulimit -f, which fails writes with EFBIG as a full disk
     does with ENOSPC) that stops the index's write after a batch of chunk files was renamed into
@@ -1837,11 +2025,14 @@ def test_stats_count_the_chunks_whose_index_rows_a_full_disk_stopped(tmp_path):
     from which the next opening of the cache records them (or `cache verify` does)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MFSREG_")}
     env["MFSREG_CACHE_DIR"] = str(tmp_path / "c")
-    proc = subprocess.run([sys.executable, "-c", _FULL_INDEX, str(tmp_path / "c")], capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", _FULL_INDEX, str(tmp_path / "c")], capture_output=True, text=True, timeout=120
+    )
     said = proc.stdout.splitlines()
     assert proc.returncode == 0 and len(said) == 3, proc
-    assert said[0].startswith(f"the node cache cannot take {tmp_path / 'c' / 'chunks'}") and "File too large" in said[0], said
+    assert (
+        said[0].startswith(f"the node cache cannot take {tmp_path / 'c' / 'chunks'}") and "File too large" in said[0]
+    ), said
     assert said[1].startswith(f"the node cache's index {tmp_path / 'c' / 'index.db'} cannot be used"), said
     assert said[2] == "True", said  # the marker stays while its files cannot be recorded
     on_disk = [p.stat().st_size for p in (tmp_path / "c" / "chunks").rglob("*") if p.is_file()]
@@ -1977,14 +2168,17 @@ def test_a_chunk_table_with_malformed_rows_is_refused(published, tmp_path):
         for case, bad in rows.items():
             hostile.doc = {**doc, "chunks": {**doc["chunks"], some_id: bad}}
             there = dict(env, MFSREG_URL=f"http://127.0.0.1:{hostile.server_address[1]}")
-            for args in (["pull", "fam", "lora-chat", "-o", tmp_path / "out" / "m.safetensors"],
-                         ["cache", "warm", "fam", "--tier", "base"]):
+            for args in (
+                ["pull", "fam", "lora-chat", "-o", tmp_path / "out" / "m.safetensors"],
+                ["cache", "warm", "fam", "--tier", "base"],
+            ):
                 proc = mfsreg(*args, env=there, check=False)
                 assert proc.returncode == 4 and proc.stderr.count("\n") == 1, (case, args[0], proc.stderr)
                 assert "fails its checks" in proc.stderr and "Traceback" not in proc.stderr, (case, proc.stderr)
                 assert not (tmp_path / "out").exists(), case
-        assert not cache.exists() or not any(p.is_file() and p.stat().st_size > 0 and "evil" in p.name
-                                             for p in cache.rglob("*"))
+        assert not cache.exists() or not any(
+            p.is_file() and p.stat().st_size > 0 and "evil" in p.name for p in cache.rglob("*")
+        )
     finally:
         hostile.shutdown()
         hostile.server_close()
@@ -2064,9 +2258,13 @@ def test_a_to_dir_pull_over_the_limit_keeps_its_file_and_reuses_it(published, fa
     assert os.stat(first["path"]).st_ino == os.stat(second["path"]).st_ino  # one file, linked twice
     cache = NodeCache(Path(env["MFSREG_CACHE_DIR"]))
     try:
+
         def used(path: str) -> float:
-            sha = next(k for k in cache._conn().execute("SELECT key FROM entries WHERE key LIKE 'file:%'").fetchall()
-                       if os.path.samefile(cache.file_path(k[0][5:]), path))[0]
+            sha = next(
+                k
+                for k in cache._conn().execute("SELECT key FROM entries WHERE key LIKE 'file:%'").fetchall()
+                if os.path.samefile(cache.file_path(k[0][5:]), path)
+            )[0]
             return cache._conn().execute("SELECT last_used FROM entries WHERE key = ?", (sha,)).fetchone()[0]
 
         before = used(first["path"])
@@ -2077,13 +2275,13 @@ def test_a_to_dir_pull_over_the_limit_keeps_its_file_and_reuses_it(published, fa
         cache.close()
 
 
-def test_a_failed_pull_still_holds_the_cache_to_its_limit(published, server_env, fam, tmp_path):
+def test_a_failed_pull_still_holds_the_cache_to_its_limit(published_alone, server_env, fam, tmp_path):
     """A pull that fails (here its version is deleted as its fetch starts) evicts down to the limit
     as a finished one does; the cache stayed over it until some later pull succeeded."""
     from mfsreg.registry.errors import NotFound
     from mfsreg.registry.progress import NullProgress
 
-    srv, env = published
+    srv, env = published_alone
     mfsreg("pull", "fam", "base", "-o", tmp_path / "base.out", env=env)  # fills the cache
     held = NodeCache(Path(env["MFSREG_CACHE_DIR"])).total_bytes()
     limit = held // 2
@@ -2245,6 +2443,7 @@ def test_no_row_is_made_between_a_removals_commit_and_its_unlink(tmp_path, monke
                     t.join(timeout=0.5)  # done at once where nothing holds the lock
                     waited.append(t)
                 return real(path, *args, **kwargs)
+
             return call
 
         for name in ("unlink", "rename"):  # a drop renames the file aside first
@@ -2290,6 +2489,7 @@ def test_a_good_copy_placed_while_a_damaged_one_is_dropped_stays(tmp_path, monke
                         busy.clear()
                     calls.append(real.__name__)
                 return real(*args, **kwargs)
+
             return call
 
         for name in ("stat", "lstat", "rename", "replace", "unlink"):
@@ -2303,7 +2503,10 @@ def test_a_good_copy_placed_while_a_damaged_one_is_dropped_stays(tmp_path, monke
                 break
             with open(path, "rb") as f:
                 assert chunk_id(f.read()) == x, (k, calls)
-            assert not [p for p in Path(path).parent.iterdir() if p.name.startswith(".")], (k, calls)  # nothing left aside
+            assert not [p for p in Path(path).parent.iterdir() if p.name.startswith(".")], (
+                k,
+                calls,
+            )  # nothing left aside
             points += 1
         finally:
             cache.close()
@@ -2360,8 +2563,11 @@ def test_a_cached_chunk_evicted_during_a_pull_is_fetched_at_once_not_after_the_f
         remote.close()
         cache.close()
 
+
 @pytest.mark.parametrize("how, writes_to", [("-o", "direct"), ("-o", "page cache"), ("--to-dir", "page cache")])
-def test_a_node_pull_that_fails_partway_leaves_the_files_there_as_they_were(how, writes_to, published, server_env, tmp_path):
+def test_a_node_pull_that_fails_partway_leaves_the_files_there_as_they_were(
+    how, writes_to, published_alone, server_env, tmp_path
+):
     """A directory version's files are renamed into place together: a node pull of v2 over v1 whose
     last big file needs a chunk the server has lost fails in one line and leaves v1's files, every
     one, with no temp file or link beside them (before, the files before it had replaced v1's); one
@@ -2370,7 +2576,7 @@ def test_a_node_pull_that_fails_partway_leaves_the_files_there_as_they_were(how,
     from mfsreg.registry.config import Settings
     from mfsreg.registry.registry import Registry
 
-    _, env = published
+    _, env = published_alone
     env["MFSREG_PULL_DIRECT"] = "1" if writes_to == "direct" else "0"
     v1, v2 = synth.two_directory_versions(tmp_path / "src")
     mfsreg_json("push", v1, "--family", "dirs", "--version", "v1", env=env)

@@ -13,14 +13,23 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 # source folder -> where setup.py puts it in the package
-FOLDERS = {"mfsreg": "mfsreg", "registry": "mfsreg/registry", "api": "mfsreg/api", "cli": "mfsreg/cli",
-           "migrations": "mfsreg/migrations"}
+FOLDERS = {
+    "mfsreg": "mfsreg",
+    "registry": "mfsreg/registry",
+    "api": "mfsreg/api",
+    "cli": "mfsreg/cli",
+    "migrations": "mfsreg/migrations",
+}
 
 
 def _sources() -> list[Path]:
     """The repository's files a build sees: tracked ones and new ones git does not ignore."""
-    out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
-                         capture_output=True, check=True).stdout.decode()
+    out = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=REPO,
+        capture_output=True,
+        check=True,
+    ).stdout.decode()
     return [Path(p) for p in out.split("\0") if p and (REPO / p).exists()]
 
 
@@ -32,8 +41,11 @@ def wheel(tmp_path_factory) -> zipfile.ZipFile:
         (src / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(REPO / rel, src / rel)
     out = tmp_path_factory.mktemp("wheel")
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out),
-                    str(src)], check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out), str(src)],
+        check=True,
+        capture_output=True,
+    )
     (path,) = out.glob("mfsreg-*.whl")
     with zipfile.ZipFile(path) as zf:
         yield zf
@@ -49,8 +61,11 @@ def test_the_wheel_installs_one_import_name(wheel):
 
 def test_every_source_module_and_migration_is_in_the_wheel(wheel):
     names = set(wheel.namelist())
-    wanted = {FOLDERS[p.parts[0]] + "/" + "/".join(p.parts[1:]) for p in _sources()
-              if p.parts[0] in FOLDERS and p.suffix in (".py", ".mako")}
+    wanted = {
+        FOLDERS[p.parts[0]] + "/" + "/".join(p.parts[1:])
+        for p in _sources()
+        if p.parts[0] in FOLDERS and p.suffix in (".py", ".mako")
+    }
     assert wanted and wanted <= names, sorted(wanted - names)
     built = {n.split(".")[0] for n in names if n.endswith(".so")}
     assert built == {"mfsreg/registry/_grouping", "mfsreg/registry/_busguard", "mfsreg/registry/client/_mapfiles"}
@@ -74,8 +89,13 @@ def test_no_module_imports_the_folders_by_their_bare_names():
         if path.suffix != ".py" or path.parts[0] not in {*FOLDERS, "tests", "benchmarks", "examples"}:
             continue
         for node in ast.walk(ast.parse((REPO / path).read_text(), str(path))):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom) and not node.level
+                else []
+            )
             found += [f"{path}:{node.lineno} {n}" for n in names if n.split(".")[0] in bare]
     assert found == []
 

@@ -6,19 +6,19 @@ import dataclasses
 import filecmp
 import threading
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import pytest
 from sqlalchemy import func, insert, select, text, update
 
-from mfsreg.registry.config import Settings
+from mfsreg.registry import service
 from mfsreg.registry.blobs.packs import pack_key
+from mfsreg.registry.config import Settings
 from mfsreg.registry.db import prune as prune_db
 from mfsreg.registry.db.engine import create_db_engine, read_tx, write_tx
 from mfsreg.registry.db.locks import exclude_writers
 from mfsreg.registry.db.models import chunks, packs, unlisted_packs
 from mfsreg.registry.errors import Conflict, InvalidRequest, NotFound, Pruned
-from mfsreg.registry import service
 from mfsreg.registry.hashing import HashJob, hash_source
 from mfsreg.registry.ingest import RecordedPacks, commit_version, plan_deltas, upload_missing
 from mfsreg.registry.progress import NullProgress
@@ -28,7 +28,7 @@ from mfsreg.registry.wire import Entry, build_batch
 from tests.cli_run import mfsreg, mfsreg_json
 from tests.hooks import OnFirst, OnSend, Tally
 
-LONG_AGO = datetime(2020, 1, 1, tzinfo=timezone.utc)
+LONG_AGO = datetime(2020, 1, 1, tzinfo=UTC)
 HOUR = 3600.0
 
 
@@ -62,10 +62,12 @@ class InFlightPush:
         self.source = open_source(path)
         self.job = HashJob(self.source, reg.settings.chunk_size, NullProgress())
 
-    def plan(self) -> "InFlightPush":
+    def plan(self) -> InFlightPush:
         ids = self.job.chunk_ids()
         self.missing = set(ids) - set(self.reg.locate(ids))
-        new_files = [(refs, f.header.tensors if f.header else ()) for refs, f in zip(self.job.file_chunks, self.source.files)]
+        new_files = [
+            (refs, f.header.tensors if f.header else ()) for refs, f in zip(self.job.file_chunks, self.source.files)
+        ]
         self.bases, self.reader = plan_deltas(self.reg, self.family, self.parent, new_files, ids, self.missing)
         return self
 
@@ -200,8 +202,16 @@ def test_dry_run_changes_nothing_and_foretells_the_real_run(reg, fam):
     assert (reg.stats(), pack_blobs(reg), chunk_bytes(reg)) == before
 
     real = reg.prune(min_age=0, max_unused=0)
-    fields = ("deleted_chunks", "deleted_chunk_bytes", "repacked_packs", "moved_bytes", "retired_packs",
-              "deleted_packs", "freed_bytes", "waiting_packs")
+    fields = (
+        "deleted_chunks",
+        "deleted_chunk_bytes",
+        "repacked_packs",
+        "moved_bytes",
+        "retired_packs",
+        "deleted_packs",
+        "freed_bytes",
+        "waiting_packs",
+    )
     assert dry.dry_run and not real.dry_run
     assert {f: getattr(dry, f) for f in fields} == {f: getattr(real, f) for f in fields}
 
@@ -228,8 +238,13 @@ def test_prune_refuses_bad_arguments(reg, min_age, max_unused):
 
 def test_prune_on_s3(tmp_path, fam, s3_blob_url):
     blob_url, endpoint = s3_blob_url
-    settings = Settings.from_env({"MFSREG_HOME": str(tmp_path / "home")}, blob_url=blob_url,
-                                 s3_endpoint_url=endpoint, chunk_size=64 << 10, pack_size=1 << 20)
+    settings = Settings.from_env(
+        {"MFSREG_HOME": str(tmp_path / "home")},
+        blob_url=blob_url,
+        s3_endpoint_url=endpoint,
+        chunk_size=64 << 10,
+        pack_size=1 << 20,
+    )
     with Registry(settings, migrate=True) as reg:
         push_family_and_delete_two(reg, fam)
         res = reg.prune(min_age=0, max_unused=0)
@@ -253,8 +268,10 @@ def test_cli_prune(home_env, fam):
     assert mfsreg_json("prune", "--min-age", "0", env=home_env)["deleted_chunks"] > 0
 
 
-@pytest.mark.parametrize("args, what", [(["--min-age", "5x"], "min-age"), (["--min-age", "-1h"], "min-age"),
-                                        (["--max-unused", "1.5"], "max unused")])
+@pytest.mark.parametrize(
+    "args, what",
+    [(["--min-age", "5x"], "min-age"), (["--min-age", "-1h"], "min-age"), (["--max-unused", "1.5"], "max unused")],
+)
 def test_cli_prune_bad_arguments(home_env, args, what):
     proc = mfsreg("prune", *args, env=home_env, check=False)
     assert proc.returncode == 2
@@ -389,8 +406,18 @@ def test_the_check_keeps_a_chosen_chain_down_to_its_plain_chunk(reg, fam):
         assert prune_mod.still_unneeded(conn, chosen) == []  # full-med needs them all
         conn.execute(text("DELETE FROM version_chunks"))  # as if every version were deleted
         assert prune_mod.still_unneeded(conn, chosen) == chosen
-        conn.execute(insert(chunks).values(id="f" * 32, size=delta.size, encoding=delta.encoding, stored_size=1,
-                                           pack_id=delta.pack_id, offset=0, basis_id=delta.id, depth=2))
+        conn.execute(
+            insert(chunks).values(
+                id="f" * 32,
+                size=delta.size,
+                encoding=delta.encoding,
+                stored_size=1,
+                pack_id=delta.pack_id,
+                offset=0,
+                basis_id=delta.id,
+                depth=2,
+            )
+        )
         assert prune_mod.still_unneeded(conn, chosen) == [state(other)]
         conn.rollback()
 
@@ -467,8 +494,15 @@ def test_the_servers_batch_upload_stores_plain_what_a_prune_took_the_basis_of(re
     assert gone and neg["missing"]
     data = fam["full-med"].read_bytes()
     refs = {c.id: c for f in manifest.files for c in f.chunks}
-    body = build_batch([(Entry(i, refs[i].size, "raw", refs[i].size, neg["bases"].get(i), refs[i].itemsize),
-                         data[refs[i].offset : refs[i].offset + refs[i].size]) for i in neg["missing"]])
+    body = build_batch(
+        [
+            (
+                Entry(i, refs[i].size, "raw", refs[i].size, neg["bases"].get(i), refs[i].itemsize),
+                data[refs[i].offset : refs[i].offset + refs[i].size],
+            )
+            for i in neg["missing"]
+        ]
+    )
 
     def delete_and_prune():
         reg.delete("fam", "base")
@@ -519,8 +553,15 @@ def test_the_servers_batch_upload_stores_plain_what_a_prune_deleted_the_bases_bl
     assert neg["bases"] and neg["missing"]
     data = fam["full-med"].read_bytes()
     refs = {c.id: c for f in manifest.files for c in f.chunks}
-    body = build_batch([(Entry(i, refs[i].size, "raw", refs[i].size, neg["bases"].get(i), refs[i].itemsize),
-                         data[refs[i].offset : refs[i].offset + refs[i].size]) for i in neg["missing"]])
+    body = build_batch(
+        [
+            (
+                Entry(i, refs[i].size, "raw", refs[i].size, neg["bases"].get(i), refs[i].itemsize),
+                data[refs[i].offset : refs[i].offset + refs[i].size],
+            )
+            for i in neg["missing"]
+        ]
+    )
     gone: set[str] = set()
     reg.blobs = OnFirst(reg.blobs, "get_ranges", lambda: gone.update(delete_base_and_prune_at_once(reg)))
     service.receive_batch(reg, "fam", body)
@@ -536,8 +577,8 @@ def test_a_proof_reads_again_where_a_prune_moved_the_stored_chunks(reg, fam, cap
     prune that repacks their pack between the lookup and the read (its blob deleted at once, with a
     grace period of 0) makes the first read fail: the chunks are looked up again, once, and compared
     in their new pack, and the upload passes."""
-    from tests.proofs import check_proofs
     from mfsreg.registry.auth import Principal
+    from tests.proofs import check_proofs
 
     # lora-chat first: its pack holds the chunks base shares with it, and its own, which die with it
     reg.push(fam["lora-chat"], "fam", "lora-chat")
@@ -545,12 +586,14 @@ def test_a_proof_reads_again_where_a_prune_moved_the_stored_chunks(reg, fam, cap
     reg.delete("fam", "lora-chat")
     m = hash_source(open_source(fam["base"]), reg.settings.chunk_size, NullProgress())
     data = fam["base"].read_bytes()
-    raw = {c.id: data[c.offset:c.offset + c.size] for f in m.files for c in f.chunks}
+    raw = {c.id: data[c.offset : c.offset + c.size] for f in m.files for c in f.chunks}
     before = {i: c.pack_id for i, c in reg.locate(list(raw)).items()}
     pruned = []
     reg.blobs = OnFirst(reg.blobs, "get_ranges", lambda: pruned.append(reg.prune(min_age=0, max_unused=0)))
     with caplog.at_level("WARNING", logger="mfsreg"):
-        assert check_proofs(reg, Principal("push", "qwen*"), "qwen", raw) == set(raw)  # every one compared and claimable
+        assert check_proofs(reg, Principal("push", "qwen*"), "qwen", raw) == set(
+            raw
+        )  # every one compared and claimable
     assert pruned[0].repacked_packs > 0
     moved = [i for i, c in reg.locate(list(raw)).items() if c.pack_id != before[i]]
     assert moved and not set(map(pack_key, {before[i] for i in moved})) & pack_blobs(reg)  # their old blob is gone
@@ -651,8 +694,9 @@ def test_a_pack_an_older_writer_lists_again_is_not_deleted(reg, fam):
         (pack_id, size), *_ = prune_db.unlisted(conn)
     with write_tx(reg.engine) as conn:  # what the older writer's record_pack does: the pack and its chunk rows
         conn.execute(insert(packs).values(id=pack_id, size=size))
-        conn.execute(insert(chunks).values(id="d" * 32, size=size, encoding="raw", stored_size=size, pack_id=pack_id,
-                                           offset=0))
+        conn.execute(
+            insert(chunks).values(id="d" * 32, size=size, encoding="raw", stored_size=size, pack_id=pack_id, offset=0)
+        )
     age(reg, unlisted_packs, "since")
     reg.prune(min_age=HOUR, max_unused=0)
     assert pack_key(pack_id) in pack_blobs(reg)
@@ -667,8 +711,16 @@ def test_the_postgres_run_lock_leaves_no_transaction_open(pg_database):
     try:
         with prune_db.one_prune_at_a_time(engine):
             with engine.connect() as conn:
-                states = conn.execute(text("SELECT state FROM pg_stat_activity WHERE datname = current_database() "
-                                           "AND pid <> pg_backend_pid()")).scalars().all()
+                states = (
+                    conn.execute(
+                        text(
+                            "SELECT state FROM pg_stat_activity WHERE datname = current_database() "
+                            "AND pid <> pg_backend_pid()"
+                        )
+                    )
+                    .scalars()
+                    .all()
+                )
         assert states == ["idle"]  # the lock holder, outside any transaction
     finally:
         engine.dispose()
@@ -728,8 +780,11 @@ def test_a_pack_cut_short_found_by_a_repack_is_a_storage_error_and_the_deletions
 
     bad, retire, repack = _one_bad_pack_to_repack(reg, fam)
     before = reg.blobs.get(pack_key(bad))
-    with pytest.raises(StorageError, match=f"could not repack pack {bad}.*restore its blob from a backup.*The rest of "
-                                           f"the prune ran: .* {len(repack) - 1} packs repacked"):
+    with pytest.raises(
+        StorageError,
+        match=f"could not repack pack {bad}.*restore its blob from a backup.*The rest of "
+        f"the prune ran: .* {len(repack) - 1} packs repacked",
+    ):
         reg.prune(min_age=0, max_unused=0)
     blobs = pack_blobs(reg)
     assert not {pack_key(p) for p in retire + repack[1:]} & blobs  # deleted, and repacked then deleted

@@ -12,6 +12,7 @@ import torch
 from mfsreg.registry.errors import Conflict, NotFound, StorageError
 from mfsreg.registry.registry import Registry
 from tests import synth
+from tests.dialects import sqlite_only
 
 
 def test_family_round_trip_is_byte_identical(reg, fam, tmp_path):
@@ -75,6 +76,7 @@ def test_repush_stores_no_new_bytes(reg, fam):
     assert reg.stats("fam")["stored_bytes"] == first.new_bytes
 
 
+@sqlite_only
 def test_reordered_tensors_with_other_metadata_store_only_the_header(reg, tmp_path):
     tensors = synth.base_tensors()
     a = synth.write(tmp_path / "a.safetensors", tensors, {"note": "first"})
@@ -91,6 +93,7 @@ def test_reordered_tensors_with_other_metadata_store_only_the_header(reg, tmp_pa
     assert (tmp_path / "b.out").read_bytes() == b.read_bytes()
 
 
+@sqlite_only
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_dtypes_round_trip(reg, tmp_path, dtype):
     paths = synth.family(tmp_path / "f", dtype=dtype)
@@ -101,6 +104,7 @@ def test_dtypes_round_trip(reg, tmp_path, dtype):
         assert filecmp.cmp(tmp_path / "out.safetensors", p, shallow=False)
 
 
+@sqlite_only
 def test_sharded_directory_with_side_files(reg, tmp_path):
     src = tmp_path / "ckpt"
     src.mkdir()
@@ -122,6 +126,7 @@ def test_sharded_directory_with_side_files(reg, tmp_path):
     assert r2.new_chunks == 1  # the header
 
 
+@sqlite_only
 def test_index_file_pushes_index_and_shards(reg, tmp_path):
     src = tmp_path / "ckpt"
     src.mkdir()
@@ -141,6 +146,7 @@ def test_same_name_other_bytes_is_a_conflict(reg, fam):
         reg.push(fam["lora-chat"], "fam", "v1")
 
 
+@sqlite_only
 def test_unknown_parent_is_refused_before_storing(reg, fam):
     with pytest.raises(NotFound):
         reg.push(fam["base"], "fam", "v1", parent="nope")
@@ -148,6 +154,7 @@ def test_unknown_parent_is_refused_before_storing(reg, fam):
     assert list(reg.blobs.list()) == []
 
 
+@sqlite_only
 def test_pull_into_existing_directory_for_single_file(reg, fam, tmp_path):
     reg.push(fam["base"], "fam", "v1")
     d = tmp_path / "dir"
@@ -177,6 +184,7 @@ def test_delete_keeps_chunks_others_need(reg, fam, tmp_path):
     assert filecmp.cmp(tmp_path / "l.out", fam["lora-chat"], shallow=False)
 
 
+@sqlite_only
 def test_a_single_file_pulled_into_a_directory_reports_the_file(reg, fam, tmp_path):
     reg.push(fam["lora-chat"], "fam", "chat")
     (tmp_path / "out").mkdir()
@@ -186,16 +194,20 @@ def test_a_single_file_pulled_into_a_directory_reports_the_file(reg, fam, tmp_pa
     assert reg.pull("fam", "chat", tmp_path / "c.out").path == str(tmp_path / "c.out")
 
 
+@sqlite_only
 def test_a_pull_whose_pack_storage_lost_says_so_and_writes_nothing(reg, fam, tmp_path):
     reg.push(fam["base"], "fam", "base")
     for key in reg.blobs.list("packs/"):
         (reg.blobs.root / key).unlink()
     (tmp_path / "out").mkdir()
-    with pytest.raises(StorageError, match="storage lost data .*missing.*MFSREG_BLOB_URL.*restore that blob from a backup"):
+    with pytest.raises(
+        StorageError, match="storage lost data .*missing.*MFSREG_BLOB_URL.*restore that blob from a backup"
+    ):
         reg.pull("fam", "base", tmp_path / "out" / "base.safetensors")
     assert list((tmp_path / "out").iterdir()) == []  # nor a temp file left behind
 
 
+@sqlite_only
 @pytest.mark.parametrize("blocker", ["a directory where a file goes", "a file where a directory goes"])
 def test_a_pull_whose_file_would_land_on_a_directory_writes_nothing(blocker, reg, tmp_path):
     """A directory already where one of the version's files goes (or a file where it needs a
@@ -223,6 +235,7 @@ def test_a_pull_whose_file_would_land_on_a_directory_writes_nothing(blocker, reg
     assert sorted(p.name for p in out.iterdir()) == before
 
 
+@sqlite_only
 def test_a_directory_pull_that_fails_partway_leaves_the_files_there_as_they_were(reg, tmp_path):
     """The version's files are renamed into place together, once all are written and checked: a
     pull of v2 over v1 whose last big file meets a damaged chunk leaves v1's files, every one, and
@@ -254,9 +267,11 @@ def test_a_directory_pull_that_fails_partway_leaves_the_files_there_as_they_were
     assert not (tmp_path / "new").exists()
 
 
+@sqlite_only
 @pytest.mark.parametrize("store", ["local", "s3"])
-def test_a_push_that_finds_its_stored_chunks_pack_lost_sends_them_again_and_mends_the_store(store, settings, fam,
-                                                                                            tmp_path, request):
+def test_a_push_that_finds_its_stored_chunks_pack_lost_sends_them_again_and_mends_the_store(
+    store, settings, fam, tmp_path, request
+):
     """A pack deleted from the blob store by hand: a push of a version that reuses its chunks sent
     nothing, committed, and the version could not be pulled. It now finds the pack gone (one
     size lookup per pack), stores those chunks again, points their rows at the new copies and
@@ -285,6 +300,7 @@ def test_a_push_that_finds_its_stored_chunks_pack_lost_sends_them_again_and_mend
         assert reg.push(fam["base"], "fam", "third").new_chunks == 0
 
 
+@sqlite_only
 @pytest.mark.parametrize("store", ["local", "s3"])
 def test_a_repush_of_an_existing_version_mends_what_its_lost_pack_held(store, settings, fam, tmp_path, request):
     """A version that cannot be pulled because a pack was deleted from the blob store by hand: pushing
@@ -339,6 +355,7 @@ def _umask() -> int:
     return old
 
 
+@sqlite_only
 def test_a_pull_over_a_file_keeps_that_files_mode(reg, fam, tmp_path):
     """A pull builds each file under a temp name and renames it over the one at its place: a file
     made read-only (0444) came back 0644, its protection gone without a word. The new file takes

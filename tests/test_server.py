@@ -24,14 +24,19 @@ from mfsreg.registry.source import open_source
 from mfsreg.registry.wire import Entry, build_batch
 from tests import synth
 from tests.cli_run import MFSREG, mfsreg, mfsreg_json
+from tests.dialects import sqlite_only
 from tests.hooks import OnSend
-from tests.server import client_env, free_port, servers, server_env, token  # noqa: F401
+from tests.server import client_env, free_port, token
 
 
 def bucket_keys(env: dict) -> list[str]:
     bucket = env["MFSREG_BLOB_URL"].split("/")[2]
     s3 = boto3.client("s3", endpoint_url=env["MFSREG_S3_ENDPOINT_URL"], region_name="us-east-1")
-    return [o["Key"] for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket) for o in page.get("Contents", [])]
+    return [
+        o["Key"]
+        for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket)
+        for o in page.get("Contents", [])
+    ]
 
 
 def test_push_pull_ls_show_stats_delete_over_http(servers, server_env, fam, tmp_path):
@@ -46,7 +51,9 @@ def test_push_pull_ls_show_stats_delete_over_http(servers, server_env, fam, tmp_
         res = mfsreg_json("pull", "fam", name, "-o", out, env=env)
         assert res["digest"] == pushed[name]["digest"]
         assert filecmp.cmp(out, fam[name], shallow=False)
-    assert mfsreg_json("ls", env=env)["families"] == [{"family": "fam", "versions": 3, "base_quorum": 1.0, "chunk_size": 64 << 10}]
+    assert mfsreg_json("ls", env=env)["families"] == [
+        {"family": "fam", "versions": 3, "base_quorum": 1.0, "chunk_size": 64 << 10}
+    ]
     assert [v["version"] for v in mfsreg_json("ls", "fam", env=env)["versions"]] == ["base", "lora-chat", "vocab-ext"]
     show = mfsreg_json("show", "fam", "lora-chat", env=env)
     assert show["digest"] == pushed["lora-chat"]["digest"] and show["files"][0]["tensors"] > 0
@@ -96,16 +103,20 @@ def test_chunk_that_does_not_match_its_id_is_refused(servers, server_env, tmp_pa
     tok = token(server_env, "push")
     good = b"\x02" * 4096
     bad = b"\x03" * 4096
-    body = build_batch([(Entry(chunk_id(good), 4096, "raw", 4096), good),
-                        (Entry(chunk_id(good)[:-1] + "0", 4096, "raw", 4096), bad)])
+    body = build_batch(
+        [(Entry(chunk_id(good), 4096, "raw", 4096), good), (Entry(chunk_id(good)[:-1] + "0", 4096, "raw", 4096), bad)]
+    )
     r = httpx.post(f"{srv.url}/v1/families/fam/chunks", content=body, headers={"Authorization": f"Bearer {tok}"})
     assert r.status_code == 422 and "do not match" in r.json()["detail"]
     assert bucket_keys(server_env) == []
     # a commit naming chunks that were never stored is refused, and no version appears
     path = synth.write(tmp_path / "m.safetensors", synth.base_tensors())
     doc = hash_source(open_source(path), 64 << 10, NullProgress()).to_doc()
-    r = httpx.post(f"{srv.url}/v1/families/fam/versions/v1/commit", json={"manifest": doc},
-                   headers={"Authorization": f"Bearer {tok}"})
+    r = httpx.post(
+        f"{srv.url}/v1/families/fam/versions/v1/commit",
+        json={"manifest": doc},
+        headers={"Authorization": f"Bearer {tok}"},
+    )
     assert r.status_code == 404 and "not stored" in r.json()["detail"]
     r = httpx.get(f"{srv.url}/v1/families/fam/versions/v1", headers={"Authorization": f"Bearer {tok}"})
     assert r.status_code == 404
@@ -139,16 +150,30 @@ def test_bad_requests_get_problem_details(servers, server_env, tmp_path):
     h = {"Authorization": f"Bearer {token(server_env, 'admin')}"}
     r = httpx.post(f"{srv.url}/v1/families/fam/versions/v1/negotiate", json={"manifest": {"files": "nope"}}, headers=h)
     assert r.status_code == 400 and r.json()["detail"].startswith("malformed manifest")
-    bad_types = {"single_file": True, "files": [{"path": 7, "kind": "safetensors", "size": "1", "sha256": "0" * 64,
-                                                 "chunks": [["0" * 32, 0, "1", 1]], "tensors": []}]}
+    bad_types = {
+        "single_file": True,
+        "files": [
+            {
+                "path": 7,
+                "kind": "safetensors",
+                "size": "1",
+                "sha256": "0" * 64,
+                "chunks": [["0" * 32, 0, "1", 1]],
+                "tensors": [],
+            }
+        ],
+    }
     r = httpx.post(f"{srv.url}/v1/families/fam/versions/v1/negotiate", json={"manifest": bad_types}, headers=h)
     assert r.status_code == 400 and r.json()["detail"].startswith("malformed manifest")
     # a zstd frame that claims far more bytes than its chunk is refused without being inflated
     import zstandard
 
     bomb = zstandard.ZstdCompressor().compress(b"\0" * (64 << 20))
-    r = httpx.post(f"{srv.url}/v1/families/fam/chunks", headers=h,
-                   content=build_batch([(Entry(chunk_id(b"\0" * 1000), 1000, "zstd", len(bomb)), bomb)]))
+    r = httpx.post(
+        f"{srv.url}/v1/families/fam/chunks",
+        headers=h,
+        content=build_batch([(Entry(chunk_id(b"\0" * 1000), 1000, "zstd", len(bomb)), bomb)]),
+    )
     assert r.status_code == 422
     # nor are frames whose sizes add up to far more than the body, however small each payload
     from mfsreg.registry.config import Settings
@@ -174,28 +199,49 @@ def test_bad_requests_get_problem_details(servers, server_env, tmp_path):
         (b'{"ids": []}', "text/json", 422, "sent with Content-Type 'text/json': send it as JSON"),
         (b'["x"]', "application/json", 422, "the request body is JSON but not an object: send a JSON object"),
     ):
-        r = httpx.post(f"{srv.url}/v1/families/fam/chunks/download", content=body,
-                       headers={**h, **({"Content-Type": ctype} if ctype else {})})
+        r = httpx.post(
+            f"{srv.url}/v1/families/fam/chunks/download",
+            content=body,
+            headers={**h, **({"Content-Type": ctype} if ctype else {})},
+        )
         assert r.status_code == status and says in r.json()["detail"], (body[:20], r.text)
     r = httpx.head(f"{srv.url}/healthz")  # a load balancer's probe
     assert r.status_code == 200
-    ops = [op["operationId"] for path in httpx.get(f"{srv.url}/openapi.json").json()["paths"].values() for op in path.values()]
+    ops = [
+        op["operationId"]
+        for path in httpx.get(f"{srv.url}/openapi.json").json()["paths"].values()
+        for op in path.values()
+    ]
     assert len(ops) == len(set(ops))  # HEAD is not a second operation of the same id
     # the token is checked before the body is read: a caller without one gets a 401, not a parse
     # (FastAPI parses a JSON body before a route's dependencies run: without the early check, a 422)
     for body in (b"{not json", build_batch(many)):
         for path in ("versions/v1/negotiate", "versions/v1/commit", "chunks", "chunks/download"):
-            for auth, says in (({"Authorization": "Bearer mfs_nope"}, "unknown or revoked token"), ({}, "missing token")):
-                r = httpx.post(f"{srv.url}/v1/families/fam/{path}", content=body,
-                               headers={"Content-Type": "application/json", **auth})
+            for auth, says in (
+                ({"Authorization": "Bearer mfs_nope"}, "unknown or revoked token"),
+                ({}, "missing token"),
+            ):
+                r = httpx.post(
+                    f"{srv.url}/v1/families/fam/{path}",
+                    content=body,
+                    headers={"Content-Type": "application/json", **auth},
+                )
                 assert r.status_code == 401 and says in r.json()["detail"]
     # clients send raw or plain-compressed chunks: deltas are the server's to make, and unknown
     # encodings are refused
     raw = b"\x05" * 4096
-    for encoding, says in (("esubn-p2", "not accepted"), ("subn-p2", "not accepted"), ("xor-p2", "not accepted"),
-                           ("esub-p1", "unknown chunk encoding"), ("lz4", "unknown chunk encoding")):
-        r = httpx.post(f"{srv.url}/v1/families/fam/chunks", headers=h,
-                       content=build_batch([(Entry(chunk_id(raw), 4096, encoding, 4096, itemsize=2), raw)]))
+    for encoding, says in (
+        ("esubn-p2", "not accepted"),
+        ("subn-p2", "not accepted"),
+        ("xor-p2", "not accepted"),
+        ("esub-p1", "unknown chunk encoding"),
+        ("lz4", "unknown chunk encoding"),
+    ):
+        r = httpx.post(
+            f"{srv.url}/v1/families/fam/chunks",
+            headers=h,
+            content=build_batch([(Entry(chunk_id(raw), 4096, encoding, 4096, itemsize=2), raw)]),
+        )
         assert r.status_code == 400 and says in r.json()["detail"]
     assert bucket_keys(server_env) == []
     r = httpx.post(f"{srv.url}/v1/families/fam/chunks", content=b"\xff\xff\xff\x7fgarbage", headers=h)
@@ -234,34 +280,59 @@ def test_malformed_requests_get_a_400_and_store_nothing(servers, server_env, fam
     period past what dates can hold."""
     (srv,) = servers(1)
     admin = {"Authorization": f"Bearer {token(server_env, 'admin')}"}
-    for index in (b"[" * 100_000, json.dumps([{"id": "0" * 32, "size": float("inf"), "encoding": "raw", "length": 1}]).encode()):
-        r = httpx.post(f"{srv.url}/v1/families/fam/chunks", content=struct.pack("<I", len(index)) + index + b"x", headers=admin)
+    for index in (
+        b"[" * 100_000,
+        json.dumps([{"id": "0" * 32, "size": float("inf"), "encoding": "raw", "length": 1}]).encode(),
+    ):
+        r = httpx.post(
+            f"{srv.url}/v1/families/fam/chunks", content=struct.pack("<I", len(index)) + index + b"x", headers=admin
+        )
         assert r.status_code == 400 and "malformed chunk batch" in r.json()["detail"], r.text
     # counts that are not JSON integers were once rounded or cast ("size": "1", 1.9 and true all
     # stored a 1-byte chunk); each is named, with the entry it is in
     one = {"id": chunk_id(b"x"), "size": 1, "encoding": "raw", "length": 1}
-    for entry, says in (({**one, "size": "1"}, "entry 0's 'size' must be a non-negative integer, not \"1\""),
-                        ({**one, "size": 1.9}, "'size' must be a non-negative integer, not 1.9"),
-                        ({**one, "length": True}, "'length' must be a non-negative integer, not true"),
-                        ({**one, "itemsize": 3}, "itemsize 3 is not 1, 2, 4 or 8"),
-                        ({**one, "encoding": 7}, "'encoding' must be a string"),
-                        ({k: v for k, v in one.items() if k != "length"}, "entry 0 has no 'length'"),
-                        ("x", "entry 0 is not an object"),
-                        ({**one, "basis_id": "nope"}, "entry 0: invalid chunk id 'nope'")):
+    for entry, says in (
+        ({**one, "size": "1"}, "entry 0's 'size' must be a non-negative integer, not \"1\""),
+        ({**one, "size": 1.9}, "'size' must be a non-negative integer, not 1.9"),
+        ({**one, "length": True}, "'length' must be a non-negative integer, not true"),
+        ({**one, "itemsize": 3}, "itemsize 3 is not 1, 2, 4 or 8"),
+        ({**one, "encoding": 7}, "'encoding' must be a string"),
+        ({k: v for k, v in one.items() if k != "length"}, "entry 0 has no 'length'"),
+        ("x", "entry 0 is not an object"),
+        ({**one, "basis_id": "nope"}, "entry 0: invalid chunk id 'nope'"),
+    ):
         index = json.dumps([entry]).encode()
-        r = httpx.post(f"{srv.url}/v1/families/fam/chunks", content=struct.pack("<I", len(index)) + index + b"x", headers=admin)
+        r = httpx.post(
+            f"{srv.url}/v1/families/fam/chunks", content=struct.pack("<I", len(index)) + index + b"x", headers=admin
+        )
         assert r.status_code == 400 and says in r.json()["detail"], r.text
     index = json.dumps(one).encode()
-    r = httpx.post(f"{srv.url}/v1/families/fam/chunks", content=struct.pack("<I", len(index)) + index + b"x", headers=admin)
+    r = httpx.post(
+        f"{srv.url}/v1/families/fam/chunks", content=struct.pack("<I", len(index)) + index + b"x", headers=admin
+    )
     assert r.status_code == 400 and "expected a JSON list of entries" in r.json()["detail"], r.text
     huge = 1 << 50
-    doc = {"format": 1, "single_file": False, "files": [{"path": "x.bin", "kind": "blob", "size": huge, "sha256": "0" * 64,
-                                                            "chunks": [["0" * 32, 0, huge, 1]], "tensors": []}]}
+    doc = {
+        "format": 1,
+        "single_file": False,
+        "files": [
+            {
+                "path": "x.bin",
+                "kind": "blob",
+                "size": huge,
+                "sha256": "0" * 64,
+                "chunks": [["0" * 32, 0, huge, 1]],
+                "tensors": [],
+            }
+        ],
+    }
     for route, body in (("commit", {"manifest": doc, "chunk_size": 4096}), ("negotiate", {"manifest": doc})):
         r = httpx.post(f"{srv.url}/v1/families/fam/versions/v1/{route}", json=body, headers=admin, timeout=30)
         assert r.status_code == 400 and "byte limit" in r.json()["detail"], r.text
     good = hash_source(open_source(fam["base"]), 64 << 10, NullProgress()).to_doc()
-    r = httpx.post(f"{srv.url}/v1/families/fam/versions/v1/negotiate", json={"manifest": good, "parent": "nope"}, headers=admin)
+    r = httpx.post(
+        f"{srv.url}/v1/families/fam/versions/v1/negotiate", json={"manifest": good, "parent": "nope"}, headers=admin
+    )
     assert r.status_code == 404 and "parent version fam/nope does not exist" in r.json()["detail"], r.text
     for age in ("inf", "1e300"):
         r = httpx.post(f"{srv.url}/v1/prune", params={"min_age": age, "dry_run": "true"}, headers=admin)
@@ -270,31 +341,63 @@ def test_malformed_requests_get_a_400_and_store_nothing(servers, server_env, fam
     # family: a 400 naming the size read off the cuts (it was accepted at negotiation, and refused
     # at commit with a 409 saying the family that did not exist was cut at 2 MiB)
     parts = [b"xxx", b"x"]
-    r = httpx.post(f"{srv.url}/v1/families/tiny/chunks", headers=admin,
-                   content=build_batch([(Entry(chunk_id(b), len(b), "raw", len(b)), b) for b in parts]))
+    r = httpx.post(
+        f"{srv.url}/v1/families/tiny/chunks",
+        headers=admin,
+        content=build_batch([(Entry(chunk_id(b), len(b), "raw", len(b)), b) for b in parts]),
+    )
     assert r.status_code == 200, r.text
 
     def blob(cuts: list, size: int = 10) -> dict:
-        return {"format": 1, "single_file": False, "files": [{"path": "t.bin", "kind": "blob", "size": size,
-                "sha256": hashlib.sha256(b"x" * size).hexdigest(), "chunks": cuts, "tensors": []}]}
+        return {
+            "format": 1,
+            "single_file": False,
+            "files": [
+                {
+                    "path": "t.bin",
+                    "kind": "blob",
+                    "size": size,
+                    "sha256": hashlib.sha256(b"x" * size).hexdigest(),
+                    "chunks": cuts,
+                    "tensors": [],
+                }
+            ],
+        }
 
-    for doc, read in ((blob([[chunk_id(b"xxx"), o, 3, 1] for o in (0, 3, 6)] + [[chunk_id(b"x"), 9, 1, 1]]), 3),
-                      (blob([[chunk_id(b"x"), o, 1, 1] for o in range(10)]), 1)):
+    for doc, read in (
+        (blob([[chunk_id(b"xxx"), o, 3, 1] for o in (0, 3, 6)] + [[chunk_id(b"x"), 9, 1, 1]]), 3),
+        (blob([[chunk_id(b"x"), o, 1, 1] for o in range(10)]), 1),
+    ):
         for route in ("negotiate", "commit"):
             r = httpx.post(f"{srv.url}/v1/families/tiny/versions/v1/{route}", json={"manifest": doc}, headers=admin)
             assert r.status_code == 400, (route, r.text)
-            assert (f"the manifest is cut in chunks of {read} bytes, which new family 'tiny' would take: a chunk "
-                    "size is 4,096 to 268,435,456 bytes" in r.json()["detail"]), (route, r.text)
+            assert (
+                f"the manifest is cut in chunks of {read} bytes, which new family 'tiny' would take: a chunk "
+                "size is 4,096 to 268,435,456 bytes" in r.json()["detail"]
+            ), (route, r.text)
     assert httpx.get(f"{srv.url}/v1/families/tiny", headers=admin).status_code == 404
     # cuts of no family's size, sent to one that exists, are told that family's size (a 409)
-    r = httpx.post(f"{srv.url}/v1/families/tiny/versions/v1/commit", json={"manifest": blob([[chunk_id(b"xxx"), 0, 3, 1]], 3)},
-                   headers=admin)
+    r = httpx.post(
+        f"{srv.url}/v1/families/tiny/versions/v1/commit",
+        json={"manifest": blob([[chunk_id(b"xxx"), 0, 3, 1]], 3)},
+        headers=admin,
+    )
     assert r.status_code == 201, r.text  # one chunk: cut at no size in particular, the family takes 2 MiB
     for route in ("negotiate", "commit"):
         r = httpx.post(f"{srv.url}/v1/families/tiny/versions/v2/{route}", json={"manifest": doc}, headers=admin)
         assert r.status_code == 409 and "is cut in chunks of 2,097,152 bytes" in r.json()["detail"], (route, r.text)
-    proc = mfsreg("push", fam["lora-chat"], "--family", "fam", "--version", "v2", "--parent", "nope",
-                  env=client_env(tmp_path, srv.url, token(server_env, "push")), check=False)
+    proc = mfsreg(
+        "push",
+        fam["lora-chat"],
+        "--family",
+        "fam",
+        "--version",
+        "v2",
+        "--parent",
+        "nope",
+        env=client_env(tmp_path, srv.url, token(server_env, "push")),
+        check=False,
+    )
     assert proc.returncode == 2 and "parent version fam/nope does not exist" in proc.stderr, proc.stderr
     assert len(bucket_keys(server_env)) == 1  # the two tiny chunks' pack; the refused push uploaded nothing
 
@@ -323,19 +426,37 @@ def test_hostile_manifests_get_a_400(servers, server_env, fam, tmp_path):
     for doc, says in cases:
         body = json.dumps({"manifest": doc}).encode()  # ASCII escapes: the lone surrogate goes as "\\ud800"
         for route in ("negotiate", "commit"):
-            r = httpx.post(f"{srv.url}/v1/families/fam/versions/v1/{route}", content=body,
-                           headers={**admin, "Content-Type": "application/json"})
+            r = httpx.post(
+                f"{srv.url}/v1/families/fam/versions/v1/{route}",
+                content=body,
+                headers={**admin, "Content-Type": "application/json"},
+            )
             assert r.status_code == 400 and says in r.json()["detail"], (route, says, r.text)
     # 300 chunks at the largest size claim a 75 GiB file in 30 KB of JSON: compared with the cuts at
     # 4 KiB, it differs at its first chunk (planned whole, 20 million cuts: most of a minute and GBs)
     from mfsreg.registry.manifest import MAX_CHUNK_BYTES
 
     n = 300
-    big = {"format": 1, "single_file": False, "files": [{
-        "path": "x.bin", "kind": "blob", "size": n * MAX_CHUNK_BYTES, "sha256": "0" * 64,
-        "chunks": [["0" * 32, i * MAX_CHUNK_BYTES, MAX_CHUNK_BYTES, 1] for i in range(n)], "tensors": []}]}
-    r = httpx.post(f"{srv.url}/v1/families/fam/versions/v1/commit", json={"manifest": big, "chunk_size": 4096},
-                   headers=admin, timeout=20)
+    big = {
+        "format": 1,
+        "single_file": False,
+        "files": [
+            {
+                "path": "x.bin",
+                "kind": "blob",
+                "size": n * MAX_CHUNK_BYTES,
+                "sha256": "0" * 64,
+                "chunks": [["0" * 32, i * MAX_CHUNK_BYTES, MAX_CHUNK_BYTES, 1] for i in range(n)],
+                "tensors": [],
+            }
+        ],
+    }
+    r = httpx.post(
+        f"{srv.url}/v1/families/fam/versions/v1/commit",
+        json={"manifest": big, "chunk_size": 4096},
+        headers=admin,
+        timeout=20,
+    )
     assert r.status_code == 400 and "not cut at the chunk size it names" in r.json()["detail"], r.text
     assert bucket_keys(server_env) == []
     assert httpx.get(f"{srv.url}/v1/families/fam", headers=admin).status_code == 404
@@ -349,8 +470,11 @@ def test_body_limit(server_env, servers, tmp_path):
     assert r.status_code == 413 and "limit" in r.json()["detail"]
     # without a Content-Length (chunked transfer) the body is counted as it arrives, JSON bodies too
     pieces = (b"[" + b"0," * (1 << 16) for _ in range(40))
-    r = httpx.post(f"{srv.url}/v1/families/fam/versions/v1/negotiate", content=pieces,
-                   headers={**h, "Content-Type": "application/json"})
+    r = httpx.post(
+        f"{srv.url}/v1/families/fam/versions/v1/negotiate",
+        content=pieces,
+        headers={**h, "Content-Type": "application/json"},
+    )
     assert r.status_code == 413
     r = httpx.post(f"{srv.url}/v1/families/fam/chunks", content=(b"\0" * (1 << 16) for _ in range(40)), headers=h)
     assert r.status_code == 413
@@ -392,7 +516,15 @@ def test_the_default_body_limit_takes_a_batch_of_the_largest_chunk():
 def test_anonymous_reads_when_opened(server_env, servers, fam, tmp_path):
     server_env["MFSREG_ANONYMOUS_READ"] = "1"
     (srv,) = servers(1)
-    mfsreg_json("push", fam["base"], "--family", "fam", "--version", "v1", env=client_env(tmp_path, srv.url, token(server_env, "push")))
+    mfsreg_json(
+        "push",
+        fam["base"],
+        "--family",
+        "fam",
+        "--version",
+        "v1",
+        env=client_env(tmp_path, srv.url, token(server_env, "push")),
+    )
     anon = client_env(tmp_path, srv.url, None)
     assert [v["version"] for v in mfsreg_json("ls", "fam", env=anon)["versions"]] == ["v1"]
     proc = mfsreg("push", fam["lora-chat"], "--family", "fam", "--version", "v2", env=anon, check=False)
@@ -407,15 +539,24 @@ def test_a_post_is_refused_for_its_role_before_its_body_is_parsed(server_env, se
     (srv,) = servers(1)
     callers = {
         "read": ({"Authorization": f"Bearer {token(server_env, 'read')}"}, 403, "the operation needs 'push'"),
-        "push elsewhere": ({"Authorization": f"Bearer {token(server_env, 'push', 'other*')}"}, 403, "limited to families"),
+        "push elsewhere": (
+            {"Authorization": f"Bearer {token(server_env, 'push', 'other*')}"},
+            403,
+            "limited to families",
+        ),
         "anonymous": ({}, 401, "needs a token"),
     }
     for who, (auth, status, says) in callers.items():
         for path in ("fam/versions/v1/negotiate", "fam/versions/v1/commit", "fam/chunks"):
-            r = httpx.post(f"{srv.url}/v1/families/{path}", content=b"{not json" + b"[]," * 1000,
-                           headers={"Content-Type": "application/json", **auth})
+            r = httpx.post(
+                f"{srv.url}/v1/families/{path}",
+                content=b"{not json" + b"[]," * 1000,
+                headers={"Content-Type": "application/json", **auth},
+            )
             assert r.status_code == status and says in r.json()["detail"], (who, path, r.text)
-        r = httpx.post(f"{srv.url}/v1/prune", content=b"{not json", headers={"Content-Type": "application/json", **auth})
+        r = httpx.post(
+            f"{srv.url}/v1/prune", content=b"{not json", headers={"Content-Type": "application/json", **auth}
+        )
         assert r.status_code in (401, 403) and r.json()["status"] == r.status_code, (who, r.text)
     reader = callers["read"][0]
     r = httpx.post(f"{srv.url}/v1/families/fam/chunks/download", content=b"{not json", headers=reader)
@@ -427,14 +568,19 @@ def test_a_post_is_refused_for_its_role_before_its_body_is_parsed(server_env, se
         assert r.status_code == 413 and f"{MAX_DOWNLOAD_BODY} byte limit" in r.json()["detail"], r.text
 
 
+@pytest.mark.process
 def test_killed_push_rerun_sends_only_the_rest(servers, server_env, tmp_path):
     (srv,) = servers(1)
     admin = client_env(tmp_path, srv.url, token(server_env, "admin"))
     env = dict(admin, MFSREG_UPLOAD_BATCH=str(1 << 20))
     g = torch.Generator().manual_seed(5)
     src = synth.write(tmp_path / "big.safetensors", {f"w.{i}": torch.randn(1024, 1024, generator=g) for i in range(24)})
-    proc = subprocess.Popen([MFSREG, "push", str(src), "--family", "fam", "--version", "big"], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [MFSREG, "push", str(src), "--family", "fam", "--version", "big"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and proc.poll() is None:
         if mfsreg_json("stats", env=admin)["unreferenced_bytes"] >= 4 << 20:
@@ -461,8 +607,9 @@ def test_killed_push_rerun_sends_only_the_rest(servers, server_env, tmp_path):
     assert filecmp.cmp(tmp_path / "big.out", src, shallow=False)
 
 
+@pytest.mark.process
 def test_two_api_processes_take_concurrent_pushes(servers, server_env, tmp_path):
-    a_srv, b_srv = servers(2)
+    a_srv, b_srv = servers(2, process=True)
     tok = token(server_env, "push")
     g = torch.Generator().manual_seed(9)
     shared = {f"shared.{i}": torch.randn(512, 1024, generator=g) for i in range(8)}
@@ -472,8 +619,13 @@ def test_two_api_processes_take_concurrent_pushes(servers, server_env, tmp_path)
         own = {f"own.{i}": torch.randn(256, 1024, generator=gg) for i in range(4)}
         files[v] = synth.write(tmp_path / f"{v}.safetensors", {**shared, **own})
     procs = [
-        subprocess.Popen([MFSREG, "push", str(files[v]), "--family", "fam", "--version", v, "--json"],
-                         env=client_env(tmp_path, srv.url, tok), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [MFSREG, "push", str(files[v]), "--family", "fam", "--version", v, "--json"],
+            env=client_env(tmp_path, srv.url, tok),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for v, srv in (("a", a_srv), ("b", b_srv))
     ]
     for p in procs:
@@ -490,7 +642,11 @@ def test_two_api_processes_take_concurrent_pushes(servers, server_env, tmp_path)
 
 def test_unreachable_server_is_one_line(fam, tmp_path):
     env = client_env(tmp_path, f"http://127.0.0.1:{free_port()}", "mfs_whatever")
-    for args in (("ls",), ("push", fam["base"], "--family", "fam", "--version", "v1"), ("pull", "fam", "v1", "-o", tmp_path / "o")):
+    for args in (
+        ("ls",),
+        ("push", fam["base"], "--family", "fam", "--version", "v1"),
+        ("pull", "fam", "v1", "-o", tmp_path / "o"),
+    ):
         proc = mfsreg(*args, env=env, check=False)
         assert proc.returncode == 5 and "cannot reach the registry" in proc.stderr
         assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
@@ -504,21 +660,33 @@ def test_a_url_with_a_path_the_api_is_not_at_is_one_line(servers, server_env, fa
     problem of type http_error) read as "Not Found" of the family or version, exit 2."""
     (srv,) = servers(1)
     env = client_env(tmp_path, srv.url + "/api", token(server_env, "admin"))
-    for args in (("ls",), ("show", "fam", "v1"), ("push", fam["base"], "--family", "fam", "--version", "v1"),
-                 ("pull", "fam", "v1", "-o", tmp_path / "o"), ("cache", "warm", "fam")):
+    for args in (
+        ("ls",),
+        ("show", "fam", "v1"),
+        ("push", fam["base"], "--family", "fam", "--version", "v1"),
+        ("pull", "fam", "v1", "-o", tmp_path / "o"),
+        ("cache", "warm", "fam"),
+    ):
         proc = mfsreg(*args, env=env, check=False)
-        assert proc.returncode != 0 and "no mfsreg API there" in proc.stderr and "MFSREG_URL" in proc.stderr, (args, proc.stderr)
+        assert proc.returncode != 0 and "no mfsreg API there" in proc.stderr and "MFSREG_URL" in proc.stderr, (
+            args,
+            proc.stderr,
+        )
         assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert bucket_keys(server_env) == []
 
 
+@pytest.mark.process
 def test_a_url_that_is_not_an_mfsreg_server_is_one_line(tmp_path):
     """A static web server where MFSREG_URL should be: its 200 pages are not JSON."""
     site = tmp_path / "site"
     (site / "v1" / "families").mkdir(parents=True)  # GET /v1/families/ answers a 200 directory listing
     port = free_port()
-    web = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1", "-d", str(site)],
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    web = subprocess.Popen(
+        [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1", "-d", str(site)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         env = client_env(tmp_path, f"http://127.0.0.1:{port}", "mfs_whatever")
         for _ in range(100):
@@ -589,7 +757,9 @@ def test_a_version_committed_with_another_files_digests_is_not_taken_for_that_fi
     nothing and exited 0, the first file's bytes stored under it."""
     (srv,) = servers(1)
     env = client_env(tmp_path, srv.url, token(server_env, "admin"))
-    one, two = (synth.write(tmp_path / d / "m.safetensors", synth.base_tensors(seed=s)) for d, s in (("1", 0), ("2", 5)))
+    one, two = (
+        synth.write(tmp_path / d / "m.safetensors", synth.base_tensors(seed=s)) for d, s in (("1", 0), ("2", 5))
+    )
     mfsreg_json("push", one, "--family", "fam", "--version", "one", env=env)
     h = {"Authorization": f"Bearer {token(server_env, 'push', 'fam')}"}
     forged = hash_source(open_source(one), 64 << 10, NullProgress()).to_doc()
@@ -597,8 +767,9 @@ def test_a_version_committed_with_another_files_digests_is_not_taken_for_that_fi
     forged["files"][0]["sha256"] = honest.files[0].sha256  # the same path and size
     r = httpx.post(f"{srv.url}/v1/families/fam/versions/victim/commit", json={"manifest": forged}, headers=h)
     assert r.status_code == 201, r.text
-    neg = httpx.post(f"{srv.url}/v1/families/fam/versions/victim/negotiate", json={"manifest": honest.to_doc()},
-                     headers=h).json()
+    neg = httpx.post(
+        f"{srv.url}/v1/families/fam/versions/victim/negotiate", json={"manifest": honest.to_doc()}, headers=h
+    ).json()
     assert neg["exists"] and neg["existing_digest"] == honest.digest and neg["existing_layout"] != honest.layout
     proc = mfsreg("push", two, "--family", "fam", "--version", "victim", env=env, check=False)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
@@ -626,14 +797,18 @@ def test_a_scoped_token_uses_another_familys_chunks_only_by_sending_their_bytes(
     # naming the ids of another family's chunks is not enough: the commit is refused, and no version
     # appears; the answer is the one chunks stored nowhere get, so it does not say they are stored
     r = httpx.post(f"{url}/versions/v1/commit", json={"manifest": doc}, headers=scoped)
-    assert r.status_code == 404 and r.json()["detail"].startswith(f"{len(ids)} chunks of qwen/v1 are not stored for this family")
+    assert r.status_code == 404 and r.json()["detail"].startswith(
+        f"{len(ids)} chunks of qwen/v1 are not stored for this family"
+    )
     assert httpx.get(f"{url}/versions/v1", headers=scoped).status_code == 404
     # a manifest naming chunks stored nowhere (the grown vocabulary's) and chunks another family
     # stores (the tensors it shares with the base): all counted together
     mixed = hash_source(open_source(fam["vocab-ext"]), 64 << 10, NullProgress())
     assert set(mixed.chunk_ids()) & set(ids) and set(mixed.chunk_ids()) - set(ids)
     r = httpx.post(f"{url}/versions/v1/commit", json={"manifest": mixed.to_doc()}, headers=scoped)
-    assert r.status_code == 404 and r.json()["detail"].startswith(f"{len(mixed.chunk_ids())} chunks of qwen/v1 are not stored for this family")
+    assert r.status_code == 404 and r.json()["detail"].startswith(
+        f"{len(mixed.chunk_ids())} chunks of qwen/v1 are not stored for this family"
+    )
     # nor is another family's header read for such a commit: its parse errors would describe that model
     lying = json.loads(json.dumps(doc))
     lying["files"][0]["tensors"][0][0] = "guessed." + lying["files"][0]["tensors"][0][0]
@@ -642,7 +817,7 @@ def test_a_scoped_token_uses_another_familys_chunks_only_by_sending_their_bytes(
     neg = httpx.post(f"{url}/versions/v1/negotiate", json={"manifest": doc}, headers=scoped).json()
     assert sorted(neg["missing"]) == sorted(ids)
     # an upload of a stored id is re-hashed like any other: other bytes are refused
-    raw = {c.id: data[c.offset:c.offset + c.size] for f in m.files for c in f.chunks}
+    raw = {c.id: data[c.offset : c.offset + c.size] for f in m.files for c in f.chunks}
     head = raw[ids[0]]
     forged = build_batch([(Entry(ids[0], len(head), "raw", len(head)), bytes(len(head)))])
     assert httpx.post(f"{url}/chunks", content=forged, headers=scoped).status_code == 422
@@ -658,7 +833,9 @@ def test_a_scoped_token_uses_another_familys_chunks_only_by_sending_their_bytes(
     assert httpx.post(f"{url}/versions/v1/commit", json={"manifest": doc}, headers=scoped).status_code == 201
     assert sorted(bucket_keys(server_env)) == keys  # the bytes are still stored once
     # a family the token may read counts: another qwen* family uses them without sending
-    neg = httpx.post(f"{srv.url}/v1/families/qwen2/versions/v1/negotiate", json={"manifest": doc}, headers=scoped).json()
+    neg = httpx.post(
+        f"{srv.url}/v1/families/qwen2/versions/v1/negotiate", json={"manifest": doc}, headers=scoped
+    ).json()
     assert neg["missing"] == []
     # and a token for every family dedups against every family, as before
     neg = httpx.post(f"{srv.url}/v1/families/other/versions/v1/negotiate", json={"manifest": doc}, headers=admin).json()
@@ -688,8 +865,9 @@ def test_a_scoped_negotiation_names_no_other_familys_lost_chunks_under_mend(serv
 
     (srv,) = servers(1)
     admin_tok, scoped_tok = token(server_env, "admin"), token(server_env, "push", "qwen*")
-    mfsreg_json("push", fam["base"], "--family", "secret", "--version", "base",
-                env=client_env(tmp_path, srv.url, admin_tok))
+    mfsreg_json(
+        "push", fam["base"], "--family", "secret", "--version", "base", env=client_env(tmp_path, srv.url, admin_tok)
+    )
     m = hash_source(open_source(fam["base"]), 64 << 10, NullProgress())
     with Registry(Settings.from_env(server_env)) as local:
         for p in {c.pack_id for c in local.locate(set(m.chunk_ids())).values()}:
@@ -702,24 +880,29 @@ def test_a_scoped_negotiation_names_no_other_familys_lost_chunks_under_mend(serv
         assert sorted(r.json()["missing"]) == sorted(m.chunk_ids()) and r.json()["mend"] == [], r.json()["mend"]
         r = httpx.post(url, json=body, headers={"Authorization": f"Bearer {admin_tok}"})
         assert r.status_code == 200 and sorted(r.json()["mend"]) == sorted(m.chunk_ids()), r.text
-    assert httpx.get(f"{srv.url}/v1/families/qwen/versions/v1",
-                     headers={"Authorization": f"Bearer {admin_tok}"}).status_code == 404
+    assert (
+        httpx.get(
+            f"{srv.url}/v1/families/qwen/versions/v1", headers={"Authorization": f"Bearer {admin_tok}"}
+        ).status_code
+        == 404
+    )
 
 
+@sqlite_only
 def test_a_stored_chunk_proves_a_scoped_upload_only_by_equal_bytes(reg, fam):
     """A chunk id is an xxh3-128, not built to resist forged collisions: an upload through a scoped
     token claims a chunk another family stored only if its bytes are the stored ones, plain or
     delta. (Bytes that hash to a stored id but differ cannot be made in a test; they reach this
     check after the re-hash, with the same answer a hash mismatch gets.)"""
-    from tests.proofs import check_proofs
     from mfsreg.registry.auth import Principal
     from mfsreg.registry.errors import IntegrityError
+    from tests.proofs import check_proofs
 
     reg.push(fam["base"], "secret", "base")
     reg.push(fam["full-med"], "secret", "med", parent="base")
     m = hash_source(open_source(fam["full-med"]), reg.settings.chunk_size, NullProgress())
     data = fam["full-med"].read_bytes()
-    raw = {c.id: data[c.offset:c.offset + c.size] for f in m.files for c in f.chunks}
+    raw = {c.id: data[c.offset : c.offset + c.size] for f in m.files for c in f.chunks}
     deltas = {i for i, c in reg.locate(list(raw)).items() if c.basis_id}
     assert deltas
     scoped, everyone = Principal("push", "qwen*"), Principal("admin", "*")
@@ -728,8 +911,12 @@ def test_a_stored_chunk_proves_a_scoped_upload_only_by_equal_bytes(reg, fam):
     forged = {**raw, some: bytes(len(raw[some]))}
     with pytest.raises(IntegrityError, match=f"chunk {some}: bytes do not match the id"):
         check_proofs(reg, scoped, "qwen", forged)
-    assert check_proofs(reg, everyone, "qwen", forged) == set(forged)  # a token for every family proves nothing: it may use them all
-    assert check_proofs(reg, Principal("push", "sec*"), "secret", forged) == set(forged)  # nor need chunks its own family uses
+    assert check_proofs(reg, everyone, "qwen", forged) == set(
+        forged
+    )  # a token for every family proves nothing: it may use them all
+    assert check_proofs(reg, Principal("push", "sec*"), "secret", forged) == set(
+        forged
+    )  # nor need chunks its own family uses
     # a chunk deleted meanwhile (a prune) is compared with nothing, so it is not the push's to claim
     from sqlalchemy import delete
 
@@ -741,14 +928,17 @@ def test_a_stored_chunk_proves_a_scoped_upload_only_by_equal_bytes(reg, fam):
     assert check_proofs(reg, scoped, "qwen", raw) == set(raw) - {some}
 
 
+@pytest.mark.process
 def test_a_scoped_upload_is_compared_with_the_stored_chunk(servers, server_env, fam, tmp_path):
     """The server reads back a stored chunk that a scoped token uploads, to compare the bytes
     (access.compare_stored): with that chunk's pack damaged in storage the comparison cannot be made,
     and the upload is refused with a 503 that names neither the pack nor the chunk's family, and
     claims nothing. (With equal bytes it passes: the tests above.)"""
-    (srv,) = servers(1)
+    (srv,) = servers(1, process=True)  # the test reads the process's log
     admin_tok, scoped_tok = token(server_env, "admin"), token(server_env, "push", "qwen*")
-    mfsreg_json("push", fam["base"], "--family", "secret", "--version", "base", env=client_env(tmp_path, srv.url, admin_tok))
+    mfsreg_json(
+        "push", fam["base"], "--family", "secret", "--version", "base", env=client_env(tmp_path, srv.url, admin_tok)
+    )
     (key,) = [k for k in bucket_keys(server_env) if k.endswith(".pack")]
     bucket = server_env["MFSREG_BLOB_URL"].split("/")[2]
     s3 = boto3.client("s3", endpoint_url=server_env["MFSREG_S3_ENDPOINT_URL"], region_name="us-east-1")
@@ -757,11 +947,13 @@ def test_a_scoped_upload_is_compared_with_the_stored_chunk(servers, server_env, 
     s3.put_object(Bucket=bucket, Key=key, Body=bytes(pack))
     m = hash_source(open_source(fam["base"]), 64 << 10, NullProgress())
     data = fam["base"].read_bytes()
-    raw = {c.id: data[c.offset:c.offset + c.size] for f in m.files for c in f.chunks}
+    raw = {c.id: data[c.offset : c.offset + c.size] for f in m.files for c in f.chunks}
     body = build_batch([(Entry(i, len(b), "raw", len(b)), b) for i, b in raw.items()])
     scoped = {"Authorization": f"Bearer {scoped_tok}"}
     r = httpx.post(f"{srv.url}/v1/families/qwen/chunks", content=body, headers=scoped)
-    assert r.status_code == 503 and r.json()["detail"].startswith("the registry could not read back stored chunks"), r.text
+    assert r.status_code == 503 and r.json()["detail"].startswith("the registry could not read back stored chunks"), (
+        r.text
+    )
     assert key not in r.text and "secret" not in r.text
     # the operator finds what happened in the server's log, in uvicorn's format
     log = Path(srv.log.name).read_text()
@@ -779,8 +971,9 @@ def test_a_scoped_push_whose_proofs_lapse_before_its_commit_uploads_again(server
 
     (srv,) = servers(1)
     admin_tok, scoped_tok = token(server_env, "admin"), token(server_env, "push", "qwen*")
-    mfsreg_json("push", fam["base"], "--family", "secret", "--version", "base",
-                env=client_env(tmp_path, srv.url, admin_tok))
+    mfsreg_json(
+        "push", fam["base"], "--family", "secret", "--version", "base", env=client_env(tmp_path, srv.url, admin_tok)
+    )
     keys = sorted(bucket_keys(server_env))
     pruned = []
 
@@ -791,8 +984,9 @@ def test_a_scoped_push_whose_proofs_lapse_before_its_commit_uploads_again(server
         def advance(self, task, n):
             self.done += n
             if task == "send" and self.done == self.total and not pruned:
-                r = httpx.post(f"{srv.url}/v1/prune", params={"min_age": 0},
-                               headers={"Authorization": f"Bearer {admin_tok}"})
+                r = httpx.post(
+                    f"{srv.url}/v1/prune", params={"min_age": 0}, headers={"Authorization": f"Bearer {admin_tok}"}
+                )
                 pruned.append(r.status_code)
 
     with RemoteRegistry(srv.url, token=scoped_tok, chunk_size=64 << 10) as client:
@@ -801,8 +995,10 @@ def test_a_scoped_push_whose_proofs_lapse_before_its_commit_uploads_again(server
 
     m = hash_source(open_source(fam["base"]), 64 << 10, NullProgress())
     data = fam["base"].read_bytes()
-    once = sum(len(codec.encode(data[c.offset:c.offset + c.size], c.itemsize)[1])
-               for c in {c.id: c for f in m.files for c in f.chunks}.values())
+    once = sum(
+        len(codec.encode(data[c.offset : c.offset + c.size], c.itemsize)[1])
+        for c in {c.id: c for f in m.files for c in f.chunks}.values()
+    )
     assert pruned == [200]
     assert res.sent_bytes == 2 * once  # every chunk sent again after the prune
     assert sorted(bucket_keys(server_env)) == keys  # and stored once, by the first family
@@ -827,13 +1023,18 @@ def test_a_scoped_push_gets_plain_copies_of_chunks_stored_against_another_family
     assert deltas
     # a commit refused for its parent changes nothing stored: no plain copies are made for it first
     m = hash_source(open_source(fam["full-med"]), 64 << 10, NullProgress())
-    neg = httpx.post(f"{srv.url}/v1/families/qwen/versions/med/negotiate", json={"manifest": m.to_doc()}, headers=scoped).json()
+    neg = httpx.post(
+        f"{srv.url}/v1/families/qwen/versions/med/negotiate", json={"manifest": m.to_doc()}, headers=scoped
+    ).json()
     data = fam["full-med"].read_bytes()
-    raw = {c.id: data[c.offset:c.offset + c.size] for f in m.files for c in f.chunks if c.id in set(neg["missing"])}
+    raw = {c.id: data[c.offset : c.offset + c.size] for f in m.files for c in f.chunks if c.id in set(neg["missing"])}
 
     def upload(ids):
-        r = httpx.post(f"{srv.url}/v1/families/qwen/chunks", headers=scoped,
-                       content=build_batch([(Entry(i, len(raw[i]), "raw", len(raw[i])), raw[i]) for i in ids]))
+        r = httpx.post(
+            f"{srv.url}/v1/families/qwen/chunks",
+            headers=scoped,
+            content=build_batch([(Entry(i, len(raw[i]), "raw", len(raw[i])), raw[i]) for i in ids]),
+        )
         assert r.status_code == 200, r.text
 
     # nor does a commit refused for a chunk it has not uploaded (the copies were made first)
@@ -843,15 +1044,20 @@ def test_a_scoped_push_gets_plain_copies_of_chunks_stored_against_another_family
     assert r.status_code == 404 and "upload them, then commit again" in r.json()["detail"], r.text
     assert httpx.get(f"{srv.url}/v1/families/secret/versions/med", headers=admin).json()["chunks"] == before
     upload([held_back])
-    r = httpx.post(f"{srv.url}/v1/families/qwen/versions/med/commit", json={"manifest": m.to_doc(), "parent": "nope"},
-                   headers=scoped)
+    r = httpx.post(
+        f"{srv.url}/v1/families/qwen/versions/med/commit",
+        json={"manifest": m.to_doc(), "parent": "nope"},
+        headers=scoped,
+    )
     assert r.status_code == 404 and "parent version qwen/nope does not exist" in r.json()["detail"], r.text
     assert httpx.get(f"{srv.url}/v1/families/secret/versions/med", headers=admin).json()["chunks"] == before
     mfsreg_json("push", fam["full-med"], "--family", "qwen", "--version", "med", env=scoped_env)
     doc = httpx.get(f"{srv.url}/v1/families/qwen/versions/med", headers=scoped).json()
     own = set(Manifest.from_doc(doc["manifest"]).chunk_ids())
     assert set(doc["chunks"]) == own  # no basis of the secret family's among what it needs
-    secret_only = sorted(set(httpx.get(f"{srv.url}/v1/families/secret/versions/base", headers=admin).json()["chunks"]) - own)
+    secret_only = sorted(
+        set(httpx.get(f"{srv.url}/v1/families/secret/versions/base", headers=admin).json()["chunks"]) - own
+    )
     r = httpx.post(f"{srv.url}/v1/families/qwen/chunks/download", json={"ids": secret_only[:3]}, headers=scoped)
     assert r.status_code == 404
     after_doc = httpx.get(f"{srv.url}/v1/families/secret/versions/med", headers=admin).json()
@@ -911,10 +1117,12 @@ def test_a_push_cut_otherwise_than_its_family_is_refused_before_it_uploads(serve
     for fdoc in cut[32 << 10]["files"]:
         for cid, off, size, _ in fdoc["chunks"]:
             if cid in neg["missing"]:
-                entries[cid] = (Entry(cid, size, "raw", size), data[off:off + size])
+                entries[cid] = (Entry(cid, size, "raw", size), data[off : off + size])
     r = httpx.post(f"{base}/chunks", content=build_batch(entries.values()), headers=h)
     assert r.status_code == 200, r.text
-    r = httpx.post(f"{base}/versions/v1/commit", json={"manifest": cut[32 << 10]}, headers=h)  # no chunk_size: an old client
+    r = httpx.post(
+        f"{base}/versions/v1/commit", json={"manifest": cut[32 << 10]}, headers=h
+    )  # no chunk_size: an old client
     assert r.status_code == 201 and not r.json()["existed"], r.text
     # the same commit again (a client retrying after a lost answer) creates nothing: 200, existed
     r = httpx.post(f"{base}/versions/v1/commit", json={"manifest": cut[32 << 10]}, headers=h)
@@ -951,7 +1159,9 @@ def test_a_push_over_http_survives_a_prune_between_its_negotiation_and_its_commi
     assert filecmp.cmp(out, fam["lora-chat"], shallow=False)
 
 
-def test_a_version_document_is_tagged_and_a_node_keeps_it_while_the_family_is_unchanged(servers, server_env, fam, tmp_path):
+def test_a_version_document_is_tagged_and_a_node_keeps_it_while_the_family_is_unchanged(
+    servers, server_env, fam, tmp_path
+):
     from mfsreg.registry.client import Node
 
     (srv,) = servers(1)
@@ -1092,12 +1302,20 @@ def test_a_query_parameter_a_route_does_not_take_or_given_twice_is_refused(serve
     (srv,) = servers(1)
     env = client_env(Path(server_env["MFSREG_HOME"]).parent, srv.url, token(server_env, "push"))
     mfsreg_json("push", fam["base"], "--family", "fam", "--version", "base", env=env)
-    mfsreg_json("delete", "fam", "base", env=client_env(Path(server_env["MFSREG_HOME"]).parent, srv.url,
-                                                         token(server_env, "admin")))
+    mfsreg_json(
+        "delete",
+        "fam",
+        "base",
+        env=client_env(Path(server_env["MFSREG_HOME"]).parent, srv.url, token(server_env, "admin")),
+    )
     admin = {"Authorization": f"Bearer {token(server_env, 'admin')}"}
     before = mfsreg_json("stats", env=server_env)
     for route, query, says in (
-        ("POST /v1/prune", "min_age=0&dry-run=true", "unknown query parameter 'dry-run': this route takes dry_run, max_unused, min_age"),
+        (
+            "POST /v1/prune",
+            "min_age=0&dry-run=true",
+            "unknown query parameter 'dry-run': this route takes dry_run, max_unused, min_age",
+        ),
         ("POST /v1/prune", "min_age=0&dry_run=true&dry_run=false", "query parameter 'dry_run' is given more than once"),
         ("GET /v1/families/fam/chunks", "Tier=base", "unknown query parameter 'Tier'"),
         ("GET /v1/stats", "family=fam&family=other", "query parameter 'family' is given more than once"),
@@ -1123,17 +1341,30 @@ def test_a_callers_huge_value_is_quoted_short(servers, server_env, fam):
         ("GET", "/v1/families/" + "a" * 5000 + "/versions", {}, "invalid family name 'aaaa"),
         ("POST", "/v1/families/fam/chunks/download", {"json": {"ids": ["z" * 200_000]}}, "invalid chunk id 'zzzz"),
         ("POST", "/v1/families/fam/chunks/download", {"json": {"ids": ["A" * 32]}}, "expected 32 lowercase hex digits"),
-        ("POST", "/v1/families/fam/chunks",
-         {"content": build_batch([(Entry(chunk_id(raw), 4096, "e" * 1_000_000, 4096), raw)])}, "unknown chunk encoding 'eeee"),
-        ("POST", "/v1/families/fam/versions/v1/negotiate",
-         {"json": {"manifest": {**good, "files": [{**good["files"][0], "path": "../" + "x" * 500_000}]}}},
-         "unsafe or repeated path '../xxx"),
+        (
+            "POST",
+            "/v1/families/fam/chunks",
+            {"content": build_batch([(Entry(chunk_id(raw), 4096, "e" * 1_000_000, 4096), raw)])},
+            "unknown chunk encoding 'eeee",
+        ),
+        (
+            "POST",
+            "/v1/families/fam/versions/v1/negotiate",
+            {"json": {"manifest": {**good, "files": [{**good["files"][0], "path": "../" + "x" * 500_000}]}}},
+            "unsafe or repeated path '../xxx",
+        ),
     ]
     for method, path, kw, says in cases:
         r = httpx.request(method, srv.url + path, headers=admin, timeout=30, **kw)
-        assert r.status_code == 400 and says in r.json()["detail"] and len(r.text) < 1200, (path, r.status_code, r.text[:300])
+        assert r.status_code == 400 and says in r.json()["detail"] and len(r.text) < 1200, (
+            path,
+            r.status_code,
+            r.text[:300],
+        )
     r = httpx.post(f"{srv.url}/v1/families/fam/chunks/download", json={"ids": ["0" * 32]}, headers=admin)
-    assert r.status_code == 404 and "family 'fam' does not exist" in r.json()["detail"], r.text  # a good id is looked up
+    assert r.status_code == 404 and "family 'fam' does not exist" in r.json()["detail"], (
+        r.text
+    )  # a good id is looked up
     assert bucket_keys(server_env) == []
 
 
@@ -1144,13 +1375,22 @@ def test_a_manifest_that_could_never_be_pulled_or_says_other_types_is_refused(se
     (srv,) = servers(1)
     admin = {"Authorization": f"Bearer {token(server_env, 'admin')}"}
     data = b"side file bytes\n" * 16
-    r = httpx.post(f"{srv.url}/v1/families/fam/chunks", headers=admin,
-                   content=build_batch([(Entry(chunk_id(data), len(data), "raw", len(data)), data)]))
+    r = httpx.post(
+        f"{srv.url}/v1/families/fam/chunks",
+        headers=admin,
+        content=build_batch([(Entry(chunk_id(data), len(data), "raw", len(data)), data)]),
+    )
     assert r.status_code == 200, r.text
 
     def blob(path):
-        return {"path": path, "kind": "blob", "size": len(data), "sha256": hashlib.sha256(data).hexdigest(),
-                "chunks": [[chunk_id(data), 0, len(data), 1]], "tensors": []}
+        return {
+            "path": path,
+            "kind": "blob",
+            "size": len(data),
+            "sha256": hashlib.sha256(data).hexdigest(),
+            "chunks": [[chunk_id(data), 0, len(data), 1]],
+            "tensors": [],
+        }
 
     good = {"format": 1, "single_file": False, "files": [blob("a")]}
     for doc, says in (
@@ -1186,17 +1426,26 @@ def test_a_manifest_of_the_wrong_shape_is_refused_naming_the_field(servers, serv
     cases = [
         ({}, "malformed manifest: no 'format': a manifest says \"format\": 1"),
         ({"format": 1, "single_file": True}, "malformed manifest: no 'files': a manifest lists its files"),
-        ({**good, "files": "abc"}, "files must be a list of file objects (path, kind, size, sha256, chunks, tensors), not 'abc'"),
+        (
+            {**good, "files": "abc"},
+            "files must be a list of file objects (path, kind, size, sha256, chunks, tensors), not 'abc'",
+        ),
         ({**good, "files": [1]}, "files[0] must be an object with path, kind, size, sha256, chunks, tensors, not 1"),
         (with_file(chunks="abcd"), "files[0].chunks must be a list of [id, offset, size, itemsize] rows, not 'abcd'"),
         (with_file(chunks=["abcd"]), "files[0].chunks[0] must be a list [id, offset, size, itemsize], not 'abcd'"),
         (with_file(size="1"), "files[0].size must be a non-negative integer, not '1'"),
-        (with_file(tensors=[[tensors[0][0], tensors[0][1], 5, *tensors[0][3:]], *tensors[1:]]),
-         "files[0].tensors[0] shape must be a list of non-negative integers, not 5"),
-        (with_file(tensors=[[tensors[0][0], "F99", *tensors[0][2:]], *tensors[1:]]),
-         f"tensor {tensors[0][0]!r} has unknown dtype 'F99': use one of BOOL, U8"),
-        (with_file(chunks=[chunks[0], [*chunks[1][:3], 3], *chunks[2:]]),
-         f"chunk 1 at offset {chunks[1][1]} has itemsize 3: use 1, 2, 4 or 8"),
+        (
+            with_file(tensors=[[tensors[0][0], tensors[0][1], 5, *tensors[0][3:]], *tensors[1:]]),
+            "files[0].tensors[0] shape must be a list of non-negative integers, not 5",
+        ),
+        (
+            with_file(tensors=[[tensors[0][0], "F99", *tensors[0][2:]], *tensors[1:]]),
+            f"tensor {tensors[0][0]!r} has unknown dtype 'F99': use one of BOOL, U8",
+        ),
+        (
+            with_file(chunks=[chunks[0], [*chunks[1][:3], 3], *chunks[2:]]),
+            f"chunk 1 at offset {chunks[1][1]} has itemsize 3: use 1, 2, 4 or 8",
+        ),
         (with_file(path=7), "files[0].path must be a string, not 7"),
         (with_file(kind="pickle"), "bad kind or sha256: kind 'pickle' is not 'safetensors' or 'blob'"),
     ]
@@ -1211,31 +1460,55 @@ def test_a_manifest_of_the_wrong_shape_is_refused_naming_the_field(servers, serv
     assert r.status_code == 200, r.text  # the same manifest, whole
 
 
+@pytest.mark.process
 def test_a_chunked_request_cut_short_by_the_client_is_not_carried_out(servers, server_env):
     """A commit sent with chunked transfer whose client closes before the last chunk was replayed
     to the route as if whole, and the version appeared; it is dropped now, and no traceback is logged."""
     import socket
 
-    (srv,) = servers(1)
+    (srv,) = servers(1, process=True)  # the test reads the process's log
     tok = token(server_env, "admin")
     data = b"side file bytes\n" * 16
-    r = httpx.post(f"{srv.url}/v1/families/fam/chunks", headers={"Authorization": f"Bearer {tok}"},
-                   content=build_batch([(Entry(chunk_id(data), len(data), "raw", len(data)), data)]))
+    r = httpx.post(
+        f"{srv.url}/v1/families/fam/chunks",
+        headers={"Authorization": f"Bearer {tok}"},
+        content=build_batch([(Entry(chunk_id(data), len(data), "raw", len(data)), data)]),
+    )
     assert r.status_code == 200, r.text
-    doc = {"format": 1, "single_file": False, "files": [{"path": "a", "kind": "blob", "size": len(data),
-           "sha256": hashlib.sha256(data).hexdigest(), "chunks": [[chunk_id(data), 0, len(data), 1]], "tensors": []}]}
+    doc = {
+        "format": 1,
+        "single_file": False,
+        "files": [
+            {
+                "path": "a",
+                "kind": "blob",
+                "size": len(data),
+                "sha256": hashlib.sha256(data).hexdigest(),
+                "chunks": [[chunk_id(data), 0, len(data), 1]],
+                "tensors": [],
+            }
+        ],
+    }
     body = json.dumps({"manifest": doc}).encode()
     with socket.create_connection(("127.0.0.1", srv.port)) as s:
-        s.sendall(b"POST /v1/families/fam/versions/cut/commit HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  + f"Authorization: Bearer {tok}\r\nTransfer-Encoding: chunked\r\n\r\n".encode()
-                  + f"{len(body):x}\r\n".encode() + body + b"\r\n")  # and no closing 0-length chunk
+        s.sendall(
+            b"POST /v1/families/fam/versions/cut/commit HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Authorization: Bearer {tok}\r\nTransfer-Encoding: chunked\r\n\r\n".encode()
+            + f"{len(body):x}\r\n".encode()
+            + body
+            + b"\r\n"
+        )  # and no closing 0-length chunk
         time.sleep(0.5)
     time.sleep(0.5)
-    assert httpx.get(f"{srv.url}/v1/families/fam/versions/cut", headers={"Authorization": f"Bearer {tok}"}).status_code == 404
+    assert (
+        httpx.get(f"{srv.url}/v1/families/fam/versions/cut", headers={"Authorization": f"Bearer {tok}"}).status_code
+        == 404
+    )
     srv.log.flush()
     assert "Traceback" not in Path(srv.log.name).read_text()
 
 
+@pytest.mark.process
 def test_an_s3_endpoint_that_dies_mid_download_is_one_line_on_both_sides(server_env, fam, tmp_path):
     """S3 breaks off while the server streams a batch (the index already sent): the node says the
     download broke (exit 5, one line) and the server's log says why in one line, no traceback."""
@@ -1246,7 +1519,7 @@ def test_an_s3_endpoint_that_dies_mid_download_is_one_line_on_both_sides(server_
 
     s3 = urlsplit(server_env["MFSREG_S3_ENDPOINT_URL"])
     proxy = CutProxy((s3.hostname, s3.port))
-    srv = Server(dict(server_env, MFSREG_S3_ENDPOINT_URL=proxy.url), tmp_path / "server.log")
+    srv = Server(dict(server_env, MFSREG_S3_ENDPOINT_URL=proxy.url), tmp_path / "server.log", process=True)
     try:
         env = client_env(tmp_path, srv.url, token(server_env, "admin"))
         mfsreg("push", fam["base"], "--family", "fam", "--version", "base", env=env)
@@ -1265,6 +1538,7 @@ def test_an_s3_endpoint_that_dies_mid_download_is_one_line_on_both_sides(server_
     assert len(lines) == 1 and "fam" in lines[0] and "S3" in lines[0], log[-3000:]
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("what", ["missing bucket", "endpoint down"])
 def test_serve_refuses_to_start_on_a_blob_store_it_cannot_use(what, server_env, tmp_path):
     """A bucket that does not exist, or an S3 endpoint nobody listens on: `mfsreg serve` stops at
@@ -1276,8 +1550,9 @@ def test_serve_refuses_to_start_on_a_blob_store_it_cannot_use(what, server_env, 
     else:
         env["MFSREG_S3_ENDPOINT_URL"] = f"http://127.0.0.1:{free_port()}"
         says = ["cannot reach S3 endpoint", env["MFSREG_S3_ENDPOINT_URL"]]
-    proc = subprocess.run([MFSREG, "serve", "--port", str(free_port())], env=env, capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [MFSREG, "serve", "--port", str(free_port())], env=env, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 5 and proc.stderr.count("\n") == 1, proc.stderr
     assert all(s in proc.stderr for s in says) and "Traceback" not in proc.stderr, proc.stderr
 
@@ -1321,8 +1596,11 @@ def test_a_push_over_http_mends_chunks_whose_pack_was_lost_before_or_during_it(s
 
         ids = set(local.manifest("fam", version)[1].chunk_ids())
         with read_tx(local.engine) as conn:
-            pack_id = next(p for p in sorted({c.pack_id for c in local.locate(ids).values()})
-                           if {r[0] for r in prune_db.chunks_in(conn, p)} <= ids)
+            pack_id = next(
+                p
+                for p in sorted({c.pack_id for c in local.locate(ids).values()})
+                if {r[0] for r in prune_db.chunks_in(conn, p)} <= ids
+            )
         local.blobs.delete(pack_key(pack_id))
         return pack_id
 
@@ -1338,8 +1616,12 @@ def test_a_push_over_http_mends_chunks_whose_pack_was_lost_before_or_during_it(s
             assert hook.results and late.sent_bytes > 0 and late.mended_chunks > 0, late
             cache = NodeCache(tmp_path / "node-cache")
             try:
-                for name, src in (("base", "base"), ("base-again", "base"), ("chat", "lora-chat"),
-                                  ("chat-again", "lora-chat")):
+                for name, src in (
+                    ("base", "base"),
+                    ("base-again", "base"),
+                    ("chat", "lora-chat"),
+                    ("chat-again", "lora-chat"),
+                ):
                     remote.pull("fam", name, tmp_path / f"{name}.out", cache=cache)
                     assert filecmp.cmp(tmp_path / f"{name}.out", fam[src], shallow=False), name
             finally:
@@ -1349,8 +1631,9 @@ def test_a_push_over_http_mends_chunks_whose_pack_was_lost_before_or_during_it(s
 
 
 @pytest.mark.parametrize("when", ["before the push", "after its negotiation"])
-def test_a_push_over_http_whose_basis_pack_was_lost_stores_its_chunks_without_it(when, servers, server_env, fam,
-                                                                                  tmp_path):
+def test_a_push_over_http_whose_basis_pack_was_lost_stores_its_chunks_without_it(
+    when, servers, server_env, fam, tmp_path
+):
     """The bases a server picks for a push's new chunks lie in packs deleted from the bucket by
     hand: the upload stopped with a 503 (exit 5, 'restore it from a backup'), though the push needs
     none of those bytes. Lost before the negotiation, no basis there is suggested; lost after it,

@@ -97,8 +97,11 @@ def test_drift_moves_only_affected_chunks_out_of_base(reg, tmp_path):
     # size is stored as a delta against the old tail when that is smaller, and then stays needed)
     _, b = reg.manifest("fam", "base")
     f = b.files[0]
-    tails = {[c.id for c in f.chunks if t.start <= c.offset < t.end][-1]
-             for t in f.tensors if t.name in ("model.embed_tokens.weight", "lm_head.weight")}
+    tails = {
+        [c.id for c in f.chunks if t.start <= c.offset < t.end][-1]
+        for t in f.tensors
+        if t.name in ("model.embed_tokens.weight", "lm_head.weight")
+    }
     assert f.chunks[0].id in left and left <= tails | {f.chunks[0].id}
     assert base_after == base_before - left
     # the rebalance touched the chunks that changed tier, not every chunk of the family
@@ -118,8 +121,12 @@ def test_delete_rebalances(reg, fam):
 
 def test_base_quorum(reg, fam):
     # chat's LoRA chunks are used by two of four members: group under quorum 1.0, base under 0.5
-    for name, p in (("base", fam["base"]), ("chat", fam["lora-chat"]), ("chat-copy", fam["lora-chat"]),
-                    ("code", fam["last-code"])):
+    for name, p in (
+        ("base", fam["base"]),
+        ("chat", fam["lora-chat"]),
+        ("chat-copy", fam["lora-chat"]),
+        ("code", fam["last-code"]),
+    ):
         reg.push(p, "fam", name)
     before = reg.stats("fam")["tiers"]
     assert before[GROUP]["chunks"] > 0
