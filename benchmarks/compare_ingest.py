@@ -15,7 +15,7 @@ in a fresh process on a copy of that template: the process first pushes a small 
 family (imports, thread pools and scratch buffers warm up, as in a long-lived server), then
 pushes the member, timing user + system CPU of the whole process around that push alone. The
 sides take turns going first. The files are read into the page cache first. Prints the CPU-seconds of each side, pair by pair, and
-their ratio; writes benchmarks/results/compare_ingest_MEMBER_REV_REV2.json (or --out).
+their ratio; writes benchmarks/results/compare_ingest.json (or --out; earlier runs live in git history).
 """
 
 from __future__ import annotations
@@ -158,7 +158,7 @@ def compare_parser(description: str, out: str) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = compare_parser("CPU of one push under two revisions, interleaved", None)
+    ap = compare_parser("CPU of one push under two revisions, interleaved", "compare_ingest.json")
     ap.add_argument(
         "--member",
         default="full-medical",
@@ -166,8 +166,6 @@ def main(argv: list[str] | None = None) -> None:
         help="the member pushed; onto a registry holding its parent, or an empty one for the base",
     )
     args = ap.parse_args(argv)
-    # one file per comparison: a later run must not overwrite the figures an earlier one gave
-    args.out = args.out or f"compare_ingest_{args.member}_{args.rev[:12]}_{(args.against or 'tree')[:12]}.json"
     t_start = time.perf_counter()
     paths = generate(args.data, args.scale, verbose=True)
     parent = MEMBERS[args.member]
