@@ -41,7 +41,7 @@ lint: install
 	MYPYPATH=$(TYPECHECK) $(BIN)/mypy -p mfsreg
 
 docs: install
-	$(BIN)/mkdocs build --strict
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 serve: install
 	$(BIN)/mfsreg serve --host 127.0.0.1 --port 8700
