@@ -10,8 +10,12 @@ import errno
 import os
 import signal
 import sys
+from typing import TYPE_CHECKING
 
 from mfsreg.registry import errors as e
+
+if TYPE_CHECKING:
+    from typer._click.exceptions import UsageError
 
 EXIT_CODES: list[tuple[type[BaseException], int]] = [
     (e.InvalidName, 2),
@@ -62,7 +66,7 @@ def fail(message: str, code: int) -> None:
     raise SystemExit(code)
 
 
-def usage_error_type() -> type[Exception]:
+def usage_error_type() -> type[UsageError]:
     """click's UsageError: Typer carries its own copy of click, whose UsageError it does not
     export, so it is found through the BadParameter it does (a subclass of it)."""
     import typer

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from mfsreg.registry.progress import NullProgress
 
 if TYPE_CHECKING:
-    from rich.progress import Progress
+    from rich.progress import Progress, TaskID
 
 LABELS = {
     "hash": "hashed",
@@ -26,7 +26,7 @@ LABELS = {
 class RichProgress:
     def __init__(self, progress: Progress):
         self._p = progress
-        self._tasks: dict[str, int] = {}
+        self._tasks: dict[str, TaskID] = {}
 
     def start(self, task: str, total: int | None) -> None:
         if task in self._tasks:

@@ -71,14 +71,14 @@ def pull(
     """Rebuild a version byte for byte, verified against its digests (through the node cache on a server)."""
     if (out is None) == (to_dir is None):
         raise InvalidRequest("give exactly one of --out/-o FILE_OR_DIR and --to-dir DIR")
-    out = _output(out) if out is not None else None
-    to_dir = _given_path(to_dir, "--to-dir") if to_dir is not None else None
+    out_path = _output(out) if out is not None else None
+    dir_path = _given_path(to_dir, "--to-dir") if to_dir is not None else None
     with open_backend(registry) as reg, progress_for(json_) as progress:
-        if to_dir is not None:
+        if dir_path is not None:
             # remote: through the node cache, with hardlinks; embedded: written from the packs
-            result = reg.pull(family, version, to_dir, progress=progress, to_dir=True)
+            result = reg.pull(family, version, dir_path, progress=progress, to_dir=True)
         else:
-            result = reg.pull(family, version, out, progress=progress)
+            result = reg.pull(family, version, out_path, progress=progress)
     if json_:
         emit_json(result.to_dict())
         return

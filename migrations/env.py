@@ -10,7 +10,10 @@ engine = config.attributes.get("engine")
 if engine is None:  # plain `alembic` command line: take the URL from the ini file or MFSREG_DATABASE_URL
     import os
 
-    engine = create_engine(os.environ.get("MFSREG_DATABASE_URL") or config.get_main_option("sqlalchemy.url"))
+    url = os.environ.get("MFSREG_DATABASE_URL") or config.get_main_option("sqlalchemy.url")
+    if not url:  # create_engine would refuse it with "Expected string or URL object, got None"
+        raise SystemExit("no database to migrate: set MFSREG_DATABASE_URL or sqlalchemy.url in the ini file")
+    engine = create_engine(url)
 
 with engine.connect() as connection:
     # one transaction per migration: one that fails leaves the database at the revision before it

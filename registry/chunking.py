@@ -15,11 +15,14 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
+from typing import Protocol
 
 import xxhash
 
-from mfsreg.registry.safetensors import SafetensorsHeader
+from mfsreg.registry.safetensors import TensorSpan
 
+_busguard: ModuleType | None
 try:
     from mfsreg.registry import _busguard  # C, built by setup.py where a compiler is at hand
 except ImportError:  # without it, a file cut short while it is pushed ends the push with SIGBUS
@@ -43,12 +46,22 @@ class Cut:
     itemsize: int
 
 
-def plan_cuts(file_size: int, header: SafetensorsHeader | None, chunk_size: int) -> list[Cut]:
+class CutHeader(Protocol):
+    """What a plan reads of a safetensors header: a SafetensorsHeader, or one rebuilt from a manifest."""
+
+    @property
+    def header_size(self) -> int: ...
+
+    @property
+    def tensors(self) -> tuple[TensorSpan, ...]: ...
+
+
+def plan_cuts(file_size: int, header: CutHeader | None, chunk_size: int) -> list[Cut]:
     """The byte ranges a file is cut into, in file order, covering it exactly."""
     return list(iter_cuts(file_size, header, chunk_size))
 
 
-def iter_cuts(file_size: int, header: SafetensorsHeader | None, chunk_size: int) -> Iterator[Cut]:
+def iter_cuts(file_size: int, header: CutHeader | None, chunk_size: int) -> Iterator[Cut]:
     """plan_cuts one cut at a time (in the header's tensor order): a server compares a client's
     manifest with it and stops at the first cut that differs, whatever size the manifest claims."""
     if header is None:
@@ -101,7 +114,7 @@ class MappedFile:
         opening may not show here (the re-hash of each encoded chunk still catches what it changed
         in a new chunk)."""
         now = os.fstat(self._fd)
-        if self._guard >= 0 and _busguard.hit(self._guard):
+        if self._guard >= 0 and _busguard is not None and _busguard.hit(self._guard):
             if now.st_size < self.size:
                 return "it was cut short while it was read"
             # a read error of a page (a failing disk, a network filesystem's EIO) also ends in SIGBUS
@@ -118,7 +131,7 @@ class MappedFile:
         error, so the map is left to be unmapped when its last slice goes. Otherwise a slice still
         alive is a leak, and raises BufferError."""
         self.view.release()
-        if self._guard >= 0:
+        if self._guard >= 0 and _busguard is not None:  # a slot is only ever taken through it
             # dropped even where the map outlives this call (below): a span left noted could
             # later answer a real fault of another map at the same addresses with zeros
             _busguard.release(self._guard)

@@ -29,11 +29,13 @@ from __future__ import annotations
 
 import threading
 import warnings
+from types import ModuleType
 
 import numpy as np
 import zstandard
 
 _KERNELS = ("sub_grouped", "unsub_grouped", "sparse_split", "sparse_join", "nibble_split", "nibble_join", "join_planes")
+_grouping: ModuleType | None
 try:
     from mfsreg.registry import _grouping  # C, built by setup.py where a compiler is at hand
 except ImportError:  # no compiler at install: the numpy versions below (tests run both)
@@ -430,7 +432,8 @@ def _encode_grouped(data, basis, itemsize: int) -> tuple[str, bytes]:
             planes[k * total + n : (k + 1) * total] = tail[k * (total - n) : (k + 1) * (total - n)]
     ends = _block_ends(sizes, n)  # group ends inside the part the basis covers
     nibbles, planes = _nibbles_if_small(planes, itemsize)
-    header, parts = 0, []
+    header = 0
+    parts: list[np.ndarray | bytes] = []
     for i, (start, end) in enumerate(_grouped_streams(itemsize, total, nibbles)):
         stream = planes[start:end]
         # where the groups end in this stream (nibble streams hold two elements a byte)
@@ -438,8 +441,9 @@ def _encode_grouped(data, basis, itemsize: int) -> tuple[str, bytes]:
         segments = list(zip([0] + local, local))
         eligible = nibbles or i > 0  # the low plane of wide differences is near-random: never sparse
         # split first (one pass, counting each block's nonzero bytes), then keep it if sparse enough
-        flags, values, counts = _sparse_split(stream, i, local) if eligible else (None, (), [])
-        if eligible and len(values) <= SPARSE_MAX_DENSITY * stream.size:
+        split = _sparse_split(stream, i, local) if eligible else None
+        if split is not None and len(split[1]) <= SPARSE_MAX_DENSITY * stream.size:
+            flags, values, counts = split
             header |= 1 << i
             parts += [flags[(x + 7) // 8 : (y + 7) // 8] for x, y in segments]
             parts += [values[x:y] for x, y in zip([0] + counts, counts)]
@@ -501,7 +505,7 @@ def encode_delta(data, basis, itemsize: int) -> tuple[str, bytes]:
     if _grouping is not None and itemsize > 1:
         return _encode_grouped(data, basis, itemsize)
     encoding, planes = sub_planes(data, basis, itemsize)
-    return encoding, _plane_cctx().compress(planes)
+    return encoding, _plane_cctx().compress(planes.data)
 
 
 def best_encoding(data, itemsize: int, basis=None, plain: tuple[str, bytes] | None = None) -> tuple[str, bytes, bool]:

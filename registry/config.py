@@ -8,8 +8,10 @@ MFSREG_BLOB_URL (file:///path or s3://bucket/prefix, with MFSREG_S3_ENDPOINT_URL
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TypeVar
 
 from mfsreg.registry.blobs import check_endpoint_url, configured_endpoint, parse_blob_url
 from mfsreg.registry.errors import InvalidRequest
@@ -45,7 +47,10 @@ def check_chunk_size(size: int, what: str = "MFSREG_CHUNK_SIZE") -> int:
     return size
 
 
-def _size(env: dict, name: str, default: int) -> int:
+_Default = TypeVar("_Default")
+
+
+def _size(env: dict, name: str, default: _Default) -> int | _Default:
     raw = env.get(name)
     if raw is None or raw == "":
         return default
@@ -153,7 +158,7 @@ class Settings:
                 "/var/lib/mfsreg (or unset it for ~/.mfsreg)"
             )
         chunk_size = check_chunk_size(_size(env, "MFSREG_CHUNK_SIZE", DEFAULT_CHUNK_SIZE))
-        values = dict(
+        values: dict[str, Any] = dict(
             home=home,
             database_url=env.get("MFSREG_DATABASE_URL") or f"sqlite:///{home / 'registry.db'}",
             blob_url=env.get("MFSREG_BLOB_URL") or (home / "blobs").as_uri(),
@@ -187,11 +192,13 @@ def _s3_settings(env: dict, endpoint_url: str | None) -> tuple[dict, dict]:
             check_endpoint_url(endpoint, setting)
         except InvalidRequest as exc:
             errors["s3_endpoint"] = exc.message  # of the endpoint in use, an override's included
-    for field_name, parse, name, default in (
+    # (field, parser, variable, default): each parser takes a default of its own field's type
+    fields: tuple[tuple[str, Callable[[dict, str, Any], float], str, float], ...] = (
         ("s3_connect_timeout", _seconds, "MFSREG_S3_CONNECT_TIMEOUT", DEFAULT_S3_CONNECT_TIMEOUT),
         ("s3_read_timeout", _seconds, "MFSREG_S3_READ_TIMEOUT", DEFAULT_S3_READ_TIMEOUT),
         ("s3_max_attempts", _attempts, "MFSREG_S3_MAX_ATTEMPTS", DEFAULT_S3_MAX_ATTEMPTS),
-    ):
+    )
+    for field_name, parse, name, default in fields:
         try:
             values[field_name] = parse(env, name, default)
         except InvalidRequest as exc:
@@ -241,6 +248,6 @@ def _flag(env: dict, name: str, default: bool) -> bool:
     raise InvalidRequest(f"{name}={env[name]!r} is not a yes/no setting: use 1 or 0 (true/false, yes/no, on/off)")
 
 
-def size_from_env(name: str, default: int | None, env: dict | None = None) -> int | None:
+def size_from_env(name: str, default: _Default, env: dict | None = None) -> int | _Default:
     """A size setting (bytes or K/M/G) from the environment; InvalidRequest if malformed."""
     return _size(dict(os.environ if env is None else env), name, default)

@@ -122,9 +122,10 @@ class BasisReader:
             chunk_id = self.located[chunk_id].basis_id
         return chain
 
-    def prefetch(self, ids: Iterable[str]) -> None:
+    def prefetch(self, ids: Iterable[str | None]) -> None:
         """Read the payloads of ``ids`` and of the bases they need in one call, so the store can
-        coalesce them into a few range reads (one request per basis chunk is slow on S3)."""
+        coalesce them into a few range reads (one request per basis chunk is slow on S3). A None
+        (no basis) is passed over."""
         want: set[str] = set()
         for i in ids:
             for c in self._chain(i):
@@ -158,7 +159,7 @@ class BasisReader:
             # not): the push failed, for a fault in bytes it does not even store. Its new chunk goes
             # plain; the damage is the stored versions' to mend (check --read-data, push --mend-damaged).
             # Set aside: the damaged chunk and those leaning on it, not the bases below it, which read.
-            bad = getattr(exc, "chunk_id", chunk_id)
+            bad = exc.chunk_id if exc.chunk_id is not None else chunk_id
             gone = set(chain[: chain.index(bad) + 1]) if bad in chain else set(chain)
             with self._lock:
                 fresh = not self._damaged  # said once a push: the first damaged chunk stands for the rest
@@ -171,11 +172,11 @@ class BasisReader:
             moved = {
                 self.located[i].pack_id for i in chain if i not in now or now[i].pack_id != self.located[i].pack_id
             }
-            lost = getattr(exc, "pack_id", None) if not moved else None
+            lost = exc.pack_id if not moved else None
             with self._lock:
                 fresh = lost is not None and lost not in self._skipped_packs
                 self._skipped_packs |= moved | ({lost} if lost else set())
-            if fresh:
+            if fresh and lost is not None:
                 warn_lost_bases({lost: str(exc)})
             return None
 

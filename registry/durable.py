@@ -122,7 +122,7 @@ class Placing:
     The renames themselves can still fail partway (a disk that fails between two of them): they are
     the last step, after every byte is written and synced, and each is atomic for its own file."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.pending: list[tuple[Path, Path]] = []
         self.made: list[Path] = []  # folders made for the files, parents first
 

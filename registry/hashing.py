@@ -167,7 +167,7 @@ def encoded_chunks(
 
         def encode_one(c: ChunkRef, view=view, path=f.path):
             basis_id = bases.get(c.id)
-            basis = basis_raw(basis_id) if basis_id is not None else None
+            basis = basis_raw(basis_id) if basis_id is not None and basis_raw is not None else None
             data = view[c.offset : c.offset + c.size]
             encoding, payload, is_delta = codec.best_encoding(data, c.itemsize, basis)
             if chunk_id(data) != c.id:

@@ -38,7 +38,7 @@ from mfsreg.registry.manifest import Manifest
 from mfsreg.registry.names import check_name, check_new_name
 from mfsreg.registry.progress import NullProgress, Progress
 from mfsreg.registry.rebuild import decode_verified
-from mfsreg.registry.results import PushResult
+from mfsreg.registry.results import PushResult, VersionRow
 from mfsreg.registry.source import open_source
 
 
@@ -150,7 +150,7 @@ ChunkItem = tuple  # (id, size, encoding, payload, basis id or None, depth): wha
 def store_chunks(
     reg,
     ids: set[str],
-    bases: Iterable[str],
+    bases: Iterable[str | None],
     items: Callable[[set[str], set[str] | None], Iterable[ChunkItem]],
     mend: AbstractSet[str] = frozenset(),
 ) -> int:
@@ -202,7 +202,7 @@ def upload_missing(
         usable = {c: b for c, b in bases.items() if b not in (gone or ())}
         basis_raw = reader.usable if reader is not None else None
         for c, encoding, payload, basis_id in encoded_chunks(job, wanted, pool, usable, basis_raw):
-            depth = reader.located[basis_id].depth + 1 if basis_id else 0
+            depth = reader.located[basis_id].depth + 1 if basis_id and reader is not None else 0
             yield c.id, c.size, encoding, payload, basis_id, depth
             if c.id not in counted:
                 counted.add(c.id)
@@ -305,7 +305,7 @@ def commit_version(
     manifest: Manifest,
     chunk_size: int | None = None,
     unproven: Callable[[Connection, list[str]], set[str]] | None = None,
-) -> tuple[int, object | None]:
+) -> tuple[int, VersionRow | None]:
     """Make a version visible: one transaction that checks every chunk is stored, writes the
     version and its chunk uses, and rebalances the family's tiers. ``chunk_size`` is the size the
     manifest was cut at (None from a client older than family chunk sizes: then it is read off the
@@ -343,7 +343,7 @@ def commit_version(
             fam.id,
             version,
             parent_id,
-            manifest.digest,
+            manifest.final_digest(),
             manifest.logical_bytes,
             len(manifest.files),
             manifest.single_file,
@@ -417,7 +417,7 @@ def push(
     return PushResult(
         family=family,
         version=version,
-        digest=manifest.digest,
+        digest=manifest.final_digest(),
         logical_bytes=manifest.logical_bytes,
         new_bytes=added,
         new_chunks=len(missing),
@@ -469,7 +469,7 @@ def existing_result(reg, row, manifest: Manifest, family: str, version: str, t0:
         row.digest,
         row.logical_bytes,
         row.file_count,
-        manifest.digest,
+        manifest.final_digest(),
         len(manifest.chunk_ids()),
         family,
         version,

@@ -67,6 +67,16 @@ class Manifest:
             h.update(f"{f.path}\0{f.size}\0{f.sha256}\n".encode())
         return "sha256:" + h.hexdigest()
 
+    def final_digest(self) -> str:
+        """``digest`` of a manifest whose file digests are all in (what a commit takes, what
+        HashJob.manifest returns); a draft is refused (InvalidRequest)."""
+        digest = self.digest
+        if digest is None:
+            from mfsreg.registry.errors import InvalidRequest
+
+            raise InvalidRequest("a draft manifest (some file digests still null) cannot be committed")
+        return digest
+
     @property
     def layout(self) -> str:
         """sha256 over the sorted (path, size, chunks) of every file: the bytes a pull builds. The

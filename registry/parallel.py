@@ -8,8 +8,10 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Executor, wait
+from typing import TypeVar
 
 DEFAULT_WINDOW = 64
+_T = TypeVar("_T")
 
 
 def windowed_map(pool: Executor, fn: Callable, items: Iterable, window: int = DEFAULT_WINDOW) -> Iterator:
@@ -30,9 +32,10 @@ def windowed_map(pool: Executor, fn: Callable, items: Iterable, window: int = DE
         wait(pending)
 
 
-def sized_batches(items: Iterable, size: Callable[[object], int], limit: int) -> Iterator[list]:
+def sized_batches(items: Iterable[_T], size: Callable[[_T], int], limit: int) -> Iterator[list[_T]]:
     """``items`` in order, cut into lists that each reach ``limit`` by ``size`` (the last may hold less)."""
-    batch, n = [], 0
+    batch: list[_T] = []
+    n = 0
     for item in items:
         batch.append(item)
         n += size(item)

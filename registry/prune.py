@@ -78,8 +78,8 @@ def _plan(states: list[q.ChunkState], sizes: dict[str, int], max_unused: float) 
         b = todo.pop()
         if b in basis and b not in kept:
             kept.add(b)
-            if basis[b]:
-                todo.append(basis[b])
+            if below := basis[b]:
+                todo.append(below)
     live: dict[str, int] = defaultdict(int)
     for c in states:
         if c.id in kept:
@@ -113,8 +113,8 @@ def still_unneeded(conn, garbage: list[q.ChunkState]) -> list[q.ChunkState]:
         i = todo.pop()
         if i in chosen and i not in kept:
             kept.add(i)
-            if chosen[i].basis_id:
-                todo.append(chosen[i].basis_id)
+            if below := chosen[i].basis_id:
+                todo.append(below)
     return [c for c in garbage if c.id not in kept]
 
 

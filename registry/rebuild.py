@@ -300,10 +300,12 @@ def write_file(
     placing.make_dirs(dest.parent)
     with writing(dest), filecheck.CheckedFile(dest, entry.size, pool) as out:
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="mfsreg-rebuild") as side:
-            nxt = side.submit(decode, batches[0]) if batches else None
+            if batches:
+                nxt = side.submit(decode, batches[0])
             for k, batch in enumerate(batches):
                 raw = nxt.result()
-                nxt = side.submit(decode, batches[k + 1]) if k + 1 < len(batches) else None
+                if k + 1 < len(batches):
+                    nxt = side.submit(decode, batches[k + 1])
                 for c in batch:
                     filecheck.write_at(out.fd, raw[c.id], c.offset)
                 out.finished(batch)

@@ -160,9 +160,9 @@ def _brief(shape: list[int]) -> str:
 def _check_layout(spans: list[TensorSpan], data_start: int, file_size: int, where: str) -> None:
     """The tensors must tile the data region exactly: no overlap, no hole, no trailing bytes."""
     pos = data_start
-    prev = None
+    prev: TensorSpan | None = None
     for s in spans:
-        if s.start < pos:
+        if prev is not None and s.start < pos:  # (the first starts at data_start or later: offsets are >= 0)
             raise InvalidModel(f"{where}: tensors {prev.name!r} and {s.name!r} overlap")
         if s.start > pos:
             raise InvalidModel(f"{where}: {s.start - pos} bytes before tensor {s.name!r} belong to no tensor")

@@ -270,7 +270,9 @@ def receive_batch(reg, family: str, body: bytes, who: Principal | None = None) -
         ]
         fetching.result()
     verified = [v for v in checked if v[0].id in todo_ids]
-    proved = proving - access.compare_stored(reg, {e.id: raw for e, _, raw in checked if e.id in proving})
+    proved = proving - access.compare_stored(
+        reg, {e.id: raw for e, _, raw in checked if e.id in proving and raw is not None}
+    )
     del checked
     ready = list(windowed_map(reg.pool, encode, verified))
     uploaded = {e.id: (e.encoding, payload) for e, payload, _ in verified}
@@ -379,7 +381,7 @@ def commit(
     return PushResult(
         family=family,
         version=version,
-        digest=manifest.digest,
+        digest=manifest.final_digest(),
         logical_bytes=manifest.logical_bytes,
         new_bytes=0,
         new_chunks=0,

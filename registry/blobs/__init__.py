@@ -6,6 +6,7 @@ import ipaddress
 import os
 import re
 import shlex
+from typing import NoReturn
 from urllib.parse import unquote, urlsplit
 
 from mfsreg.registry.blobs.base import BlobStore, check_key
@@ -129,7 +130,7 @@ def check_endpoint_url(url: str, setting: str = "MFSREG_S3_ENDPOINT_URL") -> str
     if parsed is not None and (parsed.query or parsed.fragment):
         raise InvalidRequest(f"{setting} holds a '?' or '#', which an S3 endpoint does not take: {_ENDPOINT_HINT}")
 
-    def refuse(why: str):
+    def refuse(why: str) -> NoReturn:
         raise InvalidRequest(f"{setting}={shown(url)}: {why}: {_ENDPOINT_HINT}")
 
     if parsed is None:

@@ -15,8 +15,9 @@ Rules every backend keeps (tests/test_blobstore_contract.py checks them on each 
 from __future__ import annotations
 
 import abc
+import builtins
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from mfsreg.registry.errors import InvalidRequest
 
@@ -62,6 +63,6 @@ class BlobStore(abc.ABC):
             return False
         return True
 
-    def get_ranges(self, key: str, ranges: list[tuple[int, int]]) -> list[bytes]:
+    def get_ranges(self, key: str, ranges: Sequence[tuple[int, int | None]]) -> builtins.list[bytes]:
         """Bytes of several [start, end) ranges of one object; backends may coalesce requests."""
         return [self.get(key, s, e) for s, e in ranges]

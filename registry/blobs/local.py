@@ -10,7 +10,7 @@ from __future__ import annotations
 import errno
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from mfsreg.registry.blobs.base import BlobStore, check_key
@@ -61,7 +61,7 @@ class LocalBlobStore(BlobStore):
     def get(self, key: str, start: int = 0, end: int | None = None) -> bytes:
         return self.get_ranges(key, [(start, end)])[0]
 
-    def get_ranges(self, key: str, ranges: list[tuple[int, int | None]]) -> list[bytes]:
+    def get_ranges(self, key: str, ranges: Sequence[tuple[int, int | None]]) -> list[bytes]:
         path = self._path(key)
         try:
             fd = os.open(path, os.O_RDONLY)

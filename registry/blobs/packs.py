@@ -101,7 +101,7 @@ class PackWriter:
         self.on_flush(pack_id, total, chunks)
 
 
-def read_payloads(store: BlobStore, chunks: Iterable[StoredChunk]) -> Iterator[tuple[StoredChunk, bytes]]:
+def read_payloads(store: BlobStore, chunks: Iterable[StoredChunk]) -> Iterator[tuple[StoredChunk, memoryview]]:
     """Encoded payloads of ``chunks``, pack by pack, with nearby ranges merged into one read."""
     by_pack: dict[str, list[StoredChunk]] = defaultdict(list)
     for c in chunks:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import io
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
@@ -212,16 +212,17 @@ class S3BlobStore(BlobStore):
     def get(self, key: str, start: int = 0, end: int | None = None) -> bytes:
         return self.get_ranges(key, [(start, end)])[0]
 
-    def get_ranges(self, key: str, ranges: list[tuple[int, int | None]]) -> list[bytes]:
+    def get_ranges(self, key: str, ranges: Sequence[tuple[int, int | None]]) -> list[bytes]:
         k = self._key(key)
         # S3 has no syntax for an empty range, and an invalid Range header is ignored (the whole
         # object comes back), so those ranges are checked against a HEAD and never sent.
         if any(end is None and start != 0 or end is not None and end <= start for start, end in ranges):
             total = self.size(key)
-            ranges = [(s, total if e is None else e) for s, e in ranges]
-            for s, e in ranges:
-                if s < 0 or s > e or e > total:
-                    raise NotFound(f"blob {key}: range {s}-{e} is outside its {total} bytes")
+            bounded = [(s, total if e is None else e) for s, e in ranges]
+            for start, end in bounded:
+                if start < 0 or start > end or end > total:
+                    raise NotFound(f"blob {key}: range {start}-{end} is outside its {total} bytes")
+            ranges = bounded
         for s, e in ranges:
             if s < 0 or e is not None and e < s:
                 raise NotFound(f"blob {key}: range {s}-{e} is invalid")

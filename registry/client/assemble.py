@@ -90,19 +90,19 @@ def _write_file(
     if placing is not None:
         placing.make_dirs(dest.parent)
     if entry.size >= DIRECT_MIN_BYTES and direct_writes():
-        out = DirectFile.open(dest, entry.size, mode)
-        if out is not None:
-            with out:
+        direct = DirectFile.open(dest, entry.size, mode)
+        if direct is not None:
+            with direct:
                 _place_all(
                     chunks,
-                    lambda c: _from_cache(cache, c, lambda src: _stage_checked(out, c, src)),
+                    lambda c: _from_cache(cache, c, lambda src: _stage_checked(direct, c, src)),
                     cache,
                     refetch,
                     arriving,
                     lambda batch: None,
                     progress,
                 )
-                out.commit(placing)
+                direct.commit(placing)
             return
     with CheckedFile(dest, entry.size, pool, mode) as out:
         buf = bytearray(max((c.size for c in chunks), default=0))  # one chunk at a time: it stays in the CPU's cache

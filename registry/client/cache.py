@@ -102,7 +102,7 @@ def default_max_bytes() -> int | None:
 
 
 class NodeCache(CacheIndex, Eviction):
-    def __init__(self, root: Path | None = None, max_bytes: int | None = None):
+    def __init__(self, root: str | os.PathLike | None = None, max_bytes: int | None = None):
         self.root = cache_root(root) if root is not None else default_cache_dir()
         self.max_bytes = max_bytes if max_bytes is not None else default_max_bytes()
         make_dir(self.root / "chunks")

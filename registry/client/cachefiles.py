@@ -77,7 +77,7 @@ def read_plain(path: str) -> tuple[bytes, os.stat_result] | None:
         return f.readall(), st
 
 
-def holds_any(path: str | os.PathLike) -> bool:
+def holds_any(path: str | os.PathLike[str]) -> bool:
     """Whether the directory at ``path`` has any entry at all (one read of it)."""
     try:
         with os.scandir(path) as it:

@@ -10,7 +10,9 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mfsreg.registry.client.cachefiles import holds_any, is_plain, is_temp
 from mfsreg.registry.client.eviction import FILE_RANK, RANK, UNKNOWN_RANK
@@ -27,6 +29,16 @@ class CacheIndex:
 
     Index rows are bookkeeping: every file is written and renamed on its own, so a lost or damaged
     index loses no chunk."""
+
+    root: Path
+    _chunks: str
+    _index: Path
+
+    if TYPE_CHECKING:  # NodeCache's (registry/client/cache.py)
+
+        def chunk_file(self, chunk_id: str) -> str: ...
+        def file_path(self, sha256: str) -> Path: ...
+        def disk_files(self) -> Iterator[tuple[str, os.DirEntry]]: ...
 
     def _open_index(self) -> None:
         """Open index.db (made if missing), bring it to the current version, and record files that
@@ -69,7 +81,7 @@ class CacheIndex:
             self._local.conn = conn
         return conn
 
-    def _db(self):
+    def _db(self) -> WriteTx:
         return WriteTx(self._conn(), self._index)
 
     def _mark_unrecorded(self) -> None:

@@ -34,15 +34,21 @@ import time
 import uuid
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING
 
+from mfsreg.registry.client.indexdb import WriteTx, forget_rows
+from mfsreg.registry.errors import StorageError
+from mfsreg.registry.tiers import EVICTION_ORDER
+
+if TYPE_CHECKING:
+    import sqlite3
+
+fcntl: ModuleType | None
 try:
     import fcntl
 except ImportError:  # Windows: leases hold by their age alone
     fcntl = None
-
-from mfsreg.registry.client.indexdb import forget_rows
-from mfsreg.registry.errors import StorageError
-from mfsreg.registry.tiers import EVICTION_ORDER
 
 # Lower ranks go first. Materialised files can be rebuilt from chunks, so they go before any chunk.
 FILE_RANK = -1
@@ -101,6 +107,18 @@ def _hold(path: Path) -> int | None:
         os.close(fd)
         return None
     return fd
+
+
+def _take_holder(root: Path) -> tuple[str, Path, int] | None:
+    """A new holder: its name, its lock file in ``root`` and that file's locked fd; None where no
+    lock file could be made."""
+    for _ in range(3):  # a new file an eviction took for a dead holder's as it was made: another name
+        holder, name = _new_holder()
+        lock_file = root / HOLDERS_DIR / name
+        fd = _hold(lock_file)  # locked before the rows exist: no eviction finds rows without a live lock
+        if fd is not None:
+            return holder, lock_file, fd
+    return None
 
 
 def _unhold(path: Path, fd: int) -> None:
@@ -170,6 +188,16 @@ class Eviction:
     (``_conn``, ``_db``, from CacheIndex), ``max_bytes`` and the paths of entries (``chunk_file``,
     ``file_path``)."""
 
+    root: Path
+    max_bytes: int | None
+
+    if TYPE_CHECKING:  # CacheIndex's and NodeCache's (registry/client/cacheindex.py, cache.py)
+
+        def _conn(self) -> sqlite3.Connection: ...
+        def _db(self) -> WriteTx: ...
+        def chunk_file(self, chunk_id: str) -> str: ...
+        def file_path(self, sha256: str) -> Path: ...
+
     # -- pins -------------------------------------------------------------------------------------
 
     def pin(self, family: str) -> None:
@@ -192,16 +220,10 @@ class Eviction:
         effort: where the index cannot be written (a full disk) or no lock file made, the block runs
         unleased, as before leases, and another process's eviction may take a chunk, which is then
         fetched again."""
-        holder = fd = lock_file = None
-        for _ in range(3):  # a new file an eviction took for a dead holder's as it was made: another name
-            holder, name = _new_holder()
-            lock_file = self.root / HOLDERS_DIR / name
-            fd = _hold(lock_file)  # locked before the rows exist: no eviction finds rows without a live lock
-            if fd is not None:
-                break
-        if fd is None:
-            holder = None
-        else:
+        holder: str | None = None
+        taken = _take_holder(self.root)
+        if taken is not None:
+            holder, lock_file, fd = taken
             try:
                 with self._db() as db:
                     db.execute(

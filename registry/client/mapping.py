@@ -100,7 +100,8 @@ class Region:
 
     def tensor(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         buf = (ctypes.c_ubyte * self.nbytes).from_address(self.addr)
-        buf._region = self  # the buffer keeps the region alive; torch.frombuffer keeps the buffer alive
+        # an attribute set on purpose (ctypes arrays take any): the buffer keeps the region alive, torch.frombuffer the buffer
+        buf._region = self  # type: ignore[attr-defined]  # deliberately dynamic, see above
         t = torch.frombuffer(buf, dtype=dtype).view(shape)
         _regions[self.addr] = self
         return t

@@ -15,7 +15,7 @@ from mfsreg.registry.client import assemble
 from mfsreg.registry.client.cachefiles import directory_in_the_way
 from mfsreg.registry.client.fetch import Fetcher, FetchStats, VersionInfo
 from mfsreg.registry.durable import Placing
-from mfsreg.registry.errors import NotFound
+from mfsreg.registry.errors import IntegrityError, NotFound
 from mfsreg.registry.filecheck import BATCH_BYTES, bad_chunks, check_tiling
 from mfsreg.registry.parallel import sized_batches, windowed_map
 from mfsreg.registry.progress import NullProgress, Progress
@@ -66,7 +66,7 @@ class _Arrivals:
     """Chunks landing in the cache from the fetch that runs beside a file's assembly: the assembly
     copies what is cached and waits only at a chunk still on its way."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._cond = threading.Condition()
         self._landed: set[str] = set()
         self._coming: set[str] | None = None  # what the fetch will bring, once it has looked
@@ -114,7 +114,9 @@ def pull(
     out = Path(out)
     # a bad output path fails before any fetch
     owned = [(cache.root, "the node cache")]
-    plan = rebuild.check_dir(out, info.manifest, owned) if to_dir else rebuild.targets(info.manifest, out, owned)
+    if to_dir:
+        rebuild.check_dir(out, info.manifest, owned)
+    plan = [] if to_dir else rebuild.targets(info.manifest, out, owned)
     arrivals = _Arrivals()
     fetched: dict = {}
 
@@ -166,8 +168,9 @@ def pull(
             worker.join()  # the fetch writes into the cache: let its batches in flight land first
             if not assembled or arrivals.error is not None:
                 evict_quietly(cache, protect)  # the limit holds after a failed pull too (what it fetched stays)
-        if failed is not None or arrivals.error is not None:
-            raise gone_meanwhile(fetcher, info, failed or arrivals.error) from None
+        error = failed or arrivals.error
+        if error is not None:
+            raise gone_meanwhile(fetcher, info, error) from None
         stats = fetched["stats"]
         cache.record_pull(family, version)
         cache.evict(protect=protect)
@@ -223,6 +226,8 @@ def _materialise_dir(
     placing.make_dirs(out)
     progress.start("write", info.logical_bytes)
     for entry in info.manifest.files:
+        if entry.sha256 is None:  # only a draft lacks it, and a version's document is none (parse_doc)
+            raise IntegrityError(f"{entry.path}: the version's manifest gives the file no sha256")
         dest = out.joinpath(*safe_relpath(entry.path).parts)
         stored = cache.file_path(entry.sha256)
         if os.path.isdir(stored) and not os.path.islink(stored):  # the rename onto it would name its temp file

@@ -250,7 +250,7 @@ class RemoteRegistry(Closable):
                     neg["existing_digest"],
                     manifest.logical_bytes,
                     len(manifest.files),
-                    manifest.digest,
+                    manifest.final_digest(),
                     neg["chunks"],
                     family,
                     version,
@@ -390,7 +390,10 @@ class RemoteRegistry(Closable):
     # -- pull -------------------------------------------------------------------------------------
 
     def version_doc(self, family: str, version: str) -> dict:
-        return self.version_doc_if(family, version)[0]
+        doc, _ = self.version_doc_if(family, version)
+        if doc is None:  # a 304, though no tag was sent: no mfsreg server answers so
+            raise self._bad_document(InvalidRequest("304 Not Modified to a request that named no tag"))
+        return doc
 
     def version_doc_if(self, family: str, version: str, tag: str | None = None) -> tuple[dict | None, str | None]:
         """The version's document and its tag; (None, tag) when ``tag`` is still current (a 304: the
@@ -678,7 +681,7 @@ def _raise_for(resp: httpx.Response) -> None:
     except (ValueError, AttributeError):
         # a proxy's or another server's page (every mfsreg answer is JSON): its HTML says nothing to
         # the user, and a 404 from it is no "not found" of a family or version
-        kind = StorageError if resp.status_code >= 500 else InvalidRequest
+        kind: type[RegistryError] = StorageError if resp.status_code >= 500 else InvalidRequest
         raise kind(
             f"{resp.url.copy_with(query=None)} answered {resp.status_code} {resp.reason_phrase} with a body that "
             "is not JSON: check that MFSREG_URL points at an mfsreg server (and any proxy before it)"

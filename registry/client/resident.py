@@ -6,6 +6,7 @@ import contextlib
 
 import torch
 
+from mfsreg.registry.client.fetch import VersionInfo
 from mfsreg.registry.client.node import evict_quietly, gone_meanwhile
 from mfsreg.registry.client.remote import Closable
 from mfsreg.registry.client.torch_loader import Copier, Node, build, chunk_ids, fill, layout, target_device
@@ -48,6 +49,7 @@ class ResidentModel(Closable):
             self.family = family
             self.copier = Copier(self.node.cache, self.device, self.node.remote.pool, verify)  # see load_tensors
             self.version: str | None = version
+            self.info: VersionInfo | None  # None while a switch copies (see switch)
             self.info, self.tensors = build(self.node, family, version, self.copier)
         except BaseException:  # no object to close later: its client, threads and buffers go now
             self.close()
@@ -116,7 +118,7 @@ class ResidentModel(Closable):
                     and tuple(t.shape) == span.shape
                     and t.dtype == self.copier.empty_dtype(span)
                 )
-                if not same:
+                if prior is None or not same:
                     realloc.append(name)
                     todo[name] = pieces
                     continue

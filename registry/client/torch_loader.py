@@ -18,9 +18,10 @@ import functools
 import os
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Generator
 from concurrent.futures import Future
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 
@@ -34,6 +35,7 @@ from mfsreg.registry.manifest import SAFETENSORS
 from mfsreg.registry.parallel import sized_batches, windowed_map
 from mfsreg.registry.safetensors import TensorSpan
 
+mapping: ModuleType | None
 try:
     from mfsreg.registry.client import mapping
 except (ImportError, AttributeError, OSError):  # no POSIX mmap through libc (Windows): tensors are copied into
@@ -238,7 +240,7 @@ class Copier:
             mapping.map_many(
                 [(region, p.start, p.chunk.size, self.cache.chunk_file(p.chunk.id)) for _, _, region, p in maps]
             )
-            if maps
+            if maps and mapping is not None  # (maps: regions made by mapping)
             else []
         )
         # those not mapped (a file missing or of another size, past the budget) are read instead, or
@@ -276,7 +278,7 @@ class Copier:
         if self.used + n > self.stages[self.cur].numel():
             self._next_stage()
         stage = self.stages[self.cur]
-        view = memoryview(stage[self.used : self.used + n].numpy())
+        view = stage[self.used : self.used + n].numpy().data
         if not self._read(p.chunk, view):
             self._renew([p.chunk])
             if not self._read(p.chunk, view):
@@ -336,7 +338,7 @@ def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.view(-1).view(torch.uint8) if tensor.dim() else tensor.reshape(1).view(torch.uint8)
 
 
-def _fetch_ahead(fetcher: Fetcher, info: VersionInfo, groups: list[list[str]]) -> Iterator[int]:
+def _fetch_ahead(fetcher: Fetcher, info: VersionInfo, groups: list[list[str]]) -> Generator[int, None, None]:
     """Yield group indexes as their chunks land in the cache; fetching runs on a background thread.
     Closed early (a copy failed), the generator tells that thread to stop: batches not yet started
     are dropped, and it no longer waits to hand over what it fetched."""
@@ -500,7 +502,8 @@ def build(node: Node, family: str, version: str, copier: Copier) -> tuple[Versio
     if failure is not None:
         if current is kept and not isinstance(failure, _Deferred):  # the same document: this load's own failure
             raise failure
-    elif current.digest == kept.digest:  # the same bytes; their tiers as the registry tells them now
+    elif tensors is not None and current.digest == kept.digest:
+        # the same bytes; their tiers as the registry tells them now
         node.fetcher.note_used(family, [i for i in ids if i in current.located], current.located, current.tiers)
         node.cache.evict(protect=ids)
         return current, tensors

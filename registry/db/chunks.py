@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Sequence, Set
+from typing import Any
 
 from sqlalchemy import Connection, and_, bindparam, delete, select, update
 
@@ -55,7 +56,7 @@ def record_pack(
         )
     list_pack(conn, pack_id, size)
     # Sorted rows: two transactions inserting overlapping ids lock them in the same order (no deadlock).
-    rows = sorted(
+    rows: list[dict[str, Any]] = sorted(
         (
             dict(
                 id=c.id,
@@ -202,6 +203,7 @@ def _needed(own: Iterable[str], located: dict[str, StoredChunk]) -> set[str]:
     """``own`` and the bases of their deltas, down the chains in ``located``. A chunk without a row
     stays listed: check names it as unrecorded."""
     need: set[str] = set()
+    i: str | None
     for i in own:
         while i is not None and i not in need:
             need.add(i)

@@ -36,13 +36,13 @@ def create_db_engine(url: str) -> Engine:
         raise InvalidRequest(f"MFSREG_DATABASE_URL={_redacted(url)} is not a database URL: use {SUPPORTED}") from None
     try:
         if parsed.get_backend_name() == "sqlite":
-            _check_sqlite_path(url, parsed.database)
+            database = _check_sqlite_path(url, parsed.database)
             if parsed.query:  # ?mode=ro was dropped with a warning on stderr, and the database made anyway
                 raise InvalidRequest(
                     f"MFSREG_DATABASE_URL={url} carries options ({', '.join(sorted(parsed.query))}), "
                     "which mfsreg does not pass to SQLite: give the path alone, sqlite:////srv/mfsreg/registry.db"
                 )
-            Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
+            Path(database).parent.mkdir(parents=True, exist_ok=True)
             engine = create_engine(url, poolclass=NullPool, connect_args={"timeout": 60, "check_same_thread": False})
             _sqlite_events(engine)
             return engine
@@ -55,9 +55,9 @@ def create_db_engine(url: str) -> Engine:
         ) from None
 
 
-def _check_sqlite_path(url: str, database: str | None) -> None:
-    """A registry's SQLite file is named by an absolute path. With three slashes SQLAlchemy reads
-    the rest as relative to the current directory, so each directory a command ran from would
+def _check_sqlite_path(url: str, database: str | None) -> str:
+    """A registry's SQLite file is named by an absolute path (returned). With three slashes SQLAlchemy
+    reads the rest as relative to the current directory, so each directory a command ran from would
     quietly get a registry of its own; an in-memory database keeps no version past the command."""
     if not database or database == ":memory:":
         raise InvalidRequest(
@@ -74,6 +74,7 @@ def _check_sqlite_path(url: str, database: str | None) -> None:
             f"MFSREG_DATABASE_URL={url} names {database!r}, a path relative to the current directory: "
             f"give an absolute path, after four slashes (here: sqlite:///{Path(database).absolute()})"
         )
+    return database
 
 
 def _redacted(url: str) -> str:

@@ -21,6 +21,7 @@ from mfsreg.registry.errors import StorageError
 
 if TYPE_CHECKING:
     from alembic.config import Config
+    from alembic.script import ScriptDirectory
 
 MIGRATIONS = Path(__file__).resolve().parents[2] / "migrations"
 
@@ -55,7 +56,14 @@ def _config(engine: Engine) -> Config:
 def head_revision(engine: Engine) -> str:
     from alembic.script import ScriptDirectory
 
-    return ScriptDirectory.from_config(_config(engine)).get_current_head()
+    return _head(ScriptDirectory.from_config(_config(engine)))
+
+
+def _head(script: ScriptDirectory) -> str:
+    head = script.get_current_head()
+    if head is None:  # Alembic's answer for no migrations at all: an install that lost migrations/versions/
+        raise StorageError(f"no schema migrations in {MIGRATIONS / 'versions'}: reinstall mfsreg")
+    return head
 
 
 def current_revision(engine: Engine) -> str | None:
@@ -110,7 +118,7 @@ def _known(engine: Engine, current: str | None) -> str:
     from alembic.util.exc import CommandError
 
     script = ScriptDirectory.from_config(_config(engine))
-    head = script.get_current_head()
+    head = _head(script)
     if current is not None:
         try:
             script.get_revision(current)

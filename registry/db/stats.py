@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 from sqlalchemy import Connection, and_, case, exists, func, select
 
 from mfsreg.registry.db.models import chunks, families, packs, unlisted_packs, versions
@@ -24,6 +27,7 @@ def logical_bytes(conn: Connection, family: str | None) -> tuple[int, int]:
 
 def tier_totals(conn: Connection, family: str | None) -> dict[str, tuple[int, int]]:
     """tier -> (chunks, stored bytes). Across families a chunk counts once, in its highest tier."""
+    rows: Sequence[Sequence[Any]]  # (tier, chunks, stored bytes)
     if family is not None:
         q = (
             select(fc.c.tier, func.count(), func.coalesce(func.sum(chunks.c.stored_size), 0))
@@ -69,7 +73,7 @@ def version_figures(conn: Connection, family: str | None) -> list[tuple[str, str
     elsewhere = exists().where((other.c.chunk_id == fc.c.chunk_id) & (other.c.family_id != fc.c.family_id))
     alone = case((and_(fc.c.users == 1, ~elsewhere), chunks.c.stored_size), else_=0)
     delta = case((chunks.c.basis_id.is_not(None), chunks.c.stored_size), else_=0)
-    per = (
+    per_version = (
         select(
             vc.c.version_id,
             func.sum(chunks.c.stored_size).label("needed"),
@@ -82,8 +86,10 @@ def version_figures(conn: Connection, family: str | None) -> list[tuple[str, str
         .group_by(vc.c.version_id)
     )
     if family is not None:  # inside the aggregate: filtered after it, every family's rows were summed first
-        per = per.where(versions.c.family_id.in_(select(families.c.id).where(families.c.name == family)))
-    per = per.subquery()
+        per_version = per_version.where(
+            versions.c.family_id.in_(select(families.c.id).where(families.c.name == family))
+        )
+    per = per_version.subquery()
     q = (
         select(
             families.c.name,

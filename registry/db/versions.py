@@ -8,7 +8,7 @@ from sqlalchemy import Connection, delete, func, select, update
 
 from mfsreg.registry.db.dialect import batches, insert
 from mfsreg.registry.db.models import families, family_chunks, version_chunks, versions
-from mfsreg.registry.errors import NotFound
+from mfsreg.registry.errors import NotFound, StorageError
 from mfsreg.registry.results import FamilyRow, VersionRow
 
 _FAMILY = (families.c.id, families.c.name, families.c.base_quorum, families.c.member_count, families.c.chunk_size)
@@ -122,7 +122,7 @@ def insert_version(
     manifest: bytes,
     chunk_ids: Sequence[str],
 ) -> int:
-    vid = conn.execute(
+    key = conn.execute(
         versions.insert().values(
             family_id=family_id,
             name=name,
@@ -133,7 +133,10 @@ def insert_version(
             single_file=int(single_file),
             manifest=manifest,
         )
-    ).inserted_primary_key[0]
+    ).inserted_primary_key
+    if key is None:  # SQLAlchemy's answer where a database returned no id: not for a one-row insert
+        raise StorageError(f"the database returned no id for new version {name}")
+    vid = key[0]
     for batch in batches(list(chunk_ids), 5000):
         conn.execute(version_chunks.insert(), [dict(version_id=vid, chunk_id=c) for c in batch])
     return vid
