@@ -120,6 +120,26 @@ def needed(env: dict, version: str) -> dict:
     ]
 
 
+def client_fds(cache: Path, port: int | None = None) -> list[str]:
+    """The open files of this process in ``cache``, and its TCP connections to ``port`` on loopback."""
+    to_port = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6") if port else ():
+        with open(table) as fh:
+            for row in list(fh)[1:]:
+                cols = row.split()
+                if int(cols[2].rsplit(":", 1)[1], 16) == port:  # the remote end is the server
+                    to_port.add(f"socket:[{cols[9]}]")
+    held = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # closed since the listing
+            continue
+        if link.startswith(str(cache)) or link in to_port:
+            held.append(link)
+    return held
+
+
 def cached_ids(env: dict) -> list[str]:
     return [
         p.name
@@ -461,10 +481,12 @@ def test_an_unverified_load_from_a_kept_document_fetches_a_chunk_another_process
 def test_a_resident_model_that_cannot_load_closes_what_it_opened(published):
     """A failed first load leaves no object to close: the client, its connections and the cache's
     index go at once, not whenever the garbage collector runs."""
-    _, env = published
+    srv, env = published
 
     def open_fds() -> int:
-        return len(os.listdir("/proc/self/fd"))
+        """This process's files in the node cache and connections to the server (a server running
+        in this process has sockets of its own, which come and go with other tests' connections)."""
+        return len(client_fds(Path(env["MFSREG_CACHE_DIR"]), srv.port))
 
     node_env = {
         "MFSREG_URL": env["MFSREG_URL"],
@@ -1096,6 +1118,26 @@ def test_a_pin_keeps_base_chunks_another_family_cached_first(published_alone, fa
         if r[4] == "base"
     }
     assert other_base and set(cached_ids(env)) == other_base
+
+
+def test_a_pull_closes_every_connection_to_the_cache_index_when_it_ends(published, fam, tmp_path, monkeypatch):
+    """The cache's index kept a connection per pool thread, and close() closed only its own thread's:
+    the others held index.db and its log open until the garbage collector found them, and the last
+    to close wrote the log back into index.db whenever that was. A long-lived client kept them."""
+    _, env = published
+    cache = Path(env["MFSREG_CACHE_DIR"])
+    monkeypatch.setenv("MFSREG_CACHE_DIR", str(cache))
+
+    gc.collect()
+    gc.disable()  # closed by the pull, not found later by the collector
+    try:
+        with RemoteRegistry(env["MFSREG_URL"], token=env["MFSREG_TOKEN"], workers=4) as remote:
+            for member in ("base", "lora-chat"):
+                remote.pull("fam", member, tmp_path / f"{member}.out")
+                assert client_fds(cache) == [], member
+    finally:
+        gc.enable()
+    assert filecmp.cmp(tmp_path / "lora-chat.out", fam["lora-chat"], shallow=False)
 
 
 def test_a_node_pull_into_its_cache_is_refused(published, fam, tmp_path):

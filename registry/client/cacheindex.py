@@ -44,6 +44,8 @@ class CacheIndex:
         """Open index.db (made if missing), bring it to the current version, and record files that
         stand without rows where the marker says some may."""
         self._local = threading.local()
+        self._conns: list[sqlite3.Connection] = []  # every thread's, for close() to close them all
+        self._conns_lock = threading.Lock()
         try:
             self._conn().executescript(SCHEMA)  # idempotent; executescript manages its own transaction
         except sqlite3.DatabaseError as exc:  # not a database (damaged), or no room to write it
@@ -69,9 +71,13 @@ class CacheIndex:
         self._record_unrecorded()
 
     def _conn(self) -> sqlite3.Connection:
+        """This thread's connection to the index (one per thread, made on first use)."""
         conn = getattr(self._local, "conn", None)
         if conn is None:
-            conn = sqlite3.connect(self._index, timeout=60, isolation_level=None)
+            # used by this thread alone; another may only close it (close())
+            conn = sqlite3.connect(self._index, timeout=60, isolation_level=None, check_same_thread=False)
+            with self._conns_lock:
+                self._conns.append(conn)
             use_wal(conn, self._index)
             # The index is bookkeeping (sizes, tiers, last use) beside files that are written and
             # renamed on their own: with NORMAL a crash may lose the last few updates but never
@@ -108,10 +114,14 @@ class CacheIndex:
             self._mark_unrecorded()
 
     def close(self) -> None:
-        conn = getattr(self._local, "conn", None)
-        if conn is not None:
+        """Close every thread's connection now, the pool threads' that a pull or load used included:
+        left to the garbage collector, they held their files open, and the last one to close wrote
+        the log back into index.db whenever that happened."""
+        with self._conns_lock:
+            conns, self._conns = self._conns, []
+            self._local = threading.local()
+        for conn in conns:
             conn.close()
-            self._local.conn = None
 
     # -- rows of chunks ---------------------------------------------------------------------------
 
