@@ -82,7 +82,7 @@ class Stack:
             c.execute(f'CREATE DATABASE "{self.db}"')
         self.api = None
 
-    def start_api(self, bucket: str) -> str:
+    def start_api(self, bucket: str, workers: int = 1) -> str:
         self.s3.create_bucket(Bucket=bucket)
         base = PG_ADMIN.rsplit("/", 1)[0].replace("postgresql://", "postgresql+psycopg://", 1)
         self.env.update(
@@ -106,7 +106,7 @@ class Stack:
         port = free_port()
         self.api_url = f"http://127.0.0.1:{port}"
         self.api = subprocess.Popen(
-            [mfsreg, "serve", "--port", str(port), "--log-level", "warning"],
+            [mfsreg, "serve", "--port", str(port), "--log-level", "warning", "--workers", str(workers)],
             env=self.env,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
