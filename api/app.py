@@ -15,9 +15,10 @@ from fastapi import Depends, FastAPI, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from mfsreg.api import errors
+from mfsreg.api import errors, openapi
 from mfsreg.api.auth import Authenticate, principal
 from mfsreg.api.limits import BodyLimit, read_body
+from mfsreg.api.openapi import RESPONSES, FamilyName, FamilyQuery, VersionName
 from mfsreg.api.query import strict_query
 from mfsreg.api.schemas import (
     CheckResultModel,
@@ -55,14 +56,18 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
             if registry is None:
                 reg.close()
 
+    from mfsreg import __version__
+
     app = FastAPI(
         title="mfsreg",
-        version="0.1.0",
+        version=__version__,
         summary="Content-addressed registry for families of fine-tuned models.",
         lifespan=lifespan,
         dependencies=[Depends(strict_query)],  # api/query.py: no unknown or repeated query parameters
+        responses=RESPONSES,  # the error answers every route may give (api/openapi.py)
     )
     errors.install(app)
+    openapi.install(app)
     app.add_middleware(
         BodyLimit, max_body=(settings or (registry.settings if registry else Settings.from_env())).max_body
     )
@@ -85,22 +90,27 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
         return [_family_model(f) for f in reg_of(request).families() if who.allows("read", f.name)]
 
     @app.get("/v1/families/{family}", response_model=FamilyModel, tags=["read"])
-    def family(family: str, request: Request, who: Principal = Depends(principal)):
+    def family(family: FamilyName, request: Request, who: Principal = Depends(principal)):
         """One family: its member count, tier policy and the chunk size every push to it cuts at."""
         check_name("family", family)
         who.require("read", family)
         return _family_model(reg_of(request).family(family))
 
     @app.get("/v1/families/{family}/versions", response_model=list[VersionModel], tags=["read"])
-    def versions(family: str, request: Request, who: Principal = Depends(principal)):
+    def versions(family: FamilyName, request: Request, who: Principal = Depends(principal)):
         check_name("family", family)
         who.require("read", family)
         return [_version_model(v) for v in reg_of(request).versions(family)]
 
     # The two documents a node reads are plain JSON values with thousands of entries: returned as a
     # JSONResponse they skip FastAPI's per-value encoder, which took about 40% of a version request.
-    @app.get("/v1/families/{family}/versions/{version}", tags=["read"], response_class=JSONResponse)
-    def version(family: str, version: str, request: Request, who: Principal = Depends(principal)):
+    @app.get(
+        "/v1/families/{family}/versions/{version}",
+        tags=["read"],
+        response_class=JSONResponse,
+        responses={304: {"description": "The copy the If-None-Match tag names is current: no body"}},
+    )
+    def version(family: FamilyName, version: VersionName, request: Request, who: Principal = Depends(principal)):
         """A version with its manifest and, per chunk id it needs, [encoding, stored bytes, basis id, raw bytes, tier].
         Tagged (ETag); with a current If-None-Match the answer is a 304 with no body."""
         check_name("family", family)
@@ -112,7 +122,14 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
 
     @app.get("/v1/families/{family}/chunks", tags=["read"], response_class=JSONResponse)
     def family_chunks(
-        family: str, request: Request, tier: str | None = Query(None), who: Principal = Depends(principal)
+        family: FamilyName,
+        request: Request,
+        tier: str | None = Query(
+            None,
+            description="One tier; without it, every chunk",
+            json_schema_extra={"enum": ["base", "group", "unique"]},
+        ),
+        who: Principal = Depends(principal),
     ):
         """The family's chunks of one tier (base, group, unique) or all: what `mfsreg cache warm` fetches."""
         check_name("family", family)
@@ -120,7 +137,7 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
         return JSONResponse(service.tier_doc(reg_of(request), family, tier))
 
     @app.delete("/v1/families/{family}/versions/{version}", response_model=DeleteResultModel, tags=["admin"])
-    def delete(family: str, version: str, request: Request, who: Principal = Depends(principal)):
+    def delete(family: FamilyName, version: VersionName, request: Request, who: Principal = Depends(principal)):
         check_name("family", family)
         who.require("admin", family)
         return reg_of(request).delete(family, version).to_dict()
@@ -129,8 +146,14 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
     def prune_registry(
         request: Request,
         who: Principal = Depends(principal),
-        min_age: float = Query(prune.DEFAULT_MIN_AGE, description="grace period, seconds"),
-        max_unused: float = Query(prune.DEFAULT_MAX_UNUSED),
+        min_age: float = Query(
+            prune.DEFAULT_MIN_AGE, description="grace period, seconds", json_schema_extra={"minimum": 0}
+        ),
+        max_unused: float = Query(
+            prune.DEFAULT_MAX_UNUSED,
+            description="repack a pack with more than this share of unused bytes",
+            json_schema_extra={"minimum": 0, "maximum": 1},
+        ),
         dry_run: bool = Query(False),
     ):
         """Delete the chunks no version needs and give back their space (`mfsreg prune`): the whole
@@ -147,7 +170,7 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
     def check_store(
         request: Request,
         who: Principal = Depends(principal),
-        family: str | None = Query(None),
+        family: FamilyQuery = None,
         read_data: bool = Query(False, description="also read, decode and hash every chunk"),
     ):
         """Whether the blob store holds every byte the stored versions need (`mfsreg check`): one
@@ -167,7 +190,11 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
 
     @app.post("/v1/families/{family}/versions/{version}/negotiate", response_model=NegotiateResponse, tags=["push"])
     def negotiate(
-        family: str, version: str, body: NegotiateRequest, request: Request, who: Principal = Depends(principal)
+        family: FamilyName,
+        version: VersionName,
+        body: NegotiateRequest,
+        request: Request,
+        who: Principal = Depends(principal),
     ):
         """Step 1 of a push: which of the manifest's chunks must be uploaded."""
         check_name("family", family)
@@ -182,7 +209,7 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
             "requestBody": {"content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}
         },
     )
-    async def upload(family: str, request: Request, who: Principal = Depends(principal)):
+    async def upload(family: FamilyName, request: Request, who: Principal = Depends(principal)):
         """Step 2: a batch of encoded chunks (registry/wire.py). Each is decoded and re-hashed; a
         chunk whose bytes do not match its id refuses the whole batch."""
         check_name("family", family)
@@ -198,8 +225,8 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
         responses={200: {"model": PushResultModel, "description": "The version was already stored with this content"}},
     )
     def commit(
-        family: str,
-        version: str,
+        family: FamilyName,
+        version: VersionName,
         body: CommitRequest,
         request: Request,
         response: Response,
@@ -219,7 +246,7 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
         tags=["read"],
         responses={200: {"content": {"application/octet-stream": {}}}},
     )
-    def download(family: str, body: DownloadRequest, request: Request, who: Principal = Depends(principal)):
+    def download(family: FamilyName, body: DownloadRequest, request: Request, who: Principal = Depends(principal)):
         """Stored payloads of chunks of this family, streamed as one batch (registry/wire.py)."""
         check_name("family", family)
         who.require("read", family)
@@ -229,7 +256,7 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
         return StreamingResponse(stream, media_type="application/octet-stream")
 
     @app.get("/v1/stats", tags=["read"])
-    def stats(request: Request, family: str | None = Query(None), who: Principal = Depends(principal)) -> dict:
+    def stats(request: Request, family: FamilyQuery = None, who: Principal = Depends(principal)) -> dict:
         if family is None and who.family_pattern != "*":
             raise Forbidden(f"this token is limited to families matching {who.family_pattern!r}: ask for one family")
         who.require("read", family)

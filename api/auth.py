@@ -11,6 +11,7 @@ from __future__ import annotations
 from fastapi import Request
 from starlette._utils import get_route_path
 from starlette.concurrency import run_in_threadpool
+from starlette.routing import Match
 
 from mfsreg.api.posts import role_for
 from mfsreg.registry.auth import Principal, authenticate
@@ -28,8 +29,8 @@ class Authenticate:
         self.app = app
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or not get_route_path(scope).startswith("/v1/"):
-            await self.app(scope, receive, send)
+        if scope["type"] != "http" or not get_route_path(scope).startswith("/v1/") or _no_route_takes(scope):
+            await self.app(scope, receive, send)  # the routes answer it (a method no route takes: 405)
             return
         from mfsreg.api.errors import problem, status_for
 
@@ -52,6 +53,13 @@ class Authenticate:
             return
         scope.setdefault("state", {})[_KEY] = found
         await self.app(scope, receive, send)
+
+
+def _no_route_takes(scope) -> bool:
+    """Whether no route takes this request's method on its path (a TRACE, a PUT): answered 405 with
+    the methods that are taken, token or not, as an undeclared method is everywhere."""
+    matches = [route.matches(scope)[0] for route in scope["app"].router.routes]
+    return Match.FULL not in matches and Match.PARTIAL in matches
 
 
 def principal(request: Request) -> Principal:

@@ -75,7 +75,11 @@ MAX_DOWNLOAD_IDS = 100_000
 
 
 class DownloadRequest(BaseModel):
-    ids: list[str] = Field(max_length=MAX_DOWNLOAD_IDS)
+    ids: list[str] = Field(
+        max_length=MAX_DOWNLOAD_IDS,
+        description="Chunk ids (xxh3-128, 32 lowercase hex digits) of chunks this family's versions use",
+        json_schema_extra={"items": {"type": "string", "pattern": "^[0-9a-f]{32}$"}},
+    )
 
 
 class PushResultModel(BaseModel):
@@ -152,3 +156,12 @@ class DeleteResultModel(BaseModel):
     version: str
     tier_changes: int
     released_chunks: int
+
+
+class Problem(BaseModel):
+    """Problem details (RFC 9457): the body of every error answer, as application/problem+json."""
+
+    type: str = Field(description="urn:mfsreg:CODE, e.g. urn:mfsreg:not_found")
+    title: str = Field(description="CODE in words")
+    status: int = Field(description="The HTTP status, repeated")
+    detail: str = Field(description="One line: what is wrong and what to do")

@@ -11,7 +11,8 @@ import re
 from mfsreg.registry.errors import InvalidName, shown
 
 NAME_CHARS = "A-Za-z0-9._-"  # a regex character class's body: what a name may hold
-_NAME = re.compile(rf"^[A-Za-z0-9_-][{NAME_CHARS}]{{0,127}}$")
+NAME_PATTERN = rf"^[A-Za-z0-9_-][{NAME_CHARS}]{{0,127}}$"  # also in the API's OpenAPI document
+_NAME = re.compile(NAME_PATTERN)
 
 
 def check_name(kind: str, name: str) -> str:
