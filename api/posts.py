@@ -1,11 +1,8 @@
 """What a POST needs, read off its path before its body is read: the role it needs (and for which
 family), and the most bytes its body may hold.
 
-FastAPI reads and parses a route's JSON body before the route runs, so the route's own check of the
-caller's role comes after the parse: without these, a read token (or anyone, where anonymous reads
-are open) could have the server parse a push's manifest of up to MFSREG_MAX_BODY bytes, at about
-20 bytes of memory per byte for a body of empty lists. The middlewares (api/auth.py, api/limits.py)
-check these first; the routes check again, with the names checked too.
+The middlewares (api/auth.py, api/limits.py) check these before FastAPI reads and parses the body;
+the routes check again, with the names checked too. See docs/design/protocol.md.
 """
 
 from __future__ import annotations

@@ -1,18 +1,9 @@
 """Which stored chunks a push may use without sending their bytes.
 
-Chunks are stored once for the whole registry, so a chunk id names the same bytes in every family.
-A token scoped to some families must not gain another family's bytes by naming their ids: a push
-through it that committed an id only another family uses could then download those bytes through
-its own family. So a push through such a token uses a stored chunk without uploading it only
-where its own family already uses it, or a family the token may read does (the token could
-download it there anyway). Any other chunk is asked for (negotiate lists it as missing) and,
-once uploaded and re-hashed by the server, claimed for the family (db/claims.py): the commit
-checks that every chunk passes one of the three. The registry still keeps one copy of the bytes.
-A chunk stored as a delta against another family's chunk would still lend that basis (a version
-lists the bases it needs to decode, and its readers may download them): before such a commit, the
-chunk gets a plain copy of its own (detach_foreign_chains).
-
-A token for every family (pattern ``*``), and an embedded push, may use every stored chunk.
+Through a token scoped to some families: those its family, or a family it may read, uses, and those
+a push to its family uploaded and the server verified (claims, db/claims.py); any other it uploads.
+A token for every family (``*``), and an embedded push, may use every stored chunk.
+See docs/design/protocol.md.
 """
 
 from __future__ import annotations
@@ -56,14 +47,12 @@ PROOF_BATCH = 256 << 20  # raw bytes of stored chunks read back at a time to com
 
 
 def compare_stored(reg, uploaded: dict[str, bytes]) -> set[str]:
-    """Compare each of ``uploaded`` (id -> raw bytes, already hashed to its id: stored chunks a
-    scoped push must show it holds, see ``unproven``) with the bytes stored under that id; raise
-    IntegrityError at the first that differs. The id is an xxh3-128, fast but not built to resist a
-    forged collision: a claim must rest on the bytes themselves, or bytes crafted to hash like
-    another family's chunk would lend that chunk. The error is the one a mismatched hash gets, so
-    it says nothing of what is stored. Returns the ids deleted meanwhile (a prune), which the push
-    may not claim and a commit then asks for again. Raises StorageError (a 503 that names nothing)
-    where the stored bytes cannot be read back."""
+    """Compare each of ``uploaded`` (id -> raw bytes, already hashed to its id; see ``unproven``)
+    with the bytes stored under that id. Raises IntegrityError at the first that differs, worded as
+    for a mismatched hash so it says nothing of what is stored, and StorageError (naming nothing)
+    where the stored bytes cannot be read back. Returns the ids deleted meanwhile (a prune), which
+    the push may not claim.
+    See docs/design/protocol.md."""
     gone: set[str] = set()
     for batch in sized_batches(sorted(uploaded), lambda i: len(uploaded[i]), PROOF_BATCH):
         stored = stored_bytes(reg, batch)
@@ -129,14 +118,12 @@ def _foreign_chains(
 def detach_foreign_chains(
     reg, who: Principal | None, family: str, ids: Sequence[str], go_on: Callable[[Connection], bool] | None = None
 ) -> int:
-    """Store a plain copy of each of ``ids`` whose delta chain passes through a chunk ``who`` may not
-    use, and point its row there, so that a version of ``family`` needs only chunks it proved it
-    holds. The registry decodes them itself (their bytes equal what the push uploaded, by id).
-    Another family that used the delta now reads the plain copy: the same bytes, a little more
-    storage, and no longer needs the delta's bases (db/chunks.rechain records that in the copy's
-    transaction). ``go_on(conn)``, asked only when there is something to copy, in the same read
-    transaction, may refuse (raise) or skip (False) the copies first: a commit's checks, which a
-    commit needing no copy leaves to its own transaction. Returns how many were detached."""
+    """Store a plain copy of each of ``ids`` the push has shown it holds whose delta chain passes
+    through a chunk ``who`` may not use, and point its row there; the versions that used the delta
+    then no longer need its bases (db/chunks.rechain, same transaction). ``go_on(conn)``, called in
+    the read transaction only when there is something to copy, may raise, or return False to skip
+    the copies. Returns how many were detached.
+    See docs/design/protocol.md."""
     if reads_everything(who):
         return 0
     with read_tx(reg.engine) as conn:

@@ -1,15 +1,10 @@
 """`mfsreg check`: does the blob store still hold every byte that the stored versions need?
 
-A pull finds a lost pack only when someone asks for a version that needs it, and node caches can
-hide the loss for months. ``check`` asks the whole registry (or one family) at once, as restic's
-check does: each pack that a version's chunks (and the bases of their deltas) lie in is looked up
-(registry/lost.py: missing, or shorter than its chunks), and with ``read_data`` every such chunk is
-read, decoded and hashed against its id. What is wrong is named together with the versions that can
-no longer be pulled because of it; nothing is changed, so a check can run beside pushes and pulls.
-
-A push with ``mend_damaged`` (``mfsreg push --mend-damaged``) reads the stored chunks its version
-needs the same way (``unreadable_or_damaged``), whether the version is stored already or new, and
-stores again those that do not read back.
+Looks up each pack that a version's chunks, or the bases of their deltas, lie in (registry/lost.py)
+and, with ``read_data``, reads, decodes and hashes every such chunk; names what is wrong with the
+versions it breaks. Changes nothing, so it runs beside pushes and pulls. ``unreadable_or_damaged``
+is the same read for ``push --mend-damaged``.
+See docs/design/check.md.
 """
 
 from __future__ import annotations

@@ -107,12 +107,10 @@ class MappedFile:
 
     def changed(self) -> str | None:
         """Why the bytes read through the map may not be the file's as it was opened, or None: a
-        read past its end (it was cut short while it was read) or a read that failed, or its size or
-        modification time moved since. Not its ctime: a rename over the file (the safe way to save
-        a checkpoint), a chmod or a hard link move that, and none of them changes the bytes mapped.
-        Timestamps are as fine as the filesystem keeps them: a write in the same tick as the
-        opening may not show here (the re-hash of each encoded chunk still catches what it changed
-        in a new chunk)."""
+        read past its end (it was cut short while it was read), a read that failed, or a change of
+        its size or modification time (not its ctime). A write in the same timestamp tick as the
+        opening may not show.
+        See docs/design/format.md."""
         now = os.fstat(self._fd)
         if self._guard >= 0 and _busguard is not None and _busguard.hit(self._guard):
             if now.st_size < self.size:

@@ -1,28 +1,10 @@
 """Chunk encodings and their decoders.
 
-Encodings (the name is stored with each chunk):
-- ``raw``: the bytes as they are, when nothing smaller was found.
-- ``zstd``: zstd over the bytes (headers, side files, one-byte dtypes).
-- ``zstd-pN``: the chunk's N-byte elements split into N byte planes, then zstd. Weights of one
-  tensor share a narrow range of exponents, so the plane holding sign and exponent bits compresses
-  well while the low mantissa planes do not; interleaved, zstd finds much less (bf16: about 0.67 of
-  the raw size instead of 0.78, measured in benchmarks/).
-- ``sub-pN``: a delta against a basis chunk (the same tensor position in a related version): each
-  N-byte element minus the basis's as a wrapping integer, zigzagged, split into byte planes, then
-  zstd. A fine-tune moves most weights by a few ulps or not at all, so the planes are mostly zero
-  and small numbers and compress far below plain. When the chunk is longer than its basis
-  (appended vocabulary rows), the tail past the basis is kept as it is inside the same planes.
-- ``subn-pN``: ``sub-pN`` with the lowest byte plane split into nibbles (bf16 and fp16 deltas whose
-  differences are mostly small: see sub_planes).
-- ``esub-pN`` / ``esubn-pN``: ``sub-pN`` / ``subn-pN`` with the differences grouped by the exponent
-  of their basis element (see encode_delta), and mostly-zero planes sent as flag bits plus their
-  nonzero bytes (_sparse_split). What a registry writes when registry/_grouping.c is built;
-  otherwise it writes the ungrouped forms, which every version decodes.
-- ``xor-pN``: the earlier delta, xor instead of the difference and no nibbles. Still decoded (chunks
-  stored before ``sub-pN`` keep it), no longer written.
-
-Decoders are vectorised (numpy, and C for grouped deltas, nibbles and plane joins) and do not touch
-the database, so the node-side client uses them too.
+The encoding's name is stored with each chunk: ``raw``, ``zstd``, ``zstd-pN`` (byte planes, then
+zstd), and deltas against a basis chunk: ``sub-pN``, ``subn-pN`` (lowest plane in nibbles), their
+grouped forms ``esub-pN`` and ``esubn-pN`` (written where registry/_grouping.c is built), and
+``xor-pN`` (decoded, no longer written). Decoders touch no database, so the node client uses them.
+See docs/design/format.md and docs/design/deltas.md.
 """
 
 from __future__ import annotations
@@ -179,12 +161,9 @@ def is_delta(encoding: str) -> bool:
 
 def _nibble_split(plane: np.ndarray, out: np.ndarray) -> None:
     """``plane`` (n bytes) as the low nibbles of its byte pairs, then their high nibbles (and an odd
-    last byte as it is), into ``out``. A fine-tune's differences are a few ulps: the low byte plane
-    is mostly 0 to 15, so the low nibbles carry its entropy and the high ones are nearly all zero.
-    Packed this way, zstd's Huffman stage meets one symbol per two elements instead of a skewed
-    symbol per element, and the zero half goes by as long matches: full-medical's deltas come out
-    21% smaller than xor planes and encode faster (measured on bf16 chunks, see README). The C
-    module writes the same bytes in one loop (numpy: eight passes)."""
+    last byte as it is), into ``out``. The C module writes the same bytes in one loop (numpy: eight
+    passes).
+    See docs/design/deltas.md."""
     if _grouping is not None:
         _grouping.nibble_split(plane, out)
         return
@@ -256,15 +235,11 @@ def sub_planes(data, basis, itemsize: int) -> tuple[str, np.ndarray]:
     """(encoding, planes) of a delta; the planes live in this thread's reusable buffers (use them
     before the next call).
 
-    Each N-byte element of ``data`` minus the basis's, as wrapping N-byte integers, zigzagged (0, -1,
-    1, -2, ... -> 0, 1, 2, 3, ...), then split into byte planes; for bf16 and fp16 the lowest plane
-    is also split into nibbles (``subn``) when most differences are small (NIBBLE_MAX_WIDE). A
-    fine-tuned weight rarely crosses zero, so it keeps its basis's sign, and IEEE floats of one sign
-    are ordered like their bit patterns: a change of a few ulps is a small integer here, where xor
-    turns a carry into a run of set bits (full-medical: 0.113 of raw against xor's 0.144). A weight
-    that does change sign costs a large difference, still lossless. Bytes past the end of the basis
-    (appended vocabulary rows) are kept as they are. Written with numpy ufuncs into scratch
-    buffers: no library offers this transform, and fresh arrays cost a page fault per 4 KiB."""
+    Each N-byte element of ``data`` minus the basis's, as wrapping N-byte integers, zigzagged, then
+    split into byte planes; for bf16 and fp16 the lowest plane is also split into nibbles (``subn``)
+    when most differences are small (NIBBLE_MAX_WIDE). Bytes past the end of the basis are kept as
+    they are.
+    See docs/design/deltas.md."""
     a = np.frombuffer(data, dtype=np.uint8)
     b = np.frombuffer(basis, dtype=np.uint8)
     m = min(a.size, b.size)
@@ -493,15 +468,10 @@ def _decode_grouped(payload, size: int, basis, itemsize: int, nibbles: bool) -> 
 
 
 def encode_delta(data, basis, itemsize: int) -> tuple[str, bytes]:
-    """(encoding, payload) of ``data`` as a delta against ``basis``.
-
-    With the C module the differences are grouped by the exponent of their basis element: a
-    fine-tune moves weights by amounts of a similar absolute size, so a small weight moves by many
-    ulps and a large one by few or none. Interleaved, zstd codes both kinds with one table; grouped,
-    each block holds one kind (measured on the bench family: full fine-tune 0.595 and LoRA merges
-    0.88 of the ungrouped sizes, heavily retrained layers 0.96; sparse planes then take another
-    6%, 1% and 2.4% off). Without the module, numpy would need a stable argsort per chunk (8x
-    slower), so the ungrouped form is written instead."""
+    """(encoding, payload) of ``data`` as a delta against ``basis``: grouped by the exponent of each
+    basis element (``esub``, ``esubn``) where the C module is built and elements are wider than a
+    byte, else ungrouped (``sub``, ``subn``).
+    See docs/design/deltas.md."""
     if _grouping is not None and itemsize > 1:
         return _encode_grouped(data, basis, itemsize)
     encoding, planes = sub_planes(data, basis, itemsize)

@@ -1,12 +1,9 @@
 """Choosing a basis for each new chunk, and reading basis bytes back.
 
-A new chunk's basis is the chunk at the same tensor and position in the version it is closest to:
-the explicit parent; else the member that shares the most chunks with it (known from the dedup
-lookup); else the family's first version. Positions are (tensor name, chunk index in the tensor),
-so they match across shard layouts. A delta chain never grows past MAX_DEPTH: a basis that is
-already that deep is replaced by its own basis, one step closer to a plain chunk, and so is one
-that cannot be read because the blob store lost its pack (or one down its chain), or because the
-push's own read (--mend-damaged) found its bytes, or those of one down its chain, damaged.
+The basis is the chunk at the same (tensor, chunk index) in the parent, else in the member sharing
+most chunks, else in the first version. One MAX_DEPTH deep, or unreadable down its chain, gives way
+to its own basis; with none left, the chunk is stored plain.
+See docs/design/deltas.md.
 """
 
 from __future__ import annotations
@@ -141,14 +138,11 @@ class BasisReader:
                 pass  # a pack deleted by a prune meanwhile: ``usable`` reads the rest one by one
 
     def usable(self, chunk_id: str) -> bytes | None:
-        """The raw bytes of basis ``chunk_id``, or None where they cannot be read, and the new chunk
-        is then stored plain, which is always correct: a prune (with --min-age 0, or longer than its
-        grace period) deleted its pack after this push chose it (a delta against it would be refused
-        when its pack is recorded), or the blob store lost that pack, or cut it short, while the
-        registry still records chunks in it (damage: the push warns, naming the pack, and goes on;
-        plan_deltas avoids the packs lost before the push began, this catches one lost since). A
-        pack found so is remembered, so the other chunks it held are neither read nor looked up
-        again."""
+        """The raw bytes of basis ``chunk_id``, or None where they cannot be read (a prune deleted its
+        pack, the blob store lost it or cut it short, or a chunk down its chain is damaged): the new
+        chunk is then stored plain. Warns once per lost pack, and once a push for damage; a pack or
+        chain found so is set aside, not read or looked up again.
+        See docs/design/deltas.md."""
         chain = self._chain(chunk_id)
         if any(self.located[i].pack_id in self._skipped_packs or i in self._damaged for i in chain):
             return None
@@ -156,8 +150,8 @@ class BasisReader:
             return self.raw(chunk_id)
         except IntegrityError as exc:
             # A chunk of the chain is damaged where it is stored (its pack is there, its bytes are
-            # not): the push failed, for a fault in bytes it does not even store. Its new chunk goes
-            # plain; the damage is the stored versions' to mend (check --read-data, push --mend-damaged).
+            # not). The push goes on and its new chunk goes plain; the damage is the stored
+            # versions' to mend (check --read-data, push --mend-damaged).
             # Set aside: the damaged chunk and those leaning on it, not the bases below it, which read.
             bad = exc.chunk_id if exc.chunk_id is not None else chunk_id
             gone = set(chain[: chain.index(bad) + 1]) if bad in chain else set(chain)

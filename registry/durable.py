@@ -1,11 +1,9 @@
 """A renamed file's new name made durable: the directory that holds it synced.
 
-A file synced and then renamed into place has durable bytes, but its new name lives in the
-directory, which a crash can lose until that directory is synced too: the file would be gone after
-a reboot, though never torn. Every atomic write here (the local blob store's puts, a pull's files)
-renames a synced temp file and then calls ``sync_dir``. A directory made for such a file is a name
-in its own parent, lost the same way (and the file with it): the blob store makes them with
-``make_dirs``.
+Every atomic write here (the local blob store's puts, a pull's files) renames a synced temp file and
+then calls ``sync_dir``; the directories made for such files are made with ``make_dirs``, so that
+their names are synced too.
+See docs/design/node-cache.md.
 """
 
 from __future__ import annotations
@@ -114,13 +112,10 @@ def what_to_do(code: int | None) -> str:
 
 class Placing:
     """The files of one pull, each written and synced under a temp name, renamed into place together
-    once every one of them has passed its check: a pull that fails on its third file leaves the
-    first two as they were (say, the files of the version pulled there before), not a mix of two
-    versions. Use as a ``with`` block: leaving it on an error removes the temp files instead, and
-    the folders ``make_dirs`` made for them while they are empty.
-
-    The renames themselves can still fail partway (a disk that fails between two of them): they are
-    the last step, after every byte is written and synced, and each is atomic for its own file."""
+    once every one has passed its check, so a pull that fails leaves the files there as they were.
+    Use as a ``with`` block: leaving it on an error removes the temp files, and the folders
+    ``make_dirs`` made for them while they are empty. The renames, the last step, can still fail
+    partway; each is atomic for its own file."""
 
     def __init__(self) -> None:
         self.pending: list[tuple[Path, Path]] = []

@@ -1,17 +1,9 @@
 """A written file checked against its chunks where they lie, and its writeback started early.
 
-CheckedFile is the file a pull writes: a temp name beside the target, sized up front, its
-finished stretches handed to writeback (and, where the pull asks, checked on a pool), then synced
-and renamed into place.
-
-The embedded pull (from packs, registry/rebuild.py) writes a file chunk by chunk at the chunks'
-offsets and then hashes each finished stretch, read back from the file, with xxh3-128 against its
-chunks' ids (a node's pull checks each chunk in its own buffer before writing it instead,
-registry/client/assemble.py, and checks a stored file with bad_chunks, _intact in
-registry/client/node.py). The chunks are first checked to tile the file (every byte lies in
-exactly one chunk), so a file whose every chunk hashes to its id is the file the manifest
-describes: what a whole-file sha256 taken from the same manifest would prove, at about a tenth of
-the CPU, and of the bytes as the file holds them rather than as they were handed to write().
+CheckedFile is the file a pull writes: a temp name beside the target, sized up front, its finished
+stretches handed to writeback (and, where asked, hashed back against their chunks' ids), then synced
+and renamed into place. check_tiling and bad_chunks are the checks.
+See docs/design/format.md.
 """
 
 from __future__ import annotations

@@ -142,17 +142,10 @@ def encoded_chunks(
     basis_raw: Callable[[str], bytes | None] | None = None,
 ) -> Iterator[tuple[ChunkRef, str, bytes, str | None]]:
     """(chunk, encoding, payload, basis id or None) for each chunk in ``wanted``, once each, in
-    file order. With ``bases`` (chunk id -> basis chunk id) and ``basis_raw`` (basis id -> its raw
-    bytes, or None where they are gone), a chunk is stored as a delta when that is smaller than plain.
-
-    Chunks are read through the job's own mmaps (a second mapping would fault every page in
-    again), and each is hashed again once it is encoded: a file rewritten while it is pushed (a
-    trainer still saving it) would otherwise store other bytes under the id, and every version that
-    shares that chunk would fail its pull. Bytes the encoder read that differ from those hashed
-    first show in that later hash (only a rewrite that put back exactly the first bytes between the
-    two reads would not); it raises InvalidModel. The hash costs about 0.09 CPU-seconds per GB,
-    half of copying each chunk out first and checking the copy (measured on the bench base).
-    Encoding runs on the pool (zstd, numpy and the C kernels release the GIL).
+    file order, encoded on ``pool``: a delta against ``bases[id]`` (its bytes from ``basis_raw``,
+    None where gone) where that is smaller. Each chunk, read through the job's mmaps, is hashed
+    again once encoded: raises InvalidModel where its bytes changed.
+    See docs/design/format.md.
     """
     bases = bases or {}
     todo = set(wanted)

@@ -1,11 +1,9 @@
 """Push: plan -> hash -> dedup -> encode -> write packs -> commit -> rebalance.
 
-Atomicity: chunk rows are recorded only after their pack is durable, and the version row, its chunk
-uses and the tier changes are written in one transaction at the end. A push that dies midway leaves
-no version; the chunks it did store are recorded, so a re-run sends only what is still missing.
-
-Concurrency: uploads of two pushes run side by side; a chunk both of them send is recorded once
-(the first pack wins). Commits to one family are serialised by its row lock (db/versions.py).
+Chunk rows are recorded once their pack is durable; the version, its chunk uses and the tier
+changes, in one transaction at the end. A push that dies leaves no version, and a re-run sends only
+what is missing. A chunk two pushes send is recorded once; commits to a family take its row lock.
+See docs/design/format.md.
 """
 
 from __future__ import annotations
@@ -54,12 +52,10 @@ def plan_deltas(
     damaged: AbstractSet[str] = frozenset(),
 ) -> tuple[dict[str, str], BasisReader | None]:
     """Bases for the missing chunks (see registry/deltas.py) and a reader for their bytes.
-    ``new_files`` holds (chunks, tensors) per file of the version being pushed; ``pack_sizes``, the
-    pack lookups this push made already (registry/lost.py); ``warning``, where the caller says what
-    its push found lost in one warning (bases in a lost pack are added to it, not warned of here);
-    ``damaged``, the stored chunks this push read and found damaged (push --mend-damaged, which
-    warned of them already): no basis is taken on them, or on a chain through them, as for a lost
-    pack, so the basis reader neither reads them again nor warns of them a second time."""
+    ``new_files``: (chunks, tensors) per file of the version pushed; ``pack_sizes``: the pack
+    lookups this push made already (registry/lost.py); ``warning``: where the caller gathers what
+    the push found lost into one warning (without it, warned of here); ``damaged``: stored chunks
+    this push found damaged, on which no basis, nor a chain through them, is taken."""
     if not reg.settings.delta or not missing or not any(tensors for _, tensors in new_files):
         return {}, None
     present = [i for i in ids if i not in missing]
@@ -108,7 +104,7 @@ class RecordedPacks(PackWriter):
     def __init__(self, reg, mend: AbstractSet[str] = frozenset()):
         super().__init__(reg.blobs, reg.settings.pack_size, self._record, self._announce, self._withdraw)
         self._engine = reg.engine
-        self.mend = mend  # chunks whose stored copy the blob store lost: their rows move to the new one
+        self.mend = mend  # chunks whose stored copy was lost or damaged: their rows move to the new one
         self.added = 0
 
     def _announce(self, pack_id: str, size: int) -> None:
@@ -155,13 +151,11 @@ def store_chunks(
     mend: AbstractSet[str] = frozenset(),
 ) -> int:
     """Store the chunks ``ids`` as ``items(wanted, gone)`` yields them (``gone`` None on the first
-    pass), deltas against ``bases``; returns the stored bytes added.
-
-    A prune that runs meanwhile may delete a basis this push chose, or take a pack it is writing
-    for abandoned: that pack is refused (Pruned) and nothing in it is recorded. The chunks still
-    missing are then stored once more, ``gone`` naming the bases that no longer exist (chunks
-    planned against them go plain); a second refusal reaches the caller. ``mend``: those of
-    ``ids`` that are stored, in a pack the blob store lost (registry/lost.py), stored again."""
+    pass), deltas against ``bases``; returns the stored bytes added. ``mend``: those of ``ids``
+    stored already, whose lost or damaged copy this one replaces. Where a prune refuses a pack
+    (Pruned), the chunks still missing are stored once more, ``gone`` naming the bases it deleted;
+    a second refusal is raised.
+    See docs/design/prune.md."""
     first, pending = RecordedPacks(reg, mend), iter(items(ids, None))
     try:
         for item in pending:
@@ -192,8 +186,8 @@ def upload_missing(
     reader: BasisReader | None = None,
     mend: AbstractSet[str] = frozenset(),
 ) -> int:
-    """Encode and store the chunks in ``missing`` (``mend``: those among them stored in a pack
-    the blob store lost); returns the stored bytes this push added."""
+    """Encode and store the chunks in ``missing`` (``mend``: those among them stored already, whose
+    copy was lost or damaged); returns the stored bytes this push added."""
     bases = bases or {}
     progress.start("send", missing_bytes(job, missing))
     counted: set[str] = set()  # a second pass re-sends chunks the bar has counted
@@ -306,15 +300,11 @@ def commit_version(
     chunk_size: int | None = None,
     unproven: Callable[[Connection, list[str]], set[str]] | None = None,
 ) -> tuple[int, VersionRow | None]:
-    """Make a version visible: one transaction that checks every chunk is stored, writes the
-    version and its chunk uses, and rebalances the family's tiers. ``chunk_size`` is the size the
-    manifest was cut at (None from a client older than family chunk sizes: then it is read off the
-    manifest's cuts); a new family is created with it. ``unproven`` names those of the manifest's
-    stored chunks the pusher has not shown it may use (registry/access.py): any refuses the commit.
-
-    Returns (rows that changed tier, None), or (0, existing row) when the same name was committed
-    first by someone else (then the caller compares digests).
-    """
+    """Make a version visible in one transaction: check that every chunk is stored, write the
+    version and its chunk uses, rebalance the family's tiers. ``chunk_size``: the manifest's cut
+    (None: read off it); a new family takes it. ``unproven``: stored chunks the pusher has not shown
+    it may use; any raises MissingChunks. Returns (rows that changed tier, None), or (0, existing
+    row) where the name was committed first."""
     check_named_cut(manifest, chunk_size)
     read = chunk_size if chunk_size is not None else manifest.cut_size()  # a size the manifest follows, or None
     cut = read if read is not None and MIN_CHUNK_SIZE <= read <= MAX_CHUNK_SIZE else None  # no family's otherwise
@@ -440,14 +430,12 @@ def mend_existing(
     t0: float,
     read_data: bool = False,
 ) -> PushResult:
-    """A push of a version that is stored with this content: those of its chunks whose bytes (or a
-    basis's, down their delta chains) lie in a pack the blob store lost are stored again, plain, and
-    their rows pointed at the new copies, so that the version pulls again (``mfsreg check`` names such
-    versions and says to push their files again). Nothing else is done; with nothing lost, this is one
-    size lookup per distinct pack. With ``read_data`` (push --mend-damaged) every stored chunk the
-    version needs is also read, decoded and hashed as ``mfsreg check --read-data`` does, and those
-    whose bytes (or a basis's) are damaged are stored again the same way: a pack's size cannot show
-    flipped bytes, and reading is as costly as a pull, so it is asked for."""
+    """A push of a version stored with this content: those of its chunks whose bytes, or a basis's
+    down their delta chains, lie in a lost pack are stored again, plain, and their rows pointed at
+    the new copies; nothing else is done (with nothing lost, one size lookup per distinct pack).
+    With ``read_data`` (push --mend-damaged), also those whose stored bytes, read as ``mfsreg check
+    --read-data`` does, are damaged.
+    See docs/design/check.md."""
     mend, _, warning = to_mend(reg, located, job.chunk_ids(), progress, read_data=read_data)
     if not mend:
         return done

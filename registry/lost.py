@@ -1,17 +1,10 @@
-"""Packs the blob store lost: finding them, one size lookup per distinct pack, and which stored
-chunks they take with them.
+"""Packs the blob store lost: finding them (one size lookup per distinct pack) and the stored chunks
+they take with them.
 
-Only prune deletes the blob of a listed pack, and only once no chunk row points into it, so a
-recorded chunk whose pack is missing or shorter than its bytes is damage: an object deleted by hand,
-a restore that missed it, a store swapped under the registry. A push that would reuse such a chunk
-sends it again instead (ingest.push, service.negotiate), and recording the new copy points the
-chunk's row at it (db/chunks.record_pack): the push mends what it needs, and no version is committed
-over bytes that cannot be read (service.commit checks again). A push of a version already stored
-with that content mends the version's chunks the same way and commits nothing
-(ingest.mend_existing, service._negotiate_existing): pushing its file again is how a version that
-`mfsreg check` names is mended. A new chunk is not stored as a delta against a basis whose bytes
-lie in such a pack (deltas.cap_depth): it takes a basis further down the chain, or goes plain. A
-pull meets the same check before it streams (service.check_packs).
+Only prune deletes a listed pack's blob, so a recorded chunk whose pack is missing or short is
+damage: a push sends it again, mending it, and takes no basis there; commits and pulls check the
+packs first.
+See docs/design/check.md.
 """
 
 from __future__ import annotations

@@ -1,35 +1,10 @@
 """Prune: give back the space of chunks that no version needs (restic's prune, for our packs).
 
-Deleting a version only drops its references: its chunks stay in their packs, so that deleting is
-quick and a push of the same bytes can reuse them. Prune is the step that frees the space:
-
-- Needed chunks: every chunk a version uses. version_chunks holds each version's chunks and the
-  bases of its deltas (ingest.commit_version; a mend that re-chains chunks records it again:
-  db/chunks.rechain), so a basis stays as long as any delta needs it, and no longer.
-  Also kept: chunks recorded within the grace period ``min_age`` (a push that uploaded them may not
-  have committed yet), and, transitively, the bases of every chunk kept.
-- Every other chunk row is deleted, and so are the chunk claims (db/models.py) older than
-  ``min_age``: a push that claimed chunks and has not committed within it uploads them again.
-- A pack that holds no kept chunk is retired. A pack whose unused share is over ``max_unused`` is
-  repacked: its kept chunks' payloads are copied as they are stored (no re-encoding) into new
-  packs, their rows pointed there, and the old pack retired.
-- A retired pack becomes unlisted (db/models.py), and so does every pack a writer announced and
-  never recorded (it died): an unlisted pack's blob is deleted once it has been unlisted for
-  ``min_age``, since a pull that located chunks in a retired pack just before may still be reading
-  it. With ``min_age`` 0, in the same run.
-
-Concurrency: prune decides what to delete on a snapshot, while pushes go on: that read takes every
-chunk row into the process, seconds on a big registry. It then checks the chunks it chose again
-in one transaction that commits and pack records wait for, and that waits for them (db/locks.py):
-those that a version committed since needs, or that a chunk recorded since is a delta against, stay
-(with their bases), and the rest are deleted. Writers wait only for that check, whose work grows
-with what is deleted, not with the registry. A version committed before it keeps its chunks; one
-committing after finds a deleted chunk missing and is refused (MissingChunks), never left with a
-hole; a pack whose deltas' basis was deleted is refused (Pruned). A push stores what it lost
-either way once more and commits again (ingest.store_chunks, ingest.push, the client's push).
-One prune runs at a time. Writers of the previous release (packs named by their bytes, not
-announced) are safe from the deletion of a pack they list again, but do not wait for prune's
-check: upgrade every writer before the first prune.
+Keeps every chunk a version needs (version_chunks), those recorded within ``min_age``, and their
+bases; deletes the other chunk rows and old claims; retires packs left with no kept chunk and
+repacks those over ``max_unused``; deletes a blob once its pack has been unlisted for ``min_age``.
+Decides on a snapshot, then checks that choice again under exclude_writers (db/locks.py).
+See docs/design/prune.md.
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
 """The Registry: one object that ties settings, metadata and blobs together.
 
-The CLI and the API call only this (and the value types it returns); they hold no logic of their own.
-The blob store is opened on first use, not with the Registry: listing, stats, tokens and quorum read
-only the database, and an admin must be able to run them while MFSREG_BLOB_URL is wrong or its S3
-endpoint is down. What does need the store (push, pull, check, prune) opens it before anything else,
-so that a bad store is refused before a byte is read or a row written.
+The CLI and the API call only this (and the value types it returns). The blob store is opened on
+first use: listing, stats, tokens and quorum read only the database, while push, pull, check and
+prune open the store before they read a byte or write a row, so a bad store is refused first.
+See docs/design/cli.md.
 """
 
 from __future__ import annotations

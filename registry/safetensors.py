@@ -1,11 +1,9 @@
 """Safetensors headers read as untrusted input, and the tensor spans they describe.
 
-We parse the header ourselves instead of calling the safetensors library because a registry must
-reject hostile files with a precise one-line reason before it stores anything, and must keep the
-header bytes verbatim so that a pull rebuilds the file byte for byte. The rules follow the format's
-own specification: an 8-byte little-endian header length, a JSON object of tensors (plus an optional
-``__metadata__`` map of strings), offsets relative to the end of the header, and a data region that
-the tensors cover exactly, with no holes and no overlaps.
+parse_header checks the format's rules (a bounded header length, a JSON object of tensors and
+optional string metadata, known dtypes, sizes, offsets, a data region the tensors cover exactly) and
+raises InvalidModel naming the first one broken; the header's bytes are kept verbatim on push.
+See docs/design/format.md.
 """
 
 from __future__ import annotations

@@ -73,14 +73,11 @@ def negotiate(
     mend_damaged: bool = False,
 ) -> dict:
     """Which chunks to upload (those not stored, and those ``who`` may not use without sending
-    them: registry/access.py), and for each a suggested basis: the server stores an uploaded chunk
-    as a delta against it when that is smaller (the client never needs the basis bytes).
-    The manifest may be a draft (file sha256s null): a client negotiates and uploads while its
-    file digests are still being computed, and sends them with the commit. ``mend`` lists those of
-    the missing chunks that are stored, in a pack the blob store lost (registry/lost.py), and with
-    ``mend_damaged``, those whose stored bytes are damaged too (read, decoded and hashed, bases down
-    the chains included): a new version's reused chunks, or where the version exists, its own
-    (_negotiate_existing)."""
+    them: registry/access.py), and for each a suggested basis, against which the server may store
+    it as a delta. The manifest may be a draft (file sha256s null). ``mend`` lists the missing
+    chunks that are stored, in a lost pack or, with ``mend_damaged``, damaged; where the version
+    exists, see _negotiate_existing.
+    See docs/design/protocol.md."""
     check_push_names(family, version, parent)
     manifest = parse_doc(doc, draft=True)
     ids = manifest.chunk_ids()
@@ -144,14 +141,10 @@ def _negotiate_existing(
     reg, existing, manifest: Manifest, located: dict[str, StoredChunk], mend_damaged: bool = False
 ) -> dict:
     """The version exists: the client compares its digest and layout with the stored ones, and
-    commits nothing. Where its chunks are the stored version's (the same layout, and the same digest
-    unless a draft's is not known yet), those whose bytes, or a basis's down their delta chains, lie
-    in a pack the blob store lost are listed as missing and under ``mend``: the client sends them,
-    the upload stores them again, plain, and points their rows at the new copies (receive_batch), so
-    a re-push of the version's file mends it. With nothing lost this is one size lookup per pack.
-    With ``mend_damaged`` every chunk the version needs is also read, decoded and hashed (as mfsreg
-    check --read-data does: a pull's reads), and those whose bytes, or a basis's, are damaged are
-    listed the same way; receive_batch finds them damaged again before it stores them."""
+    commits nothing. Where they match (a draft's unknown digest aside), the chunks whose bytes, or a
+    basis's down their delta chains, lie in a lost pack (with ``mend_damaged``, or are damaged) are
+    listed as missing and under ``mend``, for the upload to store again, plain (receive_batch).
+    See docs/design/check.md."""
     ids = manifest.chunk_ids()
     layout = stored_layout(reg, existing)
     mend: set[str] = set()
@@ -175,16 +168,12 @@ def _negotiate_existing(
 
 
 def receive_batch(reg, family: str, body: bytes, who: Principal | None = None) -> dict:
-    """Verify and store one uploaded batch. Every chunk is decoded and re-hashed (xxh3-128 must
-    equal its id); any mismatch rejects the whole batch before a byte is written, and so does an
-    id sent twice. A chunk that names a suggested basis of this family is stored as a delta
-    against it when that is smaller.
-    The bases are read from the blob store while the uploaded chunks are verified; memory holds
-    the body and the batch's raw bytes (a batch is at most MFSREG_MAX_BODY). Through a token
-    scoped to some families (``who``), the batch's chunks are claimed for ``family``; a chunk that
-    was stored already must equal the stored bytes (access.compare_stored, which reads them back in
-    bounded batches), and ``new_bytes`` is the bytes sent, so the answer does not say what other
-    families hold."""
+    """Verify and store one uploaded batch. Every chunk is decoded and re-hashed against its id; a
+    mismatch, or an id sent twice, refuses the whole batch before a byte is written. A chunk naming
+    a basis its family uses is stored as a delta where that is smaller. Through a scoped ``who``
+    the chunks are claimed for ``family``, stored ones compared byte for byte, and ``new_bytes`` is
+    the bytes sent. Raises TooLarge past RAW_PER_BODY x MFSREG_MAX_BODY decoded.
+    See docs/design/protocol.md."""
     entries = list(parse_batch(body))
     seen: set[str] = set()
     for e, _ in entries:
@@ -296,13 +285,11 @@ def receive_batch(reg, family: str, body: bytes, who: Principal | None = None) -
 
 
 def _damaged_uploads(reg, ids: list[str]) -> set[str]:
-    """Those of the stored chunks ``ids`` (uploaded again, in packs the store holds, and not ones
-    a scoped token must prove it holds) whose stored bytes, or a basis's, do not read back: read,
-    decoded and hashed, to be stored again. A client uploads a stored chunk only where negotiate
-    listed it to mend (push --mend-damaged), or where another push stored it after the
-    negotiation, so an ordinary push reads nothing here but for such a race. The server keeps no
-    state between the negotiation and the upload, so it reads them again rather than take the
-    client's word that they are damaged."""
+    """Those of the stored chunks ``ids`` (uploaded again, in packs the store holds, and not ones a
+    scoped token must prove it holds) whose stored bytes, or a basis's, do not read back: read,
+    decoded and hashed, to be stored again. The server keeps no state between the negotiation and
+    the upload, so it reads them again rather than take the client's word.
+    See docs/design/check.md."""
     if not ids:
         return set()
     with read_tx(reg.engine) as conn:
@@ -451,16 +438,12 @@ def stream_chunks(reg, chunks: list[StoredChunk]) -> Iterator[bytes]:
 
 
 def version_doc(reg, family: str, version: str, if_none_match: str | None = None) -> tuple[dict | None, str]:
-    """A version for a node: its manifest, and per chunk it needs (its own and the bases of its
-    deltas) [encoding, stored bytes, basis id, raw bytes, tier]. One read transaction: three
-    queries, or one when the tag is current.
-
-    Also its tag (an HTTP entity tag): the version's row id, its family's epoch, which every change
-    to the family's members or tiers bumps, and its digest, so equal tags mean equal documents (the
-    digest also tells apart a version pushed again by a writer of an earlier release, which bumps no
-    epoch, into an id SQLite reused). When
-    ``if_none_match`` (the request's header) names the current tag, the document is not built and
-    None comes back instead: the node's copy is current, and it costs one query."""
+    """(document, tag) of a version for a node: its manifest, and per chunk it needs (its own and
+    the bases of its deltas) [encoding, stored bytes, basis id, raw bytes, tier], read in one
+    transaction (four queries). The tag, an HTTP entity tag, holds the version's row id, its
+    family's epoch and its digest. Where ``if_none_match`` names the current tag, the document is
+    None, after one query.
+    See docs/design/node-cache.md."""
     check_name("family", family)
     check_name("version", version)
     with read_tx(reg.engine) as conn:

@@ -1,12 +1,10 @@
 """Sharing figures for one family or the whole registry.
 
-- logical_bytes: what the versions would take as plain copies (sum of their file sizes)
-- stored_bytes: the encoded bytes of the distinct chunks they use; the tiers add up to it
-- sharing_ratio: logical / stored
-- per version: logical bytes, the stored bytes it needs (its chunks and the bases of its deltas),
-  of those the bytes stored as deltas and as plain chunks, and the stored bytes it alone holds,
-  in any family (deleting it makes them unreferenced; registry/prune.py then gives back their space)
-- per encoding: chunks, raw bytes and stored bytes
+- logical_bytes: the versions' file sizes summed; stored_bytes: the encoded bytes of the distinct
+  chunks they use (the tiers add up to it); sharing_ratio: logical / stored.
+- per version: logical bytes; the stored bytes it needs (delta bases included), as deltas and
+  plain; the stored bytes it alone holds, in any family.
+- per encoding: chunks, raw bytes and stored bytes.
 """
 
 from __future__ import annotations

@@ -1,16 +1,11 @@
 """Tier policy: which chunks of a family are base, group or unique.
 
-A chunk's tier depends only on how many members of its family use it (``users``), the number of
-members (``members``) and the family's ``base_quorum``:
-
-- base:   users >= threshold, where threshold = ceil(base_quorum * members) (at least 1)
-- group:  used by two or more members, below the threshold
+- base: ``users`` >= threshold = ceil(base_quorum * members), at least 1
+- group: used by two or more members, below the threshold
 - unique: used by one member
 
-Rebalancing is incremental (db/tiers.py): a push changes ``users`` only for the new member's chunks,
-and moves the threshold by at most one step, so the rows whose tier can change are the new member's
-chunks plus those whose ``users`` lies between the old and the new threshold. Both sets are reached
-through indexes; no member's manifest is re-read.
+A push or delete re-tiers only the rows whose tier can change (db/tiers.py).
+See docs/design/tiers.md.
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
 """The chunk batch format shared by the API and the node-side client.
 
 A batch is a 4-byte little-endian length, a JSON index (a list of entries), then the entries'
-payloads back to back in index order. Uploads carry encoded chunks from a pushing client; downloads
-stream stored payloads to a node. A length-prefixed index keeps it streamable (the reader knows
-where each payload ends) without multipart parsing, and it costs nothing to build from packs.
-
-Entry keys: ``id`` (xxh3-128 hex), ``size`` (raw bytes), ``encoding``, ``length`` (payload bytes),
-and optionally ``basis_id`` (downloads: the basis of a delta; uploads: the basis the server
-suggested at negotiation, against which it may store the chunk as a delta) and ``itemsize``.
+payloads back to back in index order. Entry keys: ``id`` (xxh3-128 hex), ``size`` (raw bytes),
+``encoding``, ``length`` (payload bytes), and optionally ``basis_id`` and ``itemsize``.
+See docs/design/format.md.
 """
 
 from __future__ import annotations

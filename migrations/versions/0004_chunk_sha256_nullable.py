@@ -1,13 +1,8 @@
 """Chunks stop recording a sha256 of their own: the column becomes nullable and is no longer written
 
-A chunk is checked against its id (xxh3-128 of its raw bytes) wherever it is decoded, and every
-rebuilt file is checked too. The per-chunk sha256 added no check of its own (a
-chunk found by id is never hashed again, and nothing read the column), yet hashing every new
-chunk cost about a fifth of the CPU of a push whose bytes are all new.
-
-The column stays, nullable, for one release: API processes of the previous release still write
-and select it, so a rolling upgrade (migrate, then replace processes one by one) keeps working.
-A later migration drops it once no such process can be running.
+The column stays, nullable: API processes of the previous release still write and select it, so a
+rolling upgrade (migrate, then replace processes one by one) keeps working. Downgrade writes an
+empty string where a row has none. See docs/design/format.md.
 
 Revision ID: 0004
 Revises: 0003

@@ -1,15 +1,8 @@
 """Each family records the chunk size its members are cut at
 
-Members of a family dedup against each other, and find their delta bases, only if they are cut
-alike: a push cut at another size stores every chunk anew. So a family keeps the size of its first
-push, and every later push (embedded, or any client through the API) follows it, whatever its own
-default or MFSREG_CHUNK_SIZE.
-
-Existing families get the size their members were cut at, read off their stored manifests (the
-step of the first tensor cut in several chunks); a family none of whose tensors was cut in two, or
-with no version, gets 1 MiB, the default before this release. Rows that processes of the previous
-release create during a rolling upgrade get the column's default, 1 MiB; a server then reads each
-push's size off its manifest and refuses one cut otherwise than its family.
+Existing families get the size read off their stored manifests (the step of the first tensor cut in
+several chunks), else 1 MiB, the previous default; rows that processes of the previous release
+create during a rolling upgrade get that default too. See docs/design/format.md.
 
 Revision ID: 0005
 Revises: 0004

@@ -1,12 +1,8 @@
 """Families count the changes to their members and tiers (families.epoch)
 
-A node keeps the version documents it has read and asks for one again with If-None-Match; the
-document's tag is the version's row id, its family's epoch, which every commit, delete and quorum
-change bumps in the transaction that changes the family's tiers (registry/db/tiers.py), and its
-digest. Existing rows start at 0. Writers of the previous release do not bump it: during a
-rolling upgrade a node may keep a document whose tiers (advisory: they order the node cache's
-evictions) are out of date until a writer of this release next changes the family; the digest
-keeps it from ever taking other bytes for the version it kept.
+The epoch is part of the tag of a version document. Existing rows start at 0. Writers of the
+previous release do not bump it, so during a rolling upgrade a node may keep out-of-date tiers,
+never other bytes. See docs/design/node-cache.md.
 
 Revision ID: 0007
 Revises: 0006

@@ -1,12 +1,8 @@
 """Chunks a push uploaded to a family, before a commit uses them (chunk_claims)
 
-A token scoped to some families could commit, by id alone, a chunk that only another family
-uses, and then download its bytes. A commit by such a token now uses only chunks its family
-already uses, chunks a family the token may read uses, or chunks a push to its family uploaded
-(the server re-hashed their bytes): those are recorded here. Processes of the previous release
-neither write nor check claims: during a rolling upgrade a commit that reaches a process of this
-release after its chunks were uploaded through one of the previous release is answered
-MissingChunks, and the client uploads them again.
+A scoped token's commit may use the chunks claimed here (docs/design/protocol.md). Processes of the
+previous release neither write nor check claims: during a rolling upgrade a commit may be answered
+MissingChunks for chunks uploaded through one of them, and the client uploads them again.
 
 Revision ID: 0008
 Revises: 0007

@@ -1,18 +1,9 @@
 """Bring databases built by pre-release texts of migrations 0004 and 0006 to the same schema
 
-Two migrations changed after they had been committed, so a database upgraded by the earlier text
-holds the revision without the tables the code expects:
-- 0004, as first committed (9cb7f29), dropped chunks.sha256; the text since keeps it, nullable, so
-  that processes of the release before it can go on writing it during a rolling upgrade. Such a
-  database gets the column back, empty (nothing reads it).
-- 0006, as first committed (58d9a58), created ``retired_packs (id, size, retired_at)``; the text
-  after it (d5c4a01) ``unlisted_packs (id, size, since)``; the one since (ca2bf7e) adds
-  ``claimed_at``. Such a database lacks unlisted_packs or its claimed_at, and every push and prune
-  failed on it. The retired packs' rows move over, retired_at as ``since``, so their blobs are
-  deleted once the grace period has passed, as before.
-Each step looks at what the database holds, so one upgrade serves every such history; on a
-database the current texts built it changes nothing. Alembic's own record (alembic_version)
-cannot tell these histories apart; only the tables can.
+Each step looks at what the database holds: chunks.sha256 is added back (nullable, empty) where
+missing; unlisted_packs is created, or given its claimed_at, where missing; rows of retired_packs
+move to unlisted_packs (retired_at as ``since``) and retired_packs is dropped. On a database the
+current texts built it changes nothing; downgrade keeps the repairs.
 
 Revision ID: 0010
 Revises: 0009

@@ -1,15 +1,11 @@
 """The BlobStore contract: the few operations the registry needs from object storage.
 
-Rules every backend keeps (tests/test_blobstore_contract.py checks them on each backend):
-- ``put(key, data)`` is atomic: a reader sees either no object or all of ``data``, never a part.
-  It is idempotent: putting the same bytes under the same key again is a no-op that succeeds.
-  It returns only once the bytes are durable.
-- ``get(key, start, end)`` returns bytes [start, end) of the object (the whole object by default);
-  a missing key raises NotFound; a range past the end raises NotFound too, since a short read would
-  silently corrupt a chunk.
-- ``size(key)`` and ``exists(key)`` never download the object.
-- ``delete(key)`` of a missing key succeeds.
-- Keys are relative paths of letters, digits, '.', '_', '-' and '/', without '..'.
+Every backend keeps these rules (tests/test_blobstore_contract.py checks each):
+- ``put`` is atomic, idempotent, and returns once the bytes are durable;
+- ``get(key, start, end)`` returns exactly bytes [start, end) (default: all), else raises NotFound
+  (a missing key, a range past the end);
+- ``size`` and ``exists`` download nothing; deleting a missing key succeeds;
+- keys are relative paths of letters, digits and ``._/-``, without '..'.
 """
 
 from __future__ import annotations

@@ -1,26 +1,10 @@
 """A file assembled from the node cache, every chunk checked against its id on the way.
 
-With its chunks cached, a pull is a copy of a gigabyte or more. Each chunk file is read into a
-buffer of the process and checked there (xxh3-128 against its id, while the bytes are still in the
-CPU's cache), and the checked bytes are written to the file: one read of the cache's pages and one
-write of the new file's, where copying with copy_file_range and then reading the new file back to
-check it took a third pass through memory (a bare test of the two on 577 cached 2 MiB chunk
-files, nothing fetched: 0.36 CPU-seconds against 0.69, 0.63 to 0.76 s of wall time against 0.85
-to 1.32). Two ways to write remain:
-
-- Through the page cache (the default): at each chunk's offset with pwrite, writeback started per
-  stretch (registry/filecheck.py's CheckedFile: a temp name, synced and renamed). Whoever reads the
-  file next (an engine, a copy to elsewhere) finds it in memory.
-- Direct (MFSREG_PULL_DIRECT=1, for files of DIRECT_MIN_BYTES or more, where the filesystem takes
-  O_DIRECT): the chunks are read into staging buffers instead, and full buffers go straight to the
-  disk (registry/client/direct.py). No page cache is filled for the new file, so the node's memory
-  keeps one copy of the bytes (its chunk files), not two; but the file's next reader reads it from
-  disk. benchmarks/pull_then_load.py measured the pull (1.16 GB) no faster than the default's (0.81
-  s against 0.78, 0.82 CPU-seconds against 0.89) and the load after it a second slower, so it is
-  for nodes short of memory, or files kept for later.
-
-A cache file found damaged, cut short or gone is dropped from the cache, fetched again and placed
-again, once; nothing of it is written before it passes.
+Each chunk file is read into a buffer of the process, checked there, and written: through the page
+cache (the default: registry/filecheck.py's CheckedFile), or around it (MFSREG_PULL_DIRECT=1, files
+of DIRECT_MIN_BYTES or more: registry/client/direct.py). A cache file found damaged, cut short or
+gone is dropped, fetched again and placed again, once; nothing of it is written before it passes.
+See docs/design/node-cache.md.
 """
 
 from __future__ import annotations
@@ -65,12 +49,10 @@ def write_file(
 ) -> None:
     """Write ``entry`` to ``dest`` atomically from cached chunks, each checked against its id.
 
-    ``arriving(id)``, when given, waits for a chunk that a fetch running alongside has not landed
-    yet. ``refetch(ids)`` drops chunks' cache files and fetches them again (another process
-    evicted them meanwhile, or they failed the check). ``mode``: the file's permissions as it
-    appears (None: those of the file it replaces, else the umask's). ``placing``: renames it with the pull's other files, once all are written (else it is
-    renamed at once). A file of DIRECT_MIN_BYTES or more goes around the page cache where ``direct_writes``
-    says the user asked for it and the filesystem takes it."""
+    ``arriving(id)`` waits for a chunk a fetch alongside has yet to land; ``refetch(ids)`` fetches
+    chunks again. ``mode``: the file's permissions (None: the replaced file's, else the umask's).
+    ``placing``: renames it with the pull's other files (else at once). A big file goes around the
+    page cache where ``direct_writes()`` and the filesystem allow."""
     with writing(dest):
         _write_file(entry, dest, cache, refetch, pool, progress, arriving, mode, placing)
 

@@ -1,25 +1,10 @@
 """The node cache: verified raw chunks on local disk, content-addressed and size-bounded.
 
-Layout under MFSREG_CACHE_DIR (default $XDG_CACHE_HOME/mfsreg where that is absolute, else ~/.cache/mfsreg):
-  chunks/ab/<id>     raw chunk bytes (decoded and checked against the id before they are written),
-                     read-only
-  files/<sha256>     whole files materialised for engines (`pull --to-dir` hardlinks them)
-  index.db           SQLite (stdlib, WAL): size, tier, pin and last use per entry
-  holders/<uuid>     one empty file per running pull, load, switch or warm that leases chunks,
-                     flocked while it runs (eviction.py)
-  unrecorded         present while files may stand without index rows (a write to the index
-                     failed, say on a full disk, or a new index.db was made beside cached files):
-                     the next opening records them, then removes it
-
-Several processes on one node share it safely: each write goes to a unique temp name and is renamed
-into place (the same id always holds the same bytes, so a lost race costs nothing), and the index
-is a WAL database that serialises its writers. Eviction drops materialised files first, then
-unique, group and base chunks, least recently used first within each, and never a chunk of a
-pinned family's base tier or one the current operation still needs.
-
-The parts, one module each: cachefiles.py (reading and writing files on disk), indexdb.py (the
-SQLite file), cacheindex.py (its rows, and the scan for files without them), eviction.py (tier
-order, pins, leases, size limit); this module holds the layout and the chunks' reads, writes and drops.
+Under MFSREG_CACHE_DIR: chunks/ab/<id> (read-only), files/<sha256>, index.db, holders/ and the
+``unrecorded`` marker. Processes on one node share it: each write goes to a unique temp name and is
+renamed into place. This module holds the layout and the chunks' reads, writes and drops; files on
+disk, the index and eviction live in cachefiles.py, indexdb.py, cacheindex.py and eviction.py.
+See docs/design/node-cache.md.
 """
 
 from __future__ import annotations

@@ -126,14 +126,12 @@ class CacheIndex:
     # -- rows of chunks ---------------------------------------------------------------------------
 
     def record(self, items: Iterable[tuple[str, int, str | None, str | None]]) -> None:
-        """Rows for entries on disk (key, size, tier, family), used now; a file without one (its
-        writer died before recording it) gets one. A chunk's rank is the highest its families give
-        it, each as it told last (an entry no family has told keeps the highest it was given).
-
-        A row is made only for a file that stands at its name while the write lock is held:
-        eviction and discard remove files under that lock too, so a caller that found a chunk
-        cached before another process evicted it never makes a row for the file that went (which
-        stats and the size limit would count until an eviction picked that row)."""
+        """Rows for entries on disk (key, size, tier, family), used now; a file without one gets
+        one. A chunk's rank is the highest its families give it, each as it told last. A row is made
+        only for a file that stands at its name while the write lock is held (eviction removes files
+        under it too). Raises StorageError, leaving the ``unrecorded`` marker, where the index
+        cannot be written.
+        See docs/design/node-cache.md."""
         now = time.time()
         items = list(items)
         rows = [(k, n, RANK.get(t, UNKNOWN_RANK) if t else UNKNOWN_RANK, fam, now) for k, n, t, fam in items]

@@ -1,18 +1,10 @@
 """A file written around the page cache (O_DIRECT), in order, from aligned staging buffers.
 
-A node's pull of a cached member is a copy of a gigabyte or more. Written through the page cache,
-every byte is copied into new page-cache pages that the kernel then allocates, tracks as dirty and
-writes back, and the node keeps a second copy of bytes its chunk cache already holds in memory.
-Here the chunk files are read into a few staging buffers (one copy, which the caller checks there
-against the chunks' ids), and each full buffer goes straight to the disk by O_DIRECT on a writer
-thread while the next fills. Python's os module offers the flag but nothing that stages, aligns
-and pipelines, hence this module.
-
-O_DIRECT wants the file offset, the length and the memory of each write aligned to the device's
-block: every buffer is a multiple of ALIGN long and page-aligned (an anonymous mmap), every write
-but the last is a full buffer, and the last is padded to ALIGN and the file cut to its size after.
-Bytes are staged a chunk at a time; a chunk that failed its check is taken back (``rollback``)
-before any of it is written, because full buffers go to the writer only at ``settle``.
+Chunk files are read into page-aligned buffers, where the caller checks them; full buffers go to the
+disk on a writer thread only at ``settle``, so a chunk that failed its check is taken back
+(``rollback``) before any of it is written. The last write is padded to ALIGN and the file cut to
+its size.
+See docs/design/node-cache.md.
 """
 
 from __future__ import annotations

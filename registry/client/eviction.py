@@ -1,27 +1,10 @@
-"""The node cache's eviction policy: the rank each entry is evicted by (materialised files, then
-unique, group and base chunks), pins that keep a family's base tier, leases that keep what a pull,
-load or switch running in some process uses, and the size limit, enforced least recently used first
-within each rank.
+"""The node cache's eviction policy: ranks (materialised files, then unique, group and base chunks),
+pins of a family's base tier, leases on what a running operation uses, and the size limit, least
+recently used first within a rank.
 
-Leases: each process protects what it is using from its own evictions (``protect``), but several
-processes share one cache, and another's eviction could take a chunk this one had found cached or
-had just fetched again before it was copied; a second such loss stopped the pull ("keeps leaving
-the node cache"). So a pull holds its chunks in ``leases`` for as long as it runs: another process's
-eviction passes them over, leaving the cache above its limit for that long, and whichever finishes
-last brings it back under.
-
-A holder is alive while it holds an flock on its own file in the cache's ``holders`` folder; the
-kernel drops the lock when the process ends, however it ends. A process killed mid-pull leaves its
-rows and its file, and the next eviction finds the file unlocked and clears both. An flock, not
-the holder's pid: processes sharing one cache through a hostPath run in containers, each with pid
-numbers of its own (and, with the host's network, the host's name): a pid looked up from another
-container names no process there, or another one, and a live pull's lease was taken for dead. The
-lock is the same inode to every process of the host, whatever its namespaces. Where a lock file is
-there but its lock cannot be tested (no flock: Windows; a filesystem without locks; a file this
-user cannot open), its lease holds until it is a day old (LEASE_MAX_SECONDS), as any lease does at
-most; where no lock file can be made (a read-only cache), the block runs unleased. Rows written by
-the release before these files (their holder not named ``flock:<uuid>``) lapse as they did then:
-once their pid is gone from this host, or after a day.
+A lease holds while its holder keeps an flock on its file in ``holders/`` or, where that cannot be
+tested, until it is LEASE_MAX_SECONDS old.
+See docs/design/node-cache.md.
 """
 
 from __future__ import annotations

@@ -1,27 +1,9 @@
 """CPU tensors whose bytes are the node cache's chunk files, mapped in place: no copy, no fresh pages.
 
-safetensors maps one file and builds tensors over it; a version's tensors here are spread over many
-chunk files. Each tensor gets one anonymous, page-aligned region, and every chunk that starts on a
-page boundary (and fills whole pages, or ends the tensor) is mapped over its slot with
-MAP_FIXED | MAP_PRIVATE: the tensor reads straight from the page cache, and writes to it (a switch,
-or serving code that edits weights) stay private to the process and never reach the cache. Chunks
-that do not line up with pages are copied into the region instead.
-
-Why by hand: Python's mmap module cannot map a file at a chosen address, and no library maps many
-files into one contiguous tensor, so this calls libc's mmap through ctypes (POSIX only: elsewhere
-torch_loader copies), and a load that skips the id check maps all its files in one call to a small
-C module where it is built (_mapfiles.c; see map_many). Once checked, a mapped chunk is not
-checked again: like safetensors' mmap loader, the kernel may drop its clean pages and read them
-again from the cache file.
-Copying instead costs a page fault and a zeroed page per 4 KiB of fresh tensor memory, which is
-most of the time of a copying loader (see benchmarks/bench_node.py).
-
-Each region starts on a 2 MiB boundary (or, if smaller, on its own size rounded down to a power of
-two). A chunk sits at a multiple of the chunk size from its tensor's start, so each chunk file then
-lies at an address aligned like its page cache folio, and the kernel maps a whole large folio per
-fault, or a 2 MiB one with a single page-table entry (PMD), instead of 4 KiB at a time. Measured
-on Linux 6.18 / ext4 (benchmarks/page_mapping.py): mapping and touching 1.16 GB of 1 MiB chunk
-files took 54 ms aligned against 94 unaligned; 2 MiB chunk files, 8 ms.
+Each tensor gets one anonymous region aligned for large folios; each chunk that starts on a page
+boundary and fills whole pages (or ends the tensor) is mapped over its slot with MAP_FIXED |
+MAP_PRIVATE, so writes stay private to the process. Other chunks are copied in. POSIX only.
+See docs/design/node-cache.md.
 """
 
 from __future__ import annotations
@@ -169,14 +151,11 @@ class Region:
 
 
 def map_many(jobs: list[tuple[Region, int, int, str]]) -> list[bool]:
-    """Map each (region, start, size, path): the file (exactly ``size`` bytes) over bytes
-    [start, start + size) of its region, advised MADV_HUGEPAGE; True where mapped, False where the
-    file is missing, is not a plain file (a directory, a link, a fifo), has another size, cannot be mapped, or the process holds MAP_BUDGET mappings
-    already (the slot then holds fresh memory to copy into). With the C helper built, every admitted
-    file is mapped in one call with the GIL released (a third of an unchecked load was the
-    interpreter around each file's system calls); else one at a time through ctypes. The budget is
-    read without the lock: threads mapping at once may pass it by a few files, well inside the
-    other half of vm.max_map_count."""
+    """Map each (region, start, size, path): the file, exactly ``size`` bytes, over [start, start +
+    size) of its region, advised MADV_HUGEPAGE, in one call to _mapfiles where it is built. True
+    where mapped; False where the file is missing, not a plain file, of another size or unmappable,
+    or past MAP_BUDGET (the slot keeps fresh memory to copy into). Raises MemoryError where a slot
+    cannot be restored. Threads mapping at once may pass the budget by a few files."""
     admitted, pending = [], 0
     for k, (region, start, _, _) in enumerate(jobs):
         if region.admits(start, pending):

@@ -14,20 +14,12 @@ from mfsreg.registry.errors import NotFound, RegistryError
 
 
 class ResidentModel(Closable):
-    """One version of a family held on ``device`` in ``.tensors`` (name -> tensor).
+    """One version of a family held on ``device`` in ``.tensors``; ``verify`` as for load_tensors.
 
-    ``switch(version)`` moves to another version in place: a tensor whose dtype and shape stay the
-    same gets only its differing chunks copied over; a tensor whose shape changes is reallocated and
-    filled; tensors the target lacks are dropped, except that one the target names anew (a member
-    saved with a prefix or another naming scheme) takes over a dropped tensor of the same dtype and
-    shape that shares chunks or its name's tail with it, and gets only the chunks that differ. Returns the bytes copied. ``verify``: as for
-    load_tensors.
-
-    A switch first brings every chunk it will copy into the node cache, and only then touches a
-    tensor: a registry that fails or a chunk that fails its check on the way in leaves the model as
-    it was, at its ``.version``. A failure once the copies have begun (a cached chunk found damaged
-    and the registry unable to send it again) leaves a mix of both versions: ``.version`` is then
-    None, and the next switch refills every tensor.
+    ``switch(version)`` moves to another version in place, copying only the chunks that differ into
+    tensors that keep their dtype and shape, and returns the bytes copied. It caches every chunk
+    before touching a tensor: a failure before that leaves the model at ``.version``; one during the
+    copies leaves a mix, ``.version`` None, and the next switch refills every tensor.
     """
 
     closed_note = " (its tensors stay as they are)"

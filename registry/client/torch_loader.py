@@ -1,14 +1,9 @@
 """Tensors straight from the node cache, without writing a file.
 
-On the CPU each chunk file is mapped into its tensor's address range (registry/client/mapping.py):
-no copy, like safetensors' own mmap loader, and each chunk is re-checked against its id (unless the
-caller passes ``verify=False``, see load_tensors). Chunks that do not line up with pages are read
-into the tensor instead.
-Where chunks are missing, fetching runs ahead on a background thread, batch by batch, so network,
-decode and copy overlap. A load from a version document the node holds already lays the tensors out
-while another thread asks the registry whether that document is current (see build). On a GPU,
-chunks go through two pinned staging buffers and are copied with non_blocking copies on a CUDA
-stream; a buffer is refilled only after the event of its last copy has completed.
+On the CPU chunk files are mapped into their tensors (registry/client/mapping.py) or copied, each
+checked against its id unless ``verify=False``; on a GPU they go through pinned staging buffers on a
+CUDA stream. Missing chunks are fetched ahead of the copies on a background thread.
+See docs/design/node-cache.md.
 """
 
 from __future__ import annotations
@@ -201,15 +196,11 @@ class Copier:
 
     def copy_many(self, work: list[tuple[torch.Tensor, list[Piece]]]) -> int:
         """Put each tensor's pieces into it (mapped or copied), each checked against its id (with
-        ``verify``; without, only against its size); returns
-        their bytes. A chunk whose cache file is missing (another process evicted it), cut short or
-        damaged is dropped, fetched again and put in place again, once.
-
-        On the CPU the pieces of all the tensors share the pool in runs of PIECES_PER_TASK (but
-        for those mapped without the check, which the calling thread maps): a
-        tensor of one chunk (most norms and biases, and many weights at 2 MiB chunks) no longer
-        runs on the calling thread while the pool waits, and a tensor's last uneven run no longer
-        holds the next tensor back."""
+        ``verify``; without, only against its size); returns their bytes. A chunk whose cache file
+        is missing, cut short or damaged is dropped, fetched again and put in place again, once.
+        On the CPU the pieces of all the tensors share the pool in runs of PIECES_PER_TASK; those
+        mapped without the check are mapped on the calling thread.
+        See docs/design/node-cache.md."""
         work = [(t, pieces) for t, pieces in work if pieces]
         total = sum(p.chunk.size for _, pieces in work for p in pieces)
         if self.cuda:
@@ -394,12 +385,11 @@ def fill(
     outcome: str = "no tensors were handed out",
 ) -> int:
     """Fetch what ``todo`` needs (ahead of the copies) and copy it into ``targets``; returns bytes
-    copied. ``lay`` is layout(info), which every caller has already (a few ms for a 1 GB model).
-    ``cached``: whether the caller has just seen every chunk of ``todo`` in the cache (None: look).
-    ``record=False`` leaves out what a load tells the cache's index (the chunks' use, then eviction
-    down to the size limit): the caller does it once it knows the document is current. ``refetch``:
-    what the copier calls for chunks to fetch again (default: fetch them, on ``info``'s word).
-    ``outcome``: what a failure leaves, said where the version was deleted meanwhile."""
+    copied. ``lay``: layout(info). ``cached``: whether every chunk of ``todo`` was just seen cached
+    (None: look). ``record=False`` leaves telling the cache's index (the chunks' use, then eviction
+    to the size limit) to the caller. ``refetch``: what the copier calls for chunks to fetch again
+    (default: fetch them on ``info``'s word). ``outcome``: what a failure leaves, said where the
+    version was deleted meanwhile."""
     names = [n for n in todo if todo[n]]
     groups = list(sized_batches(names, lambda name: lay[name][0].nbytes, FETCH_AHEAD_BYTES))
     chunk_groups = [list(dict.fromkeys(p.chunk.id for n in g for p in todo[n])) for g in groups]
@@ -411,8 +401,8 @@ def fill(
     try:
         if cached if cached is not None else all(node.cache.has(i) for i in needed):
             # All cached (a warm node): nothing to fetch ahead, and a fetch thread would only take
-            # turns with the copies for the interpreter: it made a warm, unchecked load of 1.16 GB
-            # about 1.2x as slow. (A chunk evicted meanwhile by another process is refetched by the copier.)
+            # turns with the copies for the interpreter (a warm, unchecked load of 1.16 GB about
+            # 1.2x as slow). (A chunk evicted meanwhile by another process is refetched by the copier.)
             if record:
                 node.fetcher.note_used(info.family, needed, info.located, info.tiers)
             copied = copier.copy_many([(targets[name], todo[name]) for name in names])
@@ -456,17 +446,11 @@ def _in_background(fn, *args) -> Future:
 def build(node: Node, family: str, version: str, copier: Copier) -> tuple[VersionInfo, dict[str, torch.Tensor]]:
     """A version's tensors, and the document they were laid out from.
 
-    Where this node holds the version's document already and every chunk it names is cached (a
-    load that maps them unchecked finds that out as it maps), the tensors are laid out and filled
-    from it while another thread asks the registry whether it is current (a 304, almost always):
-    the round trip overlaps the mapping instead of preceding it,
-    and nothing is fetched on the word of a document that may be stale (a chunk found damaged is
-    dropped, and the tensors built again from the answer, which fetches it). The tensors are handed out
-    only once the answer has come, and only then is their use recorded in the cache's index, with
-    the tiers the answer gives (they may have moved). A document for other bytes (the version
-    deleted and pushed again), or any new document after a failed build, has the tensors built
-    again from it; an error (the version is gone, the token refused) is raised instead of the
-    tensors, or of the build's own error."""
+    Where the node keeps the document and caches every chunk it names, the tensors are built from
+    it while another thread asks whether it is current, and handed out only once the answer has
+    come. They are built again from the answer where it names other bytes, or where the build
+    failed and the answer is new or chunks must be fetched again; an error in the answer is raised.
+    See docs/design/node-cache.md."""
     kept = node.fetcher.kept(family, version)
     lay = layout(kept) if kept is not None else {}
     ids = chunk_ids(lay)

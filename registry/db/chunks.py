@@ -31,18 +31,11 @@ def missing_ids(conn: Connection, ids: Sequence[str]) -> set[str]:
 def record_pack(
     conn: Connection, pack_id: str, size: int, stored: Sequence[StoredChunk], mend: Set[str] = frozenset()
 ) -> int:
-    """Record a durable pack (announced before it was written: db/prune.announce_pack) and its
-    chunks; returns the stored bytes of the chunks that were new, or mended.
-
-    ``mend`` names chunks sent again because the pack their row points into was lost from the blob
-    store (registry/lost.py): where such a row is found, it is pointed at this copy instead, and
-    where that changes its delta chain, the versions that need it record anew what they need
-    (rechain), in this transaction.
-
-    A chunk that a concurrent push recorded first keeps its first location (ON CONFLICT DO
-    NOTHING); the copy in this pack is dead weight until prune repacks it (registry/prune.py).
-    Refused (Pruned) when a prune deleted the basis of one of its deltas after the push chose it:
-    recorded, the delta could never be decoded, and a re-run would take it for stored.
+    """Record a durable, announced pack and its chunks; returns the stored bytes of the chunks that
+    were new, or mended. ``mend``: chunks sent again because their stored copy was lost or damaged;
+    their rows move here, and rechain runs where a delta chain changes. A chunk a concurrent push
+    recorded first keeps its place. Raises Pruned where a prune deleted a basis of its deltas.
+    See docs/design/prune.md.
     """
     if mend.isdisjoint(c.id for c in stored):
         exclude_prune(conn)
@@ -76,8 +69,8 @@ def record_pack(
         return 0
     # RETURNING names the rows this transaction really inserted, not those a concurrent push won.
     # Passed as a list of parameter sets, SQLAlchemy compiles the statement once and sends the rows
-    # in multi-row batches ("insertmanyvalues"); an insert().values(rows) was compiled afresh for
-    # every batch, at about 0.1 ms a row.
+    # in multi-row batches ("insertmanyvalues"), where insert().values(rows) compiles afresh for
+    # every batch (about 0.1 ms a row).
     result = conn.execute(
         insert(conn, chunks).on_conflict_do_nothing().returning(chunks.c.id, chunks.c.stored_size), rows
     )
@@ -130,18 +123,13 @@ def repoint_plain(conn: Connection, pack_id: str, size: int, stored: Sequence[St
 
 
 def rechain(conn: Connection, ids: Sequence[str]) -> int:
-    """The chunks ``ids`` were just pointed at copies with other delta chains (a mend stores them
-    again plain: record_pack): each version that needs one gets its chunk list (version_chunks, which
-    tiers, prune and check read) made its own chunks and their bases down the chains as they are
-    now, and its family's tiers follow (db/tiers.change_uses). Otherwise it would go on naming the
-    old bases: check would name it broken while an old basis stayed lost or damaged though it
-    pulls, tiers would count them, and prune would keep them forever. Returns the list entries
-    added and dropped.
-
-    The caller holds exclude_writers (db/locks.py), so no commit reads chains while they change:
-    one that read the old ones would record the old bases after this looked its versions up. The
-    families are then locked, in name order, as delete and commit lock theirs, and their versions
-    looked up under the locks, so that none is deleted meanwhile."""
+    """The chunks ``ids`` were just pointed at copies with other delta chains (record_pack's mend,
+    repoint_plain): each version that needs one gets its version_chunks rows made its own chunks
+    and their bases down the chains as they are now, and its family's tiers follow
+    (db/tiers.change_uses). Returns how many rows were added and dropped. The caller holds exclude_writers;
+    families are locked in name order, as delete and commit lock theirs.
+    See docs/design/check.md.
+    """
     if not ids:
         return 0
     names: set[str] = set()
@@ -243,14 +231,9 @@ def locate_closure(conn: Connection, ids: Iterable[str]) -> dict[str, StoredChun
 
 def version_chunk_table(conn: Connection, version_id: int) -> dict[str, list]:
     """chunk id -> [encoding, stored bytes, basis id, raw bytes, tier] for every chunk a version
-    needs, in one join: what a node reads before a pull or a load. A commit records the version's
-    chunks and the bases of their deltas (ingest.commit_version; a mend that re-chains them records
-    them again: rechain), so this is the same closure as ``locate_closure`` of its manifest;
-    locating a thousand ids through IN lists, and building full rows for them, took most of that
-    request. The family is looked up first and given as a
-    constant: joined through versions.family_id, which the planner cannot know in advance, Postgres
-    hashed the whole family_chunks table (every family's) and scanned all chunks, so the document
-    took time in the size of the registry, not of the version (224 ms against 89 at 1.75M rows)."""
+    needs (its version_chunks rows: its own chunks and the bases of their deltas), in one join with
+    the family given as a constant: what a node reads before a pull or a load.
+    See docs/design/protocol.md."""
     family_id = conn.execute(select(versions.c.family_id).where(versions.c.id == version_id)).scalar()
     q = (
         select(

@@ -1,16 +1,10 @@
 """The lock that keeps prune's decisions apart from the writes that make chunks needed, and the
 session locks held for a whole operation (one prune at a time, one schema upgrade at a time).
 
-Prune (registry/prune.py) chooses on a snapshot which chunk rows and packs nothing needs, then in
-one transaction checks that choice against what was written since and deletes them; it also claims
-the unlisted packs whose blobs it deletes. A transaction that relies on stored chunks or on its own
-announced pack staying (a commit; recording a pack, whose deltas need their stored bases) must not
-interleave with those: it would rely on something deleted under it. On Postgres such transactions
-take a shared advisory lock and prune's check the exclusive one; on SQLite nothing is needed, since
-writers take turns (BEGIN IMMEDIATE). Recording a pack that mends chunks, or holds a scoped push's
-plain copies of stored ones (registry/access.py), takes the exclusive one too:
-it may change their delta chains, and so what versions need (db/chunks.rechain), which a commit
-reads; a commit that read the old chains beside it would record bases no longer needed.
+On Postgres a transaction that relies on stored chunks, or on its own announced pack, takes
+exclude_prune (shared); prune's check, and a pack record that may change delta chains, take
+exclude_writers (exclusive). On SQLite, whose writers take turns, both do nothing.
+See docs/design/prune.md.
 """
 
 from __future__ import annotations

@@ -1,28 +1,14 @@
-"""The metadata tables. Changed only through Alembic migrations (migrations/versions/).
+"""The metadata tables, changed only through Alembic migrations (migrations/versions/).
 
-- families: one row per family, with its tier policy (base_quorum), member count and chunk size
-  (fixed by its first push: members dedup against each other only if cut alike).
-- versions: one immutable row per version, written in the same transaction as its chunk uses, so a
-  version is visible only once all of its chunks are durable. ``manifest`` is the zstd-compressed
-  JSON that rebuilds it byte for byte.
-- packs / chunks: where each distinct chunk is stored and how it is encoded. A chunk row is written
-  only after its pack is durable; rows no version uses yet (an interrupted push) let a re-run skip
-  what was already sent.
-- unlisted_packs: pack blobs that no chunk row may point into: one a writer announced before
-  writing it (moved to packs when recorded; a writer that dies leaves it here), or one prune
-  retired. Prune (registry/prune.py) claims each once ``since`` is older than its grace period (so
-  that a pull which located chunks in a retired pack just before can finish), deletes the blob,
-  then the row.
-- version_chunks: which distinct chunks each version needs (for stats, tiers and delete): its own and
-  the bases of their deltas, down the chains; written by its commit, and again by a mend that changes
-  the chain of one of them (db/chunks.rechain).
-- family_chunks: per family and chunk, how many members use it and its tier; rebalanced
-  incrementally (registry/tiers.py) so a push never re-reads every member.
-- chunk_claims: chunks a push to a family uploaded (bytes re-hashed by the server), so its commit
-  may use them although the family does not use them yet: a token scoped to some families commits
-  only chunks it proved it holds, or that a family it may read already uses (registry/access.py).
-  Dropped by the commit that uses them, or by prune once older than its grace period.
-- tokens: API bearer tokens, stored only as sha256 hashes, each with a role and a family pattern.
+- families: base_quorum, member count, chunk size, epoch
+- versions: one immutable row each, with its manifest
+- packs, chunks: where each distinct chunk is stored, and how
+- unlisted_packs: blobs no chunk row may point into, for prune
+- version_chunks: what each version needs, delta bases included
+- family_chunks: each family's chunks, their users and tier
+- chunk_claims: a scoped push's uploads, until its commit
+- tokens: API tokens as sha256 hashes, with role and family pattern
+See docs/design/format.md, tiers.md and prune.md.
 """
 
 from __future__ import annotations
@@ -117,7 +103,7 @@ chunks = Table(
     Column("stored_size", BigInteger, nullable=False),
     Column("pack_id", String(32), ForeignKey("packs.id"), nullable=False),
     Column("offset", BigInteger, nullable=False),
-    Column("basis_id", CHUNK_ID, nullable=True),  # for delta encodings: the chunk this one is xor'ed against
+    Column("basis_id", CHUNK_ID, nullable=True),  # for delta encodings: the chunk this one is a delta against
     Column("depth", Integer, nullable=False, server_default="0"),  # delta chain length down to a plain chunk
     Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
     Index(None, "basis_id"),
