@@ -20,6 +20,7 @@ from mfsreg.api.auth import Authenticate, principal
 from mfsreg.api.limits import BodyLimit, read_body
 from mfsreg.api.openapi import RESPONSES, FamilyName, FamilyQuery, VersionName
 from mfsreg.api.query import strict_query
+from mfsreg.api.requestid import RequestId
 from mfsreg.api.schemas import (
     CheckResultModel,
     CommitRequest,
@@ -71,7 +72,8 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
     app.add_middleware(
         BodyLimit, max_body=(settings or (registry.settings if registry else Settings.from_env())).max_body
     )
-    app.add_middleware(Authenticate)  # added last, so it runs first: no body is read before the token is checked
+    app.add_middleware(Authenticate)  # runs before BodyLimit: no body is read before the token is checked
+    app.add_middleware(RequestId)  # added last, so it runs first: every answer carries the request's id
 
     def reg_of(request: Request) -> Registry:
         return request.app.state.registry

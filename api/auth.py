@@ -32,7 +32,7 @@ class Authenticate:
         if scope["type"] != "http" or not get_route_path(scope).startswith("/v1/") or _no_route_takes(scope):
             await self.app(scope, receive, send)  # the routes answer it (a method no route takes: 405)
             return
-        from mfsreg.api.errors import problem, status_for
+        from mfsreg.api.errors import error_problem
 
         reg = scope["app"].state.registry
         headers = [v for k, v in scope.get("headers", ()) if k == b"authorization"]
@@ -49,7 +49,7 @@ class Authenticate:
             if need is not None:  # before the body is read and parsed (api/posts.py says why)
                 found.require(*need)
         except RegistryError as exc:
-            await problem(status_for(exc), exc.code, str(exc))(scope, receive, send)
+            await error_problem(exc, scope)(scope, receive, send)
             return
         scope.setdefault("state", {})[_KEY] = found
         await self.app(scope, receive, send)

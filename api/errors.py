@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 
 from fastapi import FastAPI, Request
@@ -11,8 +12,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.routing import Match, Route
 
+from mfsreg.api.requestid import request_id
 from mfsreg.registry import errors as e
 from mfsreg.registry.errors import shown
+
+# uvicorn's own error logger: the lines land in the server's log, in its format, at its level
+log = logging.getLogger("uvicorn.error")
 
 STATUS: list[tuple[type[e.RegistryError], int]] = [
     (e.InvalidName, 400),
@@ -41,32 +46,70 @@ def status_for(exc: e.RegistryError) -> int:
 MAX_DETAIL = 1000
 
 
-def problem(status: int, code: str, detail: str, headers: Mapping[str, str] | None = None) -> JSONResponse:
+# What a client is told of a server-side failure whose message names the server's internals (a
+# StorageError without ``public``, or a bug); the operator finds the message in the log, by request id.
+GENERAL = {
+    503: "the registry's database or blob store failed",
+    500: "the registry failed on an unexpected error",
+}
+
+
+def problem(
+    status: int, code: str, detail: str, headers: Mapping[str, str] | None = None, request_id: str | None = None
+) -> JSONResponse:
     if len(detail) > MAX_DETAIL:
         detail = f"{detail[: MAX_DETAIL - 300]} [...] {detail[-250:]}"
     headers = {**(headers or {}), **({"WWW-Authenticate": "Bearer"} if status == 401 else {})}
-    return JSONResponse(
-        {"type": f"urn:mfsreg:{code}", "title": code.replace("_", " "), "status": status, "detail": detail},
-        status_code=status,
-        media_type="application/problem+json",
-        headers=headers,
+    body = {"type": f"urn:mfsreg:{code}", "title": code.replace("_", " "), "status": status, "detail": detail}
+    if request_id:
+        body["request_id"] = request_id
+    return JSONResponse(body, status_code=status, media_type="application/problem+json", headers=headers)
+
+
+def error_problem(exc: e.RegistryError, scope) -> JSONResponse:
+    """The answer to ``exc``. A server-side failure (5xx) is logged whole with the request's id and
+    answered with its public line, which names no database, bucket, key or path, and the id."""
+    status, rid = status_for(exc), request_id(scope)
+    if status < 500:
+        return problem(status, exc.code, str(exc), request_id=rid)
+    log.warning("request %s: %s", rid, exc)
+    public = getattr(exc, "public", None) or GENERAL.get(status, GENERAL[500])
+    return problem(
+        status, exc.code, f"{public} (request id {rid}: quote it to the registry's operator)", request_id=rid
     )
 
 
 def install(app: FastAPI) -> None:
     @app.exception_handler(e.RegistryError)
-    async def _registry_error(_req: Request, exc: e.RegistryError):
-        return problem(status_for(exc), exc.code, str(exc))
+    async def _registry_error(req: Request, exc: e.RegistryError):
+        return error_problem(exc, req.scope)
+
+    @app.exception_handler(Exception)
+    async def _bug(req: Request, exc: Exception):
+        # Starlette logs the traceback after this answer is sent; the client gets one line and the id
+        rid = request_id(req.scope)
+        return problem(
+            500,
+            "internal_error",
+            f"{GENERAL[500]} (request id {rid}: quote it to the registry's operator)",
+            request_id=rid,
+        )
 
     @app.exception_handler(ClientDisconnect)
-    async def _gone(_req: Request, _exc: ClientDisconnect):
+    async def _gone(req: Request, _exc: ClientDisconnect):
         # the client closed its connection before its body was whole: nothing of it is acted on, and
-        # nothing is wrong with the server (this was logged as an ASGI exception with a traceback)
-        return problem(400, "invalid_request", "the client closed the connection before its request body was whole")
+        # nothing is wrong with the server
+        return problem(
+            400,
+            "invalid_request",
+            "the client closed the connection before its request body was whole",
+            request_id=request_id(req.scope),
+        )
 
     @app.exception_handler(RequestValidationError)
     async def _validation(req: Request, exc: RequestValidationError):
-        return problem(422, "invalid_request", _validation_detail(req, exc.errors()[0] if exc.errors() else {}))
+        detail = _validation_detail(req, exc.errors()[0] if exc.errors() else {})
+        return problem(422, "invalid_request", detail, request_id=request_id(req.scope))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(req: Request, exc: StarletteHTTPException):
@@ -76,6 +119,7 @@ def install(app: FastAPI) -> None:
                 "invalid_request",
                 "the request body could not be read as JSON (bad UTF-8, nested too "
                 "deep, or a number too long): send a plain JSON object",
+                request_id=request_id(req.scope),
             )
         # the exception's headers are part of the answer: a 405's Allow says which methods to use
         headers, detail = dict(exc.headers or {}), str(exc.detail)
@@ -83,7 +127,7 @@ def install(app: FastAPI) -> None:
         if allow:
             headers["Allow"] = allow
             detail = f"method {shown(req.method, 20)} is not allowed on this path: use {allow}"
-        return problem(exc.status_code, "http_error", detail, headers)
+        return problem(exc.status_code, "http_error", detail, headers, request_id(req.scope))
 
 
 def _allowed(req: Request) -> str:

@@ -6,6 +6,7 @@ from fastapi import Request
 from starlette._utils import get_route_path
 
 from mfsreg.api.posts import body_limit
+from mfsreg.api.requestid import request_id
 from mfsreg.registry.errors import TooLarge
 
 
@@ -67,7 +68,7 @@ class BodyLimit:
     async def _refuse(self, scope, receive, send, limit: int):
         from mfsreg.api.errors import problem
 
-        await problem(413, TooLarge.code, str(_too_large(limit)))(scope, receive, send)
+        await problem(413, TooLarge.code, str(_too_large(limit)), request_id=request_id(scope))(scope, receive, send)
 
 
 async def read_body(request: Request, limit: int) -> bytes:

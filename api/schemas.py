@@ -165,3 +165,4 @@ class Problem(BaseModel):
     title: str = Field(description="CODE in words")
     status: int = Field(description="The HTTP status, repeated")
     detail: str = Field(description="One line: what is wrong and what to do")
+    request_id: str | None = Field(None, description="The request's id, also in its X-Request-ID header")

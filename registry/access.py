@@ -76,10 +76,11 @@ def stored_bytes(reg, ids: list[str], purpose: str = "compare a scoped upload wi
             return decode_batch([i for i in ids if i in located], located, reg.read_payloads, reg.pool)
         except (NotFound, IntegrityError, StorageError) as exc:
             log.warning("could not read back stored chunks to %s (attempt %d of 2): %s", purpose, attempt, exc)
-    raise StorageError(
-        f"the registry could not read back stored chunks to {purpose}: send it "
-        "again, and tell the registry's operator if this persists"
+    said = (
+        f"the registry could not read back stored chunks to {purpose}: send it again, and tell the registry's "
+        "operator if this persists"
     )
+    raise StorageError(said, public=said)
 
 
 def foreign_chains(conn: Connection, who: Principal | None, family: str, ids: Sequence[str]) -> list[str]:

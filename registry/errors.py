@@ -94,9 +94,18 @@ class Forbidden(RegistryError):
 
 
 class StorageError(RegistryError):
-    """The metadata database or blob store cannot be reached or refused an operation."""
+    """The metadata database or blob store cannot be reached or refused an operation.
+
+    The message is for the registry's operator and may name the database, the bucket, a key or a
+    path. ``public`` says what happened to someone who is not the operator, without those: the
+    API sends it (or, where there is none, a general line) and logs the message beside the
+    request's id. >>> StorageError("S3 put of packs/ab.pack in s3://b failed", public="the blob store failed")"""
 
     code = "storage_error"
+
+    def __init__(self, message: str, public: str | None = None):
+        super().__init__(message)
+        self.public = public
 
 
 class TooLarge(RegistryError):

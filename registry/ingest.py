@@ -281,10 +281,11 @@ def stored_for(
     if any(c.basis_id and c.basis_id not in located for c in located.values()):
         # A delta whose basis has no row: prune never leaves one (it keeps every basis in use),
         # so the records are damaged, and no upload of the version's own chunks can mend that.
-        raise StorageError(
+        said = (
             f"the registry's records lost the basis of a stored chunk of {family}/{version}: "
             "tell the registry's operator (`mfsreg prune` does not do this; a restore might have)"
         )
+        raise StorageError(said, public=said)
     wrong = [c.id for f in manifest.files for c in f.chunks if located[c.id].size != c.size]
     if wrong:
         raise InvalidRequest(f"manifest gives chunk {wrong[0]} a size other than the stored one: it cannot rebuild")

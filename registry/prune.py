@@ -152,11 +152,15 @@ def prune(
     if damaged:
         first, why = next(iter(damaged.items()))
         more = f" and {len(damaged) - 1} more" if len(damaged) > 1 else ""
+        said = (
+            "the chunks versions still need there are lost, and that pack was left as it was; restore its blob from "
+            f"a backup (MFSREG_BLOB_URL names the store). The rest of the prune ran: {result.deleted_chunks} chunks "
+            f"deleted, {result.repacked_packs} packs repacked, {result.deleted_packs} blobs deleted "
+            f"({result.freed_bytes:,} bytes)"
+        )
         raise StorageError(
-            f"prune could not repack pack {first}{more}, which storage lost or cut short ({why}): the chunks versions "
-            f"still need there are lost, and that pack was left as it was; restore its blob from a backup "
-            f"(MFSREG_BLOB_URL names the store). The rest of the prune ran: {result.deleted_chunks} chunks deleted, "
-            f"{result.repacked_packs} packs repacked, {result.deleted_packs} blobs deleted ({result.freed_bytes:,} bytes)"
+            f"prune could not repack pack {first}{more}, which storage lost or cut short ({why}): {said}",
+            public=f"prune could not repack pack {first}{more}, which storage lost or cut short: {said}",
         )
     return result
 

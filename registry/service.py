@@ -214,9 +214,11 @@ def receive_batch(reg, family: str, body: bytes, who: Principal | None = None) -
     # same, but never one a scoped token must prove, which compare_stored reads back anyway
     mend |= _damaged_uploads(reg, [e.id for e, _ in entries if e.id in stored_here and e.id not in mend | proving])
     if mend & proving:
+        pack_id, why = next(iter(lost.items()))
+        advice = "a push through this token cannot mend it; tell the registry's operator"
         raise StorageError(
-            f"the registry's storage lost data ({next(iter(lost.values()))}): a push through this token "
-            "cannot mend it; tell the registry's operator"
+            f"the registry's storage lost data ({why}): {advice}",
+            public=f"the registry's storage lost data (pack {pack_id}): {advice}",
         )
     reader = BasisReader(located, reg.read_payloads, decode_verified, locate=reg.locate)
     # Every chunk is verified, the stored ones too: an upload is how a scoped token proves it
@@ -419,8 +421,11 @@ def check_packs(reg, chunks: list[StoredChunk]) -> None:
     stream starts: a store that lost (or cut short) a pack is answered with an error the client
     can show, instead of a response that breaks off halfway. One size lookup per pack (a HEAD on
     S3; registry/lost.py)."""
-    for why in lost_packs(reg, chunks).values():
-        raise StorageError(f"the registry's storage lost data ({why}): tell the registry's operator")
+    for pack_id, why in lost_packs(reg, chunks).items():
+        raise StorageError(
+            f"the registry's storage lost data ({why}): tell the registry's operator",
+            public=f"the registry's storage lost data (pack {pack_id}): tell the registry's operator",
+        )
 
 
 def stream_chunks(reg, chunks: list[StoredChunk]) -> Iterator[bytes]:

@@ -1557,17 +1557,23 @@ def test_serve_refuses_to_start_on_a_blob_store_it_cannot_use(what, server_env, 
     assert all(s in proc.stderr for s in says) and "Traceback" not in proc.stderr, proc.stderr
 
 
-def test_healthz_answers_503_while_the_bucket_is_gone(servers, server_env):
+def test_healthz_answers_503_while_the_bucket_is_gone(servers, server_env, caplog):
     """Readiness reflects the blob store: a running server whose bucket goes away answers /healthz
-    (GET and HEAD) with a 503 naming the bucket, and ok again once it is back."""
+    (GET and HEAD) with a 503, and ok again once it is back. The answer names neither the bucket nor
+    the endpoint; the server's log does, beside the request id the answer gives."""
     (srv,) = servers(1)
     bucket = server_env["MFSREG_BLOB_URL"].split("/")[2]
-    s3 = boto3.client("s3", endpoint_url=server_env["MFSREG_S3_ENDPOINT_URL"], region_name="us-east-1")
+    endpoint = server_env["MFSREG_S3_ENDPOINT_URL"]
+    s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
     assert httpx.get(f"{srv.url}/healthz").json() == {"status": "ok"}
     s3.delete_bucket(Bucket=bucket)  # nothing pushed: empty
     try:
         r = httpx.get(f"{srv.url}/healthz")
-        assert r.status_code == 503 and f"bucket {bucket} does not exist" in r.json()["detail"], r.text
+        rid = r.headers["x-request-id"]
+        assert r.status_code == 503 and r.json()["request_id"] == rid and rid in r.json()["detail"], r.text
+        assert bucket not in r.text and endpoint.split("//")[1] not in r.text, r.text
+        logged = [rec.getMessage() for rec in caplog.records if rid in rec.getMessage()]
+        assert len(logged) == 1 and f"bucket {bucket} does not exist" in logged[0], logged
         assert httpx.head(f"{srv.url}/healthz").status_code == 503
     finally:
         s3.create_bucket(Bucket=bucket)
