@@ -32,16 +32,16 @@ def sync_dir(dirpath: str | os.PathLike) -> None:
         os.close(fd)
 
 
-def make_dirs(dirpath: str | os.PathLike) -> None:
-    """``dirpath`` and whichever of its parents are missing, each new one's name made durable (its
-    parent synced once it is made)."""
-    for d in _make_missing(Path(dirpath)):
+def make_dirs(dirpath: str | os.PathLike, mode: int = 0o777) -> None:
+    """``dirpath`` and whichever of its parents are missing (``mode``, less the umask), each new one's
+    name made durable (its parent synced once it is made)."""
+    for d in _make_missing(Path(dirpath), mode):
         sync_dir(d.parent)
 
 
-def _make_missing(path: Path) -> list[Path]:
-    """Make ``path`` and whichever of its parents are missing; the folders this call made, parents
-    first (one made meanwhile by another writer is that writer's to sync)."""
+def _make_missing(path: Path, mode: int = 0o777) -> list[Path]:
+    """Make ``path`` and whichever of its parents are missing (``mode``, less the umask); the folders
+    this call made, parents first (one made meanwhile by another writer is that writer's to sync)."""
     missing = []
     while not path.is_dir():
         missing.append(path)
@@ -49,7 +49,7 @@ def _make_missing(path: Path) -> list[Path]:
     made = []
     for d in reversed(missing):
         try:
-            d.mkdir()
+            d.mkdir(mode)
         except FileExistsError:
             if not d.is_dir():
                 raise

@@ -17,6 +17,8 @@ from mfsreg.registry.blobs.base import BlobStore, check_key
 from mfsreg.registry.durable import NO_ROOM, make_dirs, sync_dir, what_to_do
 from mfsreg.registry.errors import InvalidRequest, NotFound, StorageError
 
+PRIVATE_DIR, PRIVATE_FILE = 0o700, 0o600
+
 
 def _advice(code: int | None) -> str:
     """What to do about a write the blob store's directory refused."""
@@ -46,8 +48,10 @@ class LocalBlobStore(BlobStore):
             return  # a key names one blob for good: same key and size is a retried put
         tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
         try:
-            make_dirs(path.parent)  # packs/ab/: a directory lost in a crash would lose the pack with it
-            with open(tmp, "wb") as f:
+            # packs/ab/: a directory lost in a crash would lose the pack with it. Packs hold the
+            # weights: folders 0700 and files 0600 (less a stricter umask), this user's alone
+            make_dirs(path.parent, PRIVATE_DIR)
+            with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE), "wb") as f:
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())

@@ -8,6 +8,7 @@ failing when a read lock cannot be upgraded; on Postgres writers lock their fami
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import time
 from collections.abc import Iterator
@@ -42,7 +43,7 @@ def create_db_engine(url: str) -> Engine:
                     f"MFSREG_DATABASE_URL={url} carries options ({', '.join(sorted(parsed.query))}), "
                     "which mfsreg does not pass to SQLite: give the path alone, sqlite:////srv/mfsreg/registry.db"
                 )
-            Path(database).parent.mkdir(parents=True, exist_ok=True)
+            _make_private(Path(database))
             engine = create_engine(url, poolclass=NullPool, connect_args={"timeout": 60, "check_same_thread": False})
             _sqlite_events(engine)
             return engine
@@ -53,6 +54,16 @@ def create_db_engine(url: str) -> Engine:
         raise InvalidRequest(
             f"MFSREG_DATABASE_URL names driver {parsed.drivername!r}, which mfsreg does not use: use {SUPPORTED}"
         ) from None
+
+
+def _make_private(database: Path) -> None:
+    """The database's folder (0700) and file (0600), less a stricter umask, where they are new: they
+    hold the token hashes and every version's record. SQLite gives its -wal and -shm files the
+    database file's mode."""
+    if not database.parent.is_dir():
+        database.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if not database.exists():
+        os.close(os.open(database, os.O_WRONLY | os.O_CREAT, 0o600))
 
 
 def _check_sqlite_path(url: str, database: str | None) -> str:

@@ -9,13 +9,20 @@ See docs/design/prune.md.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import IO
 
 from sqlalchemy import Connection, Engine, text
 from sqlalchemy.exc import OperationalError
 
 _DECIDING = 0x6D667301  # an arbitrary key, mfsreg's own
+
+
+def lock_file(path: str) -> IO[str]:
+    """The lock file ``path`` beside an SQLite database, opened for flock (made 0600, as the database)."""
+    return os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT, 0o600), "a+")
 
 
 def exclude_prune(conn: Connection) -> None:

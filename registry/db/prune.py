@@ -13,7 +13,7 @@ from datetime import datetime
 from sqlalchemy import Connection, Engine, bindparam, delete, exists, func, select, update
 
 from mfsreg.registry.db.dialect import batches, insert
-from mfsreg.registry.db.locks import session_lock
+from mfsreg.registry.db.locks import lock_file, session_lock
 from mfsreg.registry.db.models import chunks, packs, unlisted_packs, version_chunks
 from mfsreg.registry.errors import Conflict, Pruned
 
@@ -32,7 +32,7 @@ def one_prune_at_a_time(engine: Engine) -> Iterator[None]:
                 raise busy
             yield
         return
-    with open(f"{engine.url.database}.prune.lock", "a+") as fh:
+    with lock_file(f"{engine.url.database}.prune.lock") as fh:
         try:
             fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

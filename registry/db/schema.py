@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from sqlalchemy import Engine, text
 from sqlalchemy.exc import DBAPIError, OperationalError
 
-from mfsreg.registry.db.locks import session_lock
+from mfsreg.registry.db.locks import lock_file, session_lock
 from mfsreg.registry.errors import StorageError
 
 if TYPE_CHECKING:
@@ -171,7 +171,7 @@ def _migration_lock(engine: Engine) -> Iterator[None]:
     if engine.dialect.name != "sqlite" or not db or db == ":memory:":
         yield
         return
-    with open(f"{db}.migrate.lock", "a+") as fh:
+    with lock_file(f"{db}.migrate.lock") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
         try:
             yield

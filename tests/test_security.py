@@ -1,0 +1,90 @@
+"""What a client, or another user of the machine, may learn: nothing of the server's internals in an
+answer (the request id leads the operator to them in the log), and nothing of an embedded registry
+through its files' modes."""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+from urllib.parse import urlsplit
+
+import httpx
+import pytest
+
+from mfsreg.registry.config import Settings
+from mfsreg.registry.registry import Registry
+from tests.cli_run import mfsreg
+from tests.faults import FaultProxy
+from tests.server import Servers, client_env, make_server_env, token
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_an_embedded_registry_is_this_users_alone(umask, fam, tmp_path):
+    """registry.db and the packs were made 0644 and their folders 0755: every user of the machine
+    could read the weights and the tokens' hashes. New ones are 0600 and 0700, less a stricter umask."""
+    home = tmp_path / "home"
+    old = os.umask(umask)
+    try:
+        with Registry(Settings.from_env({"MFSREG_HOME": str(home)})) as reg:
+            reg.push(fam["base"], "fam", "base")
+            reg.push(fam["lora-chat"], "fam", "lora-chat", parent="base")
+    finally:
+        os.umask(old)
+    made = [home, *home.rglob("*")]
+    assert any(p.name.endswith(".pack") for p in made) and (home / "registry.db").exists()
+    for path in made:
+        mode = stat.S_IMODE(path.lstat().st_mode)
+        wanted = 0o700 if path.is_dir() else 0o600
+        assert mode == wanted & ~umask, (path.relative_to(tmp_path), oct(mode))
+
+
+@pytest.fixture
+def server(pg_database, s3_blob_url, tmp_path):
+    """A server on Postgres whose S3 endpoint is reached through a proxy the test can cut:
+    (server, admin client environment, the proxy, the server's environment)."""
+    blob_url, endpoint = s3_blob_url
+    s3 = urlsplit(endpoint)
+    proxy = FaultProxy((s3.hostname, s3.port))
+    env = make_server_env(pg_database, (blob_url, proxy.url), tmp_path)
+    started = Servers(env, tmp_path)
+    try:
+        (srv,) = started(1)
+        yield srv, client_env(tmp_path, srv.url, token(env, "admin")), proxy, env
+    finally:
+        proxy.heal()
+        started.stop()
+        proxy.close()
+
+
+def test_every_answer_carries_its_request_id(server):
+    srv, env, _, _ = server
+    ok = httpx.get(f"{srv.url}/healthz")
+    assert re.fullmatch(r"[0-9a-f]{32}", ok.headers["x-request-id"])
+    refused = httpx.get(f"{srv.url}/v1/families")  # no token
+    assert refused.status_code == 401 and refused.json()["request_id"] == refused.headers["x-request-id"]
+    assert refused.headers["x-request-id"] != ok.headers["x-request-id"]
+    given = httpx.get(f"{srv.url}/v1/families", headers={"X-Request-ID": "lb-7f3a.2"})
+    assert given.headers["x-request-id"] == "lb-7f3a.2" == given.json()["request_id"]
+    for bad in ("x" * 65, "two words", "a\tb"):  # not a short plain token: a new id instead
+        other = httpx.get(f"{srv.url}/v1/families", headers={"X-Request-ID": bad})
+        assert re.fullmatch(r"[0-9a-f]{32}", other.headers["x-request-id"]), bad
+
+
+def test_a_storage_failure_names_no_endpoint_bucket_or_key_to_the_client(server, fam, caplog):
+    """S3 errors were sent to clients whole: the server's internal endpoint, its bucket and the pack's
+    key. The client gets what happened and a request id; the server's log has the rest under that id."""
+    srv, env, proxy, server_env = server
+    mfsreg("push", fam["base"], "--family", "fam", "--version", "base", env=env)
+    proxy.cut()  # the endpoint is gone
+    ran = mfsreg(
+        "push", fam["lora-chat"], "--family", "fam", "--version", "lora-chat", "--parent", "base", env=env, check=False
+    )
+    bucket = server_env["MFSREG_BLOB_URL"].split("/")[2]
+    assert ran.returncode == 5 and ran.stderr.count("\n") == 1, ran.stderr
+    for secret in (bucket, f"127.0.0.1:{proxy.port}", "packs/", "s3://"):
+        assert secret not in ran.stderr, (secret, ran.stderr)
+    rid = re.search(r"request id ([0-9a-f]{32})", ran.stderr)
+    assert rid, ran.stderr
+    logged = [r.getMessage() for r in caplog.records if rid[1] in r.getMessage()]
+    assert logged and f"127.0.0.1:{proxy.port}" in logged[0], logged
