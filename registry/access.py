@@ -1,8 +1,13 @@
-"""Which stored chunks a push may use without sending their bytes.
+"""Which stored chunks a push may use without sending their bytes, and which bytes a version may
+lend its family's readers.
 
 Through a token scoped to some families: those its family, or a family it may read, uses, and those
 a push to its family uploaded and the server verified (claims, db/claims.py); any other it uploads.
 A token for every family (``*``), and an embedded push, may use every stored chunk.
+
+Whoever pushes, a version lends its family's readers only bytes of that family: a reused chunk
+stored as a delta whose chain of bases leaves the family (a basis no version of the family uses,
+nor claimed for it) gets a plain copy of its own before the commit.
 See docs/design/protocol.md.
 """
 
@@ -87,18 +92,26 @@ def foreign_chains(conn: Connection, who: Principal | None, family: str, ids: Se
     return _foreign_chains(conn, who, family, ids)[0]
 
 
+def outside_family(conn: Connection, family: str, ids: Sequence[str]) -> set[str]:
+    """Those of the stored ``ids`` that no version of ``family`` uses and that are not claimed for it."""
+    if not ids:
+        return set()
+    fam = version_db.find_family(conn, family)
+    todo = set(ids) - (claim_db.used_by_families(conn, [fam.id], list(ids)) if fam is not None else set())
+    return todo - claim_db.claimed(conn, family, list(todo)) if todo else todo
+
+
 def _foreign_chains(
     conn: Connection, who: Principal | None, family: str, ids: Sequence[str]
 ) -> tuple[list[str], dict[str, StoredChunk]]:
-    """Those of ``ids`` stored as deltas whose chain of bases passes through a chunk ``who`` may
-    not use: a version using them would list those bases among its chunks (a node needs them to
-    decode), and its family's readers could download them. Such chunks get a plain copy of their
-    own (detach_foreign_chains). Also where they and their bases are stored."""
-    if reads_everything(who):
-        return [], {}
+    """Those of ``ids`` stored as deltas whose chain of bases passes through a chunk of another
+    family (outside_family): a version using them would list those bases among its chunks (a node
+    needs them to decode), and its family's readers could download another family's bytes. Such
+    chunks get a plain copy of their own (detach_foreign_chains). Also where they and their bases
+    are stored. ``who`` does not change the answer: what a version lends, it lends to its readers."""
     located = chunk_db.locate_closure(conn, ids)
     bases = {c.basis_id for c in located.values() if c.basis_id}
-    foreign = unproven(conn, who, family, list(bases - set(ids)))
+    foreign = outside_family(conn, family, list(bases - set(ids)))
     if not foreign:
         return [], located
 
@@ -120,13 +133,11 @@ def detach_foreign_chains(
     reg, who: Principal | None, family: str, ids: Sequence[str], go_on: Callable[[Connection], bool] | None = None
 ) -> int:
     """Store a plain copy of each of ``ids`` the push has shown it holds whose delta chain passes
-    through a chunk ``who`` may not use, and point its row there; the versions that used the delta
+    through a chunk of another family, and point its row there; the versions that used the delta
     then no longer need its bases (db/chunks.rechain, same transaction). ``go_on(conn)``, called in
     the read transaction only when there is something to copy, may raise, or return False to skip
     the copies. Returns how many were detached.
     See docs/design/protocol.md."""
-    if reads_everything(who):
-        return 0
     with read_tx(reg.engine) as conn:
         # only chunks the push has shown it holds: naming ids must not make the registry copy them
         shown = set(ids) - unproven(conn, who, family, list(ids))

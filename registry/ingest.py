@@ -393,6 +393,11 @@ def push(
         warning.say()
         added = upload_missing(reg, job, missing, reg.pool, progress, bases, reader, mend)
         manifest = job.manifest()  # waits for the file digests, which ran beside the encoding
+        from mfsreg.registry.access import detach_foreign_chains  # (access builds on this module)
+
+        # a reused delta whose chain leaves the family: a plain copy, so that the version lends its
+        # family's readers no other family's bytes (registry/access.py)
+        detach_foreign_chains(reg, None, family, manifest.chunk_ids())
         try:
             changed, existing = commit_version(reg, family, version, parent, manifest, chunk_size)
         except MissingChunks:

@@ -4,17 +4,24 @@ through its files' modes."""
 
 from __future__ import annotations
 
+import filecmp
 import os
 import re
 import stat
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import httpx
 import pytest
 
 from mfsreg.registry.config import Settings
+from mfsreg.registry.db import chunks as chunk_db
+from mfsreg.registry.db import versions as version_db
+from mfsreg.registry.db.engine import read_tx
+from mfsreg.registry.manifest import Manifest
 from mfsreg.registry.registry import Registry
 from tests.cli_run import mfsreg
+from tests.dialects import sqlite_only
 from tests.faults import FaultProxy
 from tests.server import Servers, client_env, make_server_env, token
 
@@ -88,3 +95,72 @@ def test_a_storage_failure_names_no_endpoint_bucket_or_key_to_the_client(server,
     assert rid, ran.stderr
     logged = [r.getMessage() for r in caplog.records if rid[1] in r.getMessage()]
     assert logged and f"127.0.0.1:{proxy.port}" in logged[0], logged
+
+
+# -- a version lends its readers only bytes of its own family -----------------------------------------
+
+
+def borrowed_tensor(fam: dict, tmp_path) -> Path:
+    """A file of one tensor of "full-med", a dense fine-tune whose chunks the registry stores as deltas
+    against "base"'s: pushed into another family, it reuses those deltas."""
+    from safetensors.torch import load_file, save_file
+
+    name = "model.layers.0.mlp.up_proj.weight"
+    path = tmp_path / "borrowed.safetensors"
+    save_file({name: load_file(str(fam["full-med"]))[name]}, str(path))
+    return path
+
+
+def lent_to(reg, family: str, version: str) -> set[str]:
+    """Chunks a version needs beyond those of its own files: what it lends its readers besides."""
+    from mfsreg.registry.service import version_doc
+
+    doc, _ = version_doc(reg, family, version, None)
+    own = {c[0] for f in doc["manifest"]["files"] for c in f["chunks"]}
+    return set(doc["chunks"]) - own
+
+
+@sqlite_only
+def test_an_embedded_push_lends_no_basis_of_another_familys(reg, fam, tmp_path):
+    """Repro 1: a push that reused a chunk another family stores as a delta put that family's basis
+    into the new version's chunk table, and the new family's readers could download its bytes."""
+    reg.push(fam["base"], "b2", "base")
+    reg.push(fam["full-med"], "b2", "ft", parent="base")
+    borrowed = borrowed_tensor(fam, tmp_path)
+    with read_tx(reg.engine) as conn:  # the tensor's chunks are stored as deltas against b2's base
+        ids = Manifest.from_bytes(
+            version_db.read_manifest(conn, version_db.get_version(conn, "b2", "ft").id)
+        ).chunk_ids()
+        assert any(c.basis_id for c in chunk_db.locate(conn, ids).values())
+    reg.push(borrowed, "a5", "v1")
+    assert lent_to(reg, "a5", "v1") == set()
+    assert lent_to(reg, "b2", "ft")  # b2's own deltas keep their bases
+    out = tmp_path / "ft.out"
+    reg.pull("b2", "ft", out)
+    assert filecmp.cmp(out, fam["full-med"], shallow=False)
+    assert reg.check(read_data=True).ok
+
+
+@pytest.mark.parametrize("pattern", ["*", "[ab]*"])
+def test_a_push_through_a_token_that_reads_both_families_lends_no_basis(pattern, server, fam, tmp_path):
+    """The same over HTTP, with a push token for every family and one that reads both: a read token
+    for a* downloaded b2/base's tensor by naming its chunk id (200); it is now not part of a5 (404)."""
+    srv, admin, _, server_env = server
+    mfsreg("push", fam["base"], "--family", "b2", "--version", "base", env=admin)
+    mfsreg("push", fam["full-med"], "--family", "b2", "--version", "ft", "--parent", "base", env=admin)
+    pusher = client_env(tmp_path, srv.url, token(server_env, "push", pattern))
+    mfsreg("push", borrowed_tensor(fam, tmp_path), "--family", "a5", "--version", "v1", env=pusher)
+    reader = {"Authorization": f"Bearer {token(server_env, 'read', 'a*')}"}
+    doc = httpx.get(f"{srv.url}/v1/families/a5/versions/v1", headers=reader).json()
+    own = {c[0] for f in doc["manifest"]["files"] for c in f["chunks"]}
+    assert set(doc["chunks"]) == own
+    with Registry(Settings.from_env(server_env)) as reg:
+        with read_tx(reg.engine) as conn:
+            b2_bases = {c.basis_id for c in chunk_db.locate_closure(conn, lent_to(reg, "b2", "ft") | own).values()}
+        b2_bases.discard(None)
+    for basis in b2_bases - own:
+        r = httpx.post(f"{srv.url}/v1/families/a5/chunks/download", json={"ids": [basis]}, headers=reader)
+        assert r.status_code == 404, (basis, r.status_code)
+    out = tmp_path / "ft.out"
+    mfsreg("pull", "b2", "ft", "-o", out, env=admin)
+    assert filecmp.cmp(out, fam["full-med"], shallow=False)
