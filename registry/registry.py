@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -210,12 +211,13 @@ class Registry:
             fam = version_db.get_family(conn, family)
             return tier_db.chunk_tiers(conn, fam.id, tier)
 
-    def stats(self, family: str | None = None) -> dict:
+    def stats(self, family: str | None = None, visible: Callable[[str], bool] | None = None) -> dict:
+        """Sharing figures of ``family`` or the registry; ``visible``: see registry/stats.py."""
         from mfsreg.registry.stats import compute_stats
 
         if family is not None:
             check_name("family", family)
-        return compute_stats(self.engine, family)
+        return compute_stats(self.engine, family, visible)
 
     # -- changes -------------------------------------------------------------------------------
 

@@ -9,20 +9,26 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from mfsreg.registry.db import stats as q
 from mfsreg.registry.db.engine import read_tx
-from mfsreg.registry.db.versions import family_exists
+from mfsreg.registry.db.versions import family_exists, list_families
 from mfsreg.registry.errors import NotFound
 
 
-def compute_stats(engine, family: str | None = None) -> dict:
+def compute_stats(engine, family: str | None = None, visible: Callable[[str], bool] | None = None) -> dict:
+    """The figures of ``family`` (or of the registry). ``visible(name)``: the families the asker may
+    read; a version's ``unique_bytes`` then counts what no other of those uses (what the registry
+    stores for families they may not read is not theirs to learn)."""
     with read_tx(engine) as conn:
         if family is not None and not family_exists(conn, family):
             raise NotFound(f"family {family!r} does not exist: see `mfsreg ls`")
         logical, n_versions = q.logical_bytes(conn, family)
         tiers = q.tier_totals(conn, family)
         encodings = q.encodings(conn, family)
-        per_version = q.version_figures(conn, family)
+        seen = None if visible is None else [f.id for f in list_families(conn) if visible(f.name)]
+        per_version = q.version_figures(conn, family, seen)
         pack_bytes, orphan_bytes, unlisted_bytes = q.storage_totals(conn) if family is None else (None, None, None)
     stored = sum(b for _, b in tiers.values())
     out = {

@@ -20,7 +20,7 @@ from mfsreg.registry.db import versions as version_db
 from mfsreg.registry.db.engine import read_tx
 from mfsreg.registry.manifest import Manifest
 from mfsreg.registry.registry import Registry
-from tests.cli_run import mfsreg
+from tests.cli_run import mfsreg, mfsreg_json
 from tests.dialects import sqlite_only
 from tests.faults import FaultProxy
 from tests.server import Servers, client_env, make_server_env, token
@@ -164,3 +164,21 @@ def test_a_push_through_a_token_that_reads_both_families_lends_no_basis(pattern,
     out = tmp_path / "ft.out"
     mfsreg("pull", "b2", "ft", "-o", out, env=admin)
     assert filecmp.cmp(out, fam["full-med"], shallow=False)
+
+
+def test_a_scoped_tokens_stats_do_not_depend_on_other_families(server, fam, tmp_path):
+    """Repro 2: `stats -f a1` through a token for a* counted unique_bytes over the whole registry, so
+    pushing another family's file into a1 showed 0 (one of its tensors halved it): an oracle of what
+    other families hold. Every figure such a token sees is now the same whatever b1 holds."""
+    srv, admin, _, server_env = server
+    scoped = client_env(tmp_path, srv.url, token(server_env, "push", "a*"))
+    mfsreg("push", fam["base"], "--family", "a1", "--version", "v1", env=scoped)
+    mfsreg("push", fam["lora-chat"], "--family", "a1", "--version", "v2", "--parent", "v1", env=scoped)
+    alone = mfsreg_json("stats", "--family", "a1", env=scoped)
+    assert all(v["unique_bytes"] > 0 for v in alone["versions"]), alone
+    mfsreg("push", fam["base"], "--family", "b1", "--version", "copy", env=admin)
+    mfsreg("push", fam["lora-chat"], "--family", "b1", "--version", "copy2", "--parent", "copy", env=admin)
+    assert mfsreg_json("stats", "--family", "a1", env=scoped) == alone
+    # the registry's own view still counts every family: an admin for '*' sees the bytes shared
+    shared = mfsreg_json("stats", "--family", "a1", env=admin)
+    assert [v["unique_bytes"] for v in shared["versions"]] == [0, 0], shared

@@ -64,13 +64,19 @@ def encodings(conn: Connection, family: str | None) -> dict[str, tuple[int, int,
     return {e: (int(n), int(r), int(s)) for e, n, r, s in conn.execute(q)}
 
 
-def version_figures(conn: Connection, family: str | None) -> list[tuple[str, str, int, int, int, int, int]]:
-    """(family, version, logical bytes, stored bytes it needs, stored bytes it alone holds in the
-    whole registry, of what it needs: bytes stored as deltas, bytes stored plain)."""
+def version_figures(
+    conn: Connection, family: str | None, seen: Sequence[int] | None = None
+) -> list[tuple[str, str, int, int, int, int, int]]:
+    """(family, version, logical bytes, stored bytes it needs, stored bytes it alone holds, of what
+    it needs: bytes stored as deltas, bytes stored plain). Alone: in the whole registry, or with
+    ``seen`` (family ids) among those families only, so that no figure depends on the others."""
     # alone: its one user in its family, and no other family uses it (chunks are stored once for
     # the whole registry: a base pushed into two families is neither one's own)
     other = fc.alias("other_family")
-    elsewhere = exists().where((other.c.chunk_id == fc.c.chunk_id) & (other.c.family_id != fc.c.family_id))
+    shared = (other.c.chunk_id == fc.c.chunk_id) & (other.c.family_id != fc.c.family_id)
+    if seen is not None:
+        shared = shared & other.c.family_id.in_(list(seen))
+    elsewhere = exists().where(shared)
     alone = case((and_(fc.c.users == 1, ~elsewhere), chunks.c.stored_size), else_=0)
     delta = case((chunks.c.basis_id.is_not(None), chunks.c.stored_size), else_=0)
     per_version = (
