@@ -92,8 +92,9 @@ def prune(
     registry: str = RegistryOption,
 ) -> None:
     """Delete the chunks no version needs and give back their space: packs left empty are deleted,
-    packs mostly unused are repacked. Chunks that deltas of stored versions need are kept. With
-    MFSREG_URL the server prunes its registry (an admin token for every family)."""
+    packs mostly unused are repacked, and parts of packs that killed writers left are removed.
+    Chunks that deltas of stored versions need are kept. With MFSREG_URL the server prunes its
+    registry (an admin token for every family)."""
     from mfsreg.registry.config import parse_duration
     from mfsreg.registry.errors import InvalidRequest
 

@@ -23,6 +23,11 @@ def stats(
         f"{s['scope']}: {s['versions_count']} versions, {human_bytes(s['logical_bytes'])} logical, "
         f"{human_bytes(s['stored_bytes'])} stored, sharing ratio {s['sharing_ratio']:.2f}x"
     )
+    if s.get("leftover_bytes"):
+        typer.echo(
+            f"{human_bytes(s['leftover_bytes'])} in parts of packs that killed writers left: "
+            "`mfsreg prune` removes them once older than --min-age"
+        )
     table(
         "tiers",
         ["tier", "chunks", "stored"],

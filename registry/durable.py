@@ -10,15 +10,67 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import stat
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from types import ModuleType
 
 from mfsreg.registry.errors import StorageError
 
+fcntl: ModuleType | None
+try:
+    import fcntl
+except ImportError:  # Windows: temp files are not locked, and none is swept
+    fcntl = None
+
 # Some filesystems (network and FUSE ones among them) cannot sync a directory: nothing more to do there.
 _CANNOT = {errno.EINVAL, errno.EBADF, errno.EOPNOTSUPP, errno.ENOTSUP}
+
+
+def hold(fd: int) -> None:
+    """Lock a temp file its writer is filling; the kernel releases it however the writer ends, so a
+    temp file no one holds is one a killed writer left (``held``)."""
+    if fcntl is not None:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+def held(path: Path) -> bool:
+    """Whether a live writer holds ``path``'s lock (without flock: never)."""
+    if fcntl is None:
+        return False
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:  # gone meanwhile, or not for us to judge
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
+def temp_beside(dest: Path) -> Path:
+    """A new temp name beside ``dest``: ``.<name>.<uuid>.tmp``."""
+    return dest.with_name(f".{dest.name}.{uuid.uuid4().hex}.tmp")
+
+
+def sweep_beside(dest: Path) -> None:
+    """Remove the temp files beside ``dest`` that writers killed while writing ``dest`` left (no
+    live writer holds them)."""
+    pattern = re.compile(rf"\.{re.escape(dest.name)}\.[0-9a-f]{{32}}\.tmp")
+    try:
+        names = [n for n in os.listdir(dest.parent) if pattern.fullmatch(n)]
+    except OSError:  # no folder yet, or not ours to list: nothing to sweep
+        return
+    for name in names:
+        path = dest.parent / name
+        if stat.S_ISREG(path.lstat().st_mode) and not held(path):
+            path.unlink(missing_ok=True)
 
 
 def sync_dir(dirpath: str | os.PathLike) -> None:
@@ -78,15 +130,20 @@ def writing(dest: Path) -> Iterator[None]:
 
 
 def create_beside(tmp: Path, dest: Path, flags: int) -> int:
-    """Opens ``tmp``, a new temp file beside ``dest``, with ``flags``. An error names ``dest``'s
+    """Opens ``tmp``, a new temp file beside ``dest``, with ``flags``, and locks it (``hold``): keep
+    the descriptor, or a dup of it, open until the file is renamed or removed. Temp files of
+    ``dest`` that killed writers left are removed first. An error names ``dest``'s
     folder and ``dest``, not the temp name, which the user never gave (``-o /sys/x`` said
     "/sys/.x.<hex>.tmp: Permission denied"); a full disk stays as it is, for ``writing``."""
+    sweep_beside(dest)  # what a pull of ``dest`` killed before left
     try:
-        return os.open(tmp, flags | os.O_CREAT | os.O_EXCL, 0o666)
+        fd = os.open(tmp, flags | os.O_CREAT | os.O_EXCL, 0o666)
     except OSError as exc:
         if exc.errno in NO_ROOM or exc.strerror is None:
             raise
         raise type(exc)(exc.errno, f"{exc.strerror} (making {dest.name} there)", str(dest.parent)) from None
+    hold(fd)
+    return fd
 
 
 def replaced_mode(dest: Path) -> int | None:
@@ -120,15 +177,19 @@ class Placing:
     def __init__(self) -> None:
         self.pending: list[tuple[Path, Path]] = []
         self.made: list[Path] = []  # folders made for the files, parents first
+        self.locks: list[int] = []  # descriptors holding the temp files' locks until they are placed
 
     def make_dirs(self, dirpath: str | os.PathLike) -> None:
         """``dirpath`` and whichever of its parents are missing; their names are made durable with
         the files (a file renamed into a new folder is lost in a crash with the folder's name)."""
         self.made += _make_missing(Path(dirpath))
 
-    def add(self, tmp: Path, dest: Path) -> None:
-        """``tmp``, written and synced, goes to ``dest`` when the block ends without an error."""
+    def add(self, tmp: Path, dest: Path, fd: int | None = None) -> None:
+        """``tmp``, written and synced, goes to ``dest`` when the block ends without an error. ``fd``:
+        its open descriptor, whose lock (``hold``) is kept until then: the caller may close its own."""
         self.pending.append((Path(tmp), Path(dest)))
+        if fd is not None:
+            self.locks.append(os.dup(fd))
 
     def place(self) -> None:
         folders: dict[Path, None] = {
@@ -166,6 +227,9 @@ class Placing:
         for tmp, _ in self.pending:
             tmp.unlink(missing_ok=True)
         self.pending.clear()
+        for fd in self.locks:  # placed or removed: the locks go
+            os.close(fd)
+        self.locks.clear()
         for d in reversed(self.made):  # deepest first; one another writer put something in stays
             try:
                 d.rmdir()

@@ -11,12 +11,11 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
-import uuid
 from concurrent.futures import Executor, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
 from mfsreg.registry.chunking import ChunkRef, chunk_id
-from mfsreg.registry.durable import Placing, create_beside, replaced_mode, sync_dir
+from mfsreg.registry.durable import Placing, create_beside, replaced_mode, sync_dir, temp_beside
 from mfsreg.registry.errors import IntegrityError
 from mfsreg.registry.manifest import FileEntry
 
@@ -101,7 +100,7 @@ class CheckedFile:
         # set before the rename: the file never appears under ``dest`` with another; None: that
         # of the file it replaces, if any (replaced_mode)
         self.mode = mode
-        self.tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex}.tmp")
+        self.tmp = temp_beside(dest)
         self.pool = pool
         self.checks: list[Future] = []
         self.handed = False
@@ -150,11 +149,12 @@ class CheckedFile:
         if mode is not None:
             os.fchmod(self.fd, mode)
         os.fsync(self.fd)
+        if placing is not None:
+            placing.add(self.tmp, self.dest, self.fd)  # which keeps its lock until it is renamed
+            self.handed = True
         os.close(self.fd)
         self.fd = -1
         if placing is not None:
-            placing.add(self.tmp, self.dest)
-            self.handed = True
             return
         os.replace(self.tmp, self.dest)
         sync_dir(self.dest.parent)

@@ -2,7 +2,8 @@
 
 Keeps every chunk a version needs (version_chunks), those recorded within ``min_age``, and their
 bases; deletes the other chunk rows and old claims; retires packs left with no kept chunk and
-repacks those over ``max_unused``; deletes a blob once its pack has been unlisted for ``min_age``.
+repacks those over ``max_unused``; deletes a blob once its pack has been unlisted for ``min_age``,
+and the parts of packs killed writers left (temp files, S3 multipart uploads) once that old.
 Decides on a snapshot, then checks that choice again under exclude_writers (db/locks.py).
 See docs/design/prune.md.
 """
@@ -14,6 +15,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from datetime import timedelta
 
+from mfsreg.registry.blobs.base import Leftover
 from mfsreg.registry.blobs.packs import StoredChunk, pack_key
 from mfsreg.registry.config import PRUNE_MAX_UNUSED, PRUNE_MIN_AGE
 from mfsreg.registry.db import claims as claim_db
@@ -135,6 +137,14 @@ def prune(
             due = _delete_blobs(reg, grace)  # whatever the repack found: one bad pack must not block this
             with read_tx(reg.engine) as conn:
                 waiting = q.unlisted(conn)
+        # parts of packs that writers killed mid-put left (never recorded): gone once past the grace
+        # period, counted with the blobs deleted; younger ones may be a put still running
+        stale, young = _leftovers(reg, min_age)
+        if not dry_run:
+            for left in stale:
+                reg.blobs.remove_leftover(left)
+        due = [*due, *((left.name, left.size) for left in stale)]
+        waiting = [*waiting, *((left.name, left.size) for left in young)]
     repacked = [p for p in plan.repack if p not in damaged]
     result = PruneResult(
         dry_run=dry_run,
@@ -163,6 +173,15 @@ def prune(
             public=f"prune could not repack pack {first}{more}, which storage lost or cut short: {said}",
         )
     return result
+
+
+def _leftovers(reg, min_age: float) -> tuple[list[Leftover], list[Leftover]]:
+    """The blob store's leftovers (BlobStore.leftovers): those older than ``min_age``, and the rest."""
+    stale: list[Leftover] = []
+    young: list[Leftover] = []
+    for left in reg.blobs.leftovers():
+        (stale if left.age >= min_age else young).append(left)
+    return stale, young
 
 
 class _MovedPacks(RecordedPacks):

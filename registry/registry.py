@@ -19,7 +19,7 @@ from mfsreg.registry.config import PRUNE_MAX_UNUSED, PRUNE_MIN_AGE, Settings
 from mfsreg.registry.db import schema
 from mfsreg.registry.db import versions as version_db
 from mfsreg.registry.db.engine import create_db_engine, read_tx, write_tx
-from mfsreg.registry.errors import NotFound, StorageError
+from mfsreg.registry.errors import InvalidRequest, NotFound, StorageError
 from mfsreg.registry.names import check_name
 from mfsreg.registry.results import CheckResult, DeleteResult, PruneResult
 
@@ -217,7 +217,23 @@ class Registry:
 
         if family is not None:
             check_name("family", family)
-        return compute_stats(self.engine, family, visible)
+        out = compute_stats(self.engine, family, visible)
+        if family is None:
+            out["leftover_bytes"] = self._leftover_bytes()
+        return out
+
+    def _leftover_bytes(self) -> int | None:
+        """Bytes of the parts of packs killed writers left in a local blob store (prune removes
+        them). None for an S3 store, which stats never contacts (it reads only the database, and
+        runs while the endpoint is down: `prune --dry-run` counts S3's), or a store not readable."""
+        from mfsreg.registry.blobs import parse_blob_url
+
+        try:
+            if parse_blob_url(self.settings.blob_url)[0] != "file":
+                return None
+            return sum(left.size for left in self.blobs.leftovers())
+        except (StorageError, InvalidRequest, OSError):
+            return None
 
     # -- changes -------------------------------------------------------------------------------
 

@@ -233,6 +233,32 @@ def test_packs_interop(store):
 # S3 alone -------------------------------------------------------------------------------------
 
 
+def leave_a_partial_put(store: BlobStore, key: str, data: bytes) -> None:
+    """What a writer killed mid-put leaves: for a local store, its temp file beside the blob's name
+    (written as put writes it); for S3, a multipart upload with a part stored, never completed."""
+    if isinstance(store, S3BlobStore):
+        raw = boto3.session.Session().client("s3", endpoint_url=store.endpoint_url)
+        full = f"{store.prefix}/{key}"
+        up = raw.create_multipart_upload(Bucket=store.bucket, Key=full)
+        raw.upload_part(Bucket=store.bucket, Key=full, UploadId=up["UploadId"], PartNumber=1, Body=data)
+        return
+    path = store.root / key
+    path.parent.mkdir(parents=True, exist_ok=True)
+    (path.parent / f".{path.name}.0123456789abcdef0123456789abcdef.tmp").write_bytes(data)
+
+
+def test_what_a_killed_put_leaves_is_listed_apart_and_removed(store):
+    store.put("packs/aa/kept.pack", DATA)
+    leave_a_partial_put(store, "packs/bb/cut.pack", DATA[:5000])
+    (left,) = list(store.leftovers())
+    assert left.size == 5000 and 0 <= left.age < 60, left
+    assert list(store.list()) == ["packs/aa/kept.pack"] and not store.exists("packs/bb/cut.pack")
+    store.remove_leftover(left)
+    store.remove_leftover(left)  # gone already: removed all the same
+    assert list(store.leftovers()) == []
+    assert store.get("packs/aa/kept.pack") == DATA
+
+
 def test_s3_url_and_prefix_isolation(s3_bucket):
     endpoint_url, bucket = s3_bucket
     a = open_blob_store(f"s3://{bucket}/p", endpoint_url)
@@ -592,3 +618,23 @@ def test_an_endpoint_with_credentials_is_refused_without_quoting_them(url):
     with pytest.raises(InvalidRequest) as err:
         check_endpoint_url(url)
     assert "s3cret" not in str(err.value) and "MFSREG_S3_ENDPOINT_URL" in str(err.value), err.value
+
+
+def test_a_local_put_still_writing_is_not_a_leftover(tmp_path):
+    """A put holds a lock on its temp file while it writes: a prune, even with --min-age 0, takes
+    only the temp files no live writer holds."""
+    from mfsreg.registry.durable import hold, temp_beside
+
+    store = open_blob_store((tmp_path / "blobs").as_uri())
+    tmp = temp_beside(store.root / "packs" / "aa" / "x.pack")
+    tmp.parent.mkdir(parents=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        hold(fd)
+        os.write(fd, DATA)
+        assert list(store.leftovers()) == []
+    finally:
+        os.close(fd)  # the writer dies: its lock goes with it
+    assert [(left.name, left.size) for left in store.leftovers()] == [
+        (tmp.relative_to(store.root).as_posix(), len(DATA))
+    ]

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import errno
 import os
-import uuid
+import stat
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from mfsreg.registry.blobs.base import BlobStore, check_key
-from mfsreg.registry.durable import NO_ROOM, make_dirs, sync_dir, what_to_do
+from mfsreg.registry.blobs.base import BlobStore, Leftover, check_key
+from mfsreg.registry.durable import NO_ROOM, held, hold, make_dirs, sync_dir, temp_beside, what_to_do
 from mfsreg.registry.errors import InvalidRequest, NotFound, StorageError
 
 PRIVATE_DIR, PRIVATE_FILE = 0o700, 0o600
@@ -46,12 +47,13 @@ class LocalBlobStore(BlobStore):
         path = self._path(key)
         if path.exists() and path.stat().st_size == len(data):
             return  # a key names one blob for good: same key and size is a retried put
-        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+        tmp = temp_beside(path)
         try:
             # packs/ab/: a directory lost in a crash would lose the pack with it. Packs hold the
             # weights: folders 0700 and files 0600 (less a stricter umask), this user's alone
             make_dirs(path.parent, PRIVATE_DIR)
             with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE), "wb") as f:
+                hold(f.fileno())  # a prune leaves a temp file alone while its writer lives
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
@@ -94,6 +96,24 @@ class LocalBlobStore(BlobStore):
 
     def delete(self, key: str) -> None:
         self._path(key).unlink(missing_ok=True)
+
+    def leftovers(self) -> Iterator[Leftover]:
+        """Temp files (``.<name>.<uuid>.tmp``) that a killed put left beside its blob: those no live
+        writer holds a lock on."""
+        now = time.time()
+        for p in self.root.rglob(".*.tmp") if self.root.is_dir() else ():
+            try:
+                st = p.lstat()
+            except FileNotFoundError:  # its put finished meanwhile
+                continue
+            if stat.S_ISREG(st.st_mode) and not held(p):
+                yield Leftover(p.relative_to(self.root).as_posix(), st.st_size, max(0.0, now - st.st_mtime))
+
+    def remove_leftover(self, leftover: Leftover) -> None:
+        path = self.root / leftover.name
+        if not (path.name.startswith(".") and path.name.endswith(".tmp")):  # only ever a temp file
+            raise InvalidRequest(f"{leftover.name} is not a temp file of this store")
+        path.unlink(missing_ok=True)
 
     def list(self, prefix: str = "") -> Iterator[str]:
         for p in sorted(self.root.rglob("*")):

@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from datetime import UTC, datetime
 
 import boto3
 from boto3.exceptions import Boto3Error
@@ -32,7 +33,7 @@ from botocore.exceptions import (
 )
 
 from mfsreg.registry.blobs import check_endpoint_url, configured_endpoint
-from mfsreg.registry.blobs.base import BlobStore, check_key
+from mfsreg.registry.blobs.base import BlobStore, Leftover, check_key
 from mfsreg.registry.config import DEFAULT_S3_CONNECT_TIMEOUT, DEFAULT_S3_MAX_ATTEMPTS, DEFAULT_S3_READ_TIMEOUT
 from mfsreg.registry.errors import InvalidRequest, NotFound, StorageError
 
@@ -269,3 +270,31 @@ class S3BlobStore(BlobStore):
             for page in pages:
                 for obj in page.get("Contents", []):
                     yield obj["Key"][len(base) :]
+
+    def leftovers(self) -> Iterator[Leftover]:
+        """Multipart uploads under this store's prefix that were started and never completed nor
+        aborted (their parts are stored, and billed, until they are)."""
+        base = f"{self.prefix}/" if self.prefix else ""
+        now = datetime.now(UTC)
+        with self._errors("list multipart uploads", base):
+            for page in self._s3.get_paginator("list_multipart_uploads").paginate(Bucket=self.bucket, Prefix=base):
+                for up in page.get("Uploads", []):
+                    parts = self._s3.get_paginator("list_parts").paginate(
+                        Bucket=self.bucket, Key=up["Key"], UploadId=up["UploadId"]
+                    )
+                    listed = [p for page in parts for p in page.get("Parts", [])]
+                    # since its last part: an upload started long ago may still be sending
+                    last = max([up["Initiated"], *(p["LastModified"] for p in listed)])
+                    age = max(0.0, (now - last).total_seconds())
+                    size = sum(p["Size"] for p in listed)
+                    yield Leftover(f"{up['Key'][len(base) :]} {up['UploadId']}", size, age)
+
+    def remove_leftover(self, leftover: Leftover) -> None:
+        key, _, upload_id = leftover.name.partition(" ")
+        base = f"{self.prefix}/" if self.prefix else ""
+        with self._errors("abort multipart upload", key):
+            try:
+                self._s3.abort_multipart_upload(Bucket=self.bucket, Key=base + key, UploadId=upload_id)
+            except ClientError as exc:
+                if exc.response.get("Error", {}).get("Code") != "NoSuchUpload":  # aborted meanwhile: gone
+                    raise

@@ -12,12 +12,11 @@ from __future__ import annotations
 import errno
 import mmap
 import os
-import uuid
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
-from mfsreg.registry.durable import Placing, create_beside, replaced_mode, sync_dir
+from mfsreg.registry.durable import Placing, create_beside, replaced_mode, sync_dir, temp_beside
 
 ALIGN = 4096  # covers 512-byte and 4 KiB logical blocks
 BUFFER_BYTES = 8 << 20  # one write; a few of these are the whole staging memory
@@ -49,7 +48,7 @@ class DirectFile:
         if not flag:
             return None
         dest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex}.tmp")
+        tmp = temp_beside(dest)
         fd = -1
         try:  # from the open: a SIGTERM's KeyboardInterrupt lands the moment the file appears
             fd = create_beside(tmp, dest, os.O_WRONLY | flag)
@@ -195,7 +194,7 @@ class DirectFile:
             os.fchmod(self.fd, mode)
         os.fsync(self.fd)
         if placing is not None:
-            placing.add(self.tmp, self.dest)
+            placing.add(self.tmp, self.dest, self.fd)  # which keeps its lock until it is renamed
         else:
             os.replace(self.tmp, self.dest)
             sync_dir(self.dest.parent)

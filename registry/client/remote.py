@@ -537,7 +537,7 @@ class RemoteRegistry(Closable):
     def delete(self, family: str, version: str) -> DeleteResult:
         check_name("family", family)
         check_name("version", version)
-        return self._doc("DELETE", f"/v1/families/{family}/versions/{version}", lambda d: DeleteResult(**_dict(d)))
+        return self._doc("DELETE", f"/v1/families/{family}/versions/{version}", lambda d: _result(DeleteResult, d))
 
     def prune(
         self, min_age: float, max_unused: float, dry_run: bool = False, progress: Progress | None = None
@@ -550,7 +550,7 @@ class RemoteRegistry(Closable):
         return self._doc(
             "POST",
             "/v1/prune",
-            lambda d: PruneResult(**_dict(d)),
+            lambda d: _result(PruneResult, d),
             params=params,
             timeout=httpx.Timeout(None, connect=10.0),
         )
@@ -573,6 +573,14 @@ class RemoteRegistry(Closable):
 
     def health(self) -> dict:
         return self._doc("GET", "/healthz", _dict)
+
+
+def _result(cls, d):
+    """A result dataclass from a server's answer; fields a newer server adds are left out."""
+    import dataclasses
+
+    names = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in _dict(d).items() if k in names})
 
 
 def _dict(d) -> dict:
