@@ -1,13 +1,13 @@
-"""Request body limits: refuse oversized bodies with 413 before they are buffered."""
+"""Request body limits: an oversized body is refused with 413 before it is buffered, and a JSON
+body whose shape no request of this API has with 400 before it is parsed."""
 
 from __future__ import annotations
 
 from fastapi import Request
 from starlette._utils import get_route_path
 
-from mfsreg.api.posts import body_limit
-from mfsreg.api.requestid import request_id
-from mfsreg.registry.errors import TooLarge
+from mfsreg.api.posts import body_limit, json_shape_problem, takes_json
+from mfsreg.registry.errors import InvalidRequest, RegistryError, TooLarge
 
 
 def _too_large(limit: int) -> TooLarge:
@@ -16,8 +16,9 @@ def _too_large(limit: int) -> TooLarge:
 
 class BodyLimit:
     """ASGI middleware: a declared Content-Length over the limit gets 413 at once. A body without
-    one (chunked transfer) is read here up to the limit, 413 past it, and replayed to the app:
-    the frameworks inside would turn an error raised mid-read into a 400."""
+    one (chunked transfer), and any JSON body, is read here up to the limit (413 past it), a JSON
+    one's shape checked (json_shape_problem), and replayed to the app: the frameworks inside would
+    turn an error raised mid-read into a 400."""
 
     def __init__(self, app, max_body: int):
         self.app = app
@@ -27,16 +28,14 @@ class BodyLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        headers = dict(scope.get("headers", ()))
-        length = headers.get(b"content-length")
-        limit = body_limit(scope.get("method", ""), get_route_path(scope), self.max_body)
-        if length is not None:
-            if length.isdigit() and int(length) > limit:
-                await self._refuse(scope, receive, send, limit)
-                return
-            await self.app(scope, receive, send)
+        method, path = scope.get("method", ""), get_route_path(scope)
+        length = dict(scope.get("headers", ())).get(b"content-length")
+        limit = body_limit(method, path, self.max_body)
+        if length is not None and length.isdigit() and int(length) > limit:
+            await self._refuse(scope, receive, send, _too_large(limit))
             return
-        if scope.get("method") in ("GET", "HEAD", "DELETE", "OPTIONS"):
+        json = takes_json(method, path)
+        if (length is not None and not json) or method in ("GET", "HEAD", "DELETE", "OPTIONS"):
             await self.app(scope, receive, send)
             return
         body = bytearray()
@@ -50,10 +49,14 @@ class BodyLimit:
                 break
             body += message.get("body", b"")
             if len(body) > limit:
-                await self._refuse(scope, receive, send, limit)
+                await self._refuse(scope, receive, send, _too_large(limit))
                 return
             if not message.get("more_body", False):
                 break
+        problem = json_shape_problem(bytes(body)) if json else None
+        if problem is not None:
+            await self._refuse(scope, receive, send, InvalidRequest(problem))
+            return
         replayed = False
 
         async def replay():
@@ -65,10 +68,10 @@ class BodyLimit:
 
         await self.app(scope, replay, send)
 
-    async def _refuse(self, scope, receive, send, limit: int):
-        from mfsreg.api.errors import problem
+    async def _refuse(self, scope, receive, send, exc: RegistryError):
+        from mfsreg.api.errors import error_problem
 
-        await problem(413, TooLarge.code, str(_too_large(limit)), request_id=request_id(scope))(scope, receive, send)
+        await error_problem(exc, scope)(scope, receive, send)
 
 
 async def read_body(request: Request, limit: int) -> bytes:

@@ -13,11 +13,18 @@ from mfsreg.api.schemas import MAX_DOWNLOAD_IDS
 
 _DOWNLOAD = re.compile(r"/v1/families/([^/]+)/chunks/download")
 _PUSH = re.compile(r"/v1/families/([^/]+)/(?:chunks|versions/[^/]+/(?:negotiate|commit))")
+_MANIFEST = re.compile(r"/v1/families/[^/]+/versions/[^/]+/(?:negotiate|commit)")
 _PRUNE = re.compile(r"/v1/prune")
 
 # A download names at most MAX_DOWNLOAD_IDS ids, 35 bytes each in compact JSON (32 hex digits,
 # quotes, a comma): room for twice that and whitespace
 MAX_DOWNLOAD_BODY = 80 * MAX_DOWNLOAD_IDS
+# A manifest's chunk row is about 57 bytes of JSON: 32 MiB holds 590,000 chunks, 1.1 TB at 2 MiB each
+MAX_MANIFEST_BODY = 32 << 20
+# A JSON body of this API holds at most one array or object per this many bytes (a manifest's
+# densest rows, a tensor's with an empty shape, take 20): checked before it is parsed, since
+# parsing a flood of "[]," builds an object per 3 bytes, 20 bytes of memory per byte sent
+BYTES_PER_CONTAINER = 16
 
 
 def role_for(method: str, path: str) -> tuple[str, str | None] | None:
@@ -34,7 +41,27 @@ def role_for(method: str, path: str) -> tuple[str, str | None] | None:
 
 
 def body_limit(method: str, path: str, max_body: int) -> int:
-    """The most bytes a request's body may hold: MFSREG_MAX_BODY, less for a download's list of ids."""
+    """The most bytes a request's body may hold: MFSREG_MAX_BODY, less for a download's list of ids
+    and for a manifest."""
     if method == "POST" and _DOWNLOAD.fullmatch(path):
         return min(max_body, MAX_DOWNLOAD_BODY)
+    if method == "POST" and _MANIFEST.fullmatch(path):
+        return min(max_body, MAX_MANIFEST_BODY)
     return max_body
+
+
+def takes_json(method: str, path: str) -> bool:
+    """Whether a request's body is a JSON document (checked for its shape before it is parsed)."""
+    return method == "POST" and bool(_DOWNLOAD.fullmatch(path) or _MANIFEST.fullmatch(path))
+
+
+def json_shape_problem(body: bytes) -> str | None:
+    """What is wrong with a JSON body's shape, seen without parsing it; None if nothing."""
+    containers = body.count(b"[") + body.count(b"{")
+    if containers > len(body) // BYTES_PER_CONTAINER + 64:
+        return (
+            f"the request's JSON holds {containers:,} arrays and objects in {len(body):,} bytes, more than "
+            f"one per {BYTES_PER_CONTAINER} bytes, which no request of this API needs: send the document "
+            "the route's schema describes (see /docs)"
+        )
+    return None

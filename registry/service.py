@@ -55,7 +55,7 @@ from mfsreg.registry.rebuild import decode_verified
 from mfsreg.registry.results import PushResult, timestamp
 from mfsreg.registry.safetensors import parse_header
 from mfsreg.registry.tiers import TIERS
-from mfsreg.registry.wire import RAW_PER_BODY, Entry, check_id, encode_index, parse_batch
+from mfsreg.registry.wire import MAX_UPLOAD_CHUNKS, RAW_PER_BODY, Entry, check_id, encode_index, parse_batch
 
 
 def _check_encoding(name: str) -> None:
@@ -174,7 +174,7 @@ def receive_batch(reg, family: str, body: bytes, who: Principal | None = None) -
     the chunks are claimed for ``family``, stored ones compared byte for byte, and ``new_bytes`` is
     the bytes sent. Raises TooLarge past RAW_PER_BODY x MFSREG_MAX_BODY decoded.
     See docs/design/protocol.md."""
-    entries = list(parse_batch(body))
+    entries = list(parse_batch(body, MAX_UPLOAD_CHUNKS))
     seen: set[str] = set()
     for e, _ in entries:
         # Every copy would have to be verified, and only one stored: a client sends each chunk once

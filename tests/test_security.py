@@ -182,3 +182,79 @@ def test_a_scoped_tokens_stats_do_not_depend_on_other_families(server, fam, tmp_
     # the registry's own view still counts every family: an admin for '*' sees the bytes shared
     shared = mfsreg_json("stats", "--family", "a1", env=admin)
     assert [v["unique_bytes"] for v in shared["versions"]] == [0, 0], shared
+
+
+# -- what one request may cost ---------------------------------------------------------------------
+
+
+def rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+@pytest.mark.process
+def test_hostile_json_bodies_are_refused_before_they_are_parsed(servers, server_env):
+    """Repro 4: a 30 MB negotiate body of "[]," took a server from 244 to 808 MB, and kept it: JSON
+    parsing builds an object per 3 bytes. Such a body is refused (400) before it is parsed, a body
+    over a manifest's limit with 413, and the server's memory stays within twice its idle level
+    plus the largest request it takes."""
+    from mfsreg.api.posts import MAX_MANIFEST_BODY
+
+    (srv,) = servers(1, process=True)
+    auth = {"Authorization": f"Bearer {token(server_env, 'admin')}", "Content-Type": "application/json"}
+    url = f"{srv.url}/v1/families/fam/versions/v1/negotiate"
+    assert httpx.get(f"{srv.url}/healthz").status_code == 200
+    idle = rss(srv.proc.pid)
+    flood = b'{"manifest": {"files": [' + b"[]," * (10 << 20) + b"[]]}}"
+    for _ in range(3):
+        r = httpx.post(url, content=flood, headers=auth, timeout=120)
+        assert r.status_code == 400 and "arrays and objects" in r.json()["detail"], r.text[:300]
+    deep = b'{"manifest": ' + b"[" * (1 << 20) + b"]" * (1 << 20) + b"}"
+    assert httpx.post(url, content=deep, headers=auth, timeout=120).status_code == 400
+    big = b'{"manifest": {"x": "' + b"a" * MAX_MANIFEST_BODY + b'"}}'
+    r = httpx.post(url, content=big, headers=auth, timeout=120)
+    assert r.status_code == 413 and f"{MAX_MANIFEST_BODY} byte limit" in r.json()["detail"], r.text[:300]
+    assert rss(srv.proc.pid) <= 2 * idle + MAX_MANIFEST_BODY, (idle, rss(srv.proc.pid))
+
+
+def test_an_upload_of_many_tiny_chunks_is_refused_before_it_is_parsed(server, fam):
+    """Repro 5: one 17 MB upload of 200,000 three-byte chunks took 29 s of server time and left
+    200,028 chunk rows. An upload holds at most MAX_UPLOAD_CHUNKS chunks: past that, 413 naming the
+    limit, before the index is parsed, and nothing is stored."""
+    from mfsreg.registry.chunking import chunk_id
+    from mfsreg.registry.wire import MAX_UPLOAD_CHUNKS, Entry, build_batch
+
+    srv, env, _, server_env = server
+    tiny = [i.to_bytes(3, "little") for i in range(200_000)]
+    body = build_batch([(Entry(chunk_id(b), 3, "raw", 3), b) for b in tiny])
+    before = mfsreg_json("stats", env=env)
+    r = httpx.post(
+        f"{srv.url}/v1/families/fam/chunks",
+        content=body,
+        headers={"Authorization": f"Bearer {env['MFSREG_TOKEN']}"},
+        timeout=120,
+    )
+    assert r.status_code == 413 and f"at most {MAX_UPLOAD_CHUNKS} chunks" in r.json()["detail"], r.text[:300]
+    assert r.elapsed.total_seconds() < 5, r.elapsed
+    assert mfsreg_json("stats", env=env) == before
+
+
+def test_a_push_of_more_chunks_than_an_upload_holds_sends_several_uploads(server, tmp_path):
+    """The client cuts its uploads at MAX_UPLOAD_CHUNKS chunks, however small they are."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from mfsreg.registry.wire import MAX_UPLOAD_CHUNKS
+
+    srv, env, _, _ = server
+    rng = np.random.default_rng(3)
+    many = {f"bias.{i}": rng.standard_normal(4, dtype=np.float32) for i in range(MAX_UPLOAD_CHUNKS + 500)}
+    path = tmp_path / "many.safetensors"
+    save_file(many, str(path))
+    pushed = mfsreg_json("push", path, "--family", "small", "--version", "v1", env=env)
+    assert pushed["chunks"] > MAX_UPLOAD_CHUNKS
+    out = tmp_path / "out.safetensors"
+    mfsreg("pull", "small", "v1", "-o", out, env=env)
+    assert filecmp.cmp(out, path, shallow=False)

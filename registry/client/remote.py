@@ -50,7 +50,15 @@ from mfsreg.registry.results import (
 )
 from mfsreg.registry.source import open_source
 from mfsreg.registry.tiers import TIERS
-from mfsreg.registry.wire import RAW_PER_BODY, Entry, StreamBrokeOff, build_batch, check_id, read_stream
+from mfsreg.registry.wire import (
+    MAX_UPLOAD_CHUNKS,
+    RAW_PER_BODY,
+    Entry,
+    StreamBrokeOff,
+    build_batch,
+    check_id,
+    read_stream,
+)
 
 UPLOAD_BATCH = 32 << 20  # bytes of payload per upload request: well under the server's body limit (MFSREG_UPLOAD_BATCH)
 UPLOAD_INFLIGHT = 2  # upload requests at once
@@ -376,7 +384,7 @@ class RemoteRegistry(Closable):
                     send()
                 batch.append((Entry(c.id, c.size, encoding, len(payload), bases.get(c.id), c.itemsize), payload))
                 size, raw = size + len(payload), raw + c.size
-                if size >= self.upload_batch:
+                if size >= self.upload_batch or len(batch) >= MAX_UPLOAD_CHUNKS:
                     send()
             if batch:
                 send()
