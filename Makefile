@@ -5,8 +5,8 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 # The CPU build of torch lies on disk; asking for it by exact version keeps pip from fetching a CUDA build.
 TORCH   ?= torch==2.13.0
-# pytest-xdist workers: one per core
-WORKERS ?= auto
+# pytest-xdist workers: two per core, since many tests wait (on servers, subprocesses, timeouts)
+WORKERS ?= $(shell $(PY) -c "import os; print(2 * (os.cpu_count() or 1))")
 # mypy reads the package through links that place the folders under mfsreg/, as the wheel does
 TYPECHECK := build/typecheck
 

@@ -116,9 +116,9 @@ def migrate(env: dict) -> None:
 
 
 @pytest.fixture
-def server_env(pg_database, s3_blob_url, tmp_path) -> dict:
+def server_env(migrated_pg, s3_blob_url, tmp_path) -> dict:
     """Environment of a server deployment: Postgres metadata, S3 packs; migrated, no state elsewhere."""
-    return make_server_env(pg_database, s3_blob_url, tmp_path)
+    return make_server_env(migrated_pg, s3_blob_url, tmp_path)
 
 
 def make_server_env(database_url: str, s3_blob_url: tuple[str, str], where) -> dict:

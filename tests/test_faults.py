@@ -21,15 +21,15 @@ from tests.server import Servers, client_env, make_server_env, token
 
 
 @pytest.fixture
-def faulty(pg_database, s3_blob_url, tmp_path):
+def faulty(migrated_pg, s3_blob_url, tmp_path):
     """A server whose database and blob store are reached through fault proxies, holding "base":
     (server, admin client environment, Postgres proxy, S3 proxy)."""
     blob_url, endpoint = s3_blob_url
     s3 = urlsplit(endpoint)
     s3_proxy = FaultProxy((s3.hostname, s3.port))
-    pg = urlsplit(pg_database)
+    pg = urlsplit(migrated_pg)
     pg_proxy = FaultProxy((pg.hostname, pg.port))
-    db_url = pg_database.replace(f"@{pg.hostname}:{pg.port}/", f"@127.0.0.1:{pg_proxy.port}/")
+    db_url = migrated_pg.replace(f"@{pg.hostname}:{pg.port}/", f"@127.0.0.1:{pg_proxy.port}/")
     env = make_server_env(db_url, (blob_url, s3_proxy.url), tmp_path)
     started = Servers(env, tmp_path)
     try:
@@ -75,7 +75,7 @@ def test_s3_cut_during_a_push_fails_in_one_line_and_a_rerun_completes(faulty, fa
 
 def test_a_slow_s3_link_slows_a_push_and_a_pull_but_fails_neither(faulty, fam, tmp_path):
     srv, env, _, s3 = faulty
-    s3.delay(0.05)
+    s3.delay(0.02)
     mfsreg("push", fam["base"], "--family", "fam", "--version", "base", env=env)
     mfsreg("push", fam["lora-chat"], "--family", "fam", "--version", "lora-chat", "--parent", "base", env=env)
     assert_intact(env, fam, ["base", "lora-chat"], tmp_path)

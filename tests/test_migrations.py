@@ -16,10 +16,10 @@ from mfsreg.registry.errors import StorageError
 from mfsreg.registry.registry import Registry, upgrade_database
 
 
-def test_migrations_match_models(db_url, tmp_path):
-    settings = Settings.from_env({"MFSREG_HOME": str(tmp_path)}, database_url=db_url)
+def test_migrations_match_models(empty_db_url, tmp_path):
+    settings = Settings.from_env({"MFSREG_HOME": str(tmp_path)}, database_url=empty_db_url)
     upgrade_database(settings)
-    engine = create_db_engine(db_url)
+    engine = create_db_engine(empty_db_url)
     try:
         assert current_revision(engine) == head_revision(engine)
         with engine.connect() as conn:
@@ -63,7 +63,7 @@ def test_embedded_default_upgrades_itself(tmp_path):
     assert (tmp_path / "home" / "registry.db").exists()
 
 
-def test_chunk_rows_of_the_previous_release_and_this_one_live_side_by_side(db_url):
+def test_chunk_rows_of_the_previous_release_and_this_one_live_side_by_side(empty_db_url):
     """Migration 0004 stops writing chunks.sha256 but keeps the column (nullable) for one release:
     during a rolling upgrade, processes of the previous release still insert rows with a digest and
     select the column, beside this release's rows without one. Both kinds must be readable by both,
@@ -76,7 +76,7 @@ def test_chunk_rows_of_the_previous_release_and_this_one_live_side_by_side(db_ur
     from mfsreg.registry.db import prune as prune_db
     from mfsreg.registry.db.schema import _config
 
-    engine = create_db_engine(db_url)
+    engine = create_db_engine(empty_db_url)
     old_insert = text(
         'INSERT INTO chunks (id, size, sha256, encoding, stored_size, pack_id, "offset", depth) '
         "VALUES (:id, 4, :sha, 'raw', 4, 'p1', 0, 0)"
@@ -104,7 +104,7 @@ def test_chunk_rows_of_the_previous_release_and_this_one_live_side_by_side(db_ur
         engine.dispose()
 
 
-def test_existing_families_get_the_chunk_size_they_were_cut_at(db_url, tmp_path):
+def test_existing_families_get_the_chunk_size_they_were_cut_at(empty_db_url, tmp_path):
     """Migration 0005 gives each family a chunk size, read off its stored manifests: a family whose
     members were cut at 32 KiB keeps 32 KiB; one with no version, or none of whose tensors was cut
     in two, gets 1 MiB, the previous default; so do rows a previous-release process creates after
@@ -121,7 +121,7 @@ def test_existing_families_get_the_chunk_size_they_were_cut_at(db_url, tmp_path)
     path = synth.write(tmp_path / "m.safetensors", synth.base_tensors())
     cut = {size: hash_source(open_source(path), size, NullProgress()) for size in (32 << 10, 64 << 20)}
     assert cut[32 << 10].cut_size() == 32 << 10 and cut[64 << 20].cut_size() is None
-    engine = create_db_engine(db_url)
+    engine = create_db_engine(empty_db_url)
     add_version = text(
         "INSERT INTO versions (family_id, name, digest, logical_bytes, file_count, single_file, manifest) "
         "VALUES ((SELECT id FROM families WHERE name = :f), 'v1', 'sha256:x', 1, 1, 1, :m)"
@@ -145,7 +145,7 @@ def test_existing_families_get_the_chunk_size_they_were_cut_at(db_url, tmp_path)
         engine.dispose()
 
 
-def test_a_database_newer_than_this_mfsreg_is_one_line(db_url, tmp_path):
+def test_a_database_newer_than_this_mfsreg_is_one_line(empty_db_url, tmp_path):
     """A database a later release upgraded holds a revision this code has never heard of: every
     command, `db upgrade` too, says so in one line (it was Alembic's "Can't locate revision", an
     internal error), and the database is left as it is."""
@@ -153,13 +153,13 @@ def test_a_database_newer_than_this_mfsreg_is_one_line(db_url, tmp_path):
 
     from tests.cli_run import mfsreg
 
-    settings = Settings.from_env({"MFSREG_HOME": str(tmp_path)}, database_url=db_url)
+    settings = Settings.from_env({"MFSREG_HOME": str(tmp_path)}, database_url=empty_db_url)
     upgrade_database(settings)
-    engine = create_db_engine(db_url)
+    engine = create_db_engine(empty_db_url)
     try:
         with engine.begin() as conn:
             conn.execute(text("UPDATE alembic_version SET version_num = '0999'"))
-        env = {"MFSREG_HOME": str(tmp_path / "home"), "MFSREG_DATABASE_URL": db_url}
+        env = {"MFSREG_HOME": str(tmp_path / "home"), "MFSREG_DATABASE_URL": empty_db_url}
         for args in (["ls"], ["db", "upgrade"]):
             proc = mfsreg(*args, env=env, check=False)
             assert proc.returncode == 5 and proc.stderr.count("\n") == 1, (args, proc.stderr)
@@ -169,13 +169,13 @@ def test_a_database_newer_than_this_mfsreg_is_one_line(db_url, tmp_path):
         engine.dispose()
 
 
-def test_processes_upgrading_one_database_at_once_take_turns(db_url, tmp_path):
+def test_processes_upgrading_one_database_at_once_take_turns(empty_db_url, tmp_path):
     """Two API processes starting on a fresh database, or `db upgrade` beside an embedded command:
     each upgrade waits for the one running (Postgres: an advisory lock; SQLite: a lock file), then
     finds the work done. At once, Postgres failed one of them on its catalog (duplicate key)."""
     import threading
 
-    settings = Settings.from_env({"MFSREG_HOME": str(tmp_path)}, database_url=db_url)
+    settings = Settings.from_env({"MFSREG_HOME": str(tmp_path)}, database_url=empty_db_url)
     start, results = threading.Barrier(4), []
 
     def run():
@@ -190,7 +190,7 @@ def test_processes_upgrading_one_database_at_once_take_turns(db_url, tmp_path):
         t.start()
     for t in threads:
         t.join(60)
-    engine = create_db_engine(db_url)
+    engine = create_db_engine(empty_db_url)
     try:
         assert results == [head_revision(engine)] * 4, results
         with engine.connect() as conn:
@@ -199,7 +199,7 @@ def test_processes_upgrading_one_database_at_once_take_turns(db_url, tmp_path):
         engine.dispose()
 
 
-def test_a_migration_that_fails_is_one_line_and_leaves_the_database_before_it(db_url):
+def test_a_migration_that_fails_is_one_line_and_leaves_the_database_before_it(empty_db_url):
     """Migration 0005 reads every stored manifest to give its family a chunk size: a manifest it
     cannot read (damaged in the database) stops it. That is one line naming the revisions (it was
     zstd's error as an internal error). Each migration runs in a transaction of its own: begun at
@@ -209,7 +209,7 @@ def test_a_migration_that_fails_is_one_line_and_leaves_the_database_before_it(db
 
     from mfsreg.registry.db.schema import _config, upgrade
 
-    engine = create_db_engine(db_url)
+    engine = create_db_engine(empty_db_url)
     try:
         command.upgrade(_config(engine), "0003")
         with engine.begin() as conn:
@@ -235,7 +235,7 @@ def test_a_migration_that_fails_is_one_line_and_leaves_the_database_before_it(db
 
 
 @pytest.mark.parametrize("history", ["retired_packs", "unlisted_without_claims"])
-def test_databases_built_by_pre_release_migrations_are_repaired(db_url, tmp_path, history):
+def test_databases_built_by_pre_release_migrations_are_repaired(empty_db_url, tmp_path, history):
     """Migrations 0004 and 0006 changed after they were first committed: a database that the first
     texts upgraded is at revision 0009 with no chunks.sha256 and a retired_packs table (58d9a58) or
     an unlisted_packs table without claimed_at (d5c4a01), and every push or prune failed on it.
@@ -250,7 +250,7 @@ def test_databases_built_by_pre_release_migrations_are_repaired(db_url, tmp_path
     from mfsreg.registry.db.schema import _config
     from tests import synth
 
-    engine = create_db_engine(db_url)
+    engine = create_db_engine(empty_db_url)
     retired = {"old": "2020-01-01 00:00:00+00:00", "new": None}  # None: retired now (the column's default)
     try:
         command.upgrade(_config(engine), "0009")
@@ -273,7 +273,7 @@ def test_databases_built_by_pre_release_migrations_are_repaired(db_url, tmp_path
                 conn.execute(text("ALTER TABLE unlisted_packs DROP COLUMN claimed_at"))
         assert current_revision(engine) == "0009"
         settings = Settings.from_env(
-            {"MFSREG_HOME": str(tmp_path / "home")}, database_url=db_url, chunk_size=64 << 10, pack_size=1 << 20
+            {"MFSREG_HOME": str(tmp_path / "home")}, database_url=empty_db_url, chunk_size=64 << 10, pack_size=1 << 20
         )
         upgrade_database(settings)
         with engine.connect() as conn:

@@ -47,13 +47,13 @@ def test_an_embedded_registry_is_this_users_alone(umask, fam, tmp_path):
 
 
 @pytest.fixture
-def server(pg_database, s3_blob_url, tmp_path):
+def server(migrated_pg, s3_blob_url, tmp_path):
     """A server on Postgres whose S3 endpoint is reached through a proxy the test can cut:
     (server, admin client environment, the proxy, the server's environment)."""
     blob_url, endpoint = s3_blob_url
     s3 = urlsplit(endpoint)
     proxy = FaultProxy((s3.hostname, s3.port))
-    env = make_server_env(pg_database, (blob_url, proxy.url), tmp_path)
+    env = make_server_env(migrated_pg, (blob_url, proxy.url), tmp_path)
     started = Servers(env, tmp_path)
     try:
         (srv,) = started(1)

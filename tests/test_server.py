@@ -579,7 +579,7 @@ def test_killed_push_rerun_sends_only_the_rest(servers, server_env, tmp_path):
     admin = client_env(tmp_path, srv.url, token(server_env, "admin"))
     env = dict(admin, MFSREG_UPLOAD_BATCH=str(1 << 20))
     g = torch.Generator().manual_seed(5)
-    src = synth.write(tmp_path / "big.safetensors", {f"w.{i}": torch.randn(1024, 1024, generator=g) for i in range(24)})
+    src = synth.write(tmp_path / "big.safetensors", {f"w.{i}": torch.randn(1024, 1024, generator=g) for i in range(12)})
     proc = subprocess.Popen(
         [MFSREG, "push", str(src), "--family", "fam", "--version", "big"],
         env=env,
