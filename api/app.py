@@ -22,6 +22,7 @@ from mfsreg.api.openapi import RESPONSES, FamilyName, FamilyQuery, VersionName
 from mfsreg.api.query import strict_query
 from mfsreg.api.requestid import RequestId
 from mfsreg.api.schemas import (
+    AuditEntryModel,
     CheckResultModel,
     CommitRequest,
     DeleteResultModel,
@@ -142,7 +143,7 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
     def delete(family: FamilyName, version: VersionName, request: Request, who: Principal = Depends(principal)):
         check_name("family", family)
         who.require("admin", family)
-        return reg_of(request).delete(family, version).to_dict()
+        return reg_of(request).delete(family, version, who).to_dict()
 
     @app.post("/v1/prune", response_model=PruneResultModel, tags=["admin"])
     def prune_registry(
@@ -166,7 +167,7 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
                 f"prune acts on every family; this token is limited to {who.family_pattern!r}: "
                 "use an admin token created with --family '*'"
             )
-        return reg_of(request).prune(min_age, max_unused, dry_run).to_dict()
+        return reg_of(request).prune(min_age, max_unused, dry_run, who=who).to_dict()
 
     @app.get("/v1/check", response_model=CheckResultModel, tags=["admin"])
     def check_store(
@@ -257,6 +258,17 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
         stream = broken_off(service.stream_chunks(reg, chunks), f"download of {len(chunks)} chunks of family {family}")
         return StreamingResponse(stream, media_type="application/octet-stream")
 
+    @app.get("/v1/audit", response_model=list[AuditEntryModel], tags=["admin"])
+    def audit_log(
+        request: Request,
+        who: Principal = Depends(principal),
+        limit: int = Query(100, ge=1, le=10_000, description="the newest entries, at most this many"),
+    ):
+        """Who deleted, pruned, changed a quorum or a token, and when, newest first: every entry for an
+        admin token for every family, those about its families for one limited to some."""
+        who.require("admin")
+        return [_audit_model(row) for row in reg_of(request).audit(who, limit)]
+
     @app.get("/v1/stats", tags=["read"])
     def stats(request: Request, family: FamilyQuery = None, who: Principal = Depends(principal)) -> dict:
         if family is None and who.family_pattern != "*":
@@ -267,6 +279,12 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
         return reg_of(request).stats(family, visible)
 
     return app
+
+
+def _audit_model(row) -> AuditEntryModel:
+    return AuditEntryModel(
+        at=timestamp(row.at), actor=row.actor, action=row.action, family=row.family, detail=row.detail
+    )
 
 
 def _family_model(f) -> FamilyModel:

@@ -166,3 +166,11 @@ class Problem(BaseModel):
     status: int = Field(description="The HTTP status, repeated")
     detail: str = Field(description="One line: what is wrong and what to do")
     request_id: str | None = Field(None, description="The request's id, also in its X-Request-ID header")
+
+
+class AuditEntryModel(BaseModel):
+    at: str = Field(description="When, ISO 8601 UTC")
+    actor: str = Field(description="A token's prefix, or local:<user> for the embedded CLI")
+    action: str = Field(description="delete, prune, quorum, token-create or token-revoke")
+    family: str | None
+    detail: str = Field(description="What was done, as a JSON object")

@@ -198,3 +198,32 @@ def _say_checked(res, read_data: bool) -> None:
 def _n(count: int, what: str) -> str:
     """ "1 pack", "2 packs"."""
     return f"{count} {what}{'' if count == 1 else 's'}"
+
+
+def audit(
+    limit: int = typer.Option(100, "--limit", "-n", help="The newest entries, at most this many."),
+    json_: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    registry: str = RegistryOption,
+) -> None:
+    """Who deleted, pruned, changed a quorum or a token, and when (newest first; admins)."""
+    from mfsreg.registry.errors import InvalidRequest
+    from mfsreg.registry.results import timestamp
+
+    if not 1 <= limit <= 10_000:
+        raise InvalidRequest(f"--limit {limit}: give 1 to 10000")
+    with open_backend(registry, blobs=False) as reg:
+        rows = [
+            dict(at=timestamp(r.at), actor=r.actor, action=r.action, family=r.family, detail=r.detail)
+            for r in reg.audit(limit=limit)
+        ]
+    if json_:
+        emit_json({"entries": rows})
+        return
+    from mfsreg.cli.output import table
+
+    table(
+        None,
+        ["when", "who", "action", "family", "detail"],
+        [[r["at"][:19].replace("T", " "), r["actor"], r["action"], r["family"] or "-", r["detail"]] for r in rows],
+        names=4,
+    )

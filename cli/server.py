@@ -78,16 +78,27 @@ def create(
     scope: str = typer.Option("read", "--scope", help="read, push or admin (each includes the ones before it)."),
     family: str = typer.Option("*", "--family", help="Family name or shell pattern, e.g. 'qwen*'."),
     description: str = typer.Option("", "--description", help="A note to tell tokens apart."),
+    expires: str = typer.Option(
+        None, "--expires", help="Valid for this long (e.g. 30d, 12h); without it, until revoked."
+    ),
     json_: bool = typer.Option(False, "--json"),
 ) -> None:
     """Create a token; it is printed once and stored only as a hash."""
     from mfsreg.registry.auth import create_token
+    from mfsreg.registry.config import parse_duration
+    from mfsreg.registry.errors import InvalidRequest
 
     local_only("token create")
+    seconds = None
+    if expires is not None:
+        try:
+            seconds = parse_duration(expires)
+        except ValueError:
+            raise InvalidRequest(f"--expires {expires!r}: give a duration, e.g. 30d, 12h or 3600") from None
     with embedded(blobs=False) as reg:
-        secret = create_token(reg.engine, scope, family, description)
+        secret = create_token(reg.engine, scope, family, description, seconds)
     if json_:
-        emit_json({"token": secret, "scope": scope, "family": family})
+        emit_json({"token": secret, "scope": scope, "family": family, "expires_in": seconds})
     else:
         typer.echo(secret)
 
@@ -107,6 +118,8 @@ def list_(json_: bool = typer.Option(False, "--json")) -> None:
                 family=t.family_pattern,
                 description=t.description,
                 created_at=timestamp(t.created_at),
+                expires_at=timestamp(t.expires_at) if t.expires_at is not None else None,
+                last_used_at=timestamp(t.last_used_at) if t.last_used_at is not None else None,
             )
             for t in list_tokens(reg.engine)
         ]
@@ -115,9 +128,24 @@ def list_(json_: bool = typer.Option(False, "--json")) -> None:
     else:
         table(
             None,
-            ["prefix", "scope", "family", "description"],
-            [[r["prefix"], r["scope"], r["family"], r["description"]] for r in rows],
+            ["prefix", "scope", "family", "expires", "last used", "description"],
+            [
+                [
+                    r["prefix"],
+                    r["scope"],
+                    r["family"],
+                    _minute(r["expires_at"]),
+                    _minute(r["last_used_at"]),
+                    r["description"],
+                ]
+                for r in rows
+            ],
         )
+
+
+def _minute(at: str | None) -> str:
+    """An ISO time to the minute, for a table ("-" for none)."""
+    return at[:16].replace("T", " ") if at else "-"
 
 
 @token_app.command("revoke")

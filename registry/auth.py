@@ -13,6 +13,7 @@ import hashlib
 import re
 import secrets
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 
 from mfsreg.registry.db import tokens as token_db
 from mfsreg.registry.db.engine import read_tx, write_tx
@@ -30,6 +31,7 @@ class Principal:
     role: str
     family_pattern: str
     anonymous: bool = False
+    token_prefix: str | None = None  # the token's, as `token list` shows it (the audit log names it)
 
     def allows(self, role: str, family: str | None) -> bool:
         if ROLES.index(self.role) < ROLES.index(role):
@@ -58,6 +60,7 @@ _PATTERN = re.compile(rf"(?:[*?{NAME_CHARS}]|\[!?[{NAME_CHARS}]+\])+")  # NAME_C
 
 
 MAX_DESCRIPTION = 256
+MAX_EXPIRY = 10 * 365 * 86400.0  # seconds
 
 
 def check_pattern(pattern: str) -> str:
@@ -69,8 +72,16 @@ def check_pattern(pattern: str) -> str:
     return pattern
 
 
-def create_token(engine, role: str, family_pattern: str = "*", description: str = "") -> str:
-    """Create a token; returns the secret, which is not stored and cannot be shown again."""
+def create_token(
+    engine,
+    role: str,
+    family_pattern: str = "*",
+    description: str = "",
+    expires_in: float | None = None,
+    who: Principal | None = None,
+) -> str:
+    """Create a token, valid for ``expires_in`` seconds (None: until revoked); returns the secret,
+    which is not stored and cannot be shown again. The audit log records it, as done by ``who``."""
     if role not in ROLES:
         raise InvalidRequest(f"unknown role {shown(role, 40)}: use one of {', '.join(ROLES)}")
     check_pattern(family_pattern)
@@ -80,9 +91,17 @@ def create_token(engine, role: str, family_pattern: str = "*", description: str 
             f"token description of {len(description):,} characters: give at most {MAX_DESCRIPTION}, "
             "on one line, without control characters"
         )
+    if expires_in is not None and not 0 < expires_in <= MAX_EXPIRY:
+        raise InvalidRequest(f"token expiry of {expires_in:g} s: give more than zero, at most ten years")
+    from mfsreg.registry import audit
+
     secret = TOKEN_PREFIX + secrets.token_urlsafe(32)
+    expires_at = datetime.now(UTC) + timedelta(seconds=expires_in) if expires_in is not None else None
     with write_tx(engine) as conn:
-        token_db.insert_token(conn, hash_token(secret), secret[:10], role, family_pattern, description)
+        token_db.insert_token(conn, hash_token(secret), secret[:10], role, family_pattern, description, expires_at)
+        audit.record(
+            conn, who, "token-create", None, token=secret[:10], scope=role, families=family_pattern, expires=expires_at
+        )
     return secret
 
 
@@ -99,7 +118,21 @@ def authenticate(engine, authorization: str | None, anonymous_read: bool) -> Pri
         row = token_db.find_token(conn, hash_token(value.strip()))
     if row is None:
         raise Unauthorized("unknown or revoked token: check MFSREG_TOKEN")
-    return Principal(role=row.role, family_pattern=row.family_pattern)
+    now = datetime.now(UTC)
+    if row.expires_at is not None and _aware(row.expires_at) <= now:
+        raise Unauthorized(
+            f"token {row.prefix} expired at {_aware(row.expires_at):%Y-%m-%d %H:%M} UTC: create a new one "
+            "(`mfsreg token create --expires ...`)"
+        )
+    if row.last_used_at is None or _aware(row.last_used_at) < now - token_db.USE_GRAIN:
+        with write_tx(engine) as conn:  # at most once a minute per token
+            token_db.note_use(conn, row.id, now)
+    return Principal(role=row.role, family_pattern=row.family_pattern, token_prefix=row.prefix)
+
+
+def _aware(at: datetime) -> datetime:
+    """A stored time as an aware UTC one (SQLite hands back naive UTC)."""
+    return at if at.tzinfo is not None else at.replace(tzinfo=UTC)
 
 
 def list_tokens(engine) -> list[token_db.TokenRow]:
@@ -107,6 +140,12 @@ def list_tokens(engine) -> list[token_db.TokenRow]:
         return token_db.list_tokens(conn)
 
 
-def revoke_token(engine, prefix: str) -> int:
+def revoke_token(engine, prefix: str, who: Principal | None = None) -> int:
+    """Revoke the token of ``prefix``; returns how many were (0 or 1). The audit log records it."""
+    from mfsreg.registry import audit
+
     with write_tx(engine) as conn:
-        return token_db.revoke(conn, prefix)
+        n = token_db.revoke(conn, prefix)
+        if n:
+            audit.record(conn, who, "token-revoke", None, token=prefix)
+        return n

@@ -24,6 +24,7 @@ from mfsreg.registry.names import check_name
 from mfsreg.registry.results import CheckResult, DeleteResult, PruneResult
 
 if TYPE_CHECKING:  # the push, pull and prune machinery loads when a method needs it (docs/design/cli.md)
+    from mfsreg.registry.auth import Principal
     from mfsreg.registry.blobs.base import BlobStore
     from mfsreg.registry.blobs.packs import StoredChunk
     from mfsreg.registry.ingest import PushResult
@@ -237,10 +238,12 @@ class Registry:
 
     # -- changes -------------------------------------------------------------------------------
 
-    def delete(self, family: str, version: str) -> DeleteResult:
+    def delete(self, family: str, version: str, who: Principal | None = None) -> DeleteResult:
         """Remove a version and re-tier its family; its children now descend from its parent. Chunks
         that no version needs any more become unreferenced (see stats' ``unreferenced_bytes``): a
-        later push of the same bytes reuses them, and ``prune`` gives back their space."""
+        later push of the same bytes reuses them, and ``prune`` gives back their space. The audit
+        log records it, as done by ``who`` (None: the embedded CLI's user)."""
+        from mfsreg.registry import audit
         from mfsreg.registry.db import tiers as tier_db
 
         check_name("family", family)
@@ -252,6 +255,7 @@ class Registry:
             version_db.delete_version(conn, row.id)
             changed, dropped = tier_db.remove_member(conn, fam.id, ids, fam.member_count, fam.base_quorum)
             version_db.set_member_count(conn, fam.id, fam.member_count - 1)
+            audit.record(conn, who, "delete", family, version=version, digest=row.digest)
         return DeleteResult(family, version, changed, len(dropped))
 
     def check(
@@ -270,15 +274,32 @@ class Registry:
         max_unused: float = PRUNE_MAX_UNUSED,
         dry_run: bool = False,
         progress: Progress | None = None,
+        who: Principal | None = None,
     ) -> PruneResult:
-        """Delete the chunks no version needs and give back their space (registry/prune.py)."""
-        from mfsreg.registry import prune
+        """Delete the chunks no version needs and give back their space (registry/prune.py). The
+        audit log records a run that was not a dry one."""
+        from mfsreg.registry import audit, prune
 
         self.open_blobs()  # before it deletes a row: a prune that cannot reach the blobs must change nothing
-        return prune.prune(self, min_age, max_unused, dry_run, progress)
+        result = prune.prune(self, min_age, max_unused, dry_run, progress)
+        if not dry_run:
+            with write_tx(self.engine) as conn:
+                audit.record(
+                    conn,
+                    who,
+                    "prune",
+                    None,
+                    min_age=min_age,
+                    deleted_chunks=result.deleted_chunks,
+                    deleted_packs=result.deleted_packs,
+                    freed_bytes=result.freed_bytes,
+                )
+        return result
 
-    def set_base_quorum(self, family: str, quorum: float) -> int:
-        """Change a family's base quorum and re-tier its chunks; returns rows that changed tier."""
+    def set_base_quorum(self, family: str, quorum: float, who: Principal | None = None) -> int:
+        """Change a family's base quorum and re-tier its chunks; returns rows that changed tier. The
+        audit log records it."""
+        from mfsreg.registry import audit
         from mfsreg.registry.db import tiers as tier_db
         from mfsreg.registry.tiers import check_quorum
 
@@ -287,7 +308,15 @@ class Registry:
         with write_tx(self.engine) as conn:
             fam = version_db.lock_family(conn, family)
             version_db.set_quorum(conn, fam.id, quorum)
-            return tier_db.recompute(conn, fam.id, fam.member_count, quorum)
+            changed = tier_db.recompute(conn, fam.id, fam.member_count, quorum)
+            audit.record(conn, who, "quorum", family, before=fam.base_quorum, after=quorum)
+            return changed
+
+    def audit(self, who: Principal | None = None, limit: int = 100) -> list:
+        """The newest ``limit`` audit entries ``who`` may read (registry/audit.py)."""
+        from mfsreg.registry import audit
+
+        return audit.entries(self.engine, who, limit)
 
 
 def upgrade_database(settings: Settings | None = None) -> str:

@@ -258,3 +258,71 @@ def test_a_push_of_more_chunks_than_an_upload_holds_sends_several_uploads(server
     out = tmp_path / "out.safetensors"
     mfsreg("pull", "small", "v1", "-o", out, env=env)
     assert filecmp.cmp(out, path, shallow=False)
+
+
+# -- tokens that expire, their last use, and the audit log ---------------------------------------------
+
+
+def test_a_token_expires_and_token_list_shows_its_expiry_and_last_use(server, tmp_path):
+    from datetime import UTC, datetime, timedelta
+
+    from sqlalchemy import update
+
+    from mfsreg.registry.db.engine import write_tx
+    from mfsreg.registry.db.models import tokens
+
+    srv, _, _, server_env = server
+    made = mfsreg_json("token", "create", "--scope", "read", "--expires", "30d", env=server_env)
+    assert made["expires_in"] == 30 * 86400
+    listed = {t["prefix"]: t for t in mfsreg_json("token", "list", env=server_env)["tokens"]}
+    mine = listed[made["token"][:10]]
+    assert mine["last_used_at"] is None
+    expiry = datetime.fromisoformat(mine["expires_at"])
+    expiry = expiry if expiry.tzinfo else expiry.replace(tzinfo=UTC)
+    assert abs(expiry - datetime.now(UTC) - timedelta(days=30)) < timedelta(minutes=5)
+    reader = {"Authorization": f"Bearer {made['token']}"}
+    assert httpx.get(f"{srv.url}/v1/families", headers=reader).status_code == 200
+    used = {t["prefix"]: t for t in mfsreg_json("token", "list", env=server_env)["tokens"]}[made["token"][:10]]
+    assert used["last_used_at"] is not None
+    with Registry(Settings.from_env(server_env, blobs=False)) as reg, write_tx(reg.engine) as conn:  # a month on
+        conn.execute(
+            update(tokens)
+            .where(tokens.c.prefix == made["token"][:10])
+            .values(expires_at=datetime.now(UTC) - timedelta(seconds=1))
+        )
+    r = httpx.get(f"{srv.url}/v1/families", headers=reader)
+    assert r.status_code == 401 and "expired" in r.json()["detail"] and "token create" in r.json()["detail"], r.text
+    for bad in ("0", "-1d", "soon", "11000d"):
+        ran = mfsreg("token", "create", "--expires", bad, env=server_env, check=False)
+        assert ran.returncode == 2 and ran.stderr.count("\n") == 1, (bad, ran.stderr)
+
+
+def test_the_audit_log_says_who_deleted_pruned_and_changed_tokens(server, fam, tmp_path):
+    srv, admin, _, server_env = server
+    scoped_admin = client_env(tmp_path, srv.url, token(server_env, "admin", "fam"))
+    reader = client_env(tmp_path, srv.url, token(server_env, "read"))
+    mfsreg("push", fam["base"], "--family", "fam", "--version", "base", env=admin)
+    mfsreg("push", fam["base"], "--family", "other", "--version", "base", env=admin)
+    mfsreg("delete", "fam", "base", env=scoped_admin)
+    mfsreg("delete", "other", "base", env=admin)
+    mfsreg("prune", "--min-age", "0", env=admin)
+    made = mfsreg_json("token", "create", "--scope", "push", env=server_env)
+    mfsreg("token", "revoke", made["token"][:10], env=server_env)
+    everything = mfsreg_json("audit", env=admin)["entries"]
+    done = [(e["action"], e["family"], e["actor"]) for e in everything]
+    me = server_env.get("USER") or __import__("getpass").getuser()
+    assert done[:5] == [
+        ("token-revoke", None, f"local:{me}"),
+        ("token-create", None, f"local:{me}"),
+        ("prune", None, admin["MFSREG_TOKEN"][:10]),
+        ("delete", "other", admin["MFSREG_TOKEN"][:10]),
+        ("delete", "fam", scoped_admin["MFSREG_TOKEN"][:10]),
+    ], done
+    assert '"version":"base"' in everything[4]["detail"]
+    # an admin for some families reads only their entries; a reader none
+    assert [(e["action"], e["family"]) for e in mfsreg_json("audit", env=scoped_admin)["entries"]] == [
+        ("delete", "fam")
+    ]
+    ran = mfsreg("audit", env=reader, check=False)
+    assert ran.returncode == 3 and "needs 'admin'" in ran.stderr, ran.stderr
+    assert mfsreg_json("audit", "--limit", "2", env=admin)["entries"] == everything[:2]

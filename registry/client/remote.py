@@ -542,6 +542,17 @@ class RemoteRegistry(Closable):
             check_name("family", family)
         return self._doc("GET", "/v1/stats", _stats, params={"family": family} if family else None)
 
+    def audit(self, limit: int = 100) -> list:
+        """The newest ``limit`` audit entries this token may read (an admin token)."""
+        from mfsreg.registry.db.audit import AuditRow
+
+        def rows(d) -> list[AuditRow]:
+            return [
+                AuditRow(0, e["at"], e["actor"], e["action"], e.get("family"), e.get("detail", "")) for e in _list(d)
+            ]
+
+        return self._doc("GET", "/v1/audit", rows, params={"limit": limit})
+
     def delete(self, family: str, version: str) -> DeleteResult:
         check_name("family", family)
         check_name("version", version)

@@ -7,7 +7,8 @@
 - version_chunks: what each version needs, delta bases included
 - family_chunks: each family's chunks, their users and tier
 - chunk_claims: a scoped push's uploads, until its commit
-- tokens: API tokens as sha256 hashes, with role and family pattern
+- tokens: API tokens as sha256 hashes, with role, family pattern, expiry and last use
+- audit_log: who deleted, pruned, changed a quorum or a token, and when
 See docs/design/format.md, tiers.md and prune.md.
 """
 
@@ -150,4 +151,18 @@ tokens = Table(
     Column("description", String(256), nullable=False, server_default=""),
     Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
     Column("revoked_at", DateTime(timezone=True), nullable=True),
+    Column("expires_at", DateTime(timezone=True), nullable=True),  # refused after it; null: never
+    Column("last_used_at", DateTime(timezone=True), nullable=True),  # kept to the minute
+)
+
+# who did what: deletes, prunes, quorum changes, token creation and revocation (registry/audit.py)
+audit_log = Table(
+    "audit_log",
+    metadata,
+    Column("id", Integer, primary_key=True),
+    Column("at", DateTime(timezone=True), nullable=False, server_default=func.now(), index=True),
+    Column("actor", String(64), nullable=False),  # a token's prefix, or local:<user> for the embedded CLI
+    Column("action", String(32), nullable=False),
+    Column("family", String(128), nullable=True),
+    Column("detail", String(1024), nullable=False, server_default=""),
 )
