@@ -127,3 +127,19 @@ class FaultProxy:
 
 
 CutProxy = FaultProxy  # the name the first tests of broken downloads use
+
+
+def assert_whole(env: dict, fam: dict, versions: dict[str, str], tmp_path) -> None:
+    """After a fault: every version of family "fam" (name -> member of ``fam``) pulls byte for byte
+    through ``env``, and `check --read-data` finds every byte they need."""
+    import filecmp
+
+    from tests.cli_run import mfsreg, mfsreg_json
+
+    for name, member in versions.items():
+        out = tmp_path / f"whole-{name}.out"
+        mfsreg("pull", "fam", name, "-o", out, env=env)
+        assert filecmp.cmp(out, fam[member], shallow=False), name
+        out.unlink()
+    checked = mfsreg_json("check", "--read-data", env=env)
+    assert checked["ok"], checked

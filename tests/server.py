@@ -9,7 +9,9 @@ import socket
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import httpx
 import pytest
@@ -105,6 +107,22 @@ class Server:
         except subprocess.TimeoutExpired:
             self.proc.kill()
         self.log.close()
+
+
+@contextmanager
+def module_server(s3_server: str, where) -> Iterator[tuple[Server, dict]]:
+    """A server of its own database and bucket, for the tests of a module to share: (server, its
+    deployment's environment)."""
+    from tests.conftest import scratch_pg_database
+    from tests.s3server import scratch_bucket
+
+    with scratch_pg_database() as db, scratch_bucket(s3_server) as bucket:
+        started = Servers(make_server_env(db, (f"s3://{bucket}/blobs", s3_server), where), where)
+        try:
+            (srv,) = started(1)
+            yield srv, started.env
+        finally:
+            started.stop()
 
 
 def migrate(env: dict) -> None:

@@ -20,6 +20,7 @@ import httpx
 import pytest
 
 from tests.cli_run import mfsreg, mfsreg_json
+from tests.faults import assert_whole
 from tests.server import Server, client_env, token
 
 pytestmark = pytest.mark.process
@@ -87,17 +88,6 @@ def killed_at(step: str, op: str, *args, env: dict) -> None:
         timeout=120,
     )
     assert proc.returncode == -signal.SIGKILL, (step, proc.returncode, proc.stdout, proc.stderr[-2000:])
-
-
-def assert_whole(env: dict, fam: dict, versions: dict[str, str], tmp_path: Path) -> None:
-    """Every version (name -> member of ``fam``) pulls byte for byte, and check --read-data passes."""
-    for name, member in versions.items():
-        out = tmp_path / f"whole-{name}.out"
-        mfsreg("pull", "fam", name, "-o", out, env=env)
-        assert filecmp.cmp(out, fam[member], shallow=False), name
-        out.unlink()
-    checked = mfsreg_json("check", "--read-data", env=env)
-    assert checked["ok"], checked
 
 
 def assert_pruned_clean(env: dict, home: Path) -> None:
@@ -287,3 +277,48 @@ def test_a_server_killed_while_it_streams_a_pull_loses_nothing(server_env, fam, 
         assert_whole(admin, fam, {"base": "base"}, tmp_path)
     finally:
         srv.stop()
+
+
+def test_a_server_killed_while_it_prunes_loses_nothing(migrated_pg, s3_blob_url, fam, tmp_path):
+    """The server process killed mid-prune: its database link slowed (a proxy of the tests' own, see
+    tests/faults.py) so that the prune is still running when the kill lands, whatever step it is at."""
+    from urllib.parse import urlsplit
+
+    from tests.faults import FaultProxy
+    from tests.server import make_server_env
+
+    pg = urlsplit(migrated_pg)
+    proxy = FaultProxy((pg.hostname, pg.port))
+    env = make_server_env(
+        migrated_pg.replace(f"@{pg.hostname}:{pg.port}/", f"@127.0.0.1:{proxy.port}/"), s3_blob_url, tmp_path
+    )
+    srv = Server(env, tmp_path / "server.log", process=True)
+    try:
+        admin = client_env(tmp_path, srv.url, token(env, "admin"))
+        for name, member in (("base", "base"), ("chat", "lora-chat"), ("med", "full-med")):
+            parent = ["--parent", "base"] if name != "base" else []
+            mfsreg("push", fam[member], "--family", "fam", "--version", name, *parent, env=admin)
+        mfsreg("delete", "fam", "med", env=admin)
+        proxy.delay(0.02)
+        prune = subprocess.Popen(
+            [sys.executable, "-m", "mfsreg", "prune", "--min-age", "0"],
+            env=admin,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        time.sleep(1.0)
+        assert prune.poll() is None, "the prune ended before the kill"
+        srv = restart(srv, env, tmp_path)
+        prune.wait(timeout=120)
+        assert prune.returncode == 5, prune.stderr.read()
+        proxy.heal()
+        admin = dict(admin, MFSREG_URL=srv.url)
+        assert_whole(admin, fam, {"base": "base", "chat": "lora-chat"}, tmp_path)
+        mfsreg("prune", "--min-age", "0", env=admin)
+        stats = mfsreg_json("stats", env=admin)
+        assert stats["unreferenced_bytes"] == 0 and stats["unlisted_pack_bytes"] == 0, stats
+        assert_whole(admin, fam, {"base": "base", "chat": "lora-chat"}, tmp_path)
+    finally:
+        srv.stop()
+        proxy.close()

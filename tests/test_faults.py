@@ -6,7 +6,6 @@ the storage's code) or the server retries; afterwards every committed version pu
 
 from __future__ import annotations
 
-import filecmp
 import threading
 from urllib.parse import urlsplit
 
@@ -15,7 +14,7 @@ import pytest
 from mfsreg.registry.client.remote import RemoteRegistry
 from mfsreg.registry.errors import RegistryError
 from tests.cli_run import mfsreg, mfsreg_json
-from tests.faults import FaultProxy
+from tests.faults import FaultProxy, assert_whole
 from tests.hooks import OnSend
 from tests.server import Servers, client_env, make_server_env, token
 
@@ -48,17 +47,6 @@ def failed_in_one_line(ran) -> bool:
     return ran.returncode == 5 and ran.stderr.count("\n") == 1 and "Traceback" not in ran.stderr
 
 
-def assert_intact(env: dict, fam: dict, versions: list[str], tmp_path) -> None:
-    """Every version pulls byte for byte, and the blob store holds every byte they need."""
-    for v in versions:
-        out = tmp_path / f"check-{v}.out"
-        mfsreg("pull", "fam", v, "-o", out, env=env)
-        assert filecmp.cmp(out, fam[v], shallow=False), v
-        out.unlink()
-    checked = mfsreg_json("check", "--read-data", env=env)
-    assert checked["ok"], checked
-
-
 def test_s3_cut_during_a_push_fails_in_one_line_and_a_rerun_completes(faulty, fam, tmp_path):
     srv, env, _, s3 = faulty
     mfsreg("push", fam["base"], "--family", "fam", "--version", "base", env=env)
@@ -70,7 +58,7 @@ def test_s3_cut_during_a_push_fails_in_one_line_and_a_rerun_completes(faulty, fa
     assert "full-med" not in [v["version"] for v in mfsreg_json("ls", "fam", env=env)["versions"]]
     s3.heal()
     mfsreg("push", fam["full-med"], "--family", "fam", "--version", "full-med", "--parent", "base", env=env)
-    assert_intact(env, fam, ["base", "full-med"], tmp_path)
+    assert_whole(env, fam, {"base": "base", "full-med": "full-med"}, tmp_path)
 
 
 def test_a_slow_s3_link_slows_a_push_and_a_pull_but_fails_neither(faulty, fam, tmp_path):
@@ -78,7 +66,7 @@ def test_a_slow_s3_link_slows_a_push_and_a_pull_but_fails_neither(faulty, fam, t
     s3.delay(0.02)
     mfsreg("push", fam["base"], "--family", "fam", "--version", "base", env=env)
     mfsreg("push", fam["lora-chat"], "--family", "fam", "--version", "lora-chat", "--parent", "base", env=env)
-    assert_intact(env, fam, ["base", "lora-chat"], tmp_path)
+    assert_whole(env, fam, {"base": "base", "lora-chat": "lora-chat"}, tmp_path)
 
 
 def test_s3_cut_during_a_pull_fails_in_one_line_and_writes_nothing(faulty, fam, tmp_path):
@@ -90,7 +78,7 @@ def test_s3_cut_during_a_pull_fails_in_one_line_and_writes_nothing(faulty, fam, 
     assert failed_in_one_line(ran), ran.stderr
     assert not out.exists()
     s3.heal()
-    assert_intact(env, fam, ["base"], tmp_path)
+    assert_whole(env, fam, {"base": "base"}, tmp_path)
 
 
 def test_postgres_connections_reset_between_a_pushs_negotiation_and_its_upload(faulty, fam, tmp_path):
@@ -106,7 +94,7 @@ def test_postgres_connections_reset_between_a_pushs_negotiation_and_its_upload(f
             assert "\n" not in str(exc)
             remote.push(fam["lora-chat"], "fam", "lora-chat", parent="base")
         assert hook.results, "the reset did not happen during the push"
-    assert_intact(env, fam, ["base", "lora-chat"], tmp_path)
+    assert_whole(env, fam, {"base": "base", "lora-chat": "lora-chat"}, tmp_path)
 
 
 def test_postgres_cut_during_a_pull_fails_in_one_line_and_the_server_recovers(faulty, fam, tmp_path):
@@ -119,7 +107,7 @@ def test_postgres_cut_during_a_pull_fails_in_one_line_and_the_server_recovers(fa
     assert failed_in_one_line(ran), ran.stderr
     assert "5432" not in ran.stderr and str(pg.port) not in ran.stderr  # no internal address reaches a client
     pg.heal()
-    assert_intact(env, fam, ["base"], tmp_path)
+    assert_whole(env, fam, {"base": "base"}, tmp_path)
 
 
 def test_postgres_reset_while_a_prune_runs_loses_nothing(faulty, fam, tmp_path):
@@ -143,7 +131,7 @@ def test_postgres_reset_while_a_prune_runs_loses_nothing(faulty, fam, tmp_path):
     resetter.join()
     pg.heal()
     assert ran.returncode == 0 or failed_in_one_line(ran), ran.stderr
-    assert_intact(env, fam, ["base", "lora-chat"], tmp_path)
+    assert_whole(env, fam, {"base": "base", "lora-chat": "lora-chat"}, tmp_path)
     again = mfsreg_json("prune", "--min-age", "0", env=env)
     assert again["deleted_chunks"] == 0 or ran.returncode != 0, again
-    assert_intact(env, fam, ["base", "lora-chat"], tmp_path)
+    assert_whole(env, fam, {"base": "base", "lora-chat": "lora-chat"}, tmp_path)

@@ -14,9 +14,7 @@ from hypothesis import HealthCheck, settings
 from mfsreg.api.app import create_app
 from mfsreg.registry.config import Settings
 from tests.cli_run import mfsreg_json
-from tests.conftest import scratch_pg_database
-from tests.s3server import scratch_bucket
-from tests.server import Servers, client_env, make_server_env, token
+from tests.server import client_env, module_server, token
 
 EXAMPLES = 25
 schema = schemathesis.openapi.from_dict(create_app(Settings.from_env({"MFSREG_HOME": "/nonexistent"})).openapi())
@@ -25,20 +23,12 @@ schema = schemathesis.openapi.from_dict(create_app(Settings.from_env({"MFSREG_HO
 @pytest.fixture(scope="module")
 def api(s3_server, fam, tmp_path_factory):
     """(server, admin token) of a registry holding family "fam": base and lora-chat."""
-    where = tmp_path_factory.mktemp("fuzzed")
-    with scratch_pg_database() as db, scratch_bucket(s3_server) as bucket:
-        started = Servers(make_server_env(db, (f"s3://{bucket}/blobs", s3_server), where), where)
-        try:
-            (srv,) = started(1)
-            tok = token(started.env, "admin")
-            env = client_env(where, srv.url, tok)
-            mfsreg_json("push", fam["base"], "--family", "fam", "--version", "base", env=env)
-            mfsreg_json(
-                "push", fam["lora-chat"], "--family", "fam", "--version", "lora-chat", "--parent", "base", env=env
-            )
-            yield srv, tok
-        finally:
-            started.stop()
+    with module_server(s3_server, tmp_path_factory.mktemp("fuzzed")) as (srv, server_env):
+        tok = token(server_env, "admin")
+        env = client_env(tmp_path_factory.mktemp("client"), srv.url, tok)
+        mfsreg_json("push", fam["base"], "--family", "fam", "--version", "base", env=env)
+        mfsreg_json("push", fam["lora-chat"], "--family", "fam", "--version", "lora-chat", "--parent", "base", env=env)
+        yield srv, tok
 
 
 # A request the document allows may still be refused: a manifest must also be consistent (its chunks

@@ -37,10 +37,8 @@ from mfsreg.registry.config import parse_size
 from mfsreg.registry.manifest import Manifest
 from tests import synth
 from tests.cli_run import MFSREG, mfsreg, mfsreg_json
-from tests.conftest import scratch_pg_database
 from tests.pagecache import resident_fraction
-from tests.s3server import scratch_bucket
-from tests.server import Servers, client_env, make_server_env, token
+from tests.server import client_env, module_server, token
 
 
 def publish(fam: dict, env: dict) -> None:
@@ -62,15 +60,10 @@ def family_server(s3_server, fam, tmp_path_factory):
     """One server per module holding the synthetic family, for the tests that only read from it
     (each with a node cache of its own): (server, push token)."""
     where = tmp_path_factory.mktemp("family-server")
-    with scratch_pg_database() as db, scratch_bucket(s3_server) as bucket:
-        started = Servers(make_server_env(db, (f"s3://{bucket}/blobs", s3_server), where), where)
-        try:
-            (srv,) = started(1)
-            tok = token(started.env, "push")
-            publish(fam, client_env(where, srv.url, tok))
-            yield srv, tok
-        finally:
-            started.stop()
+    with module_server(s3_server, where) as (srv, env):
+        tok = token(env, "push")
+        publish(fam, client_env(where, srv.url, tok))
+        yield srv, tok
 
 
 @pytest.fixture
