@@ -8,7 +8,7 @@ MFSREG_BLOB_URL (file:///path or s3://bucket/prefix, with MFSREG_S3_ENDPOINT_URL
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -246,6 +246,23 @@ def _flag(env: dict, name: str, default: bool) -> bool:
     if raw in _YES or raw in _NO:
         return raw in _YES
     raise InvalidRequest(f"{name}={env[name]!r} is not a yes/no setting: use 1 or 0 (true/false, yes/no, on/off)")
+
+
+def age_from_env(name: str, default: float, env: dict | None = None) -> float:
+    """A freshness window: seconds, or with a suffix s/m/h; zero allowed (never trust, always ask)."""
+    values: Mapping[str, str] = os.environ if env is None else env
+    raw = values.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = parse_duration(raw)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= 86400:
+        raise InvalidRequest(
+            f"{name}={values[name]!r} is not a number of seconds: give 0 to 86400, e.g. {default:g} or 0"
+        )
+    return value
 
 
 def size_from_env(name: str, default: _Default, env: dict | None = None) -> int | _Default:

@@ -92,6 +92,14 @@ VARIABLES: tuple[Variable, ...] = (
         "Size limit of the node cache; the least recently used chunks are evicted, the base tier last.",
     ),
     Variable(
+        "MFSREG_VERSION_MAX_AGE",
+        "2",
+        "node",
+        "Seconds a node's loads and switches trust a version document the registry confirmed, before "
+        "asking again (`0`: ask every time). A version deleted meanwhile can still be loaded from the "
+        "cache for that long.",
+    ),
+    Variable(
         "MFSREG_PULL_DIRECT",
         "0",
         "node",

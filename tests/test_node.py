@@ -31,8 +31,9 @@ from mfsreg.registry.chunking import chunk_id
 from mfsreg.registry.client import ResidentModel, load_tensors
 from mfsreg.registry.client.cache import NodeCache
 from mfsreg.registry.client.direct import taken as takes_direct
+from mfsreg.registry.client.node import refetcher
 from mfsreg.registry.client.remote import RemoteRegistry
-from mfsreg.registry.client.torch_loader import Node, _fetch_ahead, chunk_ids, layout
+from mfsreg.registry.client.torch_loader import Copier, Node, _fetch_ahead, build, chunk_ids, fill, layout
 from mfsreg.registry.config import parse_size
 from mfsreg.registry.manifest import Manifest
 from tests import synth
@@ -181,7 +182,7 @@ def test_load_tensors_equals_safetensors_for_every_member(published, fam):
     assert not list(Path(env["MFSREG_CACHE_DIR"]).rglob("*.safetensors"))  # no file was written
 
 
-def test_a_load_from_a_kept_document_waits_for_the_registry(published_alone, server_env, fam, tmp_path):
+def test_a_load_from_a_kept_document_waits_for_the_registry(published_alone, server_env, fam, tmp_path, monkeypatch):
     """A node that holds a version's document lays the tensors out from it while it asks whether it
     is current (torch_loader.build), every chunk still cached each time: tiers that moved keep the
     tensors, a version deleted and pushed again with other bytes loads as those bytes, and a version
@@ -190,6 +191,7 @@ def test_a_load_from_a_kept_document_waits_for_the_registry(published_alone, ser
 
     srv, env = published_alone
     admin = client_env(tmp_path, srv.url, token(server_env, "admin"))
+    monkeypatch.setenv("MFSREG_VERSION_MAX_AGE", "0")  # every load asks (the window is tested below)
     node = Node(env["MFSREG_URL"], env["MFSREG_TOKEN"], env["MFSREG_CACHE_DIR"])
     try:
         _equal_to_file(load_tensors("fam", "lora-chat", node=node), fam["lora-chat"])
@@ -233,13 +235,16 @@ def test_a_load_from_a_kept_document_waits_for_the_registry(published_alone, ser
         node.close()
 
 
-def test_a_load_from_a_kept_document_fetches_nothing_on_its_word(published_alone, server_env, fam, tmp_path):
+def test_a_load_from_a_kept_document_fetches_nothing_on_its_word(
+    published_alone, server_env, fam, tmp_path, monkeypatch
+):
     """A chunk found damaged while tensors are laid out from a kept document is dropped, and fetched
     again only if the registry's answer still needs it: here lora-chat was deleted and pushed again
     as last-code's bytes, so a damaged chunk of the old lora-chat is not fetched (a copy of the old
     lora-chat keeps it in the family, so the stale document's word would have brought it)."""
     srv, env = published_alone
     admin = client_env(tmp_path, srv.url, token(server_env, "admin"))
+    monkeypatch.setenv("MFSREG_VERSION_MAX_AGE", "0")
     node = Node(env["MFSREG_URL"], env["MFSREG_TOKEN"], env["MFSREG_CACHE_DIR"])
     try:
         lora, base, code = (set(needed(env, v)) for v in ("lora-chat", "base", "last-code"))
@@ -263,6 +268,50 @@ def _mapped_from(cache_dir: str) -> bool:
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="reads /proc/self/maps")
+def test_a_document_confirmed_within_its_max_age_is_used_without_asking(published_alone, server_env, fam, tmp_path):
+    """Loads and switches trust a version document the registry confirmed less than
+    MFSREG_VERSION_MAX_AGE seconds ago (no round trip: a switch's fixed cost); past it they ask
+    again, and a version deleted meanwhile is the registry's one-line error."""
+    from mfsreg.registry.errors import NotFound
+
+    srv, env = published_alone
+    admin = client_env(tmp_path, srv.url, token(server_env, "admin"))
+    node = Node(env["MFSREG_URL"], env["MFSREG_TOKEN"], env["MFSREG_CACHE_DIR"])
+    model = ResidentModel("fam", "base", node=node)
+    try:
+        assert node.fetcher.max_age == 2.0  # the default
+        node.fetcher.max_age = 3600.0  # a slow test machine must not see the window pass
+        model.switch("lora-chat")
+        model.switch("base")
+        mfsreg("delete", "fam", "lora-chat", env=admin)
+        assert model.switch("lora-chat") > 0  # within the window: from the cache, nothing asked
+        _equal_to_file(load_tensors("fam", "lora-chat", node=node), fam["lora-chat"])
+        model.switch("base")
+        node.fetcher.expire()  # as when the window has passed
+        with pytest.raises(NotFound, match="fam/lora-chat"):
+            model.switch("lora-chat")
+        with pytest.raises(NotFound, match="fam/lora-chat"):
+            load_tensors("fam", "lora-chat", node=node)
+        _equal_to_file(model.tensors, fam["base"])
+    finally:
+        model.close()
+        node.close()
+
+
+def test_a_max_age_that_is_not_seconds_is_one_line(published, monkeypatch):
+    from mfsreg.registry.errors import InvalidRequest
+
+    _, env = published
+    for bad in ("soon", "-1", "2d"):
+        monkeypatch.setenv("MFSREG_VERSION_MAX_AGE", bad)
+        with pytest.raises(InvalidRequest, match="MFSREG_VERSION_MAX_AGE=.* is not a number of seconds"):
+            Node(env["MFSREG_URL"], env["MFSREG_TOKEN"], env["MFSREG_CACHE_DIR"])
+    monkeypatch.setenv("MFSREG_VERSION_MAX_AGE", "0")
+    node = Node(env["MFSREG_URL"], env["MFSREG_TOKEN"], env["MFSREG_CACHE_DIR"])
+    node.close()
+    assert node.fetcher.max_age == 0
+
+
 def test_a_load_maps_from_the_kept_document_while_the_registry_answers(published, fam):
     """The round trip that asks whether a kept document is current overlaps the mapping: here the
     registry's answer is held back until this process has chunk files of the cache mapped."""
@@ -298,10 +347,9 @@ def test_a_fetch_ahead_closed_early_stops_its_thread(published):
         before = set(threading.enumerate())
         landed = _fetch_ahead(node.fetcher, info, [ids[k::6] for k in range(6)])
         assert next(landed) == 0
-        landed.close()
         workers = [t for t in threading.enumerate() if t.name == "mfsreg-fetch-ahead" and t not in before]
-        for t in workers:
-            t.join(timeout=30)
+        landed.close()
+        # joined by the close itself: no batch lands in the cache after the caller's lease is gone
         assert workers and not any(t.is_alive() for t in workers)
     finally:
         node.close()
@@ -2651,3 +2699,212 @@ def test_cache_sizes_take_terabytes_and_say_what_a_size_is(tmp_path):
     assert proc.returncode == 0, proc.stderr
     proc = mfsreg("cache", "prune", "--max-size", "0", env=env, check=False)
     assert proc.returncode == 2 and "1 byte or more" in proc.stderr and "T" in proc.stderr, proc.stderr
+
+
+def _staged(node: Node, verify: bool = True) -> Copier:
+    """A CPU copier that takes the GPU's way (staging buffers, pooled reads, refetch per buffer):
+    its logic runs here, where no GPU is lent; only the stream and its events are left out."""
+    copier = Copier(node.cache, torch.device("cpu"), node.remote.pool, verify)
+    copier.staged = True
+    return copier
+
+
+def test_the_staged_copy_of_the_gpu_path_loads_exactly_and_refetches_in_one_go(published, fam, monkeypatch):
+    """The staged path, with buffers smaller than the model so that several fill in turn: the
+    tensors equal the file's; two damaged chunks are fetched again in one call; the buffers go
+    when the load ends."""
+    import mfsreg.registry.client.torch_loader as tl
+
+    _, env = published
+    monkeypatch.setattr(tl, "STAGE_BYTES", 64 << 10)
+    node = Node(env["MFSREG_URL"], env["MFSREG_TOKEN"], env["MFSREG_CACHE_DIR"])
+    try:
+        load_tensors("fam", "lora-chat", node=node)  # cached
+        info = node.fetcher.version("fam", "lora-chat")
+        ids = chunk_ids(layout(info))
+        _damage(env, ids[0], ids[-1])
+        calls = []
+        real = refetcher(node.fetcher, info)
+        copier = _staged(node)
+        _, tensors = build(node, "fam", "lora-chat", copier)
+        assert copier.stages is not None and copier.stages[0].numel() == max(
+            64 << 10, max(c.size for c in info.located.values())
+        )
+        _equal_to_file(tensors, fam["lora-chat"])
+        # the same again, counting the refetches: one per buffer that met damage, not one per chunk
+        _damage(env, ids[1], ids[2])
+        lay = layout(info)
+        targets = {name: torch.empty(span.shape, dtype=Copier.empty_dtype(span)) for name, (span, _) in lay.items()}
+        todo = {name: pieces for name, (_, pieces) in lay.items()}
+        fill(node, info, lay, copier, targets, todo, cached=True, refetch=lambda i: (calls.append(list(i)), real(i)))
+        _equal_to_file(targets, fam["lora-chat"])
+        assert sorted(i for c in calls for i in c) == sorted(ids[1:3]) and len(calls) <= 2, calls
+        copier.release()
+        assert copier.stages is None
+    finally:
+        node.close()
+
+
+def test_a_failure_to_wait_for_queued_copies_does_not_hide_the_error_that_stopped_the_load(published, monkeypatch):
+    """fill() waits for queued copies in its ``finally``; where that wait fails too (a CUDA error
+    surfaces at the next synchronisation), the error the load stopped on is still the one raised,
+    with the other noted on it."""
+    from mfsreg.registry.errors import StorageError
+
+    _, env = published
+    node = Node(env["MFSREG_URL"], env["MFSREG_TOKEN"], env["MFSREG_CACHE_DIR"])
+    try:
+        load_tensors("fam", "base", node=node)
+        info = node.fetcher.version("fam", "base")
+        lay = layout(info)
+        ids = chunk_ids(lay)
+        _damage(env, ids[0], ids[1])
+        copier = _staged(node)
+
+        def finish():
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+        monkeypatch.setattr(copier, "finish", finish)  # the device's failure; the rest is the real copier
+
+        def registry_down(chunk_ids):
+            raise StorageError("the registry is unreachable")
+
+        targets = {name: torch.empty(span.shape, dtype=Copier.empty_dtype(span)) for name, (span, _) in lay.items()}
+        with pytest.raises(StorageError, match="unreachable") as caught:
+            fill(
+                node,
+                info,
+                lay,
+                copier,
+                targets,
+                {n: p for n, (_, p) in lay.items()},
+                cached=True,
+                refetch=registry_down,
+            )
+        assert any("illegal memory access" in n for n in getattr(caught.value, "__notes__", []))
+    finally:
+        node.close()
+
+
+def test_a_resident_model_gives_back_its_staging_buffers_when_idle_or_closed(published, fam, monkeypatch):
+    import mfsreg.registry.client.resident as resident
+
+    _, env = published
+    monkeypatch.setattr(resident, "IDLE_RELEASE_S", 0.3)
+    node = Node(env["MFSREG_URL"], env["MFSREG_TOKEN"], env["MFSREG_CACHE_DIR"])
+    model = ResidentModel("fam", "base", node=node)
+    try:
+        model.copier.staged = True  # the GPU's way, on the CPU (see _staged)
+        model.switch("lora-chat")
+        assert model.copier.stages is not None
+        _equal_to_file(model.tensors, fam["lora-chat"])
+        deadline = time.monotonic() + 30
+        while model.copier.stages is not None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert model.copier.stages is None, "not given back when idle"
+        model.switch("base")  # made again by the next switch
+        assert model.copier.stages is not None
+        _equal_to_file(model.tensors, fam["base"])
+        model.close()
+        assert model.copier.stages is None, "not given back on close"
+    finally:
+        model.close()
+        node.close()
+
+
+def test_a_refetch_racing_another_process_eviction_ends_with_the_chunk_present(published, fam, tmp_path):
+    """A load meets chunks missing from the cache and fetches them again; another process evicts
+    everything it may the moment they land. They are leased until placed, so the load ends whole
+    and the chunks stay cached."""
+    _, env = published
+    node = Node(env["MFSREG_URL"], env["MFSREG_TOKEN"], env["MFSREG_CACHE_DIR"])
+    other = NodeCache(env["MFSREG_CACHE_DIR"])  # another process's handle on the same cache
+    try:
+        load_tensors("fam", "lora-chat", node=node)
+        info = node.fetcher.version("fam", "lora-chat")
+        lay = layout(info)
+        ids = chunk_ids(lay)
+        victims = ids[:3]
+        for i in victims:
+            os.unlink(_cache_file(env, i))
+        real = refetcher(node.fetcher, info)
+        evicted = []
+
+        def refetch_then_evicted(chunk_ids):
+            real(chunk_ids)
+            evicted.append(other.evict(max_bytes=0))  # everything not leased goes
+
+        copier = Copier(node.cache, torch.device("cpu"), node.remote.pool, True)
+        targets = {n: copier.empty(span) for n, (span, _) in lay.items()}
+        fill(
+            node,
+            info,
+            lay,
+            copier,
+            targets,
+            {n: p for n, (_, p) in lay.items()},
+            cached=True,
+            record=False,
+            refetch=refetch_then_evicted,
+        )
+        assert evicted and evicted[0][0] > 0  # the eviction ran, and took what was not leased
+        _equal_to_file(targets, fam["lora-chat"])
+        assert all(node.cache.has(i) for i in victims)
+    finally:
+        other.close()
+        node.close()
+
+
+def test_an_eviction_lets_other_writers_in_while_it_gives_space_back(tmp_path, monkeypatch):
+    """A large eviction once unlinked every file under the index's write lock, and every other
+    pull waited for the lot. Now the files leave their names in batches under the lock and are
+    unlinked after it: another process's write gets in during the unlinks."""
+    import mfsreg.registry.client.eviction as eviction
+
+    monkeypatch.setattr(eviction, "EVICT_BATCH", 8)
+    cache = NodeCache(tmp_path / "big")
+    other = NodeCache(tmp_path / "big")
+    try:
+        blobs = {}
+        for k in range(40):
+            data = k.to_bytes(2, "big") * 2048
+            blobs[chunk_id(data)] = data
+        cache.put_many((i, d, "unique", "f") for i, d in blobs.items())
+        late = os.urandom(4096)
+        got_in = []
+        real_unlink = os.unlink
+
+        def unlink(path, *args, **kwargs):
+            if "/evicted/" in os.fspath(path) and not got_in:
+                t = threading.Thread(target=other.put, args=(chunk_id(late), late, "base", "f"))
+                t.start()
+                t.join(timeout=20)  # at once where the lock is free
+                got_in.append(not t.is_alive())
+            return real_unlink(path, *args, **kwargs)
+
+        monkeypatch.setattr(os, "unlink", unlink)
+        removed, freed = cache.evict(max_bytes=4096 * 10)
+        monkeypatch.undo()
+        assert got_in == [True], "another writer waited for the whole eviction"
+        assert removed >= 30 and cache.total_bytes() <= 4096 * 10
+        assert not os.listdir(tmp_path / "big" / "evicted")  # every moved file was unlinked
+        on_disk = {p.name for p in (tmp_path / "big" / "chunks").glob("*/*")}
+        assert chunk_id(late) in on_disk and other.has(chunk_id(late))
+        assert on_disk == {r for r in on_disk if cache.has(r)}  # no file without its row, or row without its file
+    finally:
+        other.close()
+        cache.close()
+
+
+def test_files_a_killed_eviction_left_aside_go_at_the_next(tmp_path):
+    cache = NodeCache(tmp_path / "c")
+    try:
+        (tmp_path / "c" / "evicted").mkdir()
+        left = tmp_path / "c" / "evicted" / ("ab" * 16)
+        left.write_bytes(b"x" * 10)
+        data = b"y" * 8192
+        cache.put(chunk_id(data), data, "unique", "f")
+        cache.evict(max_bytes=0)
+        assert not left.exists() and not cache.has(chunk_id(data))
+    finally:
+        cache.close()

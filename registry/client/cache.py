@@ -1,6 +1,6 @@
 """The node cache: verified raw chunks on local disk, content-addressed and size-bounded.
 
-Under MFSREG_CACHE_DIR: chunks/ab/<id> (read-only), files/<sha256>, index.db, holders/ and the
+Under MFSREG_CACHE_DIR: chunks/ab/<id> (read-only), files/<sha256>, index.db, holders/, evicted/ and the
 ``unrecorded`` marker. Processes on one node share it: each write goes to a unique temp name and is
 renamed into place. This module holds the layout and the chunks' reads, writes and drops; files on
 disk, the index and eviction live in cachefiles.py, indexdb.py, cacheindex.py and eviction.py.

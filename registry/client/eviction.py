@@ -40,6 +40,8 @@ UNKNOWN_RANK = RANK["unique"]
 LEASE_MAX_SECONDS = 24 * 3600  # past this a lease holds nothing, its holder alive or not (see above)
 _HOST = socket.gethostname()
 HOLDERS_DIR = "holders"  # in the cache's root: one lock file per live holder, named by a uuid
+TRASH_DIR = "evicted"  # in the cache's root: evicted files, moved out of their names, until unlinked
+EVICT_BATCH = 64  # files one eviction transaction moves: other processes' writes wait for one batch at most
 _LOCKED = "flock:"  # the start of a holder with a lock file: flock:<uuid hex>@<host>:<pid>
 _LOCKED_HOLDER = re.compile(r"flock:([0-9a-f]{32})@")
 _UUID_HEX = re.compile(r"[0-9a-f]{32}")
@@ -258,45 +260,72 @@ class Eviction:
             return 0, 0
         keep = set(protect)
         removed = freed = 0
-        victims = []
         q = (
             "SELECT key, size FROM entries WHERE NOT EXISTS (SELECT 1 FROM family_base b JOIN pins p "
             "ON p.family = b.family WHERE b.key = entries.key) "
             "AND NOT EXISTS (SELECT 1 FROM leases l WHERE l.key = entries.key) ORDER BY rank, last_used"
         )
-        # The total, the choice and the deletion in one write transaction: two pulls finishing
-        # together would otherwise each count the other's chunks as still there and both evict,
-        # emptying the cache far below its limit. The files go inside it too: a process that found
-        # a victim cached and records it as used waits for the lock, then finds no file and makes
-        # no row (committed first and deleted after, its row came back for a file about to go, and
-        # stats counted bytes that were not there). A reader that finds no file fetches it again.
-        failed = None
-        with self._db() as db:
-            total = db.execute("SELECT COALESCE(SUM(size), 0) FROM entries").fetchone()[0]
-            if total <= limit:
-                return 0, 0
-            _release(db, _lapsed(db, self.root))
-            for key, size in db.execute(q).fetchall():
+        trash = self.root / TRASH_DIR
+        _empty(trash)  # what an eviction killed between its two steps left
+        # In batches of EVICT_BATCH, each one write transaction: the total, the choice, the files
+        # moved out of their names (a rename each, into trash/) and the rows deleted. Two pulls
+        # finishing together would otherwise each count the other's chunks as still there and both
+        # evict, emptying the cache far below its limit; and a process that found a victim cached
+        # and records it as used waits for the lock, then finds no file and makes no row. The
+        # files' space is given back (the unlinks, slow for big files) after the lock is released,
+        # so another process waits for one batch's renames at most; a chunk fetched again meanwhile
+        # is written at its name anew and stays. A reader that finds no file fetches it again.
+        first, failed = True, None
+        while failed is None:
+            moved: list[str] = []
+            with self._db() as db:
+                total = db.execute("SELECT COALESCE(SUM(size), 0) FROM entries").fetchone()[0]
                 if total <= limit:
                     break
-                if key in keep:
-                    continue
-                path = str(self.file_path(key[5:])) if key.startswith("file:") else self.chunk_file(key)
-                try:
-                    os.unlink(path)
-                except FileNotFoundError:
-                    pass
-                except OSError as exc:  # the rows of the files that went still go; this one's stays
-                    failed = exc
-                    break
-                victims.append(key)
-                total -= size
-                removed += 1
-                freed += size
-            forget_rows(db, victims)
+                if first:
+                    _release(db, _lapsed(db, self.root))
+                    first = False
+                victims: list[str] = []
+                for key, size in db.execute(q):
+                    if total <= limit or len(victims) >= EVICT_BATCH:
+                        break
+                    if key in keep:
+                        continue
+                    path = str(self.file_path(key[5:])) if key.startswith("file:") else self.chunk_file(key)
+                    gone = str(trash / uuid.uuid4().hex)
+                    try:
+                        trash.mkdir(exist_ok=True)
+                        os.rename(path, gone)
+                        moved.append(gone)
+                    except FileNotFoundError:
+                        pass
+                    except OSError as exc:  # the rows of the files that went still go; this one's stays
+                        failed = exc
+                        break
+                    victims.append(key)
+                    total -= size
+                    removed += 1
+                    freed += size
+                forget_rows(db, victims)
+            _unlink_all(moved)
+            if not victims:
+                break  # all that is left is protected, pinned or leased
         if failed is not None:
             raise failed
         return removed, freed
+
+
+def _unlink_all(paths: list[str]) -> None:
+    for p in paths:
+        with contextlib.suppress(OSError):
+            os.unlink(p)
+
+
+def _empty(trash: Path) -> None:
+    """Remove what evictions moved to ``trash`` and did not get to unlink (another process's running
+    eviction may unlink the same files: whichever comes second finds none)."""
+    with contextlib.suppress(OSError), os.scandir(trash) as it:
+        _unlink_all([e.path for e in it if _UUID_HEX.fullmatch(e.name)])
 
 
 def _lapsed(db, root: Path) -> list[str]:

@@ -9,6 +9,7 @@ chunk that the next member needs as well).
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 from mfsreg.registry.blobs.packs import StoredChunk
 from mfsreg.registry.client.cache import NodeCache
 from mfsreg.registry.client.remote import RemoteRegistry
+from mfsreg.registry.config import age_from_env
 from mfsreg.registry.errors import StorageError
 from mfsreg.registry.manifest import Manifest
 from mfsreg.registry.parallel import sized_batches
@@ -25,6 +27,7 @@ from mfsreg.registry.rebuild import decode_batch
 
 BATCH_BYTES = 32 << 20  # raw bytes per request: several requests run at once
 KEPT_VERSIONS = 16  # version documents a fetcher keeps (a 7B model's lists about 7,000 chunks at 2 MiB)
+MAX_AGE = 2.0  # seconds a confirmed document is trusted without asking (MFSREG_VERSION_MAX_AGE)
 
 
 class FetchCancelled(Exception):
@@ -55,14 +58,17 @@ class VersionInfo:
 
 
 class Fetcher:
-    def __init__(self, remote: RemoteRegistry, cache: NodeCache, concurrency: int = 4):
+    def __init__(self, remote: RemoteRegistry, cache: NodeCache, concurrency: int = 4, max_age: float | None = None):
         self.remote = remote
         self.cache = cache
         self.concurrency = concurrency
-        # (family, version) -> (tag, VersionInfo): the documents read last, asked for again with
-        # If-None-Match. A current one comes back as a 304 after one query on the server, and
-        # skips the manifest's parse here: about half of a switch between two members.
-        self._versions: OrderedDict[tuple[str, str], tuple[str, VersionInfo]] = OrderedDict()
+        # seconds a document the registry confirmed is used without asking again: a serving node
+        # switching between members it holds pays no round trip per switch (see version)
+        self.max_age = age_from_env("MFSREG_VERSION_MAX_AGE", MAX_AGE) if max_age is None else max_age
+        # (family, version) -> (tag, VersionInfo, when confirmed): the documents read last, asked for
+        # again with If-None-Match. A current one comes back as a 304 after one query on the server,
+        # and skips the manifest's parse here: about half of a switch between two members.
+        self._versions: OrderedDict[tuple[str, str], tuple[str, VersionInfo, float]] = OrderedDict()
         self._versions_lock = threading.Lock()
 
     def kept(self, family: str, version: str) -> VersionInfo | None:
@@ -72,10 +78,29 @@ class Fetcher:
             kept = self._versions.get((family, version))
         return kept[1] if kept else None
 
-    def version(self, family: str, version: str) -> VersionInfo:
+    def fresh(self, family: str, version: str) -> VersionInfo | None:
+        """The kept document, where the registry confirmed it less than ``max_age`` seconds ago."""
+        with self._versions_lock:
+            kept = self._versions.get((family, version))
+        if kept is not None and time.monotonic() - kept[2] < self.max_age:
+            return kept[1]
+        return None
+
+    def expire(self) -> None:
+        """Ask the registry again before any kept document is used (as when max_age has passed)."""
+        with self._versions_lock:
+            for key, (tag, info, _) in self._versions.items():
+                self._versions[key] = (tag, info, float("-inf"))
+
+    def version(self, family: str, version: str, fresh: bool = False) -> VersionInfo:
+        """The version's document, asked of the registry (with the kept one's tag: a 304 is cheap);
+        with ``fresh``, a kept one confirmed within ``max_age`` seconds is used without asking."""
         key = (family, version)
+        if fresh and (info := self.fresh(family, version)) is not None:
+            return info
         with self._versions_lock:
             kept = self._versions.get(key)
+        asked = time.monotonic()
         doc, tag = self.remote.version_doc_if(family, version, kept[0] if kept else None)
         if doc is None:  # a 304: only ever the answer to the tag of a kept document
             if kept is None:
@@ -97,7 +122,7 @@ class Fetcher:
             )
         with self._versions_lock:
             if tag:
-                self._versions[key] = (tag, info)
+                self._versions[key] = (tag, info, asked)
                 self._versions.move_to_end(key)
                 while len(self._versions) > KEPT_VERSIONS:
                     self._versions.popitem(last=False)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import torch
 
@@ -12,6 +13,8 @@ from mfsreg.registry.client.remote import Closable
 from mfsreg.registry.client.torch_loader import Copier, Node, build, chunk_ids, fill, layout, target_device
 from mfsreg.registry.errors import NotFound, RegistryError
 
+IDLE_RELEASE_S = 30.0  # a model not switched for this long gives back its staging buffers (pinned memory on a GPU)
+
 
 class ResidentModel(Closable):
     """One version of a family held on ``device`` in ``.tensors``; ``verify`` as for load_tensors.
@@ -20,6 +23,10 @@ class ResidentModel(Closable):
     tensors that keep their dtype and shape, and returns the bytes copied. It caches every chunk
     before touching a tensor: a failure before that leaves the model at ``.version``; one during the
     copies leaves a mix, ``.version`` None, and the next switch refills every tensor.
+
+    On a GPU the copies go through two pinned staging buffers (64 MiB each, or the largest chunk):
+    they are given back when the model is closed or has not switched for IDLE_RELEASE_S seconds,
+    and made again by the next switch.
     """
 
     closed_note = " (its tensors stay as they are)"
@@ -34,6 +41,9 @@ class ResidentModel(Closable):
     ):
         self.device = target_device(device)  # before anything is asked of the node
         self._own = node is None
+        self._lock = threading.Lock()  # a switch, and the release of the buffers when idle
+        self._switches = 0
+        self._idle: threading.Timer | None = None
         if node is not None:
             node.check_open()
         self.node = node or Node()
@@ -47,14 +57,39 @@ class ResidentModel(Closable):
             self.close()
             raise
         self.loaded_bytes = sum(t.nbytes for t in self.tensors.values())  # the pieces tile every tensor
+        self._idle_later()
 
     def switch(self, version: str) -> int:
         self.check_open()
         self.node.check_open("this ResidentModel loads through ")
+        with self._lock:
+            self._switches += 1
+            try:
+                return self._switch(version)
+            finally:
+                self._idle_later()
+
+    def _idle_later(self) -> None:
+        """Give the staging buffers back if no switch comes within IDLE_RELEASE_S seconds."""
+        if not self.copier.staged:
+            return
+        if self._idle is not None:
+            self._idle.cancel()
+        self._idle = threading.Timer(IDLE_RELEASE_S, self._release_if_idle, args=(self._switches,))
+        self._idle.daemon = True
+        self._idle.start()
+
+    def _release_if_idle(self, seen: int) -> None:
+        with self._lock:
+            if self._switches == seen:
+                self.copier.release()
+
+    def _switch(self, version: str) -> int:
         family, before = self.family, self.version
         # what it copies is leased from its fetch to its last copy (cache eviction.py)
         with contextlib.ExitStack() as held:
             target, new, renames, realloc, todo = self._plan(version, held)
+            needed = chunk_ids({name: (None, pieces) for name, pieces in todo.items()})
             # Tensors are touched only from here on: whatever stops the switch now leaves a mix.
             self.info, self.version = None, None  # set again only once every copy has landed
             try:
@@ -74,9 +109,11 @@ class ResidentModel(Closable):
                     self.tensors,
                     todo,
                     cached=True,
+                    record=False,  # _plan's fetch recorded their use; the limit is kept below
                     outcome="the switch stopped partway",
                 )
             except RegistryError as exc:
+                evict_quietly(self.node.cache, needed)  # the limit holds after a failed switch too
                 raise _reworded(
                     exc,
                     f"switch of {family} to {version} stopped partway: {exc}; the tensors are a mix of "
@@ -84,6 +121,8 @@ class ResidentModel(Closable):
                     "version: it refills every tensor) or make a new ResidentModel",
                 ) from None
             self.info, self.version = target, version
+            if needed:
+                self.node.cache.evict(protect=needed)
             self.node.cache.record_pull(family, version)
             return copied
 
@@ -94,7 +133,7 @@ class ResidentModel(Closable):
         family, before = self.family, self.version
         target, needed = None, []
         try:
-            target = self.node.fetcher.version(family, version)
+            target = self.node.fetcher.version(family, version, fresh=True)
             # After a failed switch the tensors are in an unknown state: refill everything.
             old, new = (layout(self.info) if self.info is not None else {}), layout(target)
             renames = _renames(old, new, self.tensors)
@@ -117,8 +156,9 @@ class ResidentModel(Closable):
                 have = {(p.start, p.chunk.size, p.chunk.id) for p in prior[1]}
                 todo[name] = [p for p in pieces if (p.start, p.chunk.size, p.chunk.id) not in have]
             needed = chunk_ids({name: (None, pieces) for name, pieces in todo.items()})
-            held.enter_context(self.node.cache.leased(needed))  # until the switch's last copy
-            self.node.fetcher.ensure(family, needed, target.located, target.tiers)
+            if needed:  # (a lease makes a lock file: most of a switch that copies nothing)
+                held.enter_context(self.node.cache.leased(needed))  # until the switch's last copy
+                self.node.fetcher.ensure(family, needed, target.located, target.tiers)
         except RegistryError as exc:
             if needed:
                 evict_quietly(self.node.cache, needed)  # the limit holds after a failed switch too
@@ -138,6 +178,12 @@ class ResidentModel(Closable):
         """Close the node this model opened (one passed in stays open); the tensors stay usable, but
         no switch can be made any more."""
         self.closed = True
+        if self._idle is not None:
+            self._idle.cancel()
+        copier = getattr(self, "copier", None)  # None where the constructor failed before it
+        if copier is not None:
+            with self._lock:
+                copier.release()
         if self._own:
             self.node.close()
 

@@ -12,6 +12,7 @@ import contextlib
 import functools
 import os
 import queue
+import sys
 import threading
 from collections.abc import Generator
 from concurrent.futures import Future
@@ -22,9 +23,10 @@ import torch
 
 from mfsreg.registry.chunking import ChunkRef, chunk_id
 from mfsreg.registry.client.cache import NodeCache
-from mfsreg.registry.client.fetch import Fetcher, VersionInfo
+from mfsreg.registry.client.fetch import MAX_AGE, Fetcher, VersionInfo
 from mfsreg.registry.client.node import evict_quietly, gone_meanwhile, refetcher
 from mfsreg.registry.client.remote import Closable, RemoteRegistry
+from mfsreg.registry.config import age_from_env
 from mfsreg.registry.errors import IntegrityError, InvalidRequest, NotFound
 from mfsreg.registry.manifest import SAFETENSORS
 from mfsreg.registry.parallel import sized_batches, windowed_map
@@ -74,7 +76,15 @@ class Piece:
 
 
 def layout(info: VersionInfo) -> dict[str, tuple[TensorSpan, list[Piece]]]:
-    """tensor name -> (span, its chunks in order)."""
+    """tensor name -> (span, its chunks in order); worked out once per document (callers only read it)."""
+    kept = info.__dict__.get("_layout")
+    if kept is None:
+        kept = _layout(info)
+        object.__setattr__(info, "_layout", kept)  # a frozen dataclass: its fields stay as they are
+    return kept
+
+
+def _layout(info: VersionInfo) -> dict[str, tuple[TensorSpan, list[Piece]]]:
     out = {}
     for f in info.manifest.files:
         if f.kind != SAFETENSORS:
@@ -105,13 +115,14 @@ class Node(Closable):
         url = url or os.environ.get("MFSREG_URL")
         if not url:
             raise InvalidRequest("no registry to load from: set MFSREG_URL or pass url=")
+        max_age = age_from_env("MFSREG_VERSION_MAX_AGE", MAX_AGE)  # refused before anything is opened
         self.remote = RemoteRegistry(url, token=token or os.environ.get("MFSREG_TOKEN") or None)
         try:
             self.cache = NodeCache(cache_dir)
         except BaseException:
             self.remote.close()
             raise
-        self.fetcher = Fetcher(self.remote, self.cache)
+        self.fetcher = Fetcher(self.remote, self.cache, max_age=max_age)
 
     def close(self) -> None:
         self.closed = True
@@ -164,12 +175,15 @@ class Copier:
         self.device = device
         self.pool = pool  # CPU: pieces are read on several threads (file reads and xxh3 release the GIL)
         self.cuda = device.type == "cuda"
+        # GPU: chunks are read and checked into a staging buffer, then copied on a stream of their
+        # own. (A CPU copier may be made ``staged`` too: the same reads, checks and refetches into
+        # plain buffers, copied in place of the device; tests use it where no GPU is lent.)
+        self.staged = self.cuda
         if self.cuda:
             self.stream = torch.cuda.Stream(device=device)
-            self.stages = [torch.empty(STAGE_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
-            self.events: list = [None, None]
-            self.cur = 0
-            self.used = 0
+        self.stages: list[torch.Tensor] | None = None  # two buffers, made at the first staged copy
+        self.events: list = [None, None]  # per buffer: its copies' completion (a blocking event)
+        self.cur = 0
 
     @property
     def maps_unchecked(self) -> bool:
@@ -203,11 +217,8 @@ class Copier:
         See docs/design/node-cache.md."""
         work = [(t, pieces) for t, pieces in work if pieces]
         total = sum(p.chunk.size for _, pieces in work for p in pieces)
-        if self.cuda:
-            for tensor, pieces in work:
-                flat = _bytes_of(tensor)
-                for p in pieces:
-                    self._stage(flat, p)
+        if self.staged:
+            self._copy_staged(work)
             return total
         # (placer of one tensor, piece): read, or mapped and checked; (placer, bytes, region, piece): mapped unchecked
         jobs, maps = [], []
@@ -247,10 +258,12 @@ class Copier:
         if failed:
             # Fetched again here, on the calling thread, never on a pool thread: a fetch decodes on
             # that same pool, and with every pool thread waiting for it, it would never run.
-            self._renew([p.chunk for _, p in failed])
-            for place, p in failed:
-                if not place(p):
-                    raise self.cache.failed_again(p.chunk.id)
+            # leased until they are in place: another process's eviction passes them over
+            with self.cache.leased([p.chunk.id for _, p in failed]):
+                self._renew([p.chunk for _, p in failed])
+                for place, p in failed:
+                    if not place(p):
+                        raise self.cache.failed_again(p.chunk.id)
         return total
 
     def _place(self, arr, region, p: Piece) -> bool:
@@ -261,22 +274,61 @@ class Copier:
                 return self._intact(p.chunk, view)
         return self._read(p.chunk, memoryview(arr[p.start : p.start + p.chunk.size]))
 
-    def _stage(self, flat: torch.Tensor, p: Piece) -> None:
-        """GPU: read one chunk into a pinned staging buffer, check it, and queue its copy."""
-        n = p.chunk.size
-        if n > self.stages[0].numel():
-            self._grow_stages(n)
-        if self.used + n > self.stages[self.cur].numel():
-            self._next_stage()
+    def _copy_staged(self, work: list[tuple[torch.Tensor, list[Piece]]]) -> None:
+        """GPU: the pieces read and checked into one staging buffer at a time (on the pool), the
+        chunks that fail fetched again in one go per buffer, then the buffer's copies queued on the
+        copier's stream while the next buffer fills."""
+        items = [(_bytes_of(t), p) for t, pieces in work for p in pieces]
+        biggest = max(p.chunk.size for _, p in items)
+        if self.stages is None or biggest > self.stages[0].numel():
+            self._make_stages(max(STAGE_BYTES, biggest))
+        assert self.stages is not None
+        room = self.stages[0].numel()
+        batch: list[tuple[torch.Tensor, Piece, int]] = []
+        used = 0
+        for flat, p in items:
+            if used + p.chunk.size > room:
+                self._stage_batch(batch)
+                batch, used = [], 0
+            batch.append((flat, p, used))
+            used += p.chunk.size
+        if batch:
+            self._stage_batch(batch)
+
+    def _stage_batch(self, batch: list[tuple[torch.Tensor, Piece, int]]) -> None:
+        assert self.stages is not None
+        if self.events[self.cur] is not None:
+            self.events[self.cur].synchronize()  # the buffer's last copies have landed: refill it
+            self.events[self.cur] = None
         stage = self.stages[self.cur]
-        view = stage[self.used : self.used + n].numpy().data
-        if not self._read(p.chunk, view):
-            self._renew([p.chunk])
-            if not self._read(p.chunk, view):
-                raise self.cache.failed_again(p.chunk.id)
-        with torch.cuda.stream(self.stream):
-            flat[p.start : p.start + n].copy_(stage[self.used : self.used + n], non_blocking=True)
-        self.used += n
+
+        def read(item) -> bool:
+            _, p, off = item
+            return self._read(p.chunk, stage[off : off + p.chunk.size].numpy().data)
+
+        def read_run(run: list) -> list:
+            return [item for item in run if not read(item)]
+
+        if self.pool is not None and len(batch) > 1:
+            runs = [batch[i : i + PIECES_PER_TASK] for i in range(0, len(batch), PIECES_PER_TASK)]
+            failed = [item for bad in windowed_map(self.pool, read_run, runs) for item in bad]
+        else:
+            failed = read_run(batch)
+        if failed:  # fetched again here, on the calling thread (see copy_many), all in one go
+            with self.cache.leased([p.chunk.id for _, p, _ in failed]):  # as in copy_many
+                self._renew([p.chunk for _, p, _ in failed])
+                for item in failed:
+                    if not read(item):
+                        raise self.cache.failed_again(item[1].chunk.id)
+        with torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext():
+            for flat, p, off in batch:
+                n = p.chunk.size
+                flat[p.start : p.start + n].copy_(stage[off : off + n], non_blocking=self.cuda)
+        if self.cuda:
+            ev = torch.cuda.Event(blocking=True)  # waited on by sleeping, not by spinning a core
+            ev.record(self.stream)
+            self.events[self.cur] = ev
+        self.cur ^= 1
 
     def _read(self, chunk: ChunkRef, view: memoryview) -> bool:
         """Read a cached chunk into ``view``; False if its file is missing, short or does not match its id."""
@@ -297,21 +349,11 @@ class Copier:
             )
         self.refetch(ids)
 
-    def _grow_stages(self, n: int) -> None:
-        """Staging buffers that each hold a chunk of ``n`` bytes: a family may be cut in chunks up to
-        256 MiB, over STAGE_BYTES. Reallocated once every copy from the old ones has landed."""
-        self.stream.synchronize()
-        self.stages = [torch.empty(n, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
-        self.events, self.cur, self.used = [None, None], 0, 0
-
-    def _next_stage(self) -> None:
-        ev = torch.cuda.Event()
-        ev.record(self.stream)
-        self.events[self.cur] = ev
-        self.cur ^= 1
-        self.used = 0
-        if self.events[self.cur] is not None:
-            self.events[self.cur].synchronize()  # its copies are done: the buffer may be refilled
+    def _make_stages(self, n: int) -> None:
+        """Two staging buffers of ``n`` bytes each (pinned on a GPU): a family may be cut in chunks up
+        to 256 MiB, over STAGE_BYTES. Made again only once every copy from the old ones has landed."""
+        self.release()
+        self.stages = [torch.empty(n, dtype=torch.uint8, pin_memory=self.cuda) for _ in range(2)]
 
     def begin(self) -> None:
         """Copies must not overtake work already queued on the current stream (say, kernels still
@@ -320,8 +362,19 @@ class Copier:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
 
     def finish(self) -> None:
+        """Wait until every queued copy has landed (sleeping on a blocking event)."""
         if self.cuda:
-            self.stream.synchronize()
+            ev = torch.cuda.Event(blocking=True)
+            ev.record(self.stream)
+            ev.synchronize()
+        self.events, self.cur = [None, None], 0
+
+    def release(self) -> None:
+        """Free the staging buffers (pinned memory on a GPU) once their copies have landed; the next
+        staged copy makes them again."""
+        if self.stages is not None:
+            self.finish()
+            self.stages = None
 
 
 def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
@@ -331,8 +384,8 @@ def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
 
 def _fetch_ahead(fetcher: Fetcher, info: VersionInfo, groups: list[list[str]]) -> Generator[int, None, None]:
     """Yield group indexes as their chunks land in the cache; fetching runs on a background thread.
-    Closed early (a copy failed), the generator tells that thread to stop: batches not yet started
-    are dropped, and it no longer waits to hand over what it fetched."""
+    Closed early (a copy failed), the generator tells that thread to stop and waits for it: batches
+    not yet started are dropped, the one in flight ends, and nothing is handed over any more."""
     done: queue.Queue = queue.Queue(maxsize=2)
     stop = threading.Event()
 
@@ -363,8 +416,10 @@ def _fetch_ahead(fetcher: Fetcher, info: VersionInfo, groups: list[list[str]]) -
                 raise item
             yield item
     finally:
+        # Also when closed early: the batch in flight ends (the fetch stops at the next one) before
+        # the caller's lease on these chunks goes, so nothing lands in the cache unleased after it.
         stop.set()
-    t.join()
+        t.join()
 
 
 def chunk_ids(lay: dict) -> list[str]:
@@ -391,15 +446,17 @@ def fill(
     (default: fetch them on ``info``'s word). ``outcome``: what a failure leaves, said where the
     version was deleted meanwhile."""
     names = [n for n in todo if todo[n]]
-    groups = list(sized_batches(names, lambda name: lay[name][0].nbytes, FETCH_AHEAD_BYTES))
-    chunk_groups = [list(dict.fromkeys(p.chunk.id for n in g for p in todo[n])) for g in groups]
-    needed = list(dict.fromkeys(i for g in chunk_groups for i in g))
+    needed = list(dict.fromkeys(p.chunk.id for n in names for p in todo[n]))
+    have: set[str] = set()  # where ``cached`` is False: taken as none
+    if cached is None:
+        have = {i for i in needed if node.cache.has(i)}
+        cached = len(have) == len(needed)
     copied = 0
     copier.refetch = refetch or refetcher(node.fetcher, info)
     copier.begin()
     done = False
     try:
-        if cached if cached is not None else all(node.cache.has(i) for i in needed):
+        if cached:
             # All cached (a warm node): nothing to fetch ahead, and a fetch thread would only take
             # turns with the copies for the interpreter (a warm, unchecked load of 1.16 GB about
             # 1.2x as slow). (A chunk evicted meanwhile by another process is refetched by the copier.)
@@ -407,6 +464,8 @@ def fill(
                 node.fetcher.note_used(info.family, needed, info.located, info.tiers)
             copied = copier.copy_many([(targets[name], todo[name]) for name in names])
         else:
+            groups = _fetch_groups(names, todo, have)
+            chunk_groups = [list(dict.fromkeys(p.chunk.id for n in g for p in todo[n])) for g in groups]
             # leased while they are fetched and copied: another process's eviction passes them over
             # (cache eviction.py). Not above: a warm load's copies take milliseconds, and a chunk
             # evicted under them is fetched again by the copier.
@@ -420,12 +479,47 @@ def fill(
     except NotFound as exc:  # the server's "not part of family", where the version went meanwhile
         raise gone_meanwhile(node.fetcher, info, exc, "loaded", outcome) from None
     finally:
-        copier.finish()  # also after a failure: no copy may still be queued into tensors being freed
+        # also after a failure: no copy may still be queued into tensors being freed; an error of its
+        # own then must not hide the failure that stopped the load (it is noted on it instead)
+        _finish(copier, failing=not done)
         if record and not done:
             evict_quietly(node.cache, needed)  # the limit holds after a failed load too
     if record:
         node.cache.evict(protect=needed)
     return copied
+
+
+def _fetch_groups(names: list[str], todo: dict[str, list[Piece]], have: set[str]) -> list[list[str]]:
+    """The tensors in the order the fetch-ahead brings them: first those whose chunks are all cached
+    (copied while the first fetch runs), then the others in runs of FETCH_AHEAD_BYTES of chunks to
+    fetch. Cut by the bytes to fetch, not the tensors' sizes: a member with the base cached fetches
+    its few changed chunks in one go, every request of it at once, instead of a few per run of
+    128 MB of tensors, one run after another (0.8 s against 0.5 for lora-chat's 105 MB of 1.16 GB)."""
+    ready = [n for n in names if all(p.chunk.id in have for p in todo[n])]
+    taken = set(ready)
+    rest = [n for n in names if n not in taken]
+    counted: set[str] = set(have)
+
+    def to_fetch(name: str) -> int:
+        new = {p.chunk.id: p.chunk.size for p in todo[name] if p.chunk.id not in counted}
+        counted.update(new)
+        return sum(new.values())
+
+    return ([ready] if ready else []) + list(sized_batches(rest, to_fetch, FETCH_AHEAD_BYTES))
+
+
+def _finish(copier: Copier, failing: bool) -> None:
+    """``copier.finish()``; where a failure is already on its way out, an error of the finish is
+    added to it as a note rather than raised in its place."""
+    if not failing:
+        copier.finish()
+        return
+    exc = sys.exc_info()[1]
+    try:
+        copier.finish()
+    except Exception as late:
+        if exc is not None:
+            exc.add_note(f"then waiting for the copies already queued failed too: {late}")
 
 
 def _in_background(fn, *args) -> Future:
@@ -451,6 +545,9 @@ def build(node: Node, family: str, version: str, copier: Copier) -> tuple[Versio
     come. They are built again from the answer where it names other bytes, or where the build
     failed and the answer is new or chunks must be fetched again; an error in the answer is raised.
     See docs/design/node-cache.md."""
+    fresh = node.fetcher.fresh(family, version)
+    if fresh is not None:  # confirmed by the registry within MFSREG_VERSION_MAX_AGE: no question to ask
+        return fresh, _from(node, fresh, layout(fresh), copier, cached=True if copier.maps_unchecked else None)
     kept = node.fetcher.kept(family, version)
     lay = layout(kept) if kept is not None else {}
     ids = chunk_ids(lay)
@@ -532,7 +629,10 @@ def load_tensors(
     try:
         node.check_open()
         copier = Copier(node.cache, device, node.remote.pool, verify)
-        _, tensors = build(node, family, version, copier)
+        try:
+            _, tensors = build(node, family, version, copier)
+        finally:
+            copier.release()  # its staging buffers (pinned memory on a GPU) go with the load
         node.cache.record_pull(family, version)
         return tensors
     finally:
