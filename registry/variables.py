@@ -93,7 +93,7 @@ VARIABLES: tuple[Variable, ...] = (
     ),
     Variable(
         "MFSREG_VERSION_MAX_AGE",
-        "2",
+        "30",
         "node",
         "Seconds a node's loads and switches trust a version document the registry confirmed, before "
         "asking again (`0`: ask every time). A version deleted meanwhile can still be loaded from the "

@@ -279,7 +279,7 @@ def test_a_document_confirmed_within_its_max_age_is_used_without_asking(publishe
     node = Node(env["MFSREG_URL"], env["MFSREG_TOKEN"], env["MFSREG_CACHE_DIR"])
     model = ResidentModel("fam", "base", node=node)
     try:
-        assert node.fetcher.max_age == 2.0  # the default
+        assert node.fetcher.max_age == 30.0  # the default
         node.fetcher.max_age = 3600.0  # a slow test machine must not see the window pass
         model.switch("lora-chat")
         model.switch("base")
@@ -2701,6 +2701,16 @@ def test_cache_sizes_take_terabytes_and_say_what_a_size_is(tmp_path):
     assert proc.returncode == 2 and "1 byte or more" in proc.stderr and "T" in proc.stderr, proc.stderr
 
 
+def _fill_all(node: Node, info, copier: Copier, refetch, **kwargs) -> dict[str, torch.Tensor]:
+    """Every tensor of ``info`` put in place by fill() from the cache, ``refetch`` called for chunks
+    to fetch again."""
+    lay = layout(info)
+    targets = {n: copier.empty(span) for n, (span, _) in lay.items()}
+    todo = {n: pieces for n, (_, pieces) in lay.items()}
+    fill(node, info, lay, copier, targets, todo, cached=True, refetch=refetch, **kwargs)
+    return targets
+
+
 def _staged(node: Node, verify: bool = True) -> Copier:
     """A CPU copier that takes the GPU's way (staging buffers, pooled reads, refetch per buffer):
     its logic runs here, where no GPU is lent; only the stream and its events are left out."""
@@ -2733,10 +2743,7 @@ def test_the_staged_copy_of_the_gpu_path_loads_exactly_and_refetches_in_one_go(p
         _equal_to_file(tensors, fam["lora-chat"])
         # the same again, counting the refetches: one per buffer that met damage, not one per chunk
         _damage(env, ids[1], ids[2])
-        lay = layout(info)
-        targets = {name: torch.empty(span.shape, dtype=Copier.empty_dtype(span)) for name, (span, _) in lay.items()}
-        todo = {name: pieces for name, (_, pieces) in lay.items()}
-        fill(node, info, lay, copier, targets, todo, cached=True, refetch=lambda i: (calls.append(list(i)), real(i)))
+        targets = _fill_all(node, info, copier, lambda i: (calls.append(list(i)), real(i)))
         _equal_to_file(targets, fam["lora-chat"])
         assert sorted(i for c in calls for i in c) == sorted(ids[1:3]) and len(calls) <= 2, calls
         copier.release()
@@ -2756,8 +2763,7 @@ def test_a_failure_to_wait_for_queued_copies_does_not_hide_the_error_that_stoppe
     try:
         load_tensors("fam", "base", node=node)
         info = node.fetcher.version("fam", "base")
-        lay = layout(info)
-        ids = chunk_ids(lay)
+        ids = chunk_ids(layout(info))
         _damage(env, ids[0], ids[1])
         copier = _staged(node)
 
@@ -2769,18 +2775,8 @@ def test_a_failure_to_wait_for_queued_copies_does_not_hide_the_error_that_stoppe
         def registry_down(chunk_ids):
             raise StorageError("the registry is unreachable")
 
-        targets = {name: torch.empty(span.shape, dtype=Copier.empty_dtype(span)) for name, (span, _) in lay.items()}
         with pytest.raises(StorageError, match="unreachable") as caught:
-            fill(
-                node,
-                info,
-                lay,
-                copier,
-                targets,
-                {n: p for n, (_, p) in lay.items()},
-                cached=True,
-                refetch=registry_down,
-            )
+            _fill_all(node, info, copier, registry_down)
         assert any("illegal memory access" in n for n in getattr(caught.value, "__notes__", []))
     finally:
         node.close()
@@ -2822,9 +2818,7 @@ def test_a_refetch_racing_another_process_eviction_ends_with_the_chunk_present(p
     try:
         load_tensors("fam", "lora-chat", node=node)
         info = node.fetcher.version("fam", "lora-chat")
-        lay = layout(info)
-        ids = chunk_ids(lay)
-        victims = ids[:3]
+        victims = chunk_ids(layout(info))[:3]
         for i in victims:
             os.unlink(_cache_file(env, i))
         real = refetcher(node.fetcher, info)
@@ -2835,18 +2829,7 @@ def test_a_refetch_racing_another_process_eviction_ends_with_the_chunk_present(p
             evicted.append(other.evict(max_bytes=0))  # everything not leased goes
 
         copier = Copier(node.cache, torch.device("cpu"), node.remote.pool, True)
-        targets = {n: copier.empty(span) for n, (span, _) in lay.items()}
-        fill(
-            node,
-            info,
-            lay,
-            copier,
-            targets,
-            {n: p for n, (_, p) in lay.items()},
-            cached=True,
-            record=False,
-            refetch=refetch_then_evicted,
-        )
+        targets = _fill_all(node, info, copier, refetch_then_evicted, record=False)
         assert evicted and evicted[0][0] > 0  # the eviction ran, and took what was not leased
         _equal_to_file(targets, fam["lora-chat"])
         assert all(node.cache.has(i) for i in victims)
@@ -2908,3 +2891,56 @@ def test_files_a_killed_eviction_left_aside_go_at_the_next(tmp_path):
         assert not left.exists() and not cache.has(chunk_id(data))
     finally:
         cache.close()
+
+
+requires_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device: torch.cuda.is_available() is False"
+)
+
+
+@pytest.mark.parametrize("verify", [True, False])
+@pytest.mark.cuda
+@requires_cuda
+def test_cuda_load_and_switch_equal_the_files(published, fam, verify, monkeypatch):
+    """On a GPU: load_tensors and a ResidentModel's switches hold exactly the files' tensors, through
+    staging buffers smaller than the model (several fill in turn), and give the buffers back."""
+    import mfsreg.registry.client.torch_loader as tl
+
+    _, env = published
+    monkeypatch.setattr(tl, "STAGE_BYTES", 64 << 10)
+    node = Node(env["MFSREG_URL"], env["MFSREG_TOKEN"], env["MFSREG_CACHE_DIR"])
+    try:
+        got = load_tensors("fam", "lora-chat", device="cuda", node=node, verify=verify)
+        assert all(t.device.type == "cuda" for t in got.values())
+        _equal_to_file({n: t.cpu() for n, t in got.items()}, fam["lora-chat"])
+        model = ResidentModel("fam", "base", device="cuda", node=node, verify=verify)
+        try:
+            ptrs = {n: t.data_ptr() for n, t in model.tensors.items()}
+            for target in ("lora-chat", "vocab-ext", "base"):
+                model.switch(target)
+                _equal_to_file({n: t.cpu() for n, t in model.tensors.items()}, fam[target])
+            assert (
+                model.tensors["model.layers.0.self_attn.q_proj.weight"].data_ptr()
+                == ptrs["model.layers.0.self_attn.q_proj.weight"]
+            )
+            assert model.copier.stages is not None
+        finally:
+            model.close()
+        assert model.copier.stages is None
+    finally:
+        node.close()
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_cuda_a_damaged_chunk_is_fetched_again_on_the_gpu_path(published, fam):
+    _, env = published
+    node = Node(env["MFSREG_URL"], env["MFSREG_TOKEN"], env["MFSREG_CACHE_DIR"])
+    try:
+        load_tensors("fam", "base", node=node)
+        ids = chunk_ids(layout(node.fetcher.version("fam", "base")))
+        _damage(env, ids[0], ids[-1])
+        got = load_tensors("fam", "base", device="cuda", node=node)
+        _equal_to_file({n: t.cpu() for n, t in got.items()}, fam["base"])
+    finally:
+        node.close()

@@ -27,7 +27,7 @@ from mfsreg.registry.rebuild import decode_batch
 
 BATCH_BYTES = 32 << 20  # raw bytes per request: several requests run at once
 KEPT_VERSIONS = 16  # version documents a fetcher keeps (a 7B model's lists about 7,000 chunks at 2 MiB)
-MAX_AGE = 2.0  # seconds a confirmed document is trusted without asking (MFSREG_VERSION_MAX_AGE)
+MAX_AGE = 30.0  # seconds a confirmed document is trusted without asking (MFSREG_VERSION_MAX_AGE)
 
 
 class FetchCancelled(Exception):

@@ -86,7 +86,7 @@ class ResidentModel(Closable):
 
     def _switch(self, version: str) -> int:
         family, before = self.family, self.version
-        # what it copies is leased from its fetch to its last copy (cache eviction.py)
+        # what it fetches is leased from its fetch to its last copy (cache eviction.py)
         with contextlib.ExitStack() as held:
             target, new, renames, realloc, todo = self._plan(version, held)
             needed = chunk_ids({name: (None, pieces) for name, pieces in todo.items()})
@@ -156,9 +156,14 @@ class ResidentModel(Closable):
                 have = {(p.start, p.chunk.size, p.chunk.id) for p in prior[1]}
                 todo[name] = [p for p in pieces if (p.start, p.chunk.size, p.chunk.id) not in have]
             needed = chunk_ids({name: (None, pieces) for name, pieces in todo.items()})
-            if needed:  # (a lease makes a lock file: most of a switch that copies nothing)
+            if any(not self.node.cache.has(i) for i in needed):
                 held.enter_context(self.node.cache.leased(needed))  # until the switch's last copy
                 self.node.fetcher.ensure(family, needed, target.located, target.tiers)
+            elif needed:
+                # All cached: copied in milliseconds, with no lease (its lock file and rows cost
+                # more than a small switch), as a load of cached chunks; a chunk another process
+                # evicts meanwhile is fetched again by the copier, leased then.
+                self.node.fetcher.note_used(family, needed, target.located, target.tiers)
         except RegistryError as exc:
             if needed:
                 evict_quietly(self.node.cache, needed)  # the limit holds after a failed switch too
