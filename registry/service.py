@@ -428,11 +428,21 @@ def check_packs(reg, chunks: list[StoredChunk]) -> None:
         )
 
 
+EAGER_BYTES = 8 << 20  # a batch of at most this many stored bytes is read whole before it is sent
+
+
 def stream_chunks(reg, chunks: list[StoredChunk]) -> Iterator[bytes]:
-    """The batch as the wire sends it (registry/wire.py), once check_packs has found its packs whole.
-    A pack that disappears while the stream runs can still only break it off."""
-    check_packs(reg, chunks)
-    payloads = reg.read_payloads(chunks)
+    """The batch as the wire sends it (registry/wire.py), its packs found whole first: a lost or cut
+    pack is answered with an error the client can show, not a stream that breaks off halfway. A
+    small batch (EAGER_BYTES) is read whole before the answer starts, which finds that too, and
+    saves the size lookups (a HEAD per pack on S3: 7-10 ms of a 30 ms batch of a node's few changed
+    chunks, measured on moto); a bigger one is checked by check_packs and then streamed. A pack
+    that disappears while a stream runs can still only break it off."""
+    if sum(c.stored_size for c in chunks) <= EAGER_BYTES:
+        payloads: Iterator | list = _read_whole(reg, chunks)
+    else:
+        check_packs(reg, chunks)
+        payloads = reg.read_payloads(chunks)
 
     def stream() -> Iterator[bytes]:
         yield encode_index(Entry(c.id, c.size, c.encoding, c.stored_size, c.basis_id) for c in chunks)
@@ -440,6 +450,20 @@ def stream_chunks(reg, chunks: list[StoredChunk]) -> Iterator[bytes]:
             yield bytes(payload)
 
     return stream()
+
+
+def _read_whole(reg, chunks: list[StoredChunk]) -> list:
+    """Every payload of ``chunks``, read now; a pack missing or cut short raises check_packs' error."""
+    try:
+        got = list(reg.read_payloads(chunks))
+        if all(len(p) == c.stored_size for c, p in got):
+            return got
+    except NotFound:
+        pass
+    check_packs(reg, chunks)  # says which pack is lost, in the public words
+    raise StorageError(
+        "the registry's storage answered with fewer bytes than a pack holds: tell the registry's operator"
+    )
 
 
 def version_doc(reg, family: str, version: str, if_none_match: str | None = None) -> tuple[dict | None, str]:
