@@ -11,6 +11,11 @@ each chunk against its id; the anchors read every byte after `load_file` (xxh3-6
 tensor's bytes on the CPU, the fastest whole read at hand; on a GPU the copy itself reads them).
 Medians of --runs, anchors timed in the same run:
 
+Every timed step starts with no dirty pages (os.sync() after the untimed set-up before it): on
+this VM, writeback of a gigabyte an earlier step wrote (moto's objects, a warmed cache, a
+download) throttled the next step's writes tenfold (105 MB of chunk files in 0.26-0.33 s against
+0.03 s), whichever side of a ratio it fell on.
+
 - **new member, base cached:** a fresh node cache warmed with the base tier (untimed), a fresh
   `Node`, then `load_tensors(member)` until ready, beside (a) one `get_object` of the member's file
   streamed to local disk, then `load_file` and every byte read (an engine that downloads files) and
@@ -116,6 +121,7 @@ class Bench:
         for m in MEMBERS:
             self.stack.s3.upload_file(str(self.paths[m]), self.bucket, m, Config=TransferConfig())
         prewarm(self.paths.values())
+        os.sync()
         return pushed
 
     # -- anchors ------------------------------------------------------------------------------
@@ -130,6 +136,7 @@ class Bench:
     def download_ready(self, member: str) -> dict:
         dest = self.work / f"downloaded-{member}.safetensors"
         try:
+            os.sync()  # no dirty pages from earlier steps (see the module's doc)
             t0 = time.perf_counter()
             self._download(member, dest)
             t1 = time.perf_counter()
@@ -166,6 +173,7 @@ class Bench:
                 cache.close()
             node = self.node(cache_dir)
             try:
+                os.sync()  # the warm's writes are flushed, as the download's are (see download_ready)
                 t0 = time.perf_counter()
                 tensors = load_tensors(self.family, member, device=self.device, node=node)
                 _sync(self.device)
@@ -231,15 +239,18 @@ class Bench:
         weights = [1 / (k + 1) ** ZIPF_S for k in range(len(order))]
         seq = random.Random(TRACE_SEED + 1).choices(order, weights=weights, k=requests)
         out = {"order": order, "requests": requests, "distinct": len(set(seq)), "sequence": seq}
-        out["switch"] = self._trace_switch(seq, warm_base=True)
-        gc.collect()
-        out["switch_cold"] = self._trace_switch(seq, warm_base=False)
-        gc.collect()
-        out["switch_unverified"] = self._trace_switch(seq, warm_base=True, verify=False)
-        gc.collect()
-        out["reload_local"] = self._trace_reload(seq, download=False)
-        gc.collect()
-        out["download_on_miss"] = self._trace_reload(seq, download=True)
+        os.sync()
+        ways = {
+            "switch": lambda: self._trace_switch(seq, warm_base=True),
+            "switch_cold": lambda: self._trace_switch(seq, warm_base=False),
+            "switch_unverified": lambda: self._trace_switch(seq, warm_base=True, verify=False),
+            "reload_local": lambda: self._trace_reload(seq, download=False),
+            "download_on_miss": lambda: self._trace_reload(seq, download=True),
+        }
+        for way, run in ways.items():
+            gc.collect()
+            os.sync()
+            out[way] = run()
         return out
 
     def _trace_switch(self, seq: list[str], warm_base: bool, verify: bool = True) -> dict:
@@ -257,6 +268,7 @@ class Bench:
             warm_cache(
                 RemoteRegistry(self.stack.api_url, token=self.stack.token), self.family, "base", cache=node.cache
             )
+            os.sync()
         waits, moved, fetched = [], 0, 0
         rm = None
         try:

@@ -469,12 +469,18 @@ def fill(
             # leased while they are fetched and copied: another process's eviction passes them over
             # (cache eviction.py). Not above: a warm load's copies take milliseconds, and a chunk
             # evicted under them is fetched again by the copier.
+            # the tensors already cached (the first group, if any) are copied here at once, while
+            # the thread fetches the rest: it starts on what is missing, not on their bookkeeping
+            first = 1 if groups and all(i in have for i in chunk_groups[0]) else 0
             with (
                 node.cache.leased(needed),
-                contextlib.closing(_fetch_ahead(node.fetcher, info, chunk_groups)) as landed,
+                contextlib.closing(_fetch_ahead(node.fetcher, info, chunk_groups[first:])) as landed,
             ):
+                if first:
+                    node.fetcher.note_used(info.family, chunk_groups[0], info.located, info.tiers)
+                    copied += copier.copy_many([(targets[name], todo[name]) for name in groups[0]])
                 for k in landed:
-                    copied += copier.copy_many([(targets[name], todo[name]) for name in groups[k]])
+                    copied += copier.copy_many([(targets[name], todo[name]) for name in groups[first + k]])
         done = True
     except NotFound as exc:  # the server's "not part of family", where the version went meanwhile
         raise gone_meanwhile(node.fetcher, info, exc, "loaded", outcome) from None
