@@ -206,16 +206,21 @@ def _s3_settings(env: dict, endpoint_url: str | None) -> tuple[dict, dict]:
     return values, errors
 
 
-def _seconds(env: dict, name: str, default: float) -> float:
-    """A timeout: seconds, or with a suffix s/m/h ('20', '20s', '2m'); more than zero."""
+def _seconds(env: Mapping[str, str], name: str, default: float, zero: bool = False) -> float:
+    """A duration: seconds, or with a suffix s/m/h ('20', '20s', '2m'), at most a day; more than
+    zero (a timeout), or with ``zero`` zero too (a freshness window: 0 trusts nothing)."""
     raw = env.get(name, "").strip()
     if not raw:
         return default
     try:
         value = parse_duration(raw)
     except ValueError:
-        value = 0.0
-    if not 0 < value <= 86400:
+        value = -1.0
+    if not (0 <= value if zero else 0 < value) or value > 86400:
+        if zero:
+            raise InvalidRequest(
+                f"{name}={env[name]!r} is not a number of seconds: give 0 to 86400, e.g. {default:g} or 0"
+            )
         raise InvalidRequest(
             f"{name}={env[name]!r} is not a timeout: give seconds over zero (at most a day), "
             f"e.g. {default:g} or {default:g}s"
@@ -248,21 +253,9 @@ def _flag(env: dict, name: str, default: bool) -> bool:
     raise InvalidRequest(f"{name}={env[name]!r} is not a yes/no setting: use 1 or 0 (true/false, yes/no, on/off)")
 
 
-def age_from_env(name: str, default: float, env: dict | None = None) -> float:
-    """A freshness window: seconds, or with a suffix s/m/h; zero allowed (never trust, always ask)."""
-    values: Mapping[str, str] = os.environ if env is None else env
-    raw = values.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        value = parse_duration(raw)
-    except ValueError:
-        value = -1.0
-    if not 0 <= value <= 86400:
-        raise InvalidRequest(
-            f"{name}={values[name]!r} is not a number of seconds: give 0 to 86400, e.g. {default:g} or 0"
-        )
-    return value
+def age_from_env(name: str, default: float, env: Mapping[str, str] | None = None) -> float:
+    """A freshness window from the environment: seconds, or with a suffix s/m/h; zero allowed."""
+    return _seconds(os.environ if env is None else env, name, default, zero=True)
 
 
 def size_from_env(name: str, default: _Default, env: dict | None = None) -> int | _Default:
