@@ -92,7 +92,9 @@ class CheckedFile:
     """A file written at its chunks' offsets under a temp name beside ``dest``, sized up front.
     Each finished stretch goes to writeback and to a check on ``pool`` (``finished``); ``commit``
     syncs the file and renames it into place (or hands it to a ``Placing`` to be renamed with the
-    pull's other files); leaving the ``with`` block otherwise removes it, once no check still reads it."""
+    pull's other files); leaving the ``with`` block otherwise removes it, once no check still reads it.
+    The temp file is made as the block is entered, not when the object is: a SIGTERM (raised as
+    KeyboardInterrupt) landing between the two left a file no ``__exit__`` would remove."""
 
     def __init__(self, dest: Path, size: int, pool: Executor, mode: int | None = None):
         dest.parent.mkdir(parents=True, exist_ok=True)
@@ -115,12 +117,7 @@ class CheckedFile:
             else None
         )
         self.fd = -1
-        try:  # from the open: a SIGTERM's KeyboardInterrupt lands the moment the file appears
-            self.fd = create_beside(self.tmp, dest, os.O_RDWR)
-            os.ftruncate(self.fd, size)  # checks map finished stretches while later ones are written
-        except BaseException:
-            self.close()
-            raise
+        self.size = size
 
     def start_writeback(self, batch: list[ChunkRef]) -> None:
         """Writeback of a written stretch started, on the file's writeback thread where it has one."""
@@ -171,6 +168,12 @@ class CheckedFile:
             self.tmp.unlink(missing_ok=True)
 
     def __enter__(self) -> CheckedFile:
+        try:  # from the open: a SIGTERM's KeyboardInterrupt lands the moment the file appears
+            self.fd = create_beside(self.tmp, self.dest, os.O_RDWR)
+            os.ftruncate(self.fd, self.size)  # checks map finished stretches while later ones are written
+        except BaseException:
+            self.close()
+            raise
         return self
 
     def __exit__(self, *exc) -> None:
