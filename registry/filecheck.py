@@ -94,7 +94,8 @@ class CheckedFile:
     syncs the file and renames it into place (or hands it to a ``Placing`` to be renamed with the
     pull's other files); leaving the ``with`` block otherwise removes it, once no check still reads it.
     The temp file is made as the block is entered, not when the object is: a SIGTERM (raised as
-    KeyboardInterrupt) landing between the two left a file no ``__exit__`` would remove."""
+    KeyboardInterrupt) is checked for as ``__enter__`` starts, and landing there it left a file no
+    ``__exit__`` would remove."""
 
     def __init__(self, dest: Path, size: int, pool: Executor, mode: int | None = None):
         dest.parent.mkdir(parents=True, exist_ok=True)

@@ -74,7 +74,9 @@ def _write_file(
     if entry.size >= DIRECT_MIN_BYTES and direct_writes():
         direct = DirectFile.open(dest, entry.size, mode)
         if direct is not None:
-            with direct:
+            # try/finally rather than `with`: a SIGTERM (raised as KeyboardInterrupt) is checked for
+            # as __enter__ starts, where no __exit__ would remove the temp file open() made
+            try:
                 _place_all(
                     chunks,
                     lambda c: _from_cache(cache, c, lambda src: _stage_checked(direct, c, src)),
@@ -85,6 +87,8 @@ def _write_file(
                     progress,
                 )
                 direct.commit(placing)
+            finally:
+                direct.close()
             return
     with CheckedFile(dest, entry.size, pool, mode) as out:
         buf = bytearray(max((c.size for c in chunks), default=0))  # one chunk at a time: it stays in the CPU's cache
