@@ -69,8 +69,18 @@ def sweep_beside(dest: Path) -> None:
         return
     for name in names:
         path = dest.parent / name
-        if stat.S_ISREG(path.lstat().st_mode) and not held(path):
+        if abandoned(path) is not None:
             path.unlink(missing_ok=True)
+
+
+def abandoned(path: Path) -> os.stat_result | None:
+    """The stat of ``path`` if it is a plain file that no live writer holds (``hold``): a temp file
+    a killed writer left. None otherwise, or where it is gone already (its writer renamed it)."""
+    try:
+        st = path.lstat()
+    except FileNotFoundError:
+        return None
+    return st if stat.S_ISREG(st.st_mode) and not held(path) else None
 
 
 def sync_dir(dirpath: str | os.PathLike) -> None:

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import errno
 import os
-import stat
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from mfsreg.registry.blobs.base import BlobStore, Leftover, check_key
-from mfsreg.registry.durable import NO_ROOM, held, hold, make_dirs, sync_dir, temp_beside, what_to_do
+from mfsreg.registry.durable import NO_ROOM, abandoned, hold, make_dirs, sync_dir, temp_beside, what_to_do
 from mfsreg.registry.errors import InvalidRequest, NotFound, StorageError
 
 PRIVATE_DIR, PRIVATE_FILE = 0o700, 0o600
@@ -102,11 +101,8 @@ class LocalBlobStore(BlobStore):
         writer holds a lock on."""
         now = time.time()
         for p in self.root.rglob(".*.tmp") if self.root.is_dir() else ():
-            try:
-                st = p.lstat()
-            except FileNotFoundError:  # its put finished meanwhile
-                continue
-            if stat.S_ISREG(st.st_mode) and not held(p):
+            st = abandoned(p)  # None where its put finished meanwhile, or still runs
+            if st is not None:
                 yield Leftover(p.relative_to(self.root).as_posix(), st.st_size, max(0.0, now - st.st_mtime))
 
     def remove_leftover(self, leftover: Leftover) -> None:

@@ -275,7 +275,7 @@ class Eviction:
         # files' space is given back (the unlinks, slow for big files) after the lock is released,
         # so another process waits for one batch's renames at most; a chunk fetched again meanwhile
         # is written at its name anew and stays. A reader that finds no file fetches it again.
-        first, failed = True, None
+        first, first_move, failed = True, True, None
         while failed is None:
             moved: list[str] = []
             with self._db() as db:
@@ -294,7 +294,9 @@ class Eviction:
                     path = str(self.file_path(key[5:])) if key.startswith("file:") else self.chunk_file(key)
                     gone = str(trash / uuid.uuid4().hex)
                     try:
-                        trash.mkdir(exist_ok=True)
+                        if first_move:
+                            trash.mkdir(exist_ok=True)
+                            first_move = False
                         os.rename(path, gone)
                         moved.append(gone)
                     except FileNotFoundError:

@@ -88,8 +88,7 @@ class ResidentModel(Closable):
         family, before = self.family, self.version
         # what it fetches is leased from its fetch to its last copy (cache eviction.py)
         with contextlib.ExitStack() as held:
-            target, new, renames, realloc, todo = self._plan(version, held)
-            needed = chunk_ids({name: (None, pieces) for name, pieces in todo.items()})
+            target, new, renames, realloc, todo, needed = self._plan(version, held)
             # Tensors are touched only from here on: whatever stops the switch now leaves a mix.
             self.info, self.version = None, None  # set again only once every copy has landed
             try:
@@ -129,7 +128,8 @@ class ResidentModel(Closable):
     def _plan(self, version: str, held: contextlib.ExitStack):
         """What a switch to ``version`` copies, with every chunk of it brought into the node cache,
         before any tensor of the model is touched: (document, its layout, renames as {new name: the
-        tensor it takes over}, names of the tensors to reallocate, pieces to copy by name)."""
+        tensor it takes over}, names of the tensors to reallocate, pieces to copy by name, the chunks
+        those pieces are cut from)."""
         family, before = self.family, self.version
         target, needed = None, []
         try:
@@ -177,7 +177,7 @@ class ResidentModel(Closable):
                 if gone is not exc:
                     raise gone from None
             raise _reworded(exc, f"switch of {family} to {version} failed: {exc}; {kept}") from None
-        return target, new, renames, realloc, todo
+        return target, new, renames, realloc, todo, needed
 
     def close(self) -> None:
         """Close the node this model opened (one passed in stays open); the tensors stay usable, but

@@ -14,7 +14,7 @@ import os
 import queue
 import sys
 import threading
-from collections.abc import Generator
+from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from types import ModuleType
@@ -235,9 +235,6 @@ class Copier:
                 else:
                     jobs.append((place, p))
 
-        def place_run(run: list) -> list:
-            return [(place, p) for place, p in run if not place(p)]
-
         mapped = (
             mapping.map_many(
                 [(region, p.start, p.chunk.size, self.cache.chunk_file(p.chunk.id)) for _, _, region, p in maps]
@@ -246,25 +243,34 @@ class Copier:
             else []
         )
         # those not mapped (a file missing or of another size, past the budget) are read instead, or
-        # else fetched again below (and then mapped where they can be)
+        # else fetched again (and then mapped where they can be)
         failed = [
             (place, p) for (place, arr, _, p), ok in zip(maps, mapped) if not ok and not self._place(arr, None, p)
         ]
+        self._put_all(jobs, failed)
+        return total
+
+    def _put_all(self, jobs: Sequence[tuple[Callable[[Piece], bool], Piece]], failed: list | None = None) -> None:
+        """Run each ``put(piece)`` (on the pool, in runs of PIECES_PER_TASK, where there is one); the
+        chunks of those that return False, and of ``failed``, are fetched again in one go, leased
+        until they are put in place. Fetched on the calling thread, never on a pool thread: a fetch
+        decodes on that same pool, and with every pool thread waiting for it, it would never run."""
+
+        def run(part: Sequence) -> list:
+            return [(put, p) for put, p in part if not put(p)]
+
+        bad = list(failed or [])
         if self.pool is not None and len(jobs) > 1:
             runs = [jobs[i : i + PIECES_PER_TASK] for i in range(0, len(jobs), PIECES_PER_TASK)]
-            failed += [job for bad in windowed_map(self.pool, place_run, runs) for job in bad]
+            bad += [job for part in windowed_map(self.pool, run, runs) for job in part]
         else:
-            failed += place_run(jobs)
-        if failed:
-            # Fetched again here, on the calling thread, never on a pool thread: a fetch decodes on
-            # that same pool, and with every pool thread waiting for it, it would never run.
-            # leased until they are in place: another process's eviction passes them over
-            with self.cache.leased([p.chunk.id for _, p in failed]):
-                self._renew([p.chunk for _, p in failed])
-                for place, p in failed:
-                    if not place(p):
+            bad += run(jobs)
+        if bad:  # leased until in place: another process's eviction passes them over
+            with self.cache.leased([p.chunk.id for _, p in bad]):
+                self._renew([p.chunk for _, p in bad])
+                for put, p in bad:
+                    if not put(p):
                         raise self.cache.failed_again(p.chunk.id)
-        return total
 
     def _place(self, arr, region, p: Piece) -> bool:
         """CPU: map the chunk's cache file into its slot of the tensor, or read it there; checked against its id."""
@@ -302,24 +308,10 @@ class Copier:
             self.events[self.cur] = None
         stage = self.stages[self.cur]
 
-        def read(item) -> bool:
-            _, p, off = item
+        def read_at(off: int, p: Piece) -> bool:
             return self._read(p.chunk, stage[off : off + p.chunk.size].numpy().data)
 
-        def read_run(run: list) -> list:
-            return [item for item in run if not read(item)]
-
-        if self.pool is not None and len(batch) > 1:
-            runs = [batch[i : i + PIECES_PER_TASK] for i in range(0, len(batch), PIECES_PER_TASK)]
-            failed = [item for bad in windowed_map(self.pool, read_run, runs) for item in bad]
-        else:
-            failed = read_run(batch)
-        if failed:  # fetched again here, on the calling thread (see copy_many), all in one go
-            with self.cache.leased([p.chunk.id for _, p, _ in failed]):  # as in copy_many
-                self._renew([p.chunk for _, p, _ in failed])
-                for item in failed:
-                    if not read(item):
-                        raise self.cache.failed_again(item[1].chunk.id)
+        self._put_all([(functools.partial(read_at, off), p) for _, p, off in batch])
         with torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext():
             for flat, p, off in batch:
                 n = p.chunk.size
@@ -464,23 +456,23 @@ def fill(
                 node.fetcher.note_used(info.family, needed, info.located, info.tiers)
             copied = copier.copy_many([(targets[name], todo[name]) for name in names])
         else:
-            groups = _fetch_groups(names, todo, have)
+            ready, groups = _fetch_groups(names, todo, have)
             chunk_groups = [list(dict.fromkeys(p.chunk.id for n in g for p in todo[n])) for g in groups]
             # leased while they are fetched and copied: another process's eviction passes them over
             # (cache eviction.py). Not above: a warm load's copies take milliseconds, and a chunk
             # evicted under them is fetched again by the copier.
-            # the tensors already cached (the first group, if any) are copied here at once, while
-            # the thread fetches the rest: it starts on what is missing, not on their bookkeeping
-            first = 1 if groups and all(i in have for i in chunk_groups[0]) else 0
             with (
                 node.cache.leased(needed),
-                contextlib.closing(_fetch_ahead(node.fetcher, info, chunk_groups[first:])) as landed,
+                contextlib.closing(_fetch_ahead(node.fetcher, info, chunk_groups)) as landed,
             ):
-                if first:
-                    node.fetcher.note_used(info.family, chunk_groups[0], info.located, info.tiers)
-                    copied += copier.copy_many([(targets[name], todo[name]) for name in groups[0]])
+                # the tensors already cached are copied here at once, while the thread fetches the
+                # rest: it starts on what is missing, not on their bookkeeping
+                if ready:
+                    ids = list(dict.fromkeys(p.chunk.id for n in ready for p in todo[n]))
+                    node.fetcher.note_used(info.family, ids, info.located, info.tiers)
+                    copied += copier.copy_many([(targets[name], todo[name]) for name in ready])
                 for k in landed:
-                    copied += copier.copy_many([(targets[name], todo[name]) for name in groups[first + k]])
+                    copied += copier.copy_many([(targets[name], todo[name]) for name in groups[k]])
         done = True
     except NotFound as exc:  # the server's "not part of family", where the version went meanwhile
         raise gone_meanwhile(node.fetcher, info, exc, "loaded", outcome) from None
@@ -495,15 +487,14 @@ def fill(
     return copied
 
 
-def _fetch_groups(names: list[str], todo: dict[str, list[Piece]], have: set[str]) -> list[list[str]]:
-    """The tensors in the order the fetch-ahead brings them: first those whose chunks are all cached
-    (copied while the first fetch runs), then the others in runs of FETCH_AHEAD_BYTES of chunks to
-    fetch. Cut by the bytes to fetch, not the tensors' sizes: a member with the base cached fetches
-    its few changed chunks in one go, every request of it at once, instead of a few per run of
-    128 MB of tensors, one run after another (0.8 s against 0.5 for lora-chat's 105 MB of 1.16 GB)."""
+def _fetch_groups(names: list[str], todo: dict[str, list[Piece]], have: set[str]) -> tuple[list[str], list[list[str]]]:
+    """(the tensors whose chunks are all cached, copied while the first fetch runs; the others in
+    the order the fetch-ahead brings them, in runs of FETCH_AHEAD_BYTES of chunks to fetch). Cut by
+    the bytes to fetch, not the tensors' sizes: a member with the base cached fetches its few
+    changed chunks in one go, every request of it at once, instead of a few per run of 128 MB of
+    tensors, one run after another (0.8 s against 0.5 for lora-chat's 105 MB of 1.16 GB)."""
     ready = [n for n in names if all(p.chunk.id in have for p in todo[n])]
     taken = set(ready)
-    rest = [n for n in names if n not in taken]
     counted: set[str] = set(have)
 
     def to_fetch(name: str) -> int:
@@ -511,7 +502,7 @@ def _fetch_groups(names: list[str], todo: dict[str, list[Piece]], have: set[str]
         counted.update(new)
         return sum(new.values())
 
-    return ([ready] if ready else []) + list(sized_batches(rest, to_fetch, FETCH_AHEAD_BYTES))
+    return ready, list(sized_batches([n for n in names if n not in taken], to_fetch, FETCH_AHEAD_BYTES))
 
 
 def _finish(copier: Copier, failing: bool) -> None:
