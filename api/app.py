@@ -15,7 +15,7 @@ from fastapi import Depends, FastAPI, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from mfsreg.api import errors, openapi
+from mfsreg.api import errors, openapi, tags
 from mfsreg.api.auth import Authenticate, principal
 from mfsreg.api.limits import BodyLimit, read_body
 from mfsreg.api.openapi import RESPONSES, FamilyName, FamilyQuery, VersionName
@@ -40,6 +40,7 @@ from mfsreg.registry import prune, service
 from mfsreg.registry.auth import Principal
 from mfsreg.registry.config import Settings
 from mfsreg.registry.errors import Forbidden
+from mfsreg.registry.meta import check_meta
 from mfsreg.registry.names import check_name
 from mfsreg.registry.registry import Registry
 from mfsreg.registry.results import timestamp
@@ -70,6 +71,7 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
     )
     errors.install(app)
     openapi.install(app)
+    tags.install(app)
     app.add_middleware(
         BodyLimit, max_body=(settings or (registry.settings if registry else Settings.from_env())).max_body
     )
@@ -239,7 +241,10 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
         commit created it; 200 (``existed``) when it was already stored with the same content."""
         check_name("family", family)
         who.require("push", family)
-        result = service.commit(reg_of(request), family, version, body.parent, body.manifest, body.chunk_size, who)
+        meta = check_meta(body.description, body.labels)
+        result = service.commit(
+            reg_of(request), family, version, body.parent, body.manifest, body.chunk_size, who, meta
+        )
         if result.existed:
             response.status_code = 200
         return result.to_dict()
@@ -301,4 +306,7 @@ def _version_model(v) -> VersionModel:
         files=v.file_count,
         single_file=v.single_file,
         created_at=timestamp(v.created_at),
+        description=v.description,
+        labels=v.labels,
+        pushed_by=v.pushed_by,
     )

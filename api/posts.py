@@ -15,6 +15,8 @@ _DOWNLOAD = re.compile(r"/v1/families/([^/]+)/chunks/download")
 _PUSH = re.compile(r"/v1/families/([^/]+)/(?:chunks|versions/[^/]+/(?:negotiate|commit))")
 _MANIFEST = re.compile(r"/v1/families/[^/]+/versions/[^/]+/(?:negotiate|commit)")
 _PRUNE = re.compile(r"/v1/prune")
+_TAG = re.compile(r"/v1/families/([^/]+)/tags/[^/]+")
+MAX_TAG_BODY = 4096  # {"version": NAME}: a name is at most 128 characters
 
 # A download names at most MAX_DOWNLOAD_IDS ids, 35 bytes each in compact JSON (32 hex digits,
 # quotes, a comma): room for twice that and whitespace
@@ -28,7 +30,9 @@ BYTES_PER_CONTAINER = 16
 
 
 def role_for(method: str, path: str) -> tuple[str, str | None] | None:
-    """(role, family or None) a POST to ``path`` needs; None for other requests."""
+    """(role, family or None) a POST (or a tag's PUT) to ``path`` needs; None for other requests."""
+    if method == "PUT" and (m := _TAG.fullmatch(path)):
+        return "push", m[1]
     if method != "POST":
         return None
     if m := _DOWNLOAD.fullmatch(path):
@@ -47,11 +51,15 @@ def body_limit(method: str, path: str, max_body: int) -> int:
         return min(max_body, MAX_DOWNLOAD_BODY)
     if method == "POST" and _MANIFEST.fullmatch(path):
         return min(max_body, MAX_MANIFEST_BODY)
+    if method == "PUT" and _TAG.fullmatch(path):
+        return min(max_body, MAX_TAG_BODY)
     return max_body
 
 
 def takes_json(method: str, path: str) -> bool:
     """Whether a request's body is a JSON document (checked for its shape before it is parsed)."""
+    if method == "PUT":
+        return bool(_TAG.fullmatch(path))
     return method == "POST" and bool(_DOWNLOAD.fullmatch(path) or _MANIFEST.fullmatch(path))
 
 

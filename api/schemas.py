@@ -56,8 +56,10 @@ class NegotiateResponse(BaseModel):
 
 
 class CommitRequest(BaseModel):
-    parent: str | None = None
+    parent: str | None = Field(None, description="The version (or a tag of it) this one was fine-tuned from")
     manifest: dict[str, Any]
+    description: str | None = Field(None, description="What this version is; at most 1024 characters")
+    labels: dict[str, str] | None = Field(None, description="KEY: VALUE pairs to find it by (`ls --label`); at most 32")
     chunk_size: int | None = Field(
         None,
         description="The size the manifest was cut at (the family's: GET "
@@ -113,6 +115,9 @@ class VersionModel(BaseModel):
     files: int
     single_file: bool
     created_at: str
+    description: str = ""
+    labels: dict[str, str] = {}
+    pushed_by: str = Field("", description="The token that pushed it (its prefix and description), or local:<user>")
 
 
 class PruneResultModel(BaseModel):
@@ -174,3 +179,30 @@ class AuditEntryModel(BaseModel):
     action: str = Field(description="delete, prune, quorum, token-create or token-revoke")
     family: str | None
     detail: str = Field(description="What was done, as a JSON object")
+
+
+class TagModel(BaseModel):
+    tag: str
+    version: str
+    set_by: str
+    set_at: str | None
+    automatic: bool = Field(False, description="``latest`` while not set by hand: it follows the last push")
+
+
+class TagRequest(BaseModel):
+    version: str = Field(description="The version (or another tag) the tag is to name")
+
+
+class TagMoveModel(BaseModel):
+    family: str
+    tag: str
+    before: str | None = Field(description="The version it named; null if it was not set")
+    after: str | None = Field(description="The version it names now; null once removed")
+
+
+class TagEventModel(BaseModel):
+    tag: str
+    from_version: str | None
+    to_version: str | None
+    actor: str
+    at: str

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import typer
 
-from mfsreg.cli import admin, cache, server, stats, versions
+from mfsreg.cli import admin, cache, server, stats, tags, versions
 from mfsreg.cli.errors import run_guarded
 
 app = typer.Typer(
@@ -44,6 +44,7 @@ app.command()(versions.pull)
 app.command()(versions.ls)
 app.command()(versions.show)
 app.command()(versions.delete)
+app.add_typer(tags.tag_app, name="tag")
 # the list of commands shows a docstring's first paragraph with its line breaks: one line instead
 app.command(short_help="Delete the chunks no version needs and give back their space.")(admin.prune)
 app.command()(stats.stats)

@@ -29,13 +29,24 @@ def push(
         "content is mended, a new one stores them before it commits. Chunks of lost "
         "packs are stored again without it.",
     ),
+    description: str = typer.Option(None, "--description", "-d", help="What this version is (shown by show and ls)."),
+    label: list[str] = typer.Option(
+        None, "--label", "-l", help="KEY=VALUE to find the version by (ls --label); repeat for more."
+    ),
     json_: bool = JsonOption,
     registry: str = RegistryOption,
 ) -> None:
-    """Store one version of a family; only chunks the registry lacks are written."""
+    """Store one version of a family; only chunks the registry lacks are written.
+
+    PATH may also be a Hugging Face cache folder (models--org--name): the snapshot refs/main names is pushed."""
+    from mfsreg.registry.meta import check_meta, parse_labels
+
+    meta = check_meta(description, parse_labels(label or []))  # refused before anything is read
     source = _given_path(path, "PATH")
     with open_backend(registry) as reg, progress_for(json_) as progress:
-        result = reg.push(source, family, version, parent=parent, progress=progress, mend_damaged=mend_damaged)
+        result = reg.push(
+            source, family, version, parent=parent, progress=progress, mend_damaged=mend_damaged, meta=meta
+        )
     if json_:
         emit_json(result.to_dict())
         return
@@ -113,10 +124,22 @@ def _given_path(value: str, what: str) -> Path:
 
 def ls(
     family: str = typer.Argument(None, help="List this family's versions; without it, list families."),
+    label: list[str] = typer.Option(
+        None, "--label", "-l", help="Only versions with this KEY=VALUE label; repeat to need several."
+    ),
     json_: bool = JsonOption,
     registry: str = RegistryOption,
 ) -> None:
-    """List families, or the versions of one family."""
+    """List families, or the versions of one family (with their tags, description and labels)."""
+    wanted: dict[str, str] = {}
+    if label:
+        from mfsreg.registry.meta import parse_labels
+
+        wanted = parse_labels(label)
+        if family is None:
+            raise InvalidRequest(
+                "--label filters a family's versions: give the family, e.g. `mfsreg ls FAMILY --label k=v`"
+            )
     with open_backend(registry, blobs=False) as reg:
         if family is None:
             fams = reg.families()
@@ -134,6 +157,9 @@ def ls(
                 )
             return
         vers = reg.versions(family)
+        tagged: dict[str, list[str]] = {}
+        for t in reg.tags(family):
+            tagged.setdefault(t.version, []).append(t.name)
     rows = [
         dict(
             family=v.family,
@@ -143,21 +169,41 @@ def ls(
             logical_bytes=v.logical_bytes,
             files=v.file_count,
             created_at=timestamp(v.created_at),
+            tags=tagged.get(v.name, []),
+            description=v.description,
+            labels=v.labels,
+            pushed_by=v.pushed_by,
         )
         for v in vers
+        if all(v.labels.get(k) == value for k, value in wanted.items())
     ]
     if json_:
         emit_json({"family": family, "versions": rows})
         return
     table(
         family,
-        ["version", "parent", "size", "files", "digest"],
+        ["version", "tags", "parent", "size", "files", "digest", "labels", "description"],
         [
-            [r["version"], r["parent"] or "-", human_bytes(r["logical_bytes"]), r["files"], r["digest"][:19]]
+            [
+                r["version"],
+                ",".join(r["tags"]) or "-",
+                r["parent"] or "-",
+                human_bytes(r["logical_bytes"]),
+                r["files"],
+                r["digest"][:19],
+                ",".join(f"{k}={v}" for k, v in r["labels"].items()) or "-",
+                _short(r["description"]),
+            ]
             for r in rows
         ],
-        names=2,
+        names=3,
     )
+
+
+def _short(text: str, limit: int = 40) -> str:
+    """A description's first line, cut for a table cell."""
+    line = text.splitlines()[0] if text else "-"
+    return line if len(line) <= limit else line[: limit - 1] + "…"
 
 
 def show(
@@ -166,7 +212,7 @@ def show(
     json_: bool = JsonOption,
     registry: str = RegistryOption,
 ) -> None:
-    """Show one version: digest, parent, files and their tensors and chunks."""
+    """Show one version (or the one a tag names): digest, parent, metadata, files, tensors and chunks."""
     with open_backend(registry, blobs=False) as reg:
         row, manifest = reg.manifest(family, version)
     files = [
@@ -180,16 +226,27 @@ def show(
         digest=row.digest,
         logical_bytes=row.logical_bytes,
         created_at=timestamp(row.created_at),
+        pushed_by=row.pushed_by,
+        description=row.description,
+        labels=row.labels,
         chunks=len(manifest.chunk_ids()),
         files=files,
     )
+    if version != row.name:  # named by a tag
+        doc["tag"] = version
     if json_:
         emit_json(doc)
         return
-    typer.echo(f"{row.family}/{row.name}  {row.digest}")
+    named = f"  (tag {version})" if version != row.name else ""
+    typer.echo(f"{row.family}/{row.name}  {row.digest}{named}")
     typer.echo(
         f"parent: {row.parent or '-'}   size: {human_bytes(row.logical_bytes)}   distinct chunks: {doc['chunks']}"
     )
+    typer.echo(f"pushed: {doc['created_at']} by {row.pushed_by or '-'}")
+    if row.labels:
+        typer.echo("labels: " + ", ".join(f"{k}={v}" for k, v in row.labels.items()))
+    if row.description:
+        typer.echo(f"description: {row.description}")
     table(
         None,
         ["file", "kind", "size", "tensors", "chunks"],

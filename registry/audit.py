@@ -32,6 +32,14 @@ def actor_of(who: Principal | None) -> str:
         return "local"
 
 
+def named(who: Principal | None) -> str:
+    """actor_of with the token's description: who pushed a version, who moved a tag."""
+    actor = actor_of(who)
+    if who is not None and who.token_description:
+        actor = f"{actor} ({who.token_description})"
+    return actor[:160]
+
+
 def record(conn: Connection, who: Principal | None, action: str, family: str | None = None, **detail) -> None:
     """One entry for ``action`` (delete, prune, quorum, token-create, token-revoke) by ``who``."""
     text = json.dumps(detail, separators=(",", ":"), sort_keys=True, default=str)

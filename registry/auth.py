@@ -32,6 +32,7 @@ class Principal:
     family_pattern: str
     anonymous: bool = False
     token_prefix: str | None = None  # the token's, as `token list` shows it (the audit log names it)
+    token_description: str = ""  # the token's --description (a version's pushed_by, a tag move's actor)
 
     def allows(self, role: str, family: str | None) -> bool:
         if ROLES.index(self.role) < ROLES.index(role):
@@ -127,7 +128,9 @@ def authenticate(engine, authorization: str | None, anonymous_read: bool) -> Pri
     if row.last_used_at is None or _aware(row.last_used_at) < now - token_db.USE_GRAIN:
         with write_tx(engine) as conn:  # at most once a minute per token
             token_db.note_use(conn, row.id, now)
-    return Principal(role=row.role, family_pattern=row.family_pattern, token_prefix=row.prefix)
+    return Principal(
+        role=row.role, family_pattern=row.family_pattern, token_prefix=row.prefix, token_description=row.description
+    )
 
 
 def _aware(at: datetime) -> datetime:

@@ -18,6 +18,7 @@ from pathlib import Path
 from sqlalchemy import Connection
 
 from mfsreg.registry import deltas, results
+from mfsreg.registry.audit import named
 from mfsreg.registry.blobs.packs import PackWriter, StoredChunk, pack_key
 from mfsreg.registry.check import to_mend
 from mfsreg.registry.config import MAX_CHUNK_SIZE, MIN_CHUNK_SIZE
@@ -29,15 +30,25 @@ from mfsreg.registry.db import versions as version_db
 from mfsreg.registry.db.engine import read_tx, write_tx
 from mfsreg.registry.db.locks import exclude_prune
 from mfsreg.registry.deltas import BasisReader
-from mfsreg.registry.errors import Conflict, InvalidRequest, MissingChunks, NotFound, Pruned, StorageError
+from mfsreg.registry.errors import (
+    Conflict,
+    InvalidName,
+    InvalidRequest,
+    MissingChunks,
+    NotFound,
+    Pruned,
+    StorageError,
+)
 from mfsreg.registry.hashing import HashJob, encoded_chunks, missing_bytes
 from mfsreg.registry.lost import LostWarning, PackSizes, lost_packs, warn_lost_bases
 from mfsreg.registry.manifest import Manifest
+from mfsreg.registry.meta import VersionMeta
 from mfsreg.registry.names import check_name, check_new_name
 from mfsreg.registry.progress import NullProgress, Progress
 from mfsreg.registry.rebuild import decode_verified
 from mfsreg.registry.results import PushResult, VersionRow
 from mfsreg.registry.source import open_source
+from mfsreg.registry.tags import check_free
 
 
 def plan_deltas(
@@ -65,7 +76,7 @@ def plan_deltas(
             return {}, None
         vid = None
         if parent is not None:
-            row = version_db.find_version(conn, family, parent)
+            row = version_db.find_version(conn, family, parent, tags=True)
             vid = row.id if row else None
         vid = (
             vid
@@ -208,15 +219,20 @@ def upload_missing(
 def check_push_names(family: str, version: str, parent: str | None) -> None:
     check_new_name("family", family)
     check_new_name("version", version)
+    if version == version_db.LATEST:
+        raise InvalidName(
+            "version name 'latest' is kept for the tag that follows the last push: choose another version name"
+        )
     if parent is not None:
         check_name("version", parent)
 
 
-def check_parent(reg, family: str, parent: str | None) -> None:
-    if parent is None:
-        return
+def check_parent(reg, family: str, parent: str | None, version: str | None = None) -> None:
+    """The parent (a version's name, or a tag) exists; with ``version``, that name is no tag's."""
     with read_tx(reg.engine) as conn:
-        if version_db.find_version(conn, family, parent) is None:
+        if version is not None:
+            check_free(conn, family, version)
+        if parent is not None and version_db.find_version(conn, family, parent, tags=True) is None:
             raise NotFound(f"parent version {family}/{parent} does not exist: push it first or drop --parent")
 
 
@@ -300,6 +316,8 @@ def commit_version(
     manifest: Manifest,
     chunk_size: int | None = None,
     unproven: Callable[[Connection, list[str]], set[str]] | None = None,
+    meta: VersionMeta | None = None,
+    pushed_by: str = "",
 ) -> tuple[int, VersionRow | None]:
     """Make a version visible in one transaction: check that every chunk is stored, write the
     version and its chunk uses, rebalance the family's tiers. ``chunk_size``: the manifest's cut
@@ -317,11 +335,12 @@ def commit_version(
         existing = version_db.find_version(conn, family, version)
         if existing is not None:
             return 0, existing
+        check_free(conn, family, version)
         if cut != fam.chunk_size:
             check_cut(manifest, family, fam.chunk_size)
         parent_id = None
         if parent is not None:
-            prow = version_db.find_version(conn, family, parent)
+            prow = version_db.find_version(conn, family, parent, tags=True)
             if prow is None:
                 raise NotFound(f"parent version {family}/{parent} does not exist: push it first or drop --parent")
             parent_id = prow.id
@@ -340,6 +359,8 @@ def commit_version(
             manifest.single_file,
             manifest.to_bytes(),
             list(located),
+            meta,
+            pushed_by,
         )
         changed = tier_db.add_member(conn, fam.id, list(located), fam.member_count, fam.base_quorum)
         version_db.set_member_count(conn, fam.id, fam.member_count + 1)
@@ -354,8 +375,9 @@ def push(
     parent: str | None = None,
     progress: Progress | None = None,
     mend_damaged: bool = False,
+    meta: VersionMeta | None = None,
 ) -> PushResult:
-    """Store a version (see the module's docstring). ``mend_damaged``: read, decode and hash every
+    """Store a version (see the module's docstring), with ``meta`` (description, labels). ``mend_damaged``: read, decode and hash every
     stored chunk the version needs (its bases down the chains too) and store again, plain, those
     whose bytes are damaged as well as those lost: where the version is stored already with this
     content, that is all the push does (mend_existing); a new version's reused chunks are mended so
@@ -364,7 +386,7 @@ def push(
     t0 = time.perf_counter()
     check_push_names(family, version, parent)
     source = open_source(Path(path))  # every input check happens before the registry is touched
-    check_parent(reg, family, parent)
+    check_parent(reg, family, parent, version)
     chunk_size = family_chunk_size(reg, family)
     with HashJob(source, chunk_size, progress) as job:
         ids = job.chunk_ids()
@@ -399,7 +421,9 @@ def push(
         # family's readers no other family's bytes (registry/access.py)
         detach_foreign_chains(reg, None, family, manifest.chunk_ids())
         try:
-            changed, existing = commit_version(reg, family, version, parent, manifest, chunk_size)
+            changed, existing = commit_version(
+                reg, family, version, parent, manifest, chunk_size, meta=meta, pushed_by=named(None)
+            )
         except MissingChunks:
             # A prune deleted chunks this push found stored (a deleted version's) before the commit
             # could use them: store them (plain) and commit once more.
@@ -407,7 +431,9 @@ def push(
                 lost = chunk_db.missing_ids(conn, ids)
             added += upload_missing(reg, job, lost, reg.pool, NullProgress())
             missing |= lost
-            changed, existing = commit_version(reg, family, version, parent, manifest, chunk_size)
+            changed, existing = commit_version(
+                reg, family, version, parent, manifest, chunk_size, meta=meta, pushed_by=named(None)
+            )
     if existing is not None:  # a concurrent push of the same name committed first
         return existing_result(reg, existing, manifest, family, version, t0)
     return PushResult(

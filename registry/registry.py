@@ -29,6 +29,7 @@ if TYPE_CHECKING:  # the push, pull and prune machinery loads when a method need
     from mfsreg.registry.blobs.packs import StoredChunk
     from mfsreg.registry.ingest import PushResult
     from mfsreg.registry.manifest import Manifest
+    from mfsreg.registry.meta import VersionMeta
     from mfsreg.registry.progress import Progress
     from mfsreg.registry.rebuild import PullResult
 
@@ -99,11 +100,14 @@ class Registry:
         parent: str | None = None,
         progress: Progress | None = None,
         mend_damaged: bool = False,
+        meta: VersionMeta | None = None,
     ) -> PushResult:
+        """Store the version at ``path`` (a file, a sharded checkpoint, a model directory or a
+        Hugging Face cache folder), with ``meta`` (a description and labels)."""
         from mfsreg.registry import ingest
 
         self.open_blobs()  # before the file is read or the family made: a bad store is refused first
-        return ingest.push(self, Path(path), family, version, parent, progress, mend_damaged)
+        return ingest.push(self, Path(path), family, version, parent, progress, mend_damaged, meta)
 
     def manifest(self, family: str, version: str) -> tuple[version_db.VersionRow, Manifest]:
         with read_tx(self.engine) as conn:
@@ -147,7 +151,7 @@ class Registry:
             )
         except NotFound as exc:
             with read_tx(self.engine) as conn:
-                now = version_db.find_version(conn, family, version)
+                now = version_db.find_version(conn, family, version, tags=True)
             if now is None or now.id != row.id:  # deleted meanwhile, and a prune took its packs: the user's race
                 raise NotFound(
                     f"version {family}/{version} was deleted while it was being pulled: nothing was written"
@@ -245,13 +249,21 @@ class Registry:
         log records it, as done by ``who`` (None: the embedded CLI's user)."""
         from mfsreg.registry import audit
         from mfsreg.registry.db import tiers as tier_db
+        from mfsreg.registry.tags import drop_for_version
 
         check_name("family", family)
         check_name("version", version)
         with write_tx(self.engine) as conn:
             fam = version_db.lock_family(conn, family)
-            row = version_db.get_version(conn, family, version)
+            row = version_db.find_version(conn, family, version, tags=True)
+            if row is not None and row.name != version:  # a tag: deleting the version it names is not meant
+                raise InvalidRequest(
+                    f"{family}/{version} is a tag of version {row.name}: delete a version by its own name "
+                    f"(`mfsreg delete {family} {row.name}`), or remove the tag (`mfsreg tag rm {family} {version}`)"
+                )
+            row = version_db.get_version(conn, family, version, tags=False)
             ids = version_db.version_chunk_ids(conn, row.id)
+            drop_for_version(conn, fam.id, row.id, row.name, who)
             version_db.delete_version(conn, row.id)
             changed, dropped = tier_db.remove_member(conn, fam.id, ids, fam.member_count, fam.base_quorum)
             version_db.set_member_count(conn, fam.id, fam.member_count - 1)
@@ -311,6 +323,29 @@ class Registry:
             changed = tier_db.recompute(conn, fam.id, fam.member_count, quorum)
             audit.record(conn, who, "quorum", family, before=fam.base_quorum, after=quorum)
             return changed
+
+    # -- tags ----------------------------------------------------------------------------------
+
+    def tag_set(self, family: str, tag: str, version: str, who: Principal | None = None):
+        """Point ``tag`` at ``version`` (registry/tags.py); returns the TagMove."""
+        from mfsreg.registry import tags
+
+        return tags.set_tag(self.engine, family, tag, version, who)
+
+    def tag_rm(self, family: str, tag: str, who: Principal | None = None):
+        from mfsreg.registry import tags
+
+        return tags.remove_tag(self.engine, family, tag, who)
+
+    def tags(self, family: str) -> list:
+        from mfsreg.registry import tags
+
+        return tags.list_tags(self.engine, family)
+
+    def tag_history(self, family: str, tag: str | None = None, limit: int = 1000) -> list:
+        from mfsreg.registry import tags
+
+        return tags.history(self.engine, family, tag, limit)
 
     def audit(self, who: Principal | None = None, limit: int = 100) -> list:
         """The newest ``limit`` audit entries ``who`` may read (registry/audit.py)."""

@@ -29,6 +29,38 @@ class VersionRow:
     file_count: int
     single_file: bool
     created_at: datetime | str
+    description: str = ""
+    labels: dict[str, str] = field(default_factory=dict)
+    pushed_by: str = ""  # a token's prefix and description, or local:<user> (registry/audit.actor_of)
+
+
+@dataclass(frozen=True)
+class TagRow:
+    name: str
+    version: str
+    set_by: str
+    set_at: datetime | str | None
+    automatic: bool = False  # ``latest`` while no one has set it by hand: it follows the last push
+
+
+@dataclass(frozen=True)
+class TagEvent:
+    tag: str
+    from_version: str | None
+    to_version: str | None
+    actor: str
+    at: datetime | str
+
+
+@dataclass(frozen=True)
+class TagMove:
+    family: str
+    tag: str
+    before: str | None  # the version it named, None if it was not set
+    after: str | None  # the version it names now, None once removed
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
 
 
 @dataclass(frozen=True)

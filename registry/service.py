@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 from mfsreg.registry import access, codec
+from mfsreg.registry.audit import named
 from mfsreg.registry.auth import Principal
 from mfsreg.registry.blobs.packs import StoredChunk
 from mfsreg.registry.check import to_mend, unreadable_or_damaged
@@ -49,6 +50,7 @@ from mfsreg.registry.ingest import (
 )
 from mfsreg.registry.lost import PackSizes, lost_packs, unreadable
 from mfsreg.registry.manifest import MAX_CHUNK_BYTES, SAFETENSORS, Manifest, parse_doc
+from mfsreg.registry.meta import VersionMeta
 from mfsreg.registry.names import check_name
 from mfsreg.registry.parallel import windowed_map
 from mfsreg.registry.rebuild import decode_verified
@@ -82,7 +84,7 @@ def negotiate(
     manifest = parse_doc(doc, draft=True)
     ids = manifest.chunk_ids()
     sizes = manifest.chunk_sizes()
-    check_parent(reg, family, parent)  # before anything is uploaded, as an embedded push does
+    check_parent(reg, family, parent, version)  # before anything is uploaded, as an embedded push does
     with read_tx(reg.engine) as conn:
         existing = version_db.find_version(conn, family, version)
         fam = version_db.find_family(conn, family)
@@ -333,7 +335,10 @@ def commit(
     doc: object,
     chunk_size: int | None = None,
     who: Principal | None = None,
+    meta: VersionMeta | None = None,
 ) -> PushResult:
+    """Step 3 of a push (docs/design/protocol.md): the version appears, with ``meta``, recorded as
+    pushed by ``who``."""
     t0 = time.perf_counter()
     check_push_names(family, version, parent)
     manifest = parse_doc(doc)
@@ -343,7 +348,7 @@ def commit(
         check_chunk_size(chunk_size, "chunk_size")
     # what commit_version would refuse, refused before the detach below writes anything
     check_named_cut(manifest, chunk_size)
-    check_parent(reg, family, parent)
+    check_parent(reg, family, parent, version)
 
     def refused_first(conn) -> bool:
         """What the commit's transaction would refuse, refused before any copy is made; a version of
@@ -363,7 +368,9 @@ def commit(
     def unproven(conn, ids):  # checked again in the commit's transaction: what the version would lend
         return access.unproven(conn, who, family, ids) | set(access.foreign_chains(conn, who, family, ids))
 
-    changed, existing = commit_version(reg, family, version, parent, manifest, chunk_size, unproven)
+    changed, existing = commit_version(
+        reg, family, version, parent, manifest, chunk_size, unproven, meta=meta, pushed_by=named(who)
+    )
     if existing is not None:
         return existing_result(reg, existing, manifest, family, version, t0)
     n = len(manifest.chunk_ids())
@@ -495,6 +502,9 @@ def version_doc(reg, family: str, version: str, if_none_match: str | None = None
         "files": row.file_count,
         "single_file": row.single_file,
         "created_at": timestamp(row.created_at),
+        "description": row.description,
+        "labels": row.labels,
+        "pushed_by": row.pushed_by,
         "manifest": manifest,
         "chunks": table,
     }

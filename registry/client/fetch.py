@@ -55,6 +55,7 @@ class VersionInfo:
     manifest: Manifest
     located: dict[str, StoredChunk]
     tiers: dict[str, str | None]
+    named: str = ""  # the version's own name where ``version`` is a tag of it (prod, latest); else ""
 
 
 class Fetcher:
@@ -119,7 +120,10 @@ class Fetcher:
                 manifest=self.remote.manifest_of(doc),
                 located=located,
                 tiers=tiers,
+                named=doc["version"] if doc["version"] != version else "",
             )
+        if info.named:  # a tag moves: asked again every time (a 304 while it has not), never kept max_age
+            asked = float("-inf")
         with self._versions_lock:
             if tag:
                 self._versions[key] = (tag, info, asked)

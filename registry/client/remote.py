@@ -37,6 +37,7 @@ from mfsreg.registry.errors import (
 )
 from mfsreg.registry.hashing import HashJob, encoded_chunks, missing_bytes
 from mfsreg.registry.manifest import Manifest, parse_doc
+from mfsreg.registry.meta import VersionMeta
 from mfsreg.registry.names import check_name
 from mfsreg.registry.progress import NullProgress, Progress
 from mfsreg.registry.results import (
@@ -45,6 +46,9 @@ from mfsreg.registry.results import (
     FamilyRow,
     PruneResult,
     PushResult,
+    TagEvent,
+    TagMove,
+    TagRow,
     VersionRow,
     existing_result,
 )
@@ -223,6 +227,7 @@ class RemoteRegistry(Closable):
         parent: str | None = None,
         progress: Progress | None = None,
         mend_damaged: bool = False,
+        meta: VersionMeta | None = None,
     ) -> PushResult:
         progress = progress or NullProgress()
         t0 = time.perf_counter()
@@ -285,6 +290,8 @@ class RemoteRegistry(Closable):
             sent, added = self._upload(family, job, draft, missing, progress, neg.get("bases", {}))
             manifest = job.manifest()
             commit = {"parent": parent, "manifest": manifest.to_doc(), "chunk_size": chunk_size}
+            if meta is not None and (meta.description or meta.labels):  # else the body older servers know
+                commit.update(meta.to_dict())
             try:
                 res = self._doc("POST", f"{base}/commit", _committed, json=commit)
             except MissingChunks:
@@ -553,6 +560,38 @@ class RemoteRegistry(Closable):
 
         return self._doc("GET", "/v1/audit", rows, params={"limit": limit})
 
+    def tag_set(self, family: str, tag: str, version: str) -> TagMove:
+        check_name("family", family)
+        check_name("tag", tag)
+        check_name("version", version)
+        return self._doc("PUT", f"/v1/families/{family}/tags/{tag}", _tag_move, json={"version": version})
+
+    def tag_rm(self, family: str, tag: str) -> TagMove:
+        check_name("family", family)
+        check_name("tag", tag)
+        return self._doc("DELETE", f"/v1/families/{family}/tags/{tag}", _tag_move)
+
+    def tags(self, family: str) -> list[TagRow]:
+        check_name("family", family)
+
+        def rows(d) -> list[TagRow]:
+            return [TagRow(t["tag"], t["version"], t["set_by"], t["set_at"], bool(t["automatic"])) for t in _list(d)]
+
+        return self._doc("GET", f"/v1/families/{family}/tags", rows)
+
+    def tag_history(self, family: str, tag: str | None = None, limit: int = 1000) -> list[TagEvent]:
+        check_name("family", family)
+        params: dict = {"limit": limit}
+        if tag is not None:
+            params["tag"] = check_name("tag", tag)
+
+        def rows(d) -> list[TagEvent]:
+            return [
+                TagEvent(e["tag"], e.get("from_version"), e.get("to_version"), e["actor"], e["at"]) for e in _list(d)
+            ]
+
+        return self._doc("GET", f"/v1/families/{family}/tag-history", rows, params=params)
+
     def delete(self, family: str, version: str) -> DeleteResult:
         check_name("family", family)
         check_name("version", version)
@@ -670,7 +709,15 @@ def _version_row(d: dict) -> VersionRow:
         d["files"],
         bool(d["single_file"]),
         d["created_at"],
+        str(d.get("description") or ""),  # a server older than version metadata sends none
+        {str(k): str(v) for k, v in _dict(d.get("labels") or {}).items()},
+        str(d.get("pushed_by") or ""),
     )
+
+
+def _tag_move(d) -> TagMove:
+    _dict(d)
+    return TagMove(d["family"], d["tag"], d.get("before"), d.get("after"))
 
 
 class NoRoute(NotFound):

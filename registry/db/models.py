@@ -9,6 +9,7 @@
 - chunk_claims: a scoped push's uploads, until its commit
 - tokens: API tokens as sha256 hashes, with role, family pattern, expiry and last use
 - audit_log: who deleted, pruned, changed a quorum or a token, and when
+- tags, tag_events: movable names of versions, and each move
 See docs/design/format.md, tiers.md and prune.md.
 """
 
@@ -26,6 +27,7 @@ from sqlalchemy import (
     MetaData,
     String,
     Table,
+    Text,
     UniqueConstraint,
     func,
 )
@@ -69,7 +71,34 @@ versions = Table(
     Column("single_file", Integer, nullable=False),
     Column("manifest", LargeBinary, nullable=False),
     Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("description", String(1024), nullable=False, server_default=""),
+    Column("labels", Text, nullable=False, server_default="{}"),  # a JSON object of strings (registry/meta.py)
+    Column("pushed_by", String(160), nullable=False, server_default=""),  # as tag_events.actor names it
     UniqueConstraint("family_id", "name"),
+)
+
+# movable names of versions; a family's tags and version names are one namespace (registry/tags.py)
+tags = Table(
+    "tags",
+    metadata,
+    Column("family_id", Integer, ForeignKey("families.id"), primary_key=True),
+    Column("name", String(128), primary_key=True),
+    Column("version_id", Integer, ForeignKey("versions.id"), nullable=False, index=True),
+    Column("set_by", String(160), nullable=False, server_default=""),
+    Column("set_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+)
+
+# every move of a tag: set (from null), moved, removed (to null), or dropped with its version
+tag_events = Table(
+    "tag_events",
+    metadata,
+    Column("id", Integer, primary_key=True),
+    Column("family_id", Integer, ForeignKey("families.id"), nullable=False, index=True),
+    Column("tag", String(128), nullable=False),
+    Column("from_version", String(128), nullable=True),
+    Column("to_version", String(128), nullable=True),
+    Column("actor", String(160), nullable=False),
+    Column("at", DateTime(timezone=True), nullable=False, server_default=func.now()),
 )
 
 packs = Table(

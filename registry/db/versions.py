@@ -8,7 +8,9 @@ from sqlalchemy import Connection, delete, func, select, update
 
 from mfsreg.registry.db.dialect import batches, insert
 from mfsreg.registry.db.models import families, family_chunks, version_chunks, versions
+from mfsreg.registry.db.models import tags as tags_table
 from mfsreg.registry.errors import NotFound, StorageError
+from mfsreg.registry.meta import VersionMeta, labels_from_column, labels_to_column
 from mfsreg.registry.results import FamilyRow, VersionRow
 
 _FAMILY = (families.c.id, families.c.name, families.c.base_quorum, families.c.member_count, families.c.chunk_size)
@@ -50,6 +52,9 @@ def _version_query():
             versions.c.file_count,
             versions.c.single_file,
             versions.c.created_at,
+            versions.c.description,
+            versions.c.labels,
+            versions.c.pushed_by,
         )
         .join(families, families.c.id == versions.c.family_id)
         .outerjoin(parent, parent.c.id == versions.c.parent_id)
@@ -57,24 +62,57 @@ def _version_query():
 
 
 def _row(r) -> VersionRow:
-    return VersionRow(r[0], r[1], r[2], r[3], r[4], r[5], r[6], bool(r[7]), r[8])
+    return VersionRow(
+        r[0], r[1], r[2], r[3], r[4], r[5], r[6], bool(r[7]), r[8], r[9], labels_from_column(r[10]), r[11]
+    )
 
 
-def find_version(conn: Connection, family: str, name: str) -> VersionRow | None:
-    r = conn.execute(_version_query().where(families.c.name == family, versions.c.name == name)).first()
+LATEST = "latest"  # names the family's last pushed version, unless a tag of that name is set by hand
+
+
+def _named(conn: Connection, family: str, name: str, tags: bool, extra=()):
+    """The row of version ``name``, or with ``tags`` of the version the tag ``name`` names (a
+    version's own name first; then a tag; then ``latest``, the last pushed)."""
+    q = _version_query().add_columns(*extra).where(families.c.name == family)
+    r = conn.execute(q.where(versions.c.name == name)).first()
+    if r is not None or not tags:
+        return r
+    tagged = (
+        select(tags_table.c.version_id)
+        .join(families, families.c.id == tags_table.c.family_id)
+        .where(families.c.name == family, tags_table.c.name == name)
+        .scalar_subquery()
+    )
+    r = conn.execute(q.where(versions.c.id == tagged)).first()
+    if r is None and name == LATEST:
+        r = conn.execute(q.order_by(versions.c.id.desc()).limit(1)).first()
+    return r
+
+
+def find_version(conn: Connection, family: str, name: str, tags: bool = False) -> VersionRow | None:
+    """The version named ``name`` (with ``tags``, also the one a tag of that name names); None if absent."""
+    r = _named(conn, family, name, tags)
     return _row(r) if r else None
 
 
 def find_version_and_epoch(conn: Connection, family: str, name: str) -> tuple[VersionRow, int] | None:
-    """The version and its family's epoch (service.version_doc's tag), in one query; None if absent."""
-    r = conn.execute(
-        _version_query().add_columns(families.c.epoch).where(families.c.name == family, versions.c.name == name)
-    ).first()
+    """The version ``name`` names (a tag too) and its family's epoch (service.version_doc's tag);
+    None if absent."""
+    r = _named(conn, family, name, True, (families.c.epoch,))
     return (_row(r), r[-1]) if r else None
 
 
-def get_version(conn: Connection, family: str, name: str) -> VersionRow:
-    row = find_version(conn, family, name)
+def find_by_digest(conn: Connection, family: str, hex_prefix: str) -> VersionRow | None:
+    """The family's oldest version whose digest starts with ``hex_prefix`` (hex digits, checked by
+    the caller), or None."""
+    q = _version_query().where(families.c.name == family, versions.c.digest.startswith(f"sha256:{hex_prefix}"))
+    r = conn.execute(q.order_by(versions.c.id).limit(1)).first()
+    return _row(r) if r else None
+
+
+def get_version(conn: Connection, family: str, name: str, tags: bool = True) -> VersionRow:
+    """As find_version, else NotFound saying whether the family or the version is missing."""
+    row = find_version(conn, family, name, tags)
     if row is None:
         if conn.execute(select(families.c.id).where(families.c.name == family)).first() is None:
             raise NotFound(f"family {family!r} does not exist: see `mfsreg ls`")
@@ -121,7 +159,10 @@ def insert_version(
     single_file: bool,
     manifest: bytes,
     chunk_ids: Sequence[str],
+    meta: VersionMeta | None = None,
+    pushed_by: str = "",
 ) -> int:
+    meta = meta or VersionMeta()
     key = conn.execute(
         versions.insert().values(
             family_id=family_id,
@@ -132,6 +173,9 @@ def insert_version(
             file_count=file_count,
             single_file=int(single_file),
             manifest=manifest,
+            description=meta.description,
+            labels=labels_to_column(meta.labels),
+            pushed_by=pushed_by[:160],
         )
     ).inserted_primary_key
     if key is None:  # SQLAlchemy's answer where a database returned no id: not for a one-row insert
