@@ -33,6 +33,9 @@ def push(
     label: list[str] = typer.Option(
         None, "--label", "-l", help="KEY=VALUE to find the version by (ls --label); repeat for more."
     ),
+    revision: str = typer.Option(
+        None, "--revision", help="For a Hugging Face cache folder: the ref or commit id to push (default: main)."
+    ),
     json_: bool = JsonOption,
     registry: str = RegistryOption,
 ) -> None:
@@ -43,6 +46,10 @@ def push(
 
     meta = check_meta(description, parse_labels(label or []))  # refused before anything is read
     source = _given_path(path, "PATH")
+    if revision is not None:
+        from mfsreg.registry.hfcache import snapshot
+
+        source = snapshot(source, revision)
     with open_backend(registry) as reg, progress_for(json_) as progress:
         result = reg.push(
             source, family, version, parent=parent, progress=progress, mend_damaged=mend_damaged, meta=meta

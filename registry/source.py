@@ -1,4 +1,5 @@
-"""What a push reads: a single .safetensors file, a sharded checkpoint, or a model directory.
+"""What a push reads: a single .safetensors file, a sharded checkpoint, a model directory, or a
+Hugging Face cache folder (its snapshot: registry/hfcache.py).
 
 Everything is validated here, before the registry is touched, so that bad input leaves every stored
 byte as it was. A directory may hold .safetensors files, a ``*.safetensors.index.json`` that maps
@@ -43,7 +44,9 @@ def open_source(path: Path) -> Source:
     if not path.exists():
         raise InvalidRequest(f"{path}: no such file or directory")
     if path.is_dir():
-        return _directory(path)
+        from mfsreg.registry import hfcache
+
+        return _directory(hfcache.snapshot(path) if hfcache.is_cache_repo(path) else path)
     _regular(path)
     if path.name.endswith(INDEX_SUFFIX):
         return _index_only(path)
