@@ -54,6 +54,7 @@ bench: install
 	$(BIN)/python -m benchmarks.bench_api
 	$(BIN)/python -m benchmarks.bench_node
 	$(BIN)/python -m benchmarks.bench_ready
+	$(BIN)/python -m benchmarks.bench_hub
 	$(BIN)/python -m benchmarks.page_mapping
 	$(BIN)/python -m benchmarks.bench_prune
 	$(BIN)/python -m benchmarks.bench_check

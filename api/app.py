@@ -15,7 +15,7 @@ from fastapi import Depends, FastAPI, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from mfsreg.api import errors, openapi, tags
+from mfsreg.api import errors, hub, openapi, tags
 from mfsreg.api.auth import Authenticate, principal
 from mfsreg.api.limits import BodyLimit, read_body
 from mfsreg.api.openapi import RESPONSES, FamilyName, FamilyQuery, VersionName
@@ -283,6 +283,7 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
         visible = None if who.family_pattern == "*" else (lambda name: who.allows("read", name))
         return reg_of(request).stats(family, visible)
 
+    hub.install(app)  # last: its /{family}/{name}/resolve/... path would take some of /v1/'s
     return app
 
 

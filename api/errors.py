@@ -69,9 +69,9 @@ def problem(
 def error_problem(exc: e.RegistryError, scope) -> JSONResponse:
     """The answer to ``exc``. A server-side failure (5xx) is logged whole with the request's id and
     answered with its public line, which names no database, bucket, key or path, and the id."""
-    status, rid = status_for(exc), request_id(scope)
-    if status < 500:
-        return problem(status, exc.code, str(exc), request_id=rid)
+    status, rid = getattr(exc, "http_status", None) or status_for(exc), request_id(scope)
+    if status < 500:  # http_headers: a Hub client's X-Error-Code, a 416's Content-Range (registry/hub.py)
+        return problem(status, exc.code, str(exc), getattr(exc, "http_headers", None), request_id=rid)
     log.warning("request %s: %s", rid, exc)
     public = getattr(exc, "public", None) or GENERAL.get(status, GENERAL[500])
     return problem(

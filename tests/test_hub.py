@@ -1,0 +1,205 @@
+"""The Hub's read protocol (api/hub.py): the real huggingface_hub and transformers packages download
+and load versions from a server in this process, by FAMILY/VERSION and FAMILY/TAG."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.server import Server, migrate, token
+
+CLIENT = r"""
+import hashlib, json, os, sys
+from pathlib import Path
+from huggingface_hub import hf_hub_download, snapshot_download
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+def files(folder):
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(Path(folder).rglob("*")) if p.is_file()}
+
+out = {}
+out["snapshot_v1"] = files(snapshot_download("tiny/v1"))
+out["snapshot_prod"] = files(snapshot_download("tiny/prod"))
+pinned = sys.argv[1]
+one = hf_hub_download("tiny/v1", "config.json", revision=pinned)
+out["pinned_config"] = hashlib.sha256(Path(one).read_bytes()).hexdigest()
+model = AutoModelForCausalLM.from_pretrained("tiny/prod")
+out["prod_state"] = {k: hashlib.sha256(v.contiguous().numpy().tobytes()).hexdigest()
+                     for k, v in model.state_dict().items()}
+out["tokens"] = AutoTokenizer.from_pretrained("tiny/v1")("w1 w2 w3")["input_ids"]
+print(json.dumps(out))
+"""
+
+
+def make_model(folder: Path, seed: int) -> dict[str, str]:
+    """A tiny GPT-2 with a tokenizer, saved as transformers saves one (sharded safetensors); returns
+    its state dict's tensor hashes."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
+
+    torch.manual_seed(seed)
+    config = GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=128, n_positions=64, bos_token_id=0, eos_token_id=0)
+    model = GPT2LMHeadModel(config)
+    model.save_pretrained(folder, max_shard_size="200KB")
+    vocab = {f"w{i}": i for i in range(126)} | {"[UNK]": 126, "[PAD]": 127}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]").save_pretrained(folder)
+    return {k: hashlib.sha256(v.contiguous().numpy().tobytes()).hexdigest() for k, v in model.state_dict().items()}
+
+
+def files(folder: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory):
+    """A server (SQLite, packs on disk) holding tiny/v1 and tiny/v2 (tagged prod), with read tokens
+    for tiny* and for other families."""
+    from mfsreg.registry.config import Settings
+    from mfsreg.registry.registry import Registry
+
+    where = tmp_path_factory.mktemp("hub")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MFSREG_")}
+    env.update(MFSREG_HOME=str(where / "home"), MFSREG_CHUNK_SIZE=str(64 << 10))
+    migrate(env)
+    states = {}
+    with Registry(Settings.from_env(env)) as reg:
+        for v, seed in (("v1", 0), ("v2", 1)):
+            states[v] = make_model(where / v, seed)
+            reg.push(where / v, "tiny", v, parent="v1" if v == "v2" else None)
+        reg.tag_set("tiny", "prod", "v2")
+    srv = Server(env, where / "server.log")
+    try:
+        yield dict(
+            srv=srv,
+            env=env,
+            where=where,
+            states=states,
+            read=token(env, "read", "tiny*"),
+            other=token(env, "read", "other*"),
+        )
+    finally:
+        srv.stop()
+
+
+@pytest.mark.process
+def test_huggingface_hub_and_transformers_download_by_version_and_tag(hub, tmp_path):
+    commit = hub_get(hub, "/api/models/tiny/v1").json()["sha"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "MFSREG_"))}
+    env.update(HF_ENDPOINT=hub["srv"].url, HF_TOKEN=hub["read"], HF_HOME=str(tmp_path / "hf"))
+    env.update(HF_HUB_DISABLE_TELEMETRY="1", TRANSFORMERS_VERBOSITY="error", HF_HUB_DISABLE_PROGRESS_BARS="1")
+    ran = subprocess.run([sys.executable, "-c", CLIENT, commit], env=env, capture_output=True, text=True, timeout=240)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    got = json.loads(ran.stdout.strip().splitlines()[-1])
+    assert got["snapshot_v1"] == files(hub["where"] / "v1")  # every file, byte-identical
+    assert got["snapshot_prod"] == files(hub["where"] / "v2")
+    assert len([f for f in got["snapshot_v1"] if f.endswith(".safetensors")]) > 1  # sharded
+    assert got["pinned_config"] == files(hub["where"] / "v1")["config.json"]
+    assert got["prod_state"] == hub["states"]["v2"]
+    assert got["tokens"] == [1, 2, 3]
+
+    # the cache huggingface_hub made pushes as its snapshot: the model's files, not the cache's own
+    from mfsreg.registry.config import Settings
+    from mfsreg.registry.registry import Registry
+
+    with Registry(Settings.from_env({"MFSREG_HOME": str(tmp_path / "again")})) as reg:
+        reg.push(tmp_path / "hf" / "hub" / "models--tiny--v1", "copy", "v1")
+        reg.pull("copy", "v1", tmp_path / "out", to_dir=True)
+    assert files(tmp_path / "out") == files(hub["where"] / "v1")
+
+
+def hub_get(hub, path: str, tok: str | None = "read", method: str = "GET", **headers) -> httpx.Response:
+    if tok is not None:
+        headers["Authorization"] = f"Bearer {hub[tok]}"
+    return httpx.request(method, hub["srv"].url + path, headers=headers, timeout=30)
+
+
+ROUTES = [
+    ("GET", "/api/models/tiny/v1"),
+    ("GET", "/api/models/tiny/prod/revision/main"),
+    ("GET", "/api/models/tiny/v1/tree/main"),
+    ("GET", "/tiny/prod/resolve/main/config.json"),
+    ("HEAD", "/tiny/prod/resolve/main/config.json"),
+]
+
+
+@pytest.mark.parametrize("method, path", ROUTES)
+def test_every_hub_route_holds_to_the_token_scope(hub, method, path):
+    assert hub_get(hub, path, "other", method).status_code == 403
+    assert hub_get(hub, path, None, method).status_code == 401
+    if method == "GET":
+        assert "set HF_TOKEN" in hub_get(hub, path, None, method).json()["detail"]
+    assert hub_get(hub, path, "read", method).status_code == 200
+    assert hub_get(hub, path.replace("tiny", "nope", 1), "other", method).status_code == 403  # nothing told
+
+
+def test_file_answers_carry_what_clients_read_and_take_ranges(hub):
+    src = (hub["where"] / "v1" / "model.safetensors.index.json").read_bytes()
+    info = hub_get(hub, "/api/models/tiny/v1").json()
+    head = hub_get(hub, "/tiny/v1/resolve/main/model.safetensors.index.json", method="HEAD")
+    assert head.headers["x-repo-commit"] == info["sha"] and len(info["sha"]) == 40
+    assert head.headers["etag"] == f'"{hashlib.sha256(src).hexdigest()}"'
+    assert int(head.headers["content-length"]) == len(src) and head.content == b""
+    path = "/tiny/v1/resolve/main/model-00001-of-00003.safetensors"
+    whole = (hub["where"] / "v1" / "model-00001-of-00003.safetensors").read_bytes()
+    for rng, want in (
+        ("bytes=0-9", whole[:10]),
+        ("bytes=100000-", whole[100000:]),
+        ("bytes=-7", whole[-7:]),
+        (f"bytes=70000-{len(whole) + 50}", whole[70000:]),
+    ):
+        got = hub_get(hub, path, Range=rng)
+        assert got.status_code == 206 and got.content == want, rng
+        assert got.headers["content-range"].endswith(f"/{len(whole)}")
+    assert hub_get(hub, path).content == whole
+    bad = hub_get(hub, path, Range=f"bytes={len(whole)}-")
+    assert bad.status_code == 416 and bad.headers["content-range"] == f"bytes */{len(whole)}"
+    assert hub_get(hub, path, Range="bytes=a-b").status_code == 416
+    pinned = hub_get(hub, f"/tiny/prod/resolve/{info['sha']}/config.json")  # prod is v2; the commit names v1
+    assert pinned.content == (hub["where"] / "v1" / "config.json").read_bytes()
+    by_digest = hub_get(hub, f"/api/models/tiny/v2/revision/{hub_get(hub, '/api/models/tiny/v2').json()['_id']}")
+    assert by_digest.status_code == 200
+
+
+@pytest.mark.parametrize(
+    "path, code",
+    [
+        ("/api/models/tiny/nope", "RepoNotFound"),
+        ("/api/models/tinyx/v1", "RepoNotFound"),
+        ("/api/models/tiny/..%2Fx", None),  # no such route: the path has one segment more
+        ("/api/models/tiny/-x", "RepoNotFound"),
+        ("/api/models/tiny/v1/revision/dev", "RevisionNotFound"),
+        ("/api/models/tiny/v1/revision/" + "0" * 40, "RevisionNotFound"),
+        ("/tiny/v1/resolve/main/nope.json", "EntryNotFound"),
+        ("/tiny/v1/resolve/main/../../etc/passwd", None),
+    ],
+)
+def test_what_does_not_exist_is_a_404_a_hub_client_tells_apart(hub, path, code):
+    got = hub_get(hub, path)
+    assert got.status_code == 404
+    if code is not None:
+        assert got.headers["x-error-code"] == code
+        assert "Traceback" not in got.text and "detail" in got.json()
+
+
+def test_anonymous_reads_where_the_server_opens_them(hub):
+    srv = Server({**hub["env"], "MFSREG_ANONYMOUS_READ": "1"}, hub["where"] / "anon.log")
+    try:
+        got = httpx.get(f"{srv.url}/tiny/prod/resolve/main/config.json")
+        assert got.status_code == 200 and got.content == (hub["where"] / "v2" / "config.json").read_bytes()
+    finally:
+        srv.stop()
