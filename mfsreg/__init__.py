@@ -3,9 +3,9 @@
 The Python API (docs/python.md). Names load on first use, so ``import mfsreg`` stays cheap:
 
 >>> import mfsreg
->>> reg = mfsreg.Registry(mfsreg.Settings.from_env())      # the embedded registry under MFSREG_HOME
->>> remote = mfsreg.RemoteRegistry("http://127.0.0.1:8700")  # a server
->>> tensors = mfsreg.load_tensors("qwen7b", "medical-v3")    # needs the torch extra
+>>> reg = mfsreg.open()        # the embedded registry under MFSREG_HOME, or a server if MFSREG_URL is set
+>>> tensors = mfsreg.load_tensors("qwen7b", "prod")          # needs the torch extra; embedded or a server
+>>> mfsreg.load_into(model, "qwen7b", "medical-v3")          # into an existing torch module
 
 The folders registry/, api/, cli/ and migrations/ install as ``mfsreg.registry``, ``mfsreg.api``,
 ``mfsreg.cli`` and ``mfsreg.migrations`` (setup.py maps them).
@@ -23,10 +23,28 @@ _LAZY = {
     "load_tensors": "mfsreg.registry.client.torch_loader",
     "Node": "mfsreg.registry.client.torch_loader",
     "ResidentModel": "mfsreg.registry.client.resident",
+    "load_into": "mfsreg.registry.client.into",
     "RegistryError": "mfsreg.registry.errors",
 }
 
-__all__ = ["__version__", *_LAZY]
+__all__ = ["__version__", "open", *_LAZY]
+
+
+def open(url: str | None = None, token: str | None = None):
+    """A registry handle: a RemoteRegistry for ``url`` (or MFSREG_URL, with ``token`` or
+    MFSREG_TOKEN), else the embedded Registry under MFSREG_HOME. Both push, pull, list, tag and
+    delete alike; close it (or use it in a with block) when done."""
+    import os
+
+    url = url or os.environ.get("MFSREG_URL") or None
+    if url:
+        from mfsreg.registry.client.remote import RemoteRegistry
+
+        return RemoteRegistry(url, token=token or os.environ.get("MFSREG_TOKEN") or None)
+    from mfsreg.registry.config import Settings
+    from mfsreg.registry.registry import Registry
+
+    return Registry(Settings.from_env())
 
 
 def __getattr__(name: str):

@@ -14,6 +14,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from mfsreg.registry.blobs.packs import StoredChunk
 from mfsreg.registry.client.cache import NodeCache
@@ -24,6 +25,9 @@ from mfsreg.registry.manifest import Manifest
 from mfsreg.registry.parallel import sized_batches
 from mfsreg.registry.progress import NullProgress, Progress
 from mfsreg.registry.rebuild import decode_batch
+
+if TYPE_CHECKING:
+    from mfsreg.registry.client.local import EmbeddedSource
 
 BATCH_BYTES = 32 << 20  # raw bytes per request: several requests run at once
 KEPT_VERSIONS = 16  # version documents a fetcher keeps (a 7B model's lists about 7,000 chunks at 2 MiB)
@@ -59,7 +63,13 @@ class VersionInfo:
 
 
 class Fetcher:
-    def __init__(self, remote: RemoteRegistry, cache: NodeCache, concurrency: int = 4, max_age: float | None = None):
+    def __init__(
+        self,
+        remote: RemoteRegistry | EmbeddedSource,
+        cache: NodeCache,
+        concurrency: int = 4,
+        max_age: float | None = None,
+    ):
         self.remote = remote
         self.cache = cache
         self.concurrency = concurrency

@@ -127,7 +127,44 @@ class Closable:
             )
 
 
-class RemoteRegistry(Closable):
+class DocumentReader:
+    """Reading a version or tier document into the node's values, checked as the server checks a
+    pushed manifest (shared by RemoteRegistry and the embedded registry's EmbeddedSource)."""
+
+    url: str
+
+    def manifest_of(self, doc: dict) -> Manifest:
+        """A version document's manifest, checked as the server checks a pushed one: its file paths
+        and digests name files on this machine (a pull's output, the node cache's materialised
+        files), so an answer that is damaged, or from a server that is not to be trusted, must not
+        reach them as they are."""
+        try:
+            return parse_doc(doc["manifest"])
+        except (InvalidRequest, KeyError, TypeError) as exc:
+            raise self._bad_document(exc) from None
+
+    def chunk_table(self, doc: dict) -> tuple[dict[str, StoredChunk], dict[str, str | None]]:
+        """Where each chunk of a version or tier document is stored, and its tier (None: not yet
+        sorted), in one pass over the rows. The ids name files in the node cache (a delta's basis
+        too): each is checked to be one, and each row's fields their type."""
+        located, tiers = {}, {}
+        try:
+            for i, (encoding, stored, basis, size, tier) in _chunk_rows(doc):
+                located[i] = StoredChunk(i, size, encoding, stored, "", 0, basis)
+                tiers[i] = tier
+        except (InvalidRequest, KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise self._bad_document(exc) from None
+        return located, tiers
+
+    def _bad_document(self, exc: Exception) -> IntegrityError:
+        detail = str(exc) if isinstance(exc, InvalidRequest) else f"{exc.__class__.__name__} {exc}"
+        return IntegrityError(
+            f"{self.url} sent a document that fails its checks ({detail}): nothing was written; "
+            "check that MFSREG_URL points at an mfsreg server you trust"
+        )
+
+
+class RemoteRegistry(DocumentReader, Closable):
     def __init__(
         self,
         url: str,
@@ -425,36 +462,6 @@ class RemoteRegistry(Closable):
     def manifest(self, family: str, version: str) -> tuple[VersionRow, Manifest]:
         doc = self.version_doc(family, version)
         return _version_row(doc), self.manifest_of(doc)
-
-    def manifest_of(self, doc: dict) -> Manifest:
-        """A version document's manifest, checked as the server checks a pushed one: its file paths
-        and digests name files on this machine (a pull's output, the node cache's materialised
-        files), so an answer that is damaged, or from a server that is not to be trusted, must not
-        reach them as they are."""
-        try:
-            return parse_doc(doc["manifest"])
-        except (InvalidRequest, KeyError, TypeError) as exc:
-            raise self._bad_document(exc) from None
-
-    def chunk_table(self, doc: dict) -> tuple[dict[str, StoredChunk], dict[str, str | None]]:
-        """Where each chunk of a version or tier document is stored, and its tier (None: not yet
-        sorted), in one pass over the rows. The ids name files in the node cache (a delta's basis
-        too): each is checked to be one, and each row's fields their type."""
-        located, tiers = {}, {}
-        try:
-            for i, (encoding, stored, basis, size, tier) in _chunk_rows(doc):
-                located[i] = StoredChunk(i, size, encoding, stored, "", 0, basis)
-                tiers[i] = tier
-        except (InvalidRequest, KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise self._bad_document(exc) from None
-        return located, tiers
-
-    def _bad_document(self, exc: Exception) -> IntegrityError:
-        detail = str(exc) if isinstance(exc, InvalidRequest) else f"{exc.__class__.__name__} {exc}"
-        return IntegrityError(
-            f"{self.url} sent a document that fails its checks ({detail}): nothing was written; "
-            "check that MFSREG_URL points at an mfsreg server you trust"
-        )
 
     def tier_doc(self, family: str, tier: str | None = None) -> dict:
         check_name("family", family)

@@ -18,6 +18,7 @@ from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -26,6 +27,9 @@ from mfsreg.registry.client.cache import NodeCache
 from mfsreg.registry.client.fetch import MAX_AGE, Fetcher, VersionInfo
 from mfsreg.registry.client.node import evict_quietly, gone_meanwhile, refetcher
 from mfsreg.registry.client.remote import Closable, RemoteRegistry
+
+if TYPE_CHECKING:
+    from mfsreg.registry.client.local import EmbeddedSource
 from mfsreg.registry.config import age_from_env
 from mfsreg.registry.errors import IntegrityError, InvalidRequest, NotFound
 from mfsreg.registry.manifest import SAFETENSORS
@@ -106,17 +110,24 @@ class Node(Closable):
     """What serving code needs on a node: the registry client, the node cache and a fetcher.
     Reads MFSREG_URL, MFSREG_TOKEN and MFSREG_CACHE_DIR for the arguments left out (None); an
     argument given empty is refused, as a cache_dir that is not an absolute path is (an empty
-    MFSREG_* variable counts as unset, as everywhere)."""
+    MFSREG_* variable counts as unset, as everywhere). With no URL either way, it loads from the
+    embedded registry under MFSREG_HOME (or ``registry``, an open Registry it does not close)."""
 
-    def __init__(self, url: str | None = None, token: str | None = None, cache_dir: str | None = None):
+    def __init__(self, url: str | None = None, token: str | None = None, cache_dir: str | None = None, registry=None):
         for name, value, env in (("url", url, "MFSREG_URL"), ("token", token, "MFSREG_TOKEN")):
             if value is not None and not value:  # an empty one fell back on the variable, unseen
                 raise InvalidRequest(f"{name}={value!r} is empty: give one, or leave {name}= out to use {env}")
         url = url or os.environ.get("MFSREG_URL")
-        if not url:
-            raise InvalidRequest("no registry to load from: set MFSREG_URL or pass url=")
         max_age = age_from_env("MFSREG_VERSION_MAX_AGE", MAX_AGE)  # refused before anything is opened
-        self.remote = RemoteRegistry(url, token=token or os.environ.get("MFSREG_TOKEN") or None)
+        self.remote: RemoteRegistry | EmbeddedSource
+        if url:
+            self.remote = RemoteRegistry(url, token=token or os.environ.get("MFSREG_TOKEN") or None)
+        else:  # the embedded registry under MFSREG_HOME, through the same steps a server runs
+            from mfsreg.registry.client.local import EmbeddedSource
+            from mfsreg.registry.config import Settings
+            from mfsreg.registry.registry import Registry
+
+            self.remote = EmbeddedSource(registry or Registry(Settings.from_env()), own=registry is None)
         try:
             self.cache = NodeCache(cache_dir)
         except BaseException:

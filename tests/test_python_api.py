@@ -1,0 +1,69 @@
+"""The Python API without a server: docs/python.md's examples marked "# runs in CI" run as written,
+and load_into's refusals."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.cli_run import mfsreg
+
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "python.md"
+
+
+def examples() -> list[str]:
+    blocks = re.findall(r"```python\n(.*?)```", DOCS.read_text(), flags=re.S)
+    return [b for b in blocks if b.startswith("# runs in CI")]
+
+
+def test_the_docs_have_examples_to_run():
+    assert len(examples()) >= 2
+
+
+@pytest.mark.process
+@pytest.mark.parametrize("index", [0, 1])
+def test_python_examples_in_the_docs_run_on_the_embedded_registry(index, tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MFSREG_", "HF_"))}
+    env.update(MFSREG_HOME=str(tmp_path / "home"), MFSREG_CACHE_DIR=str(tmp_path / "cache"), HF_HUB_OFFLINE="1")
+    env["TRANSFORMERS_VERBOSITY"] = "error"
+    ran = subprocess.run(
+        [sys.executable, "-c", examples()[index]], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240
+    )
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    if index == 0:
+        assert "switched to prod" in ran.stdout and "bytes copied" in ran.stdout
+    else:
+        assert "loaded; missing [], unexpected []" in ran.stdout
+
+
+def test_load_into_refuses_a_module_it_does_not_fit_and_leaves_it(home_env, tmp_path, monkeypatch):
+    from safetensors.torch import save_file
+
+    import mfsreg as api
+
+    save_file({"weight": torch.ones(8, 4), "bias": torch.ones(8)}, tmp_path / "lin.safetensors")
+    mfsreg("push", tmp_path / "lin.safetensors", "-f", "lin", "-v", "v1", env=home_env)
+    for key, value in home_env.items():
+        if key.startswith("MFSREG_"):
+            monkeypatch.setenv(key, value)
+    monkeypatch.delenv("MFSREG_URL", raising=False)
+    monkeypatch.setenv("MFSREG_CACHE_DIR", str(tmp_path / "cache"))
+    fits = torch.nn.Linear(4, 8)
+    assert api.load_into(fits, "lin", "latest") == ([], [])
+    assert torch.equal(fits.weight, torch.ones(8, 4))
+    wrong = torch.nn.Linear(4, 6)
+    before = {k: v.clone() for k, v in wrong.state_dict().items()}
+    with pytest.raises(api.RegistryError, match=r"of another shape \(first: bias: \(8,\) against \(6,\)\)"):
+        api.load_into(wrong, "lin", "v1")
+    assert all(torch.equal(before[k], v) for k, v in wrong.state_dict().items())
+    extra = torch.nn.Sequential(torch.nn.Linear(4, 8))
+    with pytest.raises(api.RegistryError, match="missing"):
+        api.load_into(extra, "lin", "v1")
+    missing, unexpected = api.load_into(extra, "lin", "v1", strict=False)
+    assert sorted(missing) == ["0.bias", "0.weight"] and sorted(unexpected) == ["bias", "weight"]
