@@ -10,11 +10,10 @@ push token for its family; each move is kept (tag_events) with who made it and w
 from __future__ import annotations
 
 from datetime import UTC, datetime
+from typing import TYPE_CHECKING
 
 from sqlalchemy import Connection
 
-from mfsreg.registry.audit import named
-from mfsreg.registry.auth import Principal
 from mfsreg.registry.db import tags as tag_db
 from mfsreg.registry.db import versions as version_db
 from mfsreg.registry.db.engine import read_tx, write_tx
@@ -22,7 +21,17 @@ from mfsreg.registry.errors import Conflict, NotFound
 from mfsreg.registry.names import check_name, check_new_name
 from mfsreg.registry.results import TagEvent, TagMove, TagRow
 
+if TYPE_CHECKING:
+    from mfsreg.registry.auth import Principal
+
 LATEST = version_db.LATEST
+
+
+def named(who: Principal | None) -> str:
+    """Who moved a tag (registry/audit.named), loaded only by what changes a tag: `ls` stays light."""
+    from mfsreg.registry.audit import named as audit_named
+
+    return audit_named(who)
 
 
 def set_tag(engine, family: str, tag: str, version: str, who: Principal | None = None) -> TagMove:

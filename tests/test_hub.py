@@ -15,6 +15,9 @@ import pytest
 
 from tests.server import Server, migrate, token
 
+# one worker builds the module's server and models (importing transformers: most of their cost)
+pytestmark = pytest.mark.xdist_group("hub")
+
 CLIENT = r"""
 import hashlib, json, os, sys
 from pathlib import Path
@@ -70,6 +73,7 @@ def hub(tmp_path_factory):
     """A server (SQLite, packs on disk) holding tiny/v1 and tiny/v2 (tagged prod), with read tokens
     for tiny* and for other families."""
     from mfsreg.registry.config import Settings
+    from mfsreg.registry.meta import VersionMeta
     from mfsreg.registry.registry import Registry
 
     where = tmp_path_factory.mktemp("hub")
@@ -80,7 +84,8 @@ def hub(tmp_path_factory):
     with Registry(Settings.from_env(env)) as reg:
         for v, seed in (("v1", 0), ("v2", 1)):
             states[v] = make_model(where / v, seed)
-            reg.push(where / v, "tiny", v, parent="v1" if v == "v2" else None)
+            meta = VersionMeta(f"tiny {v}", {"stage": "rc"})
+            reg.push(where / v, "tiny", v, parent="v1" if v == "v2" else None, meta=meta)
         reg.tag_set("tiny", "prod", "v2")
     srv = Server(env, where / "server.log")
     try:
@@ -150,6 +155,15 @@ def test_every_hub_route_holds_to_the_token_scope(hub, method, path):
 def test_file_answers_carry_what_clients_read_and_take_ranges(hub):
     src = (hub["where"] / "v1" / "model.safetensors.index.json").read_bytes()
     info = hub_get(hub, "/api/models/tiny/v1").json()
+    card = info["cardData"]
+    assert (card["version"], card["parent"], card["description"], card["labels"]) == (
+        "v1",
+        None,
+        "tiny v1",
+        {"stage": "rc"},
+    )
+    assert hub_get(hub, "/api/models/tiny/prod").json()["cardData"]["version"] == "v2"
+    assert sorted(s["rfilename"] for s in info["siblings"]) == sorted(files(hub["where"] / "v1"))
     head = hub_get(hub, "/tiny/v1/resolve/main/model.safetensors.index.json", method="HEAD")
     assert head.headers["x-repo-commit"] == info["sha"] and len(info["sha"]) == 40
     assert head.headers["etag"] == f'"{hashlib.sha256(src).hexdigest()}"'

@@ -67,3 +67,32 @@ def test_load_into_refuses_a_module_it_does_not_fit_and_leaves_it(home_env, tmp_
         api.load_into(extra, "lin", "v1")
     missing, unexpected = api.load_into(extra, "lin", "v1", strict=False)
     assert sorted(missing) == ["0.bias", "0.weight"] and sorted(unexpected) == ["bias", "weight"]
+
+
+def test_a_node_follows_a_moved_tag_at_once(home_env, tmp_path, monkeypatch):
+    """A version's own name is kept MFSREG_VERSION_MAX_AGE; a tag is asked for again every load."""
+    from safetensors.torch import save_file
+
+    import mfsreg as api
+
+    for key, value in home_env.items():
+        if key.startswith("MFSREG_"):
+            monkeypatch.setenv(key, value)
+    monkeypatch.delenv("MFSREG_URL", raising=False)
+    monkeypatch.setenv("MFSREG_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("MFSREG_VERSION_MAX_AGE", "3600")
+    for v in (1, 2):
+        save_file({"w": torch.full((64, 64), float(v))}, tmp_path / f"v{v}.safetensors")
+        mfsreg("push", tmp_path / f"v{v}.safetensors", "-f", "t", "-v", f"v{v}", env=home_env)
+    mfsreg("tag", "set", "t", "prod", "v1", env=home_env)
+    node = api.Node()
+    try:
+        assert api.load_tensors("t", "prod", node=node)["w"][0, 0] == 1
+        mfsreg("tag", "set", "t", "prod", "v2", env=home_env)
+        assert api.load_tensors("t", "prod", node=node)["w"][0, 0] == 2
+        model = api.ResidentModel("t", "v1", node=node)
+        model.switch("prod")
+        assert model.tensors["w"][0, 0] == 2
+        model.close()
+    finally:
+        node.close()
