@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 # The CPU build of torch lies on disk; asking for it by exact version keeps pip from fetching a CUDA build.
 TORCH   ?= torch==2.13.0
 # pytest-xdist workers: two per core, since many tests wait (on servers, subprocesses, timeouts);
-# --dist loadgroup keeps a module marked xdist_group on one worker, where its fixture is built once
+# keeps a module marked xdist_group on one worker, where its fixture is built once
 WORKERS ?= $(shell $(PY) -c "import os; print(2 * (os.cpu_count() or 1))")
 # mypy reads the package through links that place the folders under mfsreg/, as the wheel does
 TYPECHECK := build/typecheck
@@ -27,11 +27,11 @@ demo: install
 
 # every test, on SQLite and the Postgres server, moto's S3 server and uvicorn on loopback
 test: install
-	$(BIN)/python -m pytest -q -n $(WORKERS) --dist loadgroup
+	$(BIN)/python -m pytest -q -n $(WORKERS)
 
 # the edit loop: no Postgres, no S3, no spawned processes
 test-fast: install
-	$(BIN)/python -m pytest -q -n $(WORKERS) --dist loadgroup -m "not services and not process"
+	$(BIN)/python -m pytest -q -n $(WORKERS) -m "not services and not process"
 
 lint: install
 	$(BIN)/ruff check .
