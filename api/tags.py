@@ -10,7 +10,6 @@ from mfsreg.api.openapi import FamilyName, VersionName
 from mfsreg.api.schemas import TagEventModel, TagModel, TagMoveModel, TagRequest
 from mfsreg.registry.auth import Principal
 from mfsreg.registry.names import check_name
-from mfsreg.registry.results import timestamp
 
 PREFIX = "/v1/families/{family}/tags"
 TagName = VersionName  # one namespace per family: a tag's name follows a version's rules
@@ -20,16 +19,7 @@ def tags(family: FamilyName, request: Request, who: Principal = Depends(principa
     """The family's tags, ``latest`` among them (``automatic`` while it follows the last push)."""
     check_name("family", family)
     who.require("read", family)
-    return [
-        TagModel(
-            tag=t.name,
-            version=t.version,
-            set_by=t.set_by,
-            set_at=None if t.set_at is None else timestamp(t.set_at),
-            automatic=t.automatic,
-        )
-        for t in request.app.state.registry.tags(family)
-    ]
+    return [t.to_dict() for t in request.app.state.registry.tags(family)]
 
 
 def history(
@@ -42,12 +32,7 @@ def history(
     """Every move of the family's tags, newest first: who, when, from which version to which."""
     check_name("family", family)
     who.require("read", family)
-    return [
-        TagEventModel(
-            tag=e.tag, from_version=e.from_version, to_version=e.to_version, actor=e.actor, at=timestamp(e.at)
-        )
-        for e in request.app.state.registry.tag_history(family, tag, limit)
-    ]
+    return [e.to_dict() for e in request.app.state.registry.tag_history(family, tag, limit)]
 
 
 def set_tag(family: FamilyName, tag: TagName, body: TagRequest, request: Request, who: Principal = Depends(principal)):

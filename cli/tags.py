@@ -6,7 +6,6 @@ import typer
 
 from mfsreg.cli.backend import RegistryOption, open_backend
 from mfsreg.cli.output import emit_json, table
-from mfsreg.registry.results import timestamp
 
 tag_app = typer.Typer(
     help="Movable names for versions (prod, staging; latest follows the last push).", no_args_is_help=True
@@ -64,10 +63,7 @@ def ls(
         else:
             tags = reg.tags(family)
     if history:
-        rows = [
-            dict(tag=e.tag, from_version=e.from_version, to_version=e.to_version, actor=e.actor, at=timestamp(e.at))
-            for e in events
-        ]
+        rows = [e.to_dict() for e in events]
         if json_:
             emit_json({"family": family, "history": rows})
             return
@@ -78,16 +74,7 @@ def ls(
             names=5,
         )
         return
-    rows = [
-        dict(
-            tag=t.name,
-            version=t.version,
-            set_by=t.set_by,
-            set_at=None if t.set_at is None else timestamp(t.set_at),
-            automatic=t.automatic,
-        )
-        for t in tags
-    ]
+    rows = [t.to_dict() for t in tags]
     if json_:
         emit_json({"family": family, "tags": rows})
         return

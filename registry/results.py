@@ -42,6 +42,11 @@ class TagRow:
     set_at: datetime | str | None
     automatic: bool = False  # ``latest`` while no one has set it by hand: it follows the last push
 
+    def to_dict(self) -> dict:
+        """As `tag ls --json` and GET /v1/families/F/tags write it."""
+        at = None if self.set_at is None else timestamp(self.set_at)
+        return dict(tag=self.name, version=self.version, set_by=self.set_by, set_at=at, automatic=self.automatic)
+
 
 @dataclass(frozen=True)
 class TagEvent:
@@ -50,6 +55,9 @@ class TagEvent:
     to_version: str | None
     actor: str
     at: datetime | str
+
+    def to_dict(self) -> dict:
+        return {**self.__dict__, "at": timestamp(self.at)}
 
 
 @dataclass(frozen=True)
