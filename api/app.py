@@ -68,6 +68,8 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
         lifespan=lifespan,
         dependencies=[Depends(strict_query)],  # api/query.py: no unknown or repeated query parameters
         responses=RESPONSES,  # the error answers every route may give (api/openapi.py)
+        docs_url=None,  # /docs is served from packaged assets (api/openapi.py); ReDoc needs a CDN: none
+        redoc_url=None,
     )
     errors.install(app)
     openapi.install(app)

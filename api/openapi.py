@@ -33,6 +33,14 @@ VersionName = Annotated[str, Path(description="A version's name", json_schema_ex
 FamilyQuery = Annotated[str | None, Query(description="One family's name", json_schema_extra=_NAME)]
 
 
+BEARER = {
+    "type": "http",
+    "scheme": "bearer",
+    "description": "An mfsreg token (`mfsreg token create`), sent as `Authorization: Bearer mfs_...`; "
+    "read routes take none where the server opens anonymous reads (MFSREG_ANONYMOUS_READ)",
+}
+
+
 def install(app: FastAPI) -> None:
     """Build the document once, with error answers as application/problem+json (FastAPI writes
     every model as application/json)."""
@@ -40,6 +48,12 @@ def install(app: FastAPI) -> None:
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             doc = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
+            # the bearer token every /v1/ route reads (api/auth.py): /docs shows an Authorize button
+            doc.setdefault("components", {})["securitySchemes"] = {"bearer": BEARER}
+            for path, ops in doc["paths"].items():
+                if path.startswith("/v1/"):
+                    for operation in ops.values():
+                        operation["security"] = [{"bearer": []}]
             for operation in (op for path in doc["paths"].values() for op in path.values()):
                 for code, answer in operation.get("responses", {}).items():
                     content = answer.get("content", {})
@@ -49,3 +63,34 @@ def install(app: FastAPI) -> None:
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's documented way to shape the document
+    _offline_docs(app)
+
+
+ASSETS = "/docs-assets"
+
+
+def _offline_docs(app: FastAPI) -> None:
+    """/docs from Swagger UI's files packaged with the server (swagger-ui-bundle), not a CDN: it works
+    in an air-gapped cluster. FastAPI's own /docs and /redoc (both from a CDN) are turned off in
+    create_app."""
+    from fastapi.openapi.docs import get_swagger_ui_html, get_swagger_ui_oauth2_redirect_html
+    from fastapi.staticfiles import StaticFiles
+    from swagger_ui_bundle import swagger_ui_path
+
+    app.mount(ASSETS, StaticFiles(directory=swagger_ui_path), name="docs-assets")
+
+    @app.get("/docs", include_in_schema=False)
+    def docs():
+        return get_swagger_ui_html(
+            openapi_url="/openapi.json",
+            title=f"{app.title} API",
+            swagger_js_url=f"{ASSETS}/swagger-ui-bundle.js",
+            swagger_css_url=f"{ASSETS}/swagger-ui.css",
+            swagger_favicon_url=f"{ASSETS}/favicon-32x32.png",
+            oauth2_redirect_url="/docs/oauth2-redirect",
+            swagger_ui_parameters={"persistAuthorization": True},
+        )
+
+    @app.get("/docs/oauth2-redirect", include_in_schema=False)
+    def oauth2_redirect():
+        return get_swagger_ui_oauth2_redirect_html()

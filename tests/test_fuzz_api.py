@@ -52,3 +52,28 @@ def test_without_a_token_every_operation_is_refused_as_the_document_says(case, a
     # 405: a method no route takes; 200: /healthz alone
     assert response.status_code in (200, 400, 401, 404, 405, 413, 422), response.status_code
     assert response.status_code != 200 or case.path == "/healthz"
+
+
+def test_docs_work_offline_with_an_authorize_button(tmp_path):
+    """/docs loads Swagger UI from the server itself (nothing from another host), and the document
+    declares the bearer scheme on every /v1/ operation, /healthz excepted."""
+    import re
+
+    from fastapi.testclient import TestClient
+
+    app = create_app(Settings.from_env({"MFSREG_HOME": str(tmp_path / "home")}))
+    doc = app.openapi()
+    assert doc["components"]["securitySchemes"]["bearer"]["scheme"] == "bearer"
+    for path, ops in doc["paths"].items():
+        for op in ops.values():
+            assert (op.get("security") == [{"bearer": []}]) == path.startswith("/v1/"), path
+    with TestClient(app) as client:
+        page = client.get("/docs")
+        assert page.status_code == 200
+        assets = re.findall(r"""(?:src|href)=["']([^"']+)["']""", page.text) + re.findall(
+            r"""url: ?['"]([^'"]+)['"]""", page.text
+        )
+        assert assets and all(a.startswith("/") and not a.startswith("//") for a in assets), assets
+        for asset in assets:
+            assert client.get(asset).status_code == 200, asset
+        assert client.get("/redoc").status_code == 404
