@@ -165,7 +165,7 @@ def ls(
             return
         vers = reg.versions(family)
         tagged: dict[str, list[str]] = {}
-        for t in reg.tags(family):
+        for t in _tags(reg, family):
             tagged.setdefault(t.version, []).append(t.name)
     rows = [
         dict(
@@ -205,6 +205,20 @@ def ls(
         ],
         names=3,
     )
+
+
+def _tags(reg, family: str) -> list:
+    """The family's tags; none from a server older than tags (it has no such route)."""
+    from mfsreg.registry.errors import NotFound
+
+    try:
+        return reg.tags(family)
+    except NotFound as exc:
+        from mfsreg.registry.client.remote import NoRoute  # only a remote raises it: loaded then
+
+        if isinstance(exc, NoRoute):
+            return []
+        raise
 
 
 def _short(text: str, limit: int = 40) -> str:

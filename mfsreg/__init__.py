@@ -27,7 +27,8 @@ _LAZY = {
     "RegistryError": "mfsreg.registry.errors",
 }
 
-__all__ = ["__version__", "open", *_LAZY]
+# open is left out: `from mfsreg import *` must not hide the builtin open
+__all__ = ["__version__", *_LAZY]
 
 
 def open(url: str | None = None, token: str | None = None):
@@ -58,4 +59,4 @@ def __getattr__(name: str):
 
 
 def __dir__() -> list[str]:
-    return sorted(__all__)
+    return sorted([*__all__, "open"])

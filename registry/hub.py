@@ -42,7 +42,9 @@ class HubNotFound(NotFound):
 
     def __init__(self, message: str, hub_code: str):
         super().__init__(message)
-        self.http_headers = {"X-Error-Code": hub_code, "X-Error-Message": message}
+        # a header holds latin-1 only: a name the message quotes may not (a file called 模型.json)
+        shown_message = message.encode("ascii", "backslashreplace").decode()
+        self.http_headers = {"X-Error-Code": hub_code, "X-Error-Message": shown_message}
 
 
 @dataclass(frozen=True)
@@ -79,8 +81,9 @@ def open_repo(reg, family: str, name: str, revision: str = MAIN) -> Repo:
         row = version_db.find_version(conn, family, name, tags=True)
         if row is None:
             raise HubNotFound(f"repository {family}/{name} does not exist: see `mfsreg ls {family}`", "RepoNotFound")
-        if revision != MAIN:
-            pinned = _PINNED.fullmatch(revision)
+        pinned = _PINNED.fullmatch(revision) if revision != MAIN else None
+        if revision != MAIN and not (pinned and row.digest.removeprefix("sha256:").startswith(pinned[1])):
+            # another version of the family (two of one content: the oldest)
             found = version_db.find_by_digest(conn, family, pinned[1]) if pinned else None
             if found is None:
                 raise HubNotFound(
@@ -105,13 +108,15 @@ def entry_of(repo: Repo, path: str) -> FileEntry:
 
 
 def parse_range(header: str | None, size: int) -> tuple[int, int] | None:
-    """A Range header's one byte range as (start, stop), stop exclusive; None for the whole file.
-    One that cannot be met raises RangeNotSatisfiable (416)."""
+    """A Range header's one byte range as (start, stop), stop exclusive; None for the whole file,
+    which is also the answer to a header this does not read (another unit, several ranges, an end
+    before its start), as RFC 9110 has it. A range that starts past the end raises
+    RangeNotSatisfiable (416)."""
     if header is None:
         return None
-    m = re.fullmatch(r"\s*bytes\s*=\s*(\d*)\s*-\s*(\d*)\s*", header)
-    if m is None or (m[1] == "" and m[2] == ""):
-        raise RangeNotSatisfiable(f"Range {shown(header)} is not one byte range: send bytes=START-END", size)
+    m = re.fullmatch(r"\s*bytes\s*=\s*(\d{0,19})\s*-\s*(\d{0,19})\s*", header)
+    if m is None or (m[1] == "" and m[2] == "") or (m[1] and m[2] and int(m[2]) < int(m[1])):
+        return None
     if m[1] == "":  # the last N bytes
         start, stop = max(0, size - int(m[2])), size
     else:
@@ -131,8 +136,8 @@ class RangeNotSatisfiable(InvalidRequest):
 
 def read_file(reg, repo: Repo, entry: FileEntry, start: int = 0, stop: int | None = None) -> Iterator[bytes]:
     """Bytes [start, stop) of ``entry``, rebuilt from its chunks and checked as they go: each chunk
-    against its id; the whole file, when all of it is read, against its sha256 (a mismatch raises,
-    which breaks the response off). The chunks' places are read before the first byte is sent, so
+    against its id; the whole file, when all of it is read, against its sha256 before its last
+    piece goes (a mismatch raises, which breaks the response off short of its Content-Length). The chunks' places are read before the first byte is sent, so
     a version deleted meanwhile is a 404, not a broken stream."""
     stop = entry.size if stop is None else stop
     chunks = [c for c in filecheck.check_tiling(entry) if c.offset < stop and c.offset + c.size > start]
@@ -152,6 +157,7 @@ def _stream(reg, entry: FileEntry, chunks, located, start: int, stop: int, whole
     def decode(batch):
         return decode_batch(list(dict.fromkeys(c.id for c in batch)), located, reg.read_payloads, reg.pool)
 
+    held = b""  # the last piece, sent once the whole file's sha256 is checked: a mismatch ends short
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="mfsreg-hub") as side:
         nxt = side.submit(decode, batches[0]) if batches else None
         for k, batch in enumerate(batches):
@@ -162,6 +168,10 @@ def _stream(reg, entry: FileEntry, chunks, located, start: int, stop: int, whole
                 piece = memoryview(raw[c.id])[max(0, start - c.offset) : min(c.size, stop - c.offset)]
                 if digest is not None:
                     digest.update(piece)
-                yield bytes(piece)
+                if held:
+                    yield held
+                held = bytes(piece)
     if digest is not None and entry.sha256 is not None and digest.hexdigest() != entry.sha256:
         raise IntegrityError(f"{entry.path} does not match its sha256 as rebuilt: the stored version is damaged")
+    if held:
+        yield held

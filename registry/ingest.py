@@ -42,7 +42,7 @@ from mfsreg.registry.errors import (
 from mfsreg.registry.hashing import HashJob, encoded_chunks, missing_bytes
 from mfsreg.registry.lost import LostWarning, PackSizes, lost_packs, warn_lost_bases
 from mfsreg.registry.manifest import Manifest
-from mfsreg.registry.meta import VersionMeta
+from mfsreg.registry.meta import VersionMeta, check_meta
 from mfsreg.registry.names import check_name, check_new_name
 from mfsreg.registry.progress import NullProgress, Progress
 from mfsreg.registry.rebuild import decode_verified
@@ -385,6 +385,8 @@ def push(
     progress = progress or NullProgress()
     t0 = time.perf_counter()
     check_push_names(family, version, parent)
+    if meta is not None:  # a library caller's values, checked as the CLI's and the API's are
+        meta = check_meta(meta.description, meta.labels)
     source = open_source(Path(path))  # every input check happens before the registry is touched
     check_parent(reg, family, parent, version)
     chunk_size = family_chunk_size(reg, family)

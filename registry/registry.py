@@ -257,9 +257,10 @@ class Registry:
             fam = version_db.lock_family(conn, family)
             row = version_db.find_version(conn, family, version, tags=True)
             if row is not None and row.name != version:  # a tag: deleting the version it names is not meant
+                untag = "" if version == "latest" else f", or remove the tag (`mfsreg tag rm {family} {version}`)"
                 raise InvalidRequest(
                     f"{family}/{version} is a tag of version {row.name}: delete a version by its own name "
-                    f"(`mfsreg delete {family} {row.name}`), or remove the tag (`mfsreg tag rm {family} {version}`)"
+                    f"(`mfsreg delete {family} {row.name}`){untag}"
                 )
             row = version_db.get_version(conn, family, version, tags=False)
             ids = version_db.version_chunk_ids(conn, row.id)

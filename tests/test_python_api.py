@@ -96,3 +96,25 @@ def test_a_node_follows_a_moved_tag_at_once(home_env, tmp_path, monkeypatch):
         model.close()
     finally:
         node.close()
+
+
+def test_a_node_given_a_registry_loads_from_it_whatever_mfsreg_url_says(home_env, tmp_path, monkeypatch):
+    from safetensors.torch import save_file
+
+    import mfsreg as api
+    from mfsreg.registry.config import Settings
+    from mfsreg.registry.registry import Registry
+
+    save_file({"w": torch.full((8, 8), 3.0)}, tmp_path / "m.safetensors")
+    mfsreg("push", tmp_path / "m.safetensors", "-f", "n", "-v", "v1", env=home_env)
+    monkeypatch.setenv("MFSREG_URL", "http://127.0.0.1:9")  # nothing listens there
+    monkeypatch.setenv("MFSREG_CACHE_DIR", str(tmp_path / "cache"))
+    with Registry(Settings.from_env(home_env)) as reg:
+        with pytest.raises(api.RegistryError, match="give url= or registry=, not both"):
+            api.Node(url="http://127.0.0.1:9", registry=reg)
+        node = api.Node(registry=reg)
+        try:
+            assert api.load_tensors("n", "latest", node=node)["w"][0, 0] == 3
+        finally:
+            node.close()
+        assert reg.versions("n")  # left open: the node did not close it

@@ -205,3 +205,16 @@ def test_a_sharded_directory_keeps_its_metadata(home_env, tmp_path):
     d = synth.sharded_dir(tmp_path / "m", synth.base_tensors(seed=5))
     mfsreg("push", d, "-f", "s", "-v", "v1", "-l", "kind=sharded", env=home_env)
     assert mfsreg_json("show", "s", "latest", env=home_env)["labels"] == {"kind": "sharded"}
+
+
+def test_the_library_checks_metadata_as_the_cli_does(home_env, fam):
+    from mfsreg.registry.config import Settings
+    from mfsreg.registry.errors import InvalidRequest
+    from mfsreg.registry.meta import VersionMeta
+    from mfsreg.registry.registry import Registry
+
+    with Registry(Settings.from_env(home_env)) as reg:
+        for meta in (VersionMeta("x" * 1025), VersionMeta("", {"k": 1}), VersionMeta("", {"bad key": "v"})):
+            with pytest.raises(InvalidRequest):
+                reg.push(fam["base"], "m", "v1", meta=meta)
+        assert reg.families() == []

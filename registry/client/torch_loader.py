@@ -117,7 +117,9 @@ class Node(Closable):
         for name, value, env in (("url", url, "MFSREG_URL"), ("token", token, "MFSREG_TOKEN")):
             if value is not None and not value:  # an empty one fell back on the variable, unseen
                 raise InvalidRequest(f"{name}={value!r} is empty: give one, or leave {name}= out to use {env}")
-        url = url or os.environ.get("MFSREG_URL")
+        if registry is not None and url is not None:
+            raise InvalidRequest("give url= or registry=, not both: one registry to load from")
+        url = url or (None if registry is not None else os.environ.get("MFSREG_URL"))  # registry= wins
         max_age = age_from_env("MFSREG_VERSION_MAX_AGE", MAX_AGE)  # refused before anything is opened
         self.remote: RemoteRegistry | EmbeddedSource
         if url:
