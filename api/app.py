@@ -15,9 +15,10 @@ from fastapi import Depends, FastAPI, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from mfsreg.api import errors, hub, openapi, tags
+from mfsreg.api import errors, hub, metrics, openapi, tags
 from mfsreg.api.auth import Authenticate, principal
 from mfsreg.api.limits import BodyLimit, read_body
+from mfsreg.api.metrics import Metrics
 from mfsreg.api.openapi import RESPONSES, FamilyName, FamilyQuery, VersionName
 from mfsreg.api.query import strict_query
 from mfsreg.api.requestid import RequestId
@@ -78,18 +79,33 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
         BodyLimit, max_body=(settings or (registry.settings if registry else Settings.from_env())).max_body
     )
     app.add_middleware(Authenticate)  # runs before BodyLimit: no body is read before the token is checked
-    app.add_middleware(RequestId)  # added last, so it runs first: every answer carries the request's id
+    app.add_middleware(RequestId)  # every answer carries the request's id
+    app.add_middleware(Metrics)  # added last, so it runs first: it times and counts the whole answer
 
     def reg_of(request: Request) -> Registry:
         return request.app.state.registry
 
     @app.head("/healthz", include_in_schema=False)  # load balancers' probes; one operation in the schema
     @app.get("/healthz", tags=["ops"])
-    def healthz(request: Request) -> dict:
+    def healthz() -> dict:
+        """Liveness: the process answers (it reaches neither the database nor the blob store)."""
+        return {"status": "ok"}
+
+    @app.head("/readyz", include_in_schema=False)
+    @app.get("/readyz", tags=["ops"])
+    def readyz(request: Request) -> dict:
         """Readiness: the database answers and the blob store can be reached (a 503 that says which
         is not, otherwise)."""
         reg_of(request).ping()
         return {"status": "ok"}
+
+    @app.get("/metrics", include_in_schema=False)
+    def prometheus(request: Request) -> Response:
+        """Prometheus' text format (api/metrics.py); MFSREG_METRICS_TOKEN, where set, is asked for."""
+        token = reg_of(request).settings.metrics_token
+        status, body, ctype = metrics.exposition(request.headers.get("authorization"), token)
+        headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+        return Response(body, status_code=status, media_type=ctype, headers=headers)
 
     @app.get("/v1/families", response_model=list[FamilyModel], tags=["read"])
     def families(request: Request, who: Principal = Depends(principal)):
@@ -123,6 +139,7 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
         check_name("family", family)
         who.require("read", family)
         doc, tag = service.version_doc(reg_of(request), family, version, request.headers.get("if-none-match"))
+        metrics.PULLS.labels("version_document").inc()
         if doc is None:  # the node's copy is current (service.version_doc)
             return Response(status_code=304, headers={"ETag": tag})
         return JSONResponse(doc, headers={"ETag": tag})
@@ -206,7 +223,10 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
         """Step 1 of a push: which of the manifest's chunks must be uploaded."""
         check_name("family", family)
         who.require("push", family)
-        return service.negotiate(reg_of(request), family, version, body.manifest, body.parent, who, body.mend_damaged)
+        answer = service.negotiate(reg_of(request), family, version, body.manifest, body.parent, who, body.mend_damaged)
+        if not answer["exists"]:
+            metrics.CHUNKS.labels("reused").inc(answer["chunks"] - len(answer["missing"]))
+        return answer
 
     @app.post(
         "/v1/families/{family}/chunks",
@@ -222,7 +242,9 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
         check_name("family", family)
         who.require("push", family)
         body = await read_body(request, reg_of(request).settings.max_body)
-        return await run_in_threadpool(service.receive_batch, reg_of(request), family, body, who)
+        answer = await run_in_threadpool(service.receive_batch, reg_of(request), family, body, who)
+        metrics.CHUNKS.labels("stored").inc(answer["received"])
+        return answer
 
     @app.post(
         "/v1/families/{family}/versions/{version}/commit",
@@ -247,6 +269,7 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
         result = service.commit(
             reg_of(request), family, version, body.parent, body.manifest, body.chunk_size, who, meta
         )
+        metrics.PUSHES.labels("existed" if result.existed else "created").inc()
         if result.existed:
             response.status_code = 200
         return result.to_dict()

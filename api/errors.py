@@ -73,6 +73,10 @@ def error_problem(exc: e.RegistryError, scope) -> JSONResponse:
     if status < 500:  # http_headers: a Hub client's X-Error-Code, a 416's Content-Range (registry/hub.py)
         return problem(status, exc.code, str(exc), getattr(exc, "http_headers", None), request_id=rid)
     log.warning("request %s: %s", rid, exc)
+    if status == 503:
+        from mfsreg.api.metrics import storage_error
+
+        storage_error(exc)
     public = getattr(exc, "public", None) or GENERAL.get(status, GENERAL[500])
     return problem(
         status, exc.code, f"{public} (request id {rid}: quote it to the registry's operator)", request_id=rid

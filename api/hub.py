@@ -8,6 +8,7 @@ from __future__ import annotations
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from mfsreg.api import metrics
 from mfsreg.api.auth import principal
 from mfsreg.api.streams import broken_off
 from mfsreg.registry import hub
@@ -111,6 +112,7 @@ def resolve(
     if request.method == "HEAD":
         return Response(status_code=status, headers=headers)
     reg = request.app.state.registry
+    metrics.PULLS.labels("hub_file").inc()
     stream = broken_off(hub.read_file(reg, repo, entry, start, stop), f"Hub download of {family}/{name}/{path}")
     return StreamingResponse(stream, status_code=status, headers=headers)
 

@@ -20,6 +20,9 @@ def serve(
 ) -> None:
     """Serve the registry over HTTP (MFSREG_DATABASE_URL and MFSREG_BLOB_URL, or the embedded default)."""
     import copy
+    import os
+    import shutil
+    import tempfile
 
     import uvicorn
     from uvicorn.config import LOGGING_CONFIG
@@ -33,15 +36,23 @@ def serve(
     # do, at the same level: otherwise Python prints them bare, and --log-level does not reach them.
     log_config = copy.deepcopy(LOGGING_CONFIG)
     log_config["loggers"]["mfsreg"] = {"handlers": ["default"], "level": log_level.upper(), "propagate": False}
-    uvicorn.run(
-        "mfsreg.api.app:create_app",
-        factory=True,
-        host=host,
-        port=port,
-        workers=workers,
-        log_level=log_level,
-        log_config=log_config,
-    )
+    made = None
+    if workers > 1 and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        # each worker writes its metrics there and /metrics adds them up (api/metrics.py)
+        made = os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="mfsreg-metrics-")
+    try:
+        uvicorn.run(
+            "mfsreg.api.app:create_app",
+            factory=True,
+            host=host,
+            port=port,
+            workers=workers,
+            log_level=log_level,
+            log_config=log_config,
+        )
+    finally:
+        if made is not None:
+            shutil.rmtree(made, ignore_errors=True)
 
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's

@@ -117,6 +117,7 @@ class Settings:
     delta: bool = True  # store near-duplicate chunks as deltas against a basis (MFSREG_DELTA=0: exact dedup only)
     anonymous_read: bool = False  # server: let requests without a token read
     max_body: int = DEFAULT_MAX_BODY  # server: largest request body accepted (uploads are batched below it)
+    metrics_token: str | None = None  # server: the bearer token /metrics asks for (None: open)
     s3_connect_timeout: float = DEFAULT_S3_CONNECT_TIMEOUT  # seconds to open a connection to the S3 endpoint
     s3_read_timeout: float = DEFAULT_S3_READ_TIMEOUT  # seconds to wait for the endpoint's next bytes
     s3_max_attempts: int = DEFAULT_S3_MAX_ATTEMPTS  # tries of one S3 request, the first included
@@ -168,6 +169,7 @@ class Settings:
             delta=_flag(env, "MFSREG_DELTA", True),
             anonymous_read=_flag(env, "MFSREG_ANONYMOUS_READ", False),
             max_body=_size(env, "MFSREG_MAX_BODY", DEFAULT_MAX_BODY),
+            metrics_token=env.get("MFSREG_METRICS_TOKEN") or None,
         )
         s3, s3_errors = _s3_settings(env, overrides.get("s3_endpoint_url", values["s3_endpoint_url"]))
         values.update(s3)

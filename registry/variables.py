@@ -72,6 +72,12 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("MFSREG_ANONYMOUS_READ", "0", "server", "Let requests without a token read every family."),
     Variable("MFSREG_MAX_BODY", "320M", "server", "Largest request body the API accepts."),
     Variable(
+        "MFSREG_METRICS_TOKEN",
+        "unset (open)",
+        "server",
+        "Bearer token that `/metrics` asks for; unset, anyone who reaches the server reads the metrics.",
+    ),
+    Variable(
         "MFSREG_URL",
         "unset (the embedded registry)",
         "client",

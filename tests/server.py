@@ -202,3 +202,18 @@ def client_env(tmp_path, url: str, tok: str | None, **extra) -> dict:
     if tok:
         env["MFSREG_TOKEN"] = tok
     return env
+
+
+def counter(url: str, name: str, headers: dict | None = None, **labels) -> float:
+    """The sum of ``name``'s samples (a counter's _total, a histogram's _count) whose labels include
+    ``labels``, as the server's /metrics gives them now."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics", headers=headers, timeout=30).text
+    total = 0.0
+    for family in text_string_to_metric_families(text):
+        if family.name == name:
+            for sample in family.samples:
+                if sample.name in (f"{name}_total", f"{name}_count") and labels.items() <= sample.labels.items():
+                    total += sample.value
+    return total

@@ -19,7 +19,7 @@ from mfsreg.registry.auth import create_token
 from mfsreg.registry.config import Settings
 from mfsreg.registry.registry import Registry
 from tests.cli_run import MFSREG, mfsreg_json
-from tests.server import free_port
+from tests.server import counter, free_port
 
 pytestmark = pytest.mark.process
 
@@ -81,6 +81,14 @@ def test_serve_with_two_workers_takes_a_push_and_a_pull_and_stops_on_sigterm(hom
             got = mfsreg_json("pull", "fam", "base", "-o", tmp_path / f"base{i}.out", env=client)
             assert got["digest"] == pushed["digest"]
             assert filecmp.cmp(tmp_path / f"base{i}.out", fam["base"], shallow=False)
+        # /metrics adds up both workers' samples: every read, on either worker, gives the same totals
+        commit = "/v1/families/{family}/versions/{version}/commit"
+        for _ in range(6):
+            assert counter(url, "mfsreg_pushes", outcome="created") == 1
+            assert counter(url, "mfsreg_chunks", outcome="stored") == pushed["new_chunks"]
+            assert counter(url, "mfsreg_http_requests", route=commit, status="201") == 1
+            assert counter(url, "mfsreg_http_request_duration_seconds", route=commit) == 1
+            assert counter(url, "mfsreg_pulls", kind="version_document") >= 4
     finally:
         server.send_signal(signal.SIGTERM)
         out, _ = server.communicate(timeout=60)

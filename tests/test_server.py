@@ -26,7 +26,7 @@ from tests import synth
 from tests.cli_run import MFSREG, mfsreg, mfsreg_json
 from tests.dialects import sqlite_only
 from tests.hooks import OnSend
-from tests.server import client_env, free_port, token
+from tests.server import client_env, counter, free_port, token
 
 
 def bucket_keys(env: dict) -> list[str]:
@@ -1576,27 +1576,31 @@ def test_serve_refuses_to_start_on_a_blob_store_it_cannot_use(what, server_env, 
     assert all(s in proc.stderr for s in says) and "Traceback" not in proc.stderr, proc.stderr
 
 
-def test_healthz_answers_503_while_the_bucket_is_gone(servers, server_env, caplog):
-    """Readiness reflects the blob store: a running server whose bucket goes away answers /healthz
-    (GET and HEAD) with a 503, and ok again once it is back. The answer names neither the bucket nor
-    the endpoint; the server's log does, beside the request id the answer gives."""
+def test_readyz_answers_503_while_the_bucket_is_gone(servers, server_env, caplog):
+    """Readiness reflects the blob store: a running server whose bucket goes away answers /readyz
+    (GET and HEAD) with a 503, and ok again once it is back, while /healthz (the process is up)
+    stays 200. The answer names neither the bucket nor the endpoint; the server's log does, beside
+    the request id the answer gives. The 503 is counted as the blob store's in /metrics."""
     (srv,) = servers(1)
     bucket = server_env["MFSREG_BLOB_URL"].split("/")[2]
     endpoint = server_env["MFSREG_S3_ENDPOINT_URL"]
     s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
-    assert httpx.get(f"{srv.url}/healthz").json() == {"status": "ok"}
+    assert httpx.get(f"{srv.url}/readyz").json() == {"status": "ok"}
+    before = counter(srv.url, "mfsreg_storage_errors", backend="blob_store")
     s3.delete_bucket(Bucket=bucket)  # nothing pushed: empty
     try:
-        r = httpx.get(f"{srv.url}/healthz")
+        r = httpx.get(f"{srv.url}/readyz")
         rid = r.headers["x-request-id"]
         assert r.status_code == 503 and r.json()["request_id"] == rid and rid in r.json()["detail"], r.text
         assert bucket not in r.text and endpoint.split("//")[1] not in r.text, r.text
         logged = [rec.getMessage() for rec in caplog.records if rid in rec.getMessage()]
         assert len(logged) == 1 and f"bucket {bucket} does not exist" in logged[0], logged
-        assert httpx.head(f"{srv.url}/healthz").status_code == 503
+        assert httpx.head(f"{srv.url}/readyz").status_code == 503
+        assert httpx.get(f"{srv.url}/healthz").status_code == 200  # the process is up
+        assert counter(srv.url, "mfsreg_storage_errors", backend="blob_store") == before + 2
     finally:
         s3.create_bucket(Bucket=bucket)
-    assert httpx.get(f"{srv.url}/healthz").status_code == 200
+    assert httpx.get(f"{srv.url}/readyz").status_code == 200
 
 
 def test_a_push_over_http_mends_chunks_whose_pack_was_lost_before_or_during_it(servers, server_env, fam, tmp_path):
