@@ -66,5 +66,11 @@ def principal(request: Request) -> Principal:
     found = request.scope.get("state", {}).get(_KEY)
     if found is None:  # a route the middleware did not see: check the token here
         reg = request.app.state.registry
-        return authenticate(reg.engine, request.headers.get("authorization"), reg.settings.anonymous_read)
+        found = authenticate(reg.engine, request.headers.get("authorization"), reg.settings.anonymous_read)
+        request.scope.setdefault("state", {})[_KEY] = found  # the access log names it (api/logs.py)
     return found
+
+
+def principal_of(scope) -> Principal | None:
+    """Who the request was found to be, if it got that far."""
+    return scope.get("state", {}).get(_KEY)

@@ -15,6 +15,8 @@ import time
 
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, Counter, Histogram, generate_latest
 
+from mfsreg.api.logs import log_request
+
 REQUESTS = Counter("mfsreg_http_requests", "HTTP requests answered", ["route", "method", "status"])
 LATENCY = Histogram(
     "mfsreg_http_request_duration_seconds",
@@ -64,7 +66,8 @@ def exposition(authorization: str | None, token: str | None) -> tuple[int, bytes
 
 class Metrics:
     """ASGI middleware: each HTTP request counted once its answer has gone, under its route's
-    template (``unmatched`` where no route took it), so the label set stays small."""
+    template (``unmatched`` where no route took it), so the label set stays small; and its access
+    line logged (api/logs.py)."""
 
     def __init__(self, app):
         self.app = app
@@ -98,3 +101,4 @@ class Metrics:
             LATENCY.labels(route, method).observe(time.perf_counter() - t0)
             RECEIVED.labels(route).inc(got[0])
             SENT.labels(route).inc(out[0])
+            log_request(scope, status[0], time.perf_counter() - t0, got[0], out[0])

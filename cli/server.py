@@ -17,9 +17,11 @@ def serve(
     port: int = typer.Option(8700, "--port", help="Port to bind."),
     workers: int = typer.Option(1, "--workers", help="Worker processes (the API keeps no state)."),
     log_level: str = typer.Option("info", "--log-level"),
+    log_format: str = typer.Option(
+        "text", "--log-format", help="text (uvicorn's lines) or json (one object per line, with request ids)."
+    ),
 ) -> None:
     """Serve the registry over HTTP (MFSREG_DATABASE_URL and MFSREG_BLOB_URL, or the embedded default)."""
-    import copy
     import os
     import shutil
     import tempfile
@@ -30,12 +32,17 @@ def serve(
     from mfsreg.registry.registry import Registry
 
     _check_serve_options(host, port, workers, log_level)
+    if log_format not in ("text", "json"):
+        from mfsreg.registry.errors import InvalidRequest
+
+        raise InvalidRequest(f"--log-format {log_format!r}: use text or json")
+    from mfsreg.api.logs import log_config as log_config_for
+
     with Registry() as reg:  # fail fast, with one line, if the database or blob store is unusable
         reg.ping()  # the blob store too: a missing bucket or an endpoint that is down (opening it connects to nothing)
     # The registry's own warnings (a stored chunk it could not read back, say) go out as uvicorn's
     # do, at the same level: otherwise Python prints them bare, and --log-level does not reach them.
-    log_config = copy.deepcopy(LOGGING_CONFIG)
-    log_config["loggers"]["mfsreg"] = {"handlers": ["default"], "level": log_level.upper(), "propagate": False}
+    log_config = log_config_for(LOGGING_CONFIG, log_level, log_format)
     made = None
     if workers > 1 and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         # each worker writes its metrics there and /metrics adds them up (api/metrics.py)

@@ -69,3 +69,46 @@ def test_the_metrics_token_guards_the_route(tmp_path):
         assert ok.status_code == 200 and "mfsreg_http_requests_total" in ok.text
     finally:
         srv.stop()
+
+
+def test_each_request_gets_an_access_line_with_its_id(tmp_path):
+    import io
+    import json
+    import logging
+
+    from mfsreg.api.logs import JsonFormatter
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MFSREG_")}
+    env.update(MFSREG_HOME=str(tmp_path / "server"))
+    migrate(env)
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(JsonFormatter())
+    access = logging.getLogger("mfsreg.access")
+    access.addHandler(handler)
+    old = access.level
+    access.setLevel(logging.INFO)
+    srv = Server(env, tmp_path / "server.log")
+    try:
+        tok = token(env, "read", "fam*")
+        got = httpx.get(
+            f"{srv.url}/v1/families/fam", headers={"Authorization": f"Bearer {tok}", "X-Request-ID": "r-42"}
+        )
+        assert got.status_code == 404
+        hub = httpx.get(f"{srv.url}/fam/v1/resolve/main/config.json", headers={"Authorization": f"Bearer {tok}"})
+        assert hub.status_code == 404
+    finally:
+        srv.stop()
+        access.removeHandler(handler)
+        access.setLevel(old)
+    lines = [json.loads(line) for line in stream.getvalue().splitlines()]
+    (line,) = [x for x in lines if x["request_id"] == "r-42"]
+    assert (line["status"], line["family"], line["route"], line["method"]) == (
+        404,
+        "fam",
+        "/v1/families/{family}",
+        "GET",
+    )
+    assert tok.startswith(line["token"]) and line["level"] == "info" and line["time"].endswith("Z")
+    (hub_line,) = [x for x in lines if x["request_id"] == hub.headers["x-request-id"]]
+    assert tok.startswith(hub_line["token"]) and hub_line["family"] == "fam"  # a Hub route names its token too

@@ -54,7 +54,7 @@ def test_the_quick_exit_keeps_the_exit_code_and_every_byte_of_output(home_env, f
 def test_serve_with_two_workers_takes_a_push_and_a_pull_and_stops_on_sigterm(home_env, fam, tmp_path):
     port = free_port()
     server = subprocess.Popen(
-        [MFSREG, "serve", "--host", "127.0.0.1", "--port", str(port), "--workers", "2", "--log-level", "warning"],
+        [MFSREG, "serve", "--host", "127.0.0.1", "--port", str(port), "--workers", "2", "--log-format", "json"],
         env=home_env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -89,8 +89,18 @@ def test_serve_with_two_workers_takes_a_push_and_a_pull_and_stops_on_sigterm(hom
             assert counter(url, "mfsreg_http_requests", route=commit, status="201") == 1
             assert counter(url, "mfsreg_http_request_duration_seconds", route=commit) == 1
             assert counter(url, "mfsreg_pulls", kind="version_document") >= 4
+        seen = httpx.get(
+            f"{url}/v1/families/fam/versions/base",
+            headers={"Authorization": f"Bearer {tok}", "X-Request-ID": "trace-me-1"},
+        )
+        assert seen.headers["x-request-id"] == "trace-me-1"
     finally:
         server.send_signal(signal.SIGTERM)
         out, _ = server.communicate(timeout=60)
     assert server.returncode == 0, out
     assert "Traceback" not in out, out
+    # --log-format json: every line one object; the access line carries what the client saw
+    lines = [json.loads(line) for line in out.splitlines() if line.strip()]
+    (line,) = [x for x in lines if x.get("request_id") == "trace-me-1"]
+    assert (line["status"], line["family"], line["route"]) == (200, "fam", "/v1/families/{family}/versions/{version}")
+    assert tok.startswith(line["token"]) and line["duration_ms"] >= 0 and line["bytes_out"] > 0
