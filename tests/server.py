@@ -133,6 +133,15 @@ def migrate(env: dict) -> None:
     upgrade_database(Settings.from_env(env, blobs=False))
 
 
+def embedded_server_env(home, **extra) -> dict:
+    """Environment of a server on the embedded default (SQLite and packs under ``home``), migrated:
+    for tests whose point is not the database's dialect or S3."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MFSREG_")}
+    env.update(MFSREG_HOME=str(home), MFSREG_CHUNK_SIZE=str(64 << 10), **extra)
+    migrate(env)
+    return env
+
+
 @pytest.fixture
 def server_env(migrated_pg, s3_blob_url, tmp_path) -> dict:
     """Environment of a server deployment: Postgres metadata, S3 packs; migrated, no state elsewhere."""

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from tests.cli_run import MFSREG, mfsreg_json
-from tests.server import Server, migrate, token
+from tests.server import Server, embedded_server_env, token
 
 CI = Path(__file__).resolve().parent.parent / "examples" / "ci"
 
@@ -26,9 +26,7 @@ def test_both_ci_examples_call_the_script_with_the_token_from_secrets():
 
 @pytest.mark.process
 def test_the_publish_script_pushes_tags_and_reports(tmp_path, fam):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MFSREG_")}
-    env.update(MFSREG_HOME=str(tmp_path / "server"), MFSREG_CHUNK_SIZE=str(64 << 10))
-    migrate(env)
+    env = embedded_server_env(tmp_path / "server")
     srv = Server(env, tmp_path / "server.log")
     try:
         ci = {k: v for k, v in os.environ.items() if not k.startswith("MFSREG_")}

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.server import Server, migrate, token
+from tests.server import Server, embedded_server_env, token
 
 CLIENT = r"""
 import hashlib, json, os, sys
@@ -102,9 +102,7 @@ def hub(tmp_path_factory):
     from mfsreg.registry.registry import Registry
 
     where = tmp_path_factory.mktemp("hub")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MFSREG_")}
-    env.update(MFSREG_HOME=str(where / "home"), MFSREG_CHUNK_SIZE=str(64 << 10))
-    migrate(env)
+    env = embedded_server_env(where / "home")
     states = {}
     with Registry(Settings.from_env(env)) as reg:
         for v, seed in (("v1", 0), ("v2", 1)):

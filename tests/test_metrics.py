@@ -3,18 +3,14 @@ token that guards the route. Counters are process-wide here: each check reads a 
 
 from __future__ import annotations
 
-import os
-
 import httpx
 
 from tests.cli_run import mfsreg_json
-from tests.server import Server, client_env, counter, migrate, token
+from tests.server import Server, client_env, counter, embedded_server_env, token
 
 
 def test_a_push_and_a_pull_are_counted(fam, tmp_path):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MFSREG_")}
-    env.update(MFSREG_HOME=str(tmp_path / "server"), MFSREG_CHUNK_SIZE=str(64 << 10))
-    migrate(env)
+    env = embedded_server_env(tmp_path / "server")
     srv = Server(env, tmp_path / "server.log")
     try:
         url, commit = srv.url, "/v1/families/{family}/versions/{version}/commit"
@@ -57,9 +53,7 @@ def test_a_push_and_a_pull_are_counted(fam, tmp_path):
 
 
 def test_the_metrics_token_guards_the_route(tmp_path):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MFSREG_")}
-    env.update(MFSREG_HOME=str(tmp_path / "server"), MFSREG_METRICS_TOKEN="scrape-me")
-    migrate(env)
+    env = embedded_server_env(tmp_path / "server", MFSREG_METRICS_TOKEN="scrape-me")
     srv = Server(env, tmp_path / "server.log")
     try:
         refused = httpx.get(f"{srv.url}/metrics")
@@ -78,9 +72,7 @@ def test_each_request_gets_an_access_line_with_its_id(tmp_path):
 
     from mfsreg.api.logs import JsonFormatter
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MFSREG_")}
-    env.update(MFSREG_HOME=str(tmp_path / "server"))
-    migrate(env)
+    env = embedded_server_env(tmp_path / "server")
     stream = io.StringIO()
     handler = logging.StreamHandler(stream)
     handler.setFormatter(JsonFormatter())
