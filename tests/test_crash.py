@@ -271,9 +271,13 @@ def test_a_server_killed_while_it_streams_a_pull_loses_nothing(server_env, fam, 
             stream = resp.iter_raw(4096)
             first = next(stream)  # the stream has begun
             srv = restart(srv, server_env, tmp_path)
-            with pytest.raises(httpx.HTTPError):
+            try:
                 for _ in stream:
                     pass
+            except httpx.HTTPError:
+                pass  # the kill broke the answer off (the usual case)
+            # else the whole answer was in the socket's buffers before the kill landed (a slow hour):
+            # httpx read it to its last chunk, complete; either way what follows must hold
         assert first
         admin = dict(admin, MFSREG_URL=srv.url)
         assert_whole(admin, fam, {"base": "base"}, tmp_path)
