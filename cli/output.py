@@ -4,20 +4,11 @@ from __future__ import annotations
 
 import json
 
+from mfsreg.registry.wording import human_bytes  # noqa: F401  (the CLI's modules import it from here)
+
 
 def emit_json(obj) -> None:
     print(json.dumps(obj, indent=None, sort_keys=False, default=str))
-
-
-def human_bytes(n: int | None) -> str:
-    if n is None:
-        return "-"
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
-        value /= 1024
-    return f"{n} B"
 
 
 def table(title: str | None, columns: list[str], rows: list[list], names: int = 1) -> None:

@@ -1,4 +1,7 @@
-"""`mfsreg stats`: how much is shared, per family, tier and version."""
+"""`mfsreg stats`: how much is shared, per family, tier and version, in plain words.
+
+The figures are registry/stats.py's, the same the web page draws; encoding names and the
+registry-wide "alone holds" column only under --verbose (and always in --json)."""
 
 from __future__ import annotations
 
@@ -6,14 +9,20 @@ import typer
 
 from mfsreg.cli.backend import RegistryOption, open_backend
 from mfsreg.cli.output import emit_json, human_bytes, table
+from mfsreg.registry.wording import in_words
+
+TIER_WORDS = {"base": "most versions", "group": "some versions", "unique": "one version"}
 
 
 def stats(
     family: str = typer.Option(None, "--family", "-f", help="One family; without it, the whole registry."),
-    json_: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    verbose: bool = typer.Option(
+        False, "--verbose", "-v", help="Also the encodings and what each version alone holds."
+    ),
+    json_: bool = typer.Option(False, "--json", help="Print one JSON object (every figure, encodings included)."),
     registry: str = RegistryOption,
 ) -> None:
-    """Logical vs stored bytes, the tiers, and what each version alone holds."""
+    """How much each version shares with base and with other versions, and what only it holds."""
     with open_backend(registry, blobs=False) as reg:
         s = reg.stats(family)
     if json_:
@@ -28,11 +37,17 @@ def stats(
             f"{human_bytes(s['leftover_bytes'])} in parts of packs that killed writers left: "
             "`mfsreg prune` removes them once older than --min-age"
         )
+    for v in s["versions"]:
+        name = v["version"] if family else f"{v['family']}/{v['version']}"
+        typer.echo(f"  {name} ({human_bytes(v['logical_bytes'])}): {in_words(v['shares'])}")
     table(
         "tiers",
-        ["tier", "chunks", "stored"],
-        [[t, v["chunks"], human_bytes(v["bytes"])] for t, v in s["tiers"].items()],
+        ["tier", "chunks used by", "chunks", "stored"],
+        [[t, TIER_WORDS[t], v["chunks"], human_bytes(v["bytes"])] for t, v in s["tiers"].items()],
+        names=2,
     )
+    if not verbose:
+        return
     if s.get("encodings"):
         table(
             "encodings",

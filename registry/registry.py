@@ -227,6 +227,13 @@ class Registry:
             out["leftover_bytes"] = self._leftover_bytes()
         return out
 
+    def sharing_matrix(self, family: str) -> dict:
+        """The bytes each pair of the family's newest versions share (registry/stats.py)."""
+        from mfsreg.registry.stats import sharing_matrix
+
+        check_name("family", family)
+        return sharing_matrix(self.engine, family)
+
     def _leftover_bytes(self) -> int | None:
         """Bytes of the parts of packs killed writers left in a local blob store (prune removes
         them). None for an S3 store, which stats never contacts (it reads only the database, and

@@ -4,6 +4,11 @@
   chunks they use (the tiers add up to it); sharing_ratio: logical / stored.
 - per version: logical bytes; the stored bytes it needs (delta bases included), as deltas and
   plain; the stored bytes it alone holds, in any family.
+- per version, ``shares``: of the bytes of the distinct chunks it uses, how many are in its family's
+  base tier ("shares 91% with base"), in the group tier (shared with some other members) and in the
+  unique tier (only in this version), each as raw bytes, a fraction, stored bytes, and how much of
+  that is stored as deltas. The tiers are its own family's: no other family's pushes change them.
+  The web page (api/web.py) draws these same figures.
 - per encoding: chunks, raw bytes and stored bytes.
 """
 
@@ -13,8 +18,50 @@ from collections.abc import Callable
 
 from mfsreg.registry.db import stats as q
 from mfsreg.registry.db.engine import read_tx
-from mfsreg.registry.db.versions import family_exists, list_families
+from mfsreg.registry.db.versions import family_exists, get_family, list_families, list_versions
 from mfsreg.registry.errors import NotFound
+from mfsreg.registry.tiers import BASE, GROUP, UNIQUE
+
+
+def shares(split: dict[str, tuple[int, int, int, int]]) -> dict[str, dict[str, float | int]]:
+    """tier -> {bytes, fraction, stored_bytes, delta_bytes, delta_stored_bytes} of one version, from
+    db/stats.tier_split's rows for it."""
+    total = sum(raw for raw, *_ in split.values())
+    out: dict[str, dict[str, float | int]] = {}
+    for tier in (BASE, GROUP, UNIQUE):
+        raw, stored, draw, dstored = split.get(tier, (0, 0, 0, 0))
+        out[tier] = {
+            "bytes": raw,
+            "fraction": round(raw / total, 4) if total else 0.0,
+            "stored_bytes": stored,
+            "delta_bytes": draw,
+            "delta_stored_bytes": dstored,
+        }
+    return out
+
+
+def content_split(conn, family_id: int) -> dict[int, dict[str, tuple[int, int, int, int]]]:
+    """version id -> tier -> (raw bytes, stored bytes, raw bytes stored as deltas, stored bytes of
+    those), over the distinct chunks of each version's own files (not the bases its deltas decode
+    against: a dense fine-tune stored as deltas shares none of its bytes) and their tier in its own
+    family, so that no other family's pushes change a figure."""
+    from mfsreg.registry.manifest import Manifest
+
+    facts = q.chunk_facts(conn, family_id)
+    out: dict[int, dict[str, tuple[int, int, int, int]]] = {}
+    for vid, blob in q.manifests(conn, family_id):
+        sums = {t: [0, 0, 0, 0] for t in (BASE, GROUP, UNIQUE)}
+        ids = {ref[0] for f in Manifest.doc_of(blob)["files"] for ref in f["chunks"]}
+        for cid in ids:
+            tier, raw, stored, delta = facts[cid]
+            row = sums[tier]
+            row[0] += raw
+            row[1] += stored
+            if delta:
+                row[2] += raw
+                row[3] += stored
+        out[vid] = {t: (a, b, c, d) for t, (a, b, c, d) in sums.items()}
+    return out
 
 
 def compute_stats(engine, family: str | None = None, visible: Callable[[str], bool] | None = None) -> dict:
@@ -29,6 +76,10 @@ def compute_stats(engine, family: str | None = None, visible: Callable[[str], bo
         encodings = q.encodings(conn, family)
         seen = None if visible is None else [f.id for f in list_families(conn) if visible(f.name)]
         per_version = q.version_figures(conn, family, seen)
+        split = {}
+        for fam in list_families(conn):
+            if family is None or fam.name == family:
+                split.update(content_split(conn, fam.id))
         pack_bytes, orphan_bytes, unlisted_bytes = q.storage_totals(conn) if family is None else (None, None, None)
     stored = sum(b for _, b in tiers.values())
     out = {
@@ -49,8 +100,9 @@ def compute_stats(engine, family: str | None = None, visible: Callable[[str], bo
                 "unique_bytes": alone,
                 "delta_bytes": delta,
                 "plain_bytes": plain,
+                "shares": shares(split.get(vid, {})),
             }
-            for f, v, lb, need, alone, delta, plain in per_version
+            for vid, f, v, lb, need, alone, delta, plain in per_version
         ],
     }
     if family is None:
@@ -58,3 +110,40 @@ def compute_stats(engine, family: str | None = None, visible: Callable[[str], bo
         out["unreferenced_bytes"] = orphan_bytes
         out["unlisted_pack_bytes"] = unlisted_bytes
     return out
+
+
+MATRIX_MAX = 40  # members in a sharing matrix: the newest this many (a page of 40 x 40 cells)
+
+
+def sharing_matrix(engine, family: str, limit: int = MATRIX_MAX) -> dict:
+    """Bytes each pair of ``family``'s newest ``limit`` versions share: ``shared[i][j]`` is the raw
+    size of the distinct chunks of both one's and the other's files (``shared[i][i]``: all of
+    version i's). ``omitted``: the older versions left out."""
+    import numpy as np  # the web page's import, not the CLI's
+
+    from mfsreg.registry.manifest import Manifest
+
+    with read_tx(engine) as conn:
+        if not family_exists(conn, family):
+            raise NotFound(f"family {family!r} does not exist: see `mfsreg ls`")
+        rows = list_versions(conn, family)[-limit:]
+        fam_id = get_family(conn, family).id
+        facts = q.chunk_facts(conn, fam_id)
+        blobs = dict(q.manifests(conn, fam_id))
+    column: dict[str, int] = {}
+    uses = []
+    for r in rows:
+        ids = {ref[0] for f in Manifest.doc_of(blobs[r.id])["files"] for ref in f["chunks"]}
+        uses.append([column.setdefault(cid, len(column)) for cid in ids])
+    sizes = np.zeros(len(column), dtype=np.float64)
+    for cid, i in column.items():
+        sizes[i] = facts[cid][1]
+    incidence = np.zeros((len(rows), len(column)), dtype=np.float64)
+    for i, cols in enumerate(uses):
+        incidence[i, cols] = 1.0
+    shared = (incidence * sizes) @ incidence.T  # exact: whole numbers far below 2**53
+    return {
+        "versions": [r.name for r in rows],
+        "shared": [[int(x) for x in row] for row in shared],
+        "omitted": max(0, len(blobs) - len(rows)),
+    }

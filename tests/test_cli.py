@@ -85,7 +85,7 @@ def test_pushing_a_version_whose_pack_was_lost_again_says_what_it_mended(home_en
 
 
 def test_tables_show_whole_names_and_one_familys_stats_leave_out_the_family_column(home_env, fam):
-    """On an 80-column terminal the registry-wide versions table cut 'lastlayers-code' to
+    """(`stats --verbose`'s versions table.) On an 80-column terminal the registry-wide versions table cut 'lastlayers-code' to
     'lastlayers-…'; a name is folded instead, and stats --family drops the column every row repeats."""
     env = dict(home_env, COLUMNS="80")
     long_name = "lastlayers-code"
@@ -105,10 +105,10 @@ def test_tables_show_whole_names_and_one_familys_stats_leave_out_the_family_colu
                     joined[-1] = [a + b for a, b in zip(joined[-1], cells)]
         return joined
 
-    everything = mfsreg("stats", env=env).stdout
+    everything = mfsreg("stats", "--verbose", env=env).stdout
     assert [r[:2] for r in rows(everything)] == [["demo-llm", "base"], ["demo-llm", long_name]], everything
     assert "…" not in everything, everything
-    one = mfsreg("stats", "--family", "demo-llm", env=env).stdout
+    one = mfsreg("stats", "--family", "demo-llm", "--verbose", env=env).stdout
     assert "family" not in one.split("versions")[-1] and "…" not in one, one
     assert [r[0] for r in rows(one)] == ["base", long_name], one
     narrow = mfsreg("stats", "--family", "demo-llm", env=dict(env, COLUMNS="40")).stdout

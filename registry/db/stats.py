@@ -66,8 +66,8 @@ def encodings(conn: Connection, family: str | None) -> dict[str, tuple[int, int,
 
 def version_figures(
     conn: Connection, family: str | None, seen: Sequence[int] | None = None
-) -> list[tuple[str, str, int, int, int, int, int]]:
-    """(family, version, logical bytes, stored bytes it needs, stored bytes it alone holds, of what
+) -> list[tuple[int, str, str, int, int, int, int, int]]:
+    """(version id, family, version, logical bytes, stored bytes it needs, stored bytes it alone holds, of what
     it needs: bytes stored as deltas, bytes stored plain). Alone: in the whole registry, or with
     ``seen`` (family ids) among those families only, so that no figure depends on the others."""
     # alone: its one user in its family, and no other family uses it (chunks are stored once for
@@ -98,6 +98,7 @@ def version_figures(
     per = per_version.subquery()
     q = (
         select(
+            versions.c.id,
             families.c.name,
             versions.c.name,
             versions.c.logical_bytes,
@@ -111,7 +112,9 @@ def version_figures(
     )
     if family is not None:
         q = q.where(families.c.name == family)
-    return [(f, v, int(lb), int(n), int(a), int(d), int(n) - int(d)) for f, v, lb, n, a, d in conn.execute(q)]
+    return [
+        (int(i), f, v, int(lb), int(n), int(a), int(d), int(n) - int(d)) for i, f, v, lb, n, a, d in conn.execute(q)
+    ]
 
 
 def storage_totals(conn: Connection) -> tuple[int, int, int]:
@@ -127,3 +130,19 @@ def storage_totals(conn: Connection) -> tuple[int, int, int]:
         select(func.coalesce(func.sum(chunks.c.stored_size), 0)).where(~exists().where(fc.c.chunk_id == chunks.c.id))
     ).scalar_one()
     return int(pack_bytes), int(orphan), int(unlisted)
+
+
+def manifests(conn: Connection, family_id: int) -> list[tuple[int, bytes]]:
+    """(version id, stored manifest) of every version of one family."""
+    q = select(versions.c.id, versions.c.manifest).where(versions.c.family_id == family_id)
+    return [(int(v), bytes(m)) for v, m in conn.execute(q)]
+
+
+def chunk_facts(conn: Connection, family_id: int) -> dict[str, tuple[str, int, int, bool]]:
+    """chunk id -> (tier in this family, raw size, stored size, stored as a delta) over one family."""
+    q = (
+        select(fc.c.chunk_id, fc.c.tier, chunks.c.size, chunks.c.stored_size, chunks.c.basis_id.is_not(None))
+        .join(chunks, chunks.c.id == fc.c.chunk_id)
+        .where(fc.c.family_id == family_id)
+    )
+    return {c: (t, int(n), int(s), bool(d)) for c, t, n, s, d in conn.execute(q)}
