@@ -28,7 +28,7 @@ def ext(name: str, source: str, opt: str) -> Extension:
 setup(
     packages=PACKAGES,
     package_dir=ROOTS,
-    package_data={"mfsreg.migrations": ["*.ini", "*.mako"]},
+    package_data={"mfsreg.migrations": ["*.ini", "*.mako"], "mfsreg.api.web": ["templates/*.html", "assets/*"]},
     ext_modules=[
         ext("mfsreg.registry._grouping", "registry/_grouping.c", "-O3"),  # grouped deltas
         ext("mfsreg.registry._busguard", "registry/_busguard.c", "-O2"),  # a pushed file cut short: one line

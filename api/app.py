@@ -15,7 +15,7 @@ from fastapi import Depends, FastAPI, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from mfsreg.api import errors, hub, metrics, openapi, tags
+from mfsreg.api import errors, hub, metrics, openapi, tags, web
 from mfsreg.api.auth import Authenticate, principal
 from mfsreg.api.limits import BodyLimit, read_body
 from mfsreg.api.metrics import Metrics
@@ -75,6 +75,7 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
     errors.install(app)
     openapi.install(app)
     tags.install(app)
+    web.install(app)  # the page at / (api/web/)
     app.add_middleware(
         BodyLimit, max_body=(settings or (registry.settings if registry else Settings.from_env())).max_body
     )

@@ -66,21 +66,28 @@ def problem(
     return JSONResponse(body, status_code=status, media_type="application/problem+json", headers=headers)
 
 
-def error_problem(exc: e.RegistryError, scope) -> JSONResponse:
-    """The answer to ``exc``. A server-side failure (5xx) is logged whole with the request's id and
-    answered with its public line, which names no database, bucket, key or path, and the id."""
+def public_line(exc: e.RegistryError, scope) -> tuple[int, str]:
+    """The status and the one line a client is told of ``exc``. A server-side failure (5xx) is
+    logged whole with the request's id and told as its public line, which names no database,
+    bucket, key or path, and the id."""
     status, rid = getattr(exc, "http_status", None) or status_for(exc), request_id(scope)
-    if status < 500:  # http_headers: a Hub client's X-Error-Code, a 416's Content-Range (registry/hub.py)
-        return problem(status, exc.code, str(exc), getattr(exc, "http_headers", None), request_id=rid)
+    if status < 500:
+        return status, str(exc)
     log.warning("request %s: %s", rid, exc)
     if status == 503:
         from mfsreg.api.metrics import storage_error
 
         storage_error(exc)
     public = getattr(exc, "public", None) or GENERAL.get(status, GENERAL[500])
-    return problem(
-        status, exc.code, f"{public} (request id {rid}: quote it to the registry's operator)", request_id=rid
-    )
+    return status, f"{public} (request id {rid}: quote it to the registry's operator)"
+
+
+def error_problem(exc: e.RegistryError, scope) -> JSONResponse:
+    """The answer to ``exc`` (public_line's), as problem details."""
+    status, line = public_line(exc, scope)
+    # http_headers: a Hub client's X-Error-Code, a 416's Content-Range (registry/hub.py)
+    headers = getattr(exc, "http_headers", None) if status < 500 else None
+    return problem(status, exc.code, line, headers, request_id=request_id(scope))
 
 
 def install(app: FastAPI) -> None:

@@ -64,7 +64,7 @@ def test_every_source_module_and_migration_is_in_the_wheel(wheel):
     wanted = {
         FOLDERS[p.parts[0]] + "/" + "/".join(p.parts[1:])
         for p in _sources()
-        if p.parts[0] in FOLDERS and p.suffix in (".py", ".mako")
+        if p.parts[0] in FOLDERS and p.suffix in (".py", ".mako", ".html", ".css", ".js", ".svg")
     }
     assert wanted and wanted <= names, sorted(wanted - names)
     built = {n.split(".")[0] for n in names if n.endswith(".so")}
