@@ -58,7 +58,9 @@ class Authenticate:
 def _no_route_takes(scope) -> bool:
     """Whether no route takes this request's method on its path (a TRACE, a PUT): answered 405 with
     the methods that are taken, token or not, as an undeclared method is everywhere."""
-    matches = [route.matches(scope)[0] for route in scope["app"].router.routes]
+    from mfsreg.api.errors import routes_of
+
+    matches = [route.matches(scope)[0] for route in routes_of(scope["app"].router.routes)]
     return Match.FULL not in matches and Match.PARTIAL in matches
 
 

@@ -141,11 +141,20 @@ def install(app: FastAPI) -> None:
         return problem(exc.status_code, "http_error", detail, headers, request_id(req.scope))
 
 
+def routes_of(routes) -> list:
+    """The app's routes, those of included routers (api/routes/) in their place."""
+    out = []
+    for route in routes:
+        inner = getattr(route, "original_router", None)  # FastAPI's _IncludedRouter
+        out.extend(routes_of(inner.routes) if inner is not None else [route])
+    return out
+
+
 def _allowed(req: Request) -> str:
     """Every method some route takes on this path: Starlette's Allow names only the first route's,
     and a path served by two (GET and DELETE of a version) would be told one."""
     methods: set[str] = set()
-    for route in req.app.router.routes:
+    for route in routes_of(req.app.router.routes):
         if isinstance(route, Route) and route.matches(req.scope)[0] == Match.PARTIAL:
             methods |= route.methods or set()
     return ", ".join(sorted(methods))

@@ -1,0 +1,41 @@
+"""The HTTP API's routes, one module per resource; api/app.py includes their routers in order.
+The models' builders below turn the registry's rows into the wire documents (api/schemas.py)."""
+
+from __future__ import annotations
+
+from fastapi import Request
+
+from mfsreg.api.schemas import AuditEntryModel, FamilyModel, VersionModel
+from mfsreg.registry.registry import Registry
+from mfsreg.registry.results import timestamp
+
+
+def registry_of(request: Request) -> Registry:
+    """The app's Registry (set by create_app's lifespan)."""
+    return request.app.state.registry
+
+
+def audit_model(row) -> AuditEntryModel:
+    return AuditEntryModel(
+        at=timestamp(row.at), actor=row.actor, action=row.action, family=row.family, detail=row.detail
+    )
+
+
+def family_model(f) -> FamilyModel:
+    return FamilyModel(family=f.name, versions=f.member_count, base_quorum=f.base_quorum, chunk_size=f.chunk_size)
+
+
+def version_model(v) -> VersionModel:
+    return VersionModel(
+        family=v.family,
+        version=v.name,
+        parent=v.parent,
+        digest=v.digest,
+        logical_bytes=v.logical_bytes,
+        files=v.file_count,
+        single_file=v.single_file,
+        created_at=timestamp(v.created_at),
+        description=v.description,
+        labels=v.labels,
+        pushed_by=v.pushed_by,
+    )
