@@ -14,10 +14,9 @@ from starlette.concurrency import run_in_threadpool
 from starlette.routing import Match
 
 from mfsreg.api.posts import role_for
+from mfsreg.api.state import principal_of, set_principal
 from mfsreg.registry.auth import Principal, authenticate
 from mfsreg.registry.errors import InvalidRequest, RegistryError
-
-_KEY = "mfsreg.principal"
 
 
 class Authenticate:
@@ -51,7 +50,7 @@ class Authenticate:
         except RegistryError as exc:
             await error_problem(exc, scope)(scope, receive, send)
             return
-        scope.setdefault("state", {})[_KEY] = found
+        set_principal(scope, found)
         await self.app(scope, receive, send)
 
 
@@ -65,14 +64,9 @@ def _no_route_takes(scope) -> bool:
 
 
 def principal(request: Request) -> Principal:
-    found = request.scope.get("state", {}).get(_KEY)
+    found = principal_of(request.scope)
     if found is None:  # a route the middleware did not see: check the token here
         reg = request.app.state.registry
         found = authenticate(reg.engine, request.headers.get("authorization"), reg.settings.anonymous_read)
-        request.scope.setdefault("state", {})[_KEY] = found  # the access log names it (api/logs.py)
+        set_principal(request.scope, found)  # the access log names it (api/logs.py)
     return found
-
-
-def principal_of(scope) -> Principal | None:
-    """Who the request was found to be, if it got that far."""
-    return scope.get("state", {}).get(_KEY)

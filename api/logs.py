@@ -35,7 +35,7 @@ def log_request(scope, status: int, seconds: float, bytes_in: int, bytes_out: in
     """The access line of one answered request (at INFO; `serve --log-format json` shows it)."""
     if not access.isEnabledFor(logging.INFO):
         return
-    from mfsreg.api.auth import principal_of
+    from mfsreg.api.state import principal_of
 
     state = scope.get("state", {})
     who = principal_of(scope)

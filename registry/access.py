@@ -26,9 +26,9 @@ from mfsreg.registry.db import claims as claim_db
 from mfsreg.registry.db import versions as version_db
 from mfsreg.registry.db.engine import read_tx
 from mfsreg.registry.errors import IntegrityError, NotFound, StorageError
-from mfsreg.registry.ingest import RecordedPacks
 from mfsreg.registry.parallel import sized_batches
 from mfsreg.registry.rebuild import decode_batch
+from mfsreg.registry.recorded import RecordedPacks
 
 log = logging.getLogger("mfsreg")
 

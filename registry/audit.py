@@ -11,10 +11,10 @@ import json
 
 from sqlalchemy import Connection
 
-from mfsreg.registry.auth import Principal
 from mfsreg.registry.db import audit as audit_db
 from mfsreg.registry.db.engine import read_tx
 from mfsreg.registry.errors import Forbidden
+from mfsreg.registry.principal import Principal
 
 DETAIL_MAX = 1024
 

@@ -8,47 +8,18 @@ anonymous writes never.
 
 from __future__ import annotations
 
-import fnmatch
 import hashlib
 import re
 import secrets
-from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
 from mfsreg.registry.db import tokens as token_db
 from mfsreg.registry.db.engine import read_tx, write_tx
-from mfsreg.registry.errors import Forbidden, InvalidRequest, Unauthorized, shown
+from mfsreg.registry.errors import InvalidRequest, Unauthorized, shown
 from mfsreg.registry.names import NAME_CHARS
+from mfsreg.registry.principal import ANONYMOUS_READER, ROLES, Principal  # noqa: F401  (re-exported)
 
-ROLES = ("read", "push", "admin")
 TOKEN_PREFIX = "mfs_"
-
-
-@dataclass(frozen=True)
-class Principal:
-    """Who is asking: a role and the families it may touch (anonymous readers get role read, '*')."""
-
-    role: str
-    family_pattern: str
-    anonymous: bool = False
-    token_prefix: str | None = None  # the token's, as `token list` shows it (the audit log names it)
-    token_description: str = ""  # the token's --description (a version's pushed_by, a tag move's actor)
-
-    def allows(self, role: str, family: str | None) -> bool:
-        if ROLES.index(self.role) < ROLES.index(role):
-            return False
-        return family is None or fnmatch.fnmatchcase(family, self.family_pattern)
-
-    def require(self, role: str, family: str | None = None) -> None:
-        if self.anonymous and role != "read":
-            raise Unauthorized("this operation needs a token: set MFSREG_TOKEN (create one with `mfsreg token create`)")
-        if ROLES.index(self.role) < ROLES.index(role):
-            raise Forbidden(f"this token has role {self.role!r}; the operation needs {role!r}")
-        if family is not None and not fnmatch.fnmatchcase(family, self.family_pattern):
-            raise Forbidden(f"this token is limited to families matching {self.family_pattern!r}, not {family!r}")
-
-
-ANONYMOUS_READER = Principal(role="read", family_pattern="*", anonymous=True)
 
 
 def hash_token(token: str) -> str:

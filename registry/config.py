@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from mfsreg.registry.blobs import check_endpoint_url, configured_endpoint, parse_blob_url
+from mfsreg.registry.blobs.urls import check_endpoint_url, configured_endpoint, parse_blob_url
 from mfsreg.registry.errors import InvalidRequest
 
 # 2 MiB, the size of a PMD-mapped page: a chunk file of it, mapped into a tensor on a 2 MiB boundary,

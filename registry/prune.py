@@ -23,8 +23,8 @@ from mfsreg.registry.db import prune as q
 from mfsreg.registry.db.engine import read_tx, write_tx
 from mfsreg.registry.db.locks import exclude_writers
 from mfsreg.registry.errors import InvalidRequest, NotFound, StorageError
-from mfsreg.registry.ingest import RecordedPacks
 from mfsreg.registry.progress import NullProgress, Progress
+from mfsreg.registry.recorded import RecordedPacks
 from mfsreg.registry.results import PruneResult
 
 DEFAULT_MIN_AGE = PRUNE_MIN_AGE  # seconds: longer than any push between its first upload and its commit

@@ -238,7 +238,7 @@ class Registry:
         """Bytes of the parts of packs killed writers left in a local blob store (prune removes
         them). None for an S3 store, which stats never contacts (it reads only the database, and
         runs while the endpoint is down: `prune --dry-run` counts S3's), or a store not readable."""
-        from mfsreg.registry.blobs import parse_blob_url
+        from mfsreg.registry.blobs.urls import parse_blob_url
 
         try:
             if parse_blob_url(self.settings.blob_url)[0] != "file":

@@ -1,10 +1,12 @@
-"""The arrows of the architecture: the core imports no web or CLI framework, and the node client
-needs no database driver."""
+"""The arrows of the architecture: the core imports no web or CLI framework, the node client needs
+no database driver, and no module imports itself round a cycle."""
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
+from pathlib import Path
 
 
 def modules_after(imports: str) -> set[str]:
@@ -27,3 +29,106 @@ def test_node_client_needs_no_database_driver():
     )
     assert "sqlalchemy" not in loaded and "psycopg" not in loaded and "alembic" not in loaded
     assert "torch" not in loaded  # load_tensors and ResidentModel bring torch only when used
+
+
+# -- no import cycles ---------------------------------------------------------------------------
+
+REPO = Path(__file__).resolve().parents[1]
+FOLDERS = {"mfsreg": "mfsreg", "registry": "mfsreg.registry", "api": "mfsreg.api", "cli": "mfsreg.cli"}
+
+
+def _modules() -> dict[str, Path]:
+    """Every module of the package by its import name (migrations run under Alembic, apart)."""
+    out = {}
+    for folder, name in FOLDERS.items():
+        for path in (REPO / folder).rglob("*.py"):
+            parts = list(path.relative_to(REPO / folder).with_suffix("").parts)
+            out[".".join([name, *parts[:-1]] if parts[-1] == "__init__" else [name, *parts])] = path
+    return out
+
+
+def _runtime_imports(tree: ast.Module):
+    """Every import statement, at module level or inside a function, but those under ``if
+    TYPE_CHECKING:`` (annotations only: they never run)."""
+    skipped = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skipped.update(id(n) for stmt in node.body for n in ast.walk(stmt))
+    return [n for n in ast.walk(tree) if isinstance(n, ast.Import | ast.ImportFrom) and id(n) not in skipped]
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the package's modules it imports. ``from pkg import name`` is an import of
+    ``pkg.name`` where that is a module (a C extension is a leaf), else of ``pkg``."""
+    mods = _modules()
+    graph: dict[str, set[str]] = {}
+    for mod, path in mods.items():
+        package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+        deps = set()
+        for node in _runtime_imports(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                named = [a.name for a in node.names]
+            else:
+                base = node.module or ""
+                if node.level:
+                    up = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                    base = f"{up}.{base}" if base else up
+                named = [
+                    f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base
+                    for a in node.names
+                    if not (base in mods and (mods[base].parent / f"{a.name}.c").exists())  # a C extension
+                ]
+            for target in named:
+                while target not in mods and "." in target:
+                    target = target.rpartition(".")[0]
+                if target in mods and target != mod and target.startswith("mfsreg"):
+                    deps.add(target)
+        graph[mod] = deps
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_module_imports_itself_round_a_cycle():
+    graph = import_graph()
+    assert len(graph) > 100 and "mfsreg.registry.client._mapfiles" not in graph
+    assert "mfsreg.registry.blobs.urls" in graph["mfsreg.registry.config"]  # the walk sees imports
+    assert "mfsreg.registry.ingest" in graph["mfsreg.registry.registry"]  # ... inside functions too
+    found = cycles(graph)
+    edges = {m: sorted(graph[m] & set(c)) for c in found for m in c}
+    assert not found, f"import cycles: {found}; the imports inside them: {edges}"
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []

@@ -20,8 +20,9 @@ from mfsreg.registry.db.locks import exclude_writers
 from mfsreg.registry.db.models import chunks, packs, unlisted_packs
 from mfsreg.registry.errors import Conflict, InvalidRequest, NotFound, Pruned
 from mfsreg.registry.hashing import HashJob, hash_source
-from mfsreg.registry.ingest import RecordedPacks, commit_version, plan_deltas, upload_missing
+from mfsreg.registry.ingest import commit_version, plan_deltas, upload_missing
 from mfsreg.registry.progress import NullProgress
+from mfsreg.registry.recorded import RecordedPacks
 from mfsreg.registry.registry import Registry
 from mfsreg.registry.source import open_source
 from mfsreg.registry.wire import Entry, build_batch

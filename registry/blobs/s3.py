@@ -32,8 +32,8 @@ from botocore.exceptions import (
     ResponseStreamingError,
 )
 
-from mfsreg.registry.blobs import check_endpoint_url, configured_endpoint
 from mfsreg.registry.blobs.base import BlobStore, Leftover, check_key
+from mfsreg.registry.blobs.urls import check_endpoint_url, configured_endpoint
 from mfsreg.registry.config import DEFAULT_S3_CONNECT_TIMEOUT, DEFAULT_S3_MAX_ATTEMPTS, DEFAULT_S3_READ_TIMEOUT
 from mfsreg.registry.errors import InvalidRequest, NotFound, StorageError
 

@@ -14,11 +14,10 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from mfsreg.registry.blobs.packs import StoredChunk
 from mfsreg.registry.client.cache import NodeCache
-from mfsreg.registry.client.remote import RemoteRegistry
 from mfsreg.registry.config import age_from_env
 from mfsreg.registry.errors import StorageError
 from mfsreg.registry.manifest import Manifest
@@ -26,8 +25,24 @@ from mfsreg.registry.parallel import sized_batches
 from mfsreg.registry.progress import NullProgress, Progress
 from mfsreg.registry.rebuild import decode_batch
 
-if TYPE_CHECKING:
-    from mfsreg.registry.client.local import EmbeddedSource
+
+class ChunkSource(Protocol):
+    """Where a fetcher gets documents and chunks: a server (client/remote.RemoteRegistry) or the
+    embedded registry (client/local.EmbeddedSource)."""
+
+    url: str
+    pool: ThreadPoolExecutor
+
+    def version_doc(self, family: str, version: str) -> dict: ...
+
+    def version_doc_if(self, family: str, version: str, tag: str | None = None) -> tuple[dict | None, str | None]: ...
+
+    def chunk_table(self, doc: dict) -> tuple[dict[str, StoredChunk], dict[str, str | None]]: ...
+
+    def manifest_of(self, doc: dict) -> Manifest: ...
+
+    def fetch(self, family: str, chunks: list[StoredChunk]) -> Iterator[tuple[StoredChunk, bytes]]: ...
+
 
 BATCH_BYTES = 32 << 20  # raw bytes per request: several requests run at once
 KEPT_VERSIONS = 16  # version documents a fetcher keeps (a 7B model's lists about 7,000 chunks at 2 MiB)
@@ -65,7 +80,7 @@ class VersionInfo:
 class Fetcher:
     def __init__(
         self,
-        remote: RemoteRegistry | EmbeddedSource,
+        remote: ChunkSource,
         cache: NodeCache,
         concurrency: int = 4,
         max_age: float | None = None,
