@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import typer
+
+if TYPE_CHECKING:
+    from mfsreg.registry.interface import RegistryClient
+    from mfsreg.registry.registry import Registry
 
 RegistryOption = typer.Option(
     None,
@@ -27,23 +33,24 @@ ServerOption = typer.Option(
 
 
 @contextmanager
-def open_backend(url: str | None = None, *, blobs: bool = True):
-    """Yield an object with push/pull/manifest/families/versions/stats/delete. ``blobs=False`` for a
+def open_backend(url: str | None = None, *, blobs: bool = True) -> Iterator[RegistryClient]:
+    """Yield the registry the command talks to, as the one interface both kinds implement
+    (registry/interface.py): a server's client with MFSREG_URL, else the embedded one. ``blobs=False`` for a
     command that reads or changes only the database (ls, show, stats, delete): the embedded registry
     then runs whatever MFSREG_BLOB_URL and the MFSREG_S3_* settings hold, since it never opens the store."""
     if url:
         from mfsreg.registry.client.remote import RemoteRegistry
 
-        backend = RemoteRegistry(url, token=os.environ.get("MFSREG_TOKEN") or None)  # empty: unset
+        backend: RegistryClient = RemoteRegistry(url, token=os.environ.get("MFSREG_TOKEN") or None)  # empty: unset
     else:
-        backend = embedded(blobs=blobs)
+        backend = embedded(blobs=blobs)  # mypy checks that both fit the interface
     try:
         yield backend
     finally:
         backend.close()
 
 
-def embedded(*, blobs: bool = True):
+def embedded(*, blobs: bool = True) -> Registry:
     """The embedded Registry. With ``blobs`` (a command that opens the blob store) a malformed
     MFSREG_BLOB_URL, or for an s3 one a malformed MFSREG_S3_* timeout or attempts, is refused here,
     before the database is opened (or, on a new MFSREG_HOME, made); without, they are never looked

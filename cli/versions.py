@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -150,7 +151,7 @@ def ls(
     with open_backend(registry, blobs=False) as reg:
         if family is None:
             fams = reg.families()
-            rows = [
+            rows: list[dict[str, Any]] = [
                 dict(family=f.name, versions=f.member_count, base_quorum=f.base_quorum, chunk_size=f.chunk_size)
                 for f in fams
             ]
@@ -236,7 +237,7 @@ def show(
     """Show one version (or the one a tag names): digest, parent, metadata, files, tensors and chunks."""
     with open_backend(registry, blobs=False) as reg:
         row, manifest = reg.manifest(family, version)
-    files = [
+    files: list[dict[str, Any]] = [
         dict(path=f.path, kind=f.kind, size=f.size, sha256=f.sha256, tensors=len(f.tensors), chunks=len(f.chunks))
         for f in manifest.files
     ]
