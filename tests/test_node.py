@@ -1495,7 +1495,9 @@ def test_a_tier_the_registry_does_not_name_keeps_the_rank_the_cache_holds(tmp_pa
     try:
         data = os.urandom(5000)
         cache.put(chunk_id(data), data, tier="base", family="fam")
-        rank = lambda: cache._conn().execute("SELECT rank FROM entries WHERE key = ?", (chunk_id(data),)).fetchone()[0]
+        rank = lambda: (
+            cache.index.conn().execute("SELECT rank FROM entries WHERE key = ?", (chunk_id(data),)).fetchone()[0]
+        )
         base = rank()
         cache.set_tiers({chunk_id(data): None}, "fam")
         cache.set_tiers({chunk_id(data): None})
@@ -2345,10 +2347,10 @@ def test_a_to_dir_pull_over_the_limit_keeps_its_file_and_reuses_it(published, fa
         def used(path: str) -> float:
             sha = next(
                 k
-                for k in cache._conn().execute("SELECT key FROM entries WHERE key LIKE 'file:%'").fetchall()
+                for k in cache.index.conn().execute("SELECT key FROM entries WHERE key LIKE 'file:%'").fetchall()
                 if os.path.samefile(cache.file_path(k[0][5:]), path)
             )[0]
-            return cache._conn().execute("SELECT last_used FROM entries WHERE key = ?", (sha,)).fetchone()[0]
+            return cache.index.conn().execute("SELECT last_used FROM entries WHERE key = ?", (sha,)).fetchone()[0]
 
         before = used(first["path"])
         time.sleep(0.01)

@@ -11,28 +11,25 @@ from __future__ import annotations
 
 import os
 import stat
-import time
 from collections.abc import Iterable, Iterator
 from collections.abc import Set as AbstractSet
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 from mfsreg.registry.chunking import chunk_id as chunk_id_of
 from mfsreg.registry.client.cachefiles import (
-    CHUNK_NAME,
-    FILE_NAME,
-    SHARD_NAME,
     STALE_TEMP_SECONDS,
     atomic_write,
     is_plain,
-    is_temp,
     make_dir,
     open_plain,
     read_plain,
     temp_name,
 )
 from mfsreg.registry.client.cacheindex import CacheIndex
-from mfsreg.registry.client.eviction import FILE_RANK, RANK, Eviction
+from mfsreg.registry.client.eviction import FILE_RANK, RANK, Eviction, Lease, Leases
 from mfsreg.registry.client.indexdb import forget_rows
+from mfsreg.registry.client.layout import CacheLayout
 from mfsreg.registry.errors import IntegrityError, InvalidRequest, StorageError
 
 # What other modules import from here; the file helpers, index and eviction names are imported
@@ -86,28 +83,114 @@ def default_max_bytes() -> int | None:
     return size_from_env("MFSREG_CACHE_MAX", None)
 
 
-class NodeCache(CacheIndex, Eviction):
-    def __init__(self, root: str | os.PathLike | None = None, max_bytes: int | None = None):
-        self.root = cache_root(root) if root is not None else default_cache_dir()
-        self.max_bytes = max_bytes if max_bytes is not None else default_max_bytes()
-        make_dir(self.root / "chunks")
-        self._chunks = str(self.root / "chunks")
-        self._index = self.root / "index.db"
-        make_dir(self.root / "files")
-        self._open_index()
+class NodeCache:
+    """A node cache: its layout on disk (layout.CacheLayout), its index (cacheindex.CacheIndex), its
+    leases and its pins and size limit (eviction.Leases, eviction.Eviction), each a part with its own interface; this
+    class holds the chunks' reads, writes and drops, and hands the parts' operations on."""
 
-    # -- chunks -----------------------------------------------------------------------------------
+    def __init__(self, root: str | os.PathLike | None = None, max_bytes: int | None = None):
+        self.layout = CacheLayout(cache_root(root) if root is not None else default_cache_dir())
+        self.root = self.layout.root
+        self.layout.make()
+        self.index = CacheIndex(self.layout)
+        self.leases = Leases(self.index, self.layout)
+        self.eviction = Eviction(self.index, self.layout, max_bytes if max_bytes is not None else default_max_bytes())
+
+    @property
+    def max_bytes(self) -> int | None:
+        return self.eviction.max_bytes
+
+    @max_bytes.setter
+    def max_bytes(self, value: int | None) -> None:
+        self.eviction.max_bytes = value
+
+    # -- the layout's ------------------------------------------------------------------------------
 
     def chunk_path(self, chunk_id: str) -> Path:
-        return Path(self.chunk_file(chunk_id))
+        return self.layout.chunk_path(chunk_id)
 
     def chunk_file(self, chunk_id: str) -> str:
-        """The chunk's file as a plain string: loads look up a thousand chunks or more, and pathlib's
-        joins cost more than the stat itself."""
-        return f"{self._chunks}/{chunk_id[:2]}/{chunk_id}"
+        return self.layout.chunk_file(chunk_id)
 
     def file_path(self, sha256: str) -> Path:
-        return self.root / "files" / sha256
+        return self.layout.file_path(sha256)
+
+    def disk_files(self) -> Iterator[tuple[str, os.DirEntry]]:
+        return self.layout.disk_files()
+
+    def disk_others(self) -> Iterator[tuple[str, os.DirEntry]]:
+        return self.layout.disk_others()
+
+    def shard_blockers(self) -> Iterator[os.DirEntry]:
+        return self.layout.shard_blockers()
+
+    def sweep_temps(self, older_than: float = STALE_TEMP_SECONDS) -> int:
+        return self.layout.sweep_temps(older_than)
+
+    # -- the index's -------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        self.index.close()
+
+    def record(self, items: Iterable[tuple[str, int, str | None, str | None]]) -> None:
+        self.index.record(items)
+
+    def touch(self, chunk_ids: Iterable[str]) -> None:
+        self.index.touch(chunk_ids)
+
+    def set_tiers(self, tiers: dict[str, str | None], family: str | None = None) -> None:
+        self.index.set_tiers(tiers, family)
+
+    def forget_missing(self, prefix: str) -> int:
+        return self.index.forget_missing(prefix)
+
+    def forget(self, chunk_ids: list[str]) -> None:
+        self.index.forget(chunk_ids)
+
+    def add_file(self, sha256: str, size: int) -> None:
+        self.index.add_file(sha256, size)
+
+    def record_pull(self, family: str, version: str) -> None:
+        self.index.record_pull(family, version)
+
+    def forget_pull(self, family: str, version: str) -> None:
+        self.index.forget_pull(family, version)
+
+    def recent_pulls(self, family: str, n: int) -> list[str]:
+        return self.index.recent_pulls(family, n)
+
+    def record_orphans(self) -> int:
+        return self.index.record_orphans()
+
+    # -- eviction's --------------------------------------------------------------------------------
+
+    def pin(self, family: str) -> None:
+        self.eviction.pin(family)
+
+    def unpin(self, family: str) -> None:
+        self.eviction.unpin(family)
+
+    def pinned(self) -> list[str]:
+        return self.eviction.pinned()
+
+    # -- the leases' -------------------------------------------------------------------------------
+
+    def leased(self, keys: Iterable[str]) -> AbstractContextManager[Lease]:
+        return self.leases.leased(keys)
+
+    def leased_bytes(self) -> int:
+        return self.leases.leased_bytes()
+
+    def leased_keys(self) -> set[str]:
+        return self.leases.leased_keys()
+
+    def total_bytes(self) -> int:
+        return self.eviction.total_bytes()
+
+    def evict(self, max_bytes: int | None = None, protect: Iterable[str] = ()) -> tuple[int, int]:
+        return self.eviction.evict(max_bytes, protect)
+
+    # -- chunks -----------------------------------------------------------------------------------
 
     def has(self, chunk_id: str) -> bool:
         """Whether a plain file stands at the chunk's name (a directory, a link or a fifo there is no
@@ -194,7 +277,7 @@ class NodeCache(CacheIndex, Eviction):
         """Remove what stands at the shard directory chunks/<prefix> if it is not a directory (a
         file, a link, a fifo); whether something went. A shard another process has just put back
         as a directory stays."""
-        path = f"{self._chunks}/{prefix}"
+        path = f"{self.layout.chunks}/{prefix}"
         try:
             if stat.S_ISDIR(os.lstat(path).st_mode):
                 return False
@@ -219,7 +302,7 @@ class NodeCache(CacheIndex, Eviction):
         or a materialised file's entry. Rows and file go together under the write lock, so that a
         process that found the file a moment ago and records it as used cannot make its row again
         between the two (record looks for the file under that lock)."""
-        with self._db() as db:
+        with self.index.db() as db:
             if seen is not None:
                 # The file is renamed aside first, and its identity checked there: a check at its
                 # name followed by an unlink of that name removed a good copy another process
@@ -264,60 +347,11 @@ class NodeCache(CacheIndex, Eviction):
         theirs). ``seen``: as for discard."""
         self._drop(str(self.file_path(sha256)), f"file:{sha256}", seen)
 
-    # -- on disk ----------------------------------------------------------------------------------
-
-    def disk_files(self) -> Iterator[tuple[str, os.DirEntry]]:
-        """Every plain file on disk, temp files included: ("chunk", entry) for those under chunks/
-        (one level of subdirectories), ("file", entry) for materialised files."""
-        return ((kind, e) for kind, e in self._disk_entries() if e.is_file(follow_symlinks=False))
-
-    def disk_others(self) -> Iterator[tuple[str, os.DirEntry]]:
-        """What stands at a chunk's or a materialised file's place and is not a plain file (a
-        directory, a link, a fifo): no writer makes these, and each would stop that file being
-        written (a rename onto a directory fails) while a listing of plain files passes it over."""
-        for kind, e in self._disk_entries():
-            named = CHUNK_NAME if kind == "chunk" else FILE_NAME
-            if named.fullmatch(e.name) and not e.is_file(follow_symlinks=False):
-                yield kind, e
-
-    def shard_blockers(self) -> Iterator[os.DirEntry]:
-        """What stands at a shard directory's name in chunks/ (two hex digits) and is not a
-        directory: a file, a link, a fifo. No writer makes these; listings pass them over, and
-        each stops every chunk of its shard being written."""
-        for e in os.scandir(self._chunks):
-            if SHARD_NAME.fullmatch(e.name) and not e.is_dir(follow_symlinks=False):
-                yield e
-
-    def _disk_entries(self) -> Iterator[tuple[str, os.DirEntry]]:
-        """Every entry in chunks/' subdirectories ("chunk") and in files/ ("file")."""
-        for kind, top, nested in (("chunk", self._chunks, True), ("file", str(self.root / "files"), False)):
-            dirs = [e.path for e in os.scandir(top) if e.is_dir(follow_symlinks=False)] if nested else [top]
-            for d in dirs:
-                try:
-                    entries = list(os.scandir(d))
-                except FileNotFoundError:
-                    continue
-                yield from ((kind, e) for e in entries)
-
-    def sweep_temps(self, older_than: float = STALE_TEMP_SECONDS) -> int:
-        """Remove temp files that writers left behind (a process killed mid-write) once they are
-        ``older_than`` seconds old: a live writer renames its temp file within seconds. Returns
-        how many went."""
-        cutoff = time.time() - older_than
-        removed = 0
-        for _, e in self.disk_files():
-            if is_temp(e.name):
-                try:
-                    if e.stat(follow_symlinks=False).st_mtime < cutoff:
-                        os.unlink(e.path)
-                        removed += 1
-                except FileNotFoundError:
-                    pass  # renamed or removed meanwhile
-        return removed
-
     def stats(self) -> dict:
         rows = (
-            self._conn().execute("SELECT rank, COUNT(*), COALESCE(SUM(size), 0) FROM entries GROUP BY rank").fetchall()
+            self.index.conn()
+            .execute("SELECT rank, COUNT(*), COALESCE(SUM(size), 0) FROM entries GROUP BY rank")
+            .fetchall()
         )
         return _stats(self.root, self.max_bytes, rows, self.pinned())
 

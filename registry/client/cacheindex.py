@@ -10,35 +10,29 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Iterable, Iterator
-from pathlib import Path
-from typing import TYPE_CHECKING
+from collections.abc import Iterable
 
 from mfsreg.registry.client.cachefiles import holds_any, is_plain, is_temp
 from mfsreg.registry.client.eviction import FILE_RANK, RANK, UNKNOWN_RANK
 from mfsreg.registry.client.indexdb import SCHEMA, WriteTx, forget_rows, index_error, rows_in, use_wal
+from mfsreg.registry.client.layout import CacheLayout
 from mfsreg.registry.errors import StorageError
 
 UNRECORDED = "unrecorded"  # the marker of files that may lack rows (see the module docstring)
 
 
 class CacheIndex:
-    """NodeCache's rows. Relies on ``root``, ``_chunks`` and ``_index`` (index.db's path), set before
-    ``_open_index``, on the paths of entries (``chunk_file``, ``file_path``) and on the listing of
-    files on disk (``disk_files``) that the scan walks.
+    """A node cache's rows, in ``layout.index``; the layout (layout.CacheLayout) gives the paths of
+    entries and the listing of files on disk that the scan walks. ``conn`` and ``db`` are its
+    interface to the other parts (eviction's queries and writes share the index's lock).
 
     Index rows are bookkeeping: every file is written and renamed on its own, so a lost or damaged
     index loses no chunk."""
 
-    root: Path
-    _chunks: str
-    _index: Path
-
-    if TYPE_CHECKING:  # NodeCache's (registry/client/cache.py)
-
-        def chunk_file(self, chunk_id: str) -> str: ...
-        def file_path(self, sha256: str) -> Path: ...
-        def disk_files(self) -> Iterator[tuple[str, os.DirEntry]]: ...
+    def __init__(self, layout: CacheLayout):
+        self.layout = layout
+        self.path = layout.index
+        self._open_index()
 
     def _open_index(self) -> None:
         """Open index.db (made if missing), bring it to the current version, and record files that
@@ -47,10 +41,10 @@ class CacheIndex:
         self._conns: list[sqlite3.Connection] = []  # every thread's, for close() to close them all
         self._conns_lock = threading.Lock()
         try:
-            self._conn().executescript(SCHEMA)  # idempotent; executescript manages its own transaction
+            self.conn().executescript(SCHEMA)  # idempotent; executescript manages its own transaction
         except sqlite3.DatabaseError as exc:  # not a database (damaged), or no room to write it
-            raise index_error(self._index, exc) from None
-        with self._db() as db:
+            raise index_error(self.path, exc) from None
+        with self.db() as db:
             if db.execute("PRAGMA user_version").fetchone()[0] < 1:
                 if db.execute("SELECT 1 FROM entries LIMIT 1").fetchone() is None:
                     # A new index (or an empty one from before family_base): where chunks/ or files/
@@ -58,7 +52,7 @@ class CacheIndex:
                     # have no rows, so stats and the size limit would leave them out. The marker is
                     # left before the version is written: an opener killed before the walk below
                     # leaves it for the next one. (An empty cache costs two directory reads.)
-                    if holds_any(self._chunks) or holds_any(self.root / "files"):
+                    if holds_any(self.layout.chunks) or holds_any(self.layout.files):
                         self._mark_unrecorded()
                 else:
                     # a cache from before family_base: what its rows knew (one family per chunk)
@@ -70,15 +64,15 @@ class CacheIndex:
                 db.execute("PRAGMA user_version = 1")
         self._record_unrecorded()
 
-    def _conn(self) -> sqlite3.Connection:
+    def conn(self) -> sqlite3.Connection:
         """This thread's connection to the index (one per thread, made on first use)."""
         conn = getattr(self._local, "conn", None)
         if conn is None:
             # used by this thread alone; another may only close it (close())
-            conn = sqlite3.connect(self._index, timeout=60, isolation_level=None, check_same_thread=False)
+            conn = sqlite3.connect(self.path, timeout=60, isolation_level=None, check_same_thread=False)
             with self._conns_lock:
                 self._conns.append(conn)
-            use_wal(conn, self._index)
+            use_wal(conn, self.path)
             # The index is bookkeeping (sizes, tiers, last use) beside files that are written and
             # renamed on their own: with NORMAL a crash may lose the last few updates but never
             # corrupts the database, and a load no longer waits for an fsync per touch.
@@ -87,15 +81,18 @@ class CacheIndex:
             self._local.conn = conn
         return conn
 
-    def _db(self) -> WriteTx:
-        return WriteTx(self._conn(), self._index)
+    def db(self) -> WriteTx:
+        """A write transaction on the index (the write lock held until it ends)."""
+        return WriteTx(self.conn(), self.path)
 
     def _mark_unrecorded(self) -> None:
         """Leave the marker that files may stand without rows: a write of rows for files already on
         disk failed. Best effort: an empty file needs no data block, so it is made on most full
         disks; where it is not, `cache prune` and `cache verify` still record those files."""
         try:
-            os.close(os.open(self.root / UNRECORDED, os.O_WRONLY | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644))
+            os.close(
+                os.open(self.layout.root / UNRECORDED, os.O_WRONLY | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+            )
         except OSError:
             pass
 
@@ -105,7 +102,7 @@ class CacheIndex:
         the walk runs marks again. Where the rows still cannot be written (the disk still full), the
         marker is put back for the next opening, and the cache opens all the same."""
         try:
-            os.unlink(self.root / UNRECORDED)
+            os.unlink(self.layout.root / UNRECORDED)
         except OSError:  # none (the common case), another opener took it, or not ours to remove
             return
         try:
@@ -136,7 +133,7 @@ class CacheIndex:
         items = list(items)
         rows = [(k, n, RANK.get(t, UNKNOWN_RANK) if t else UNKNOWN_RANK, fam, now) for k, n, t, fam in items]
         try:
-            with self._db() as db:
+            with self.db() as db:
                 # the rows there are updated in place; a load of cached chunks (every key has its row)
                 # stops here, with no stat of its files and no query more than before
                 updated = db.executemany(
@@ -150,7 +147,7 @@ class CacheIndex:
                             db, "SELECT key FROM entries WHERE key IN ({})", list(dict.fromkeys(k for k, *_ in rows))
                         )
                     }
-                    gone = {k for k, *_ in rows if k not in known and not is_plain(self.chunk_file(k))}
+                    gone = {k for k, *_ in rows if k not in known and not is_plain(self.layout.chunk_file(k))}
                     if gone:
                         rows = [r for r in rows if r[0] not in gone]
                         items = [i for i in items if i[0] not in gone]
@@ -170,7 +167,7 @@ class CacheIndex:
 
     def touch(self, chunk_ids: Iterable[str]) -> None:
         now = time.time()
-        with self._db() as db:
+        with self.db() as db:
             db.executemany("UPDATE entries SET last_used = ? WHERE key = ?", [(now, i) for i in chunk_ids])
 
     def set_tiers(self, tiers: dict[str, str | None], family: str | None = None) -> None:
@@ -180,7 +177,7 @@ class CacheIndex:
         # itself) keeps the rank the cache holds: taken for unique, a pinned base chunk fell to the
         # bottom of the eviction order once unpinned.
         ranks = [(i, RANK.get(t, UNKNOWN_RANK)) for i, t in tiers.items() if t]
-        with self._db() as db:
+        with self.db() as db:
             if family is None:
                 db.executemany("UPDATE entries SET rank = ? WHERE key = ?", [(r, i) for i, r in ranks])
                 return
@@ -192,15 +189,15 @@ class CacheIndex:
         shard was lost): the size limit would count them until an eviction. Returns how many."""
         # looked for under the write lock: a chunk another process places and records meanwhile
         # keeps its row (record makes rows under the same lock)
-        with self._db() as db:
+        with self.db() as db:
             keys = [r[0] for r in db.execute("SELECT key FROM entries WHERE substr(key, 1, 2) = ?", (prefix,))]
-            gone = [k for k in keys if not os.path.lexists(self.chunk_file(k))]
+            gone = [k for k in keys if not os.path.lexists(self.layout.chunk_file(k))]
             forget_rows(db, gone)
         return len(gone)
 
     def forget(self, chunk_ids: list[str]) -> None:
         """Drop chunks' rows, and leave their files alone."""
-        with self._db() as db:
+        with self.db() as db:
             forget_rows(db, chunk_ids)
 
     # -- files ------------------------------------------------------------------------------------
@@ -210,10 +207,10 @@ class CacheIndex:
         so that no eviction ever sees it ranked as anything but a file. As for chunks (record), a
         row is made only while the file stands: an eviction may have taken it since it was used."""
         try:
-            with self._db() as db:
+            with self.db() as db:
                 key = f"file:{sha256}"
                 if db.execute("SELECT 1 FROM entries WHERE key = ?", (key,)).fetchone() is None and not is_plain(
-                    str(self.file_path(sha256))
+                    str(self.layout.file_path(sha256))
                 ):
                     return
                 db.execute(
@@ -229,7 +226,7 @@ class CacheIndex:
     # -- recent pulls -----------------------------------------------------------------------------
 
     def record_pull(self, family: str, version: str) -> None:
-        with self._db() as db:
+        with self.db() as db:
             db.execute(
                 "INSERT INTO pulls (family, version, last_used) VALUES (?, ?, ?) "
                 "ON CONFLICT(family, version) DO UPDATE SET last_used = excluded.last_used",
@@ -237,12 +234,12 @@ class CacheIndex:
             )
 
     def forget_pull(self, family: str, version: str) -> None:
-        with self._db() as db:
+        with self.db() as db:
             db.execute("DELETE FROM pulls WHERE family = ? AND version = ?", (family, version))
 
     def recent_pulls(self, family: str, n: int) -> list[str]:
         q = "SELECT version FROM pulls WHERE family = ? ORDER BY last_used DESC LIMIT ?"
-        return [r[0] for r in self._conn().execute(q, (family, n))]
+        return [r[0] for r in self.conn().execute(q, (family, n))]
 
     # -- files without rows -----------------------------------------------------------------------
 
@@ -251,10 +248,12 @@ class CacheIndex:
         renaming the file into place and recording it): counted against the size limit and evicted
         like any other entry from now on. Returns how many."""
         found = {
-            (f"file:{e.name}" if kind == "file" else e.name): e for kind, e in self.disk_files() if not is_temp(e.name)
+            (f"file:{e.name}" if kind == "file" else e.name): e
+            for kind, e in self.layout.disk_files()
+            if not is_temp(e.name)
         }
         keys = list(found)
-        known = {r[0] for r in rows_in(self._conn(), "SELECT key FROM entries WHERE key IN ({})", keys)}
+        known = {r[0] for r in rows_in(self.conn(), "SELECT key FROM entries WHERE key IN ({})", keys)}
         chunks, files = [], []
         for key in keys:
             if key in known:

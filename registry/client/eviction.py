@@ -20,12 +20,13 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING
 
-from mfsreg.registry.client.indexdb import WriteTx, forget_rows
+from mfsreg.registry.client.indexdb import forget_rows
 from mfsreg.registry.errors import StorageError
 from mfsreg.registry.tiers import EVICTION_ORDER
 
-if TYPE_CHECKING:
-    import sqlite3
+if TYPE_CHECKING:  # (cacheindex.py imports the ranks from here)
+    from mfsreg.registry.client.cacheindex import CacheIndex
+    from mfsreg.registry.client.layout import CacheLayout
 
 fcntl: ModuleType | None
 try:
@@ -149,14 +150,14 @@ class Lease:
     """What ``leased`` yields: ``add`` leases more keys under the same holder (one lock file and one
     row however many times it is called: a warm adds each recent member's chunks)."""
 
-    def __init__(self, cache: Eviction, holder: str | None):
-        self._cache, self.holder = cache, holder
+    def __init__(self, index: CacheIndex, holder: str | None):
+        self._index, self.holder = index, holder
 
     def add(self, keys: Iterable[str]) -> None:
         if self.holder is None:
             return
         try:
-            with self._cache._db() as db:
+            with self._index.db() as db:
                 _insert_leases(db, self.holder, keys)
         except StorageError:
             pass  # best effort, as the lease itself
@@ -168,35 +169,12 @@ def _insert_leases(db, holder: str, keys: Iterable[str]) -> None:
     )
 
 
-class Eviction:
-    """NodeCache's pins and size limit. Relies on the index's connection and write transaction
-    (``_conn``, ``_db``, from CacheIndex), ``max_bytes`` and the paths of entries (``chunk_file``,
-    ``file_path``)."""
+class Leases:
+    """What keeps entries from every process's eviction while a pull or load uses them: a lock file
+    per holder under holders/ and its rows in the index (see the module docstring)."""
 
-    root: Path
-    max_bytes: int | None
-
-    if TYPE_CHECKING:  # CacheIndex's and NodeCache's (registry/client/cacheindex.py, cache.py)
-
-        def _conn(self) -> sqlite3.Connection: ...
-        def _db(self) -> WriteTx: ...
-        def chunk_file(self, chunk_id: str) -> str: ...
-        def file_path(self, sha256: str) -> Path: ...
-
-    # -- pins -------------------------------------------------------------------------------------
-
-    def pin(self, family: str) -> None:
-        with self._db() as db:
-            db.execute("INSERT OR IGNORE INTO pins (family) VALUES (?)", (family,))
-
-    def unpin(self, family: str) -> None:
-        with self._db() as db:
-            db.execute("DELETE FROM pins WHERE family = ?", (family,))
-
-    def pinned(self) -> list[str]:
-        return [r[0] for r in self._conn().execute("SELECT family FROM pins ORDER BY family")]
-
-    # -- leases -----------------------------------------------------------------------------------
+    def __init__(self, index: CacheIndex, layout: CacheLayout):
+        self.index, self.layout = index, layout
 
     @contextlib.contextmanager
     def leased(self, keys: Iterable[str]) -> Iterator[Lease]:
@@ -206,11 +184,11 @@ class Eviction:
         unleased, as before leases, and another process's eviction may take a chunk, which is then
         fetched again."""
         holder: str | None = None
-        taken = _take_holder(self.root)
+        taken = _take_holder(self.layout.root)
         if taken is not None:
             holder, lock_file, fd = taken
             try:
-                with self._db() as db:
+                with self.index.db() as db:
                     db.execute(
                         "INSERT INTO holders (holder, host, pid, since) VALUES (?, ?, ?, ?)",
                         (holder, _HOST, os.getpid(), time.time()),
@@ -223,11 +201,11 @@ class Eviction:
                 _unhold(lock_file, fd)
                 raise
         try:
-            yield Lease(self, holder)
+            yield Lease(self.index, holder)
         finally:
             if holder is not None:
                 try:
-                    with self._db() as db:
+                    with self.index.db() as db:
                         _release(db, [holder])
                 except StorageError:
                     pass  # its rows hold nothing once its lock file is unlocked
@@ -237,19 +215,40 @@ class Eviction:
     def leased_bytes(self) -> int:
         """The bytes of cached entries some holder leases now (kept over the limit by evictions)."""
         return (
-            self._conn()
+            self.index.conn()
             .execute("SELECT COALESCE(SUM(size), 0) FROM entries WHERE key IN (SELECT key FROM leases)")
             .fetchone()[0]
         )
 
     def leased_keys(self) -> set[str]:
         """The keys some holder leases now, its process alive or not."""
-        return {r[0] for r in self._conn().execute("SELECT DISTINCT key FROM leases")}
+        return {r[0] for r in self.index.conn().execute("SELECT DISTINCT key FROM leases")}
+
+
+class Eviction:
+    """A node cache's pins and size limit: its rows in the index (through the index's ``conn`` and
+    ``db``), its files at the layout's paths; leased entries (Leases' rows) are never taken."""
+
+    def __init__(self, index: CacheIndex, layout: CacheLayout, max_bytes: int | None):
+        self.index, self.layout, self.max_bytes = index, layout, max_bytes
+
+    # -- pins -------------------------------------------------------------------------------------
+
+    def pin(self, family: str) -> None:
+        with self.index.db() as db:
+            db.execute("INSERT OR IGNORE INTO pins (family) VALUES (?)", (family,))
+
+    def unpin(self, family: str) -> None:
+        with self.index.db() as db:
+            db.execute("DELETE FROM pins WHERE family = ?", (family,))
+
+    def pinned(self) -> list[str]:
+        return [r[0] for r in self.index.conn().execute("SELECT family FROM pins ORDER BY family")]
 
     # -- size limit -------------------------------------------------------------------------------
 
     def total_bytes(self) -> int:
-        return self._conn().execute("SELECT COALESCE(SUM(size), 0) FROM entries").fetchone()[0]
+        return self.index.conn().execute("SELECT COALESCE(SUM(size), 0) FROM entries").fetchone()[0]
 
     def evict(self, max_bytes: int | None = None, protect: Iterable[str] = ()) -> tuple[int, int]:
         """Drop entries until the cache fits ``max_bytes`` (default: its limit); returns (entries, bytes)."""
@@ -265,7 +264,7 @@ class Eviction:
             "ON p.family = b.family WHERE b.key = entries.key) "
             "AND NOT EXISTS (SELECT 1 FROM leases l WHERE l.key = entries.key) ORDER BY rank, last_used"
         )
-        trash = self.root / TRASH_DIR
+        trash = self.layout.root / TRASH_DIR
         _empty(trash)  # what an eviction killed between its two steps left
         # In batches of EVICT_BATCH, each one write transaction: the total, the choice, the files
         # moved out of their names (a rename each, into trash/) and the rows deleted. Two pulls
@@ -278,12 +277,12 @@ class Eviction:
         first, first_move, failed = True, True, None
         while failed is None:
             moved: list[str] = []
-            with self._db() as db:
+            with self.index.db() as db:
                 total = db.execute("SELECT COALESCE(SUM(size), 0) FROM entries").fetchone()[0]
                 if total <= limit:
                     break
                 if first:
-                    _release(db, _lapsed(db, self.root))
+                    _release(db, _lapsed(db, self.layout.root))
                     first = False
                 victims: list[str] = []
                 for key, size in db.execute(q):
@@ -291,7 +290,9 @@ class Eviction:
                         break
                     if key in keep:
                         continue
-                    path = str(self.file_path(key[5:])) if key.startswith("file:") else self.chunk_file(key)
+                    path = (
+                        str(self.layout.file_path(key[5:])) if key.startswith("file:") else self.layout.chunk_file(key)
+                    )
                     gone = str(trash / uuid.uuid4().hex)
                     try:
                         if first_move:
