@@ -21,6 +21,7 @@ from sqlalchemy import Connection
 from mfsreg.registry import codec
 from mfsreg.registry.auth import Principal
 from mfsreg.registry.blobs.packs import StoredChunk
+from mfsreg.registry.context import Store
 from mfsreg.registry.db import chunks as chunk_db
 from mfsreg.registry.db import claims as claim_db
 from mfsreg.registry.db import versions as version_db
@@ -51,7 +52,7 @@ def unproven(conn: Connection, who: Principal | None, family: str, stored: Seque
 PROOF_BATCH = 256 << 20  # raw bytes of stored chunks read back at a time to compare an upload with
 
 
-def compare_stored(reg, uploaded: dict[str, bytes]) -> set[str]:
+def compare_stored(reg: Store, uploaded: dict[str, bytes]) -> set[str]:
     """Compare each of ``uploaded`` (id -> raw bytes, already hashed to its id; see ``unproven``)
     with the bytes stored under that id. Raises IntegrityError at the first that differs, worded as
     for a mismatched hash so it says nothing of what is stored, and StorageError (naming nothing)
@@ -69,7 +70,7 @@ def compare_stored(reg, uploaded: dict[str, bytes]) -> set[str]:
     return gone
 
 
-def stored_bytes(reg, ids: list[str], purpose: str = "compare a scoped upload with") -> dict[str, bytes]:
+def stored_bytes(reg: Store, ids: list[str], purpose: str = "compare a scoped upload with") -> dict[str, bytes]:
     """The raw bytes stored under those of ``ids`` still recorded, deltas decoded against their
     bases. A prune may move or delete a pack between the lookup and the read: looked up again
     once. A second failure is answered without its details (they would name another family's
@@ -130,7 +131,11 @@ def _foreign_chains(
 
 
 def detach_foreign_chains(
-    reg, who: Principal | None, family: str, ids: Sequence[str], go_on: Callable[[Connection], bool] | None = None
+    reg: Store,
+    who: Principal | None,
+    family: str,
+    ids: Sequence[str],
+    go_on: Callable[[Connection], bool] | None = None,
 ) -> int:
     """Store a plain copy of each of ``ids`` the push has shown it holds whose delta chain passes
     through a chunk of another family, and point its row there; the versions that used the delta

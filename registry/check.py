@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterable
 
 from mfsreg.registry.blobs.packs import StoredChunk, read_payloads
+from mfsreg.registry.context import Store
 from mfsreg.registry.db import chunks as chunk_db
 from mfsreg.registry.db import versions as version_db
 from mfsreg.registry.db.engine import read_tx
@@ -31,7 +32,9 @@ READ_BATCH = 64 << 20
 log = logging.getLogger("mfsreg")
 
 
-def check(reg, family: str | None = None, read_data: bool = False, progress: Progress | None = None) -> CheckResult:
+def check(
+    reg: Store, family: str | None = None, read_data: bool = False, progress: Progress | None = None
+) -> CheckResult:
     progress = progress or NullProgress()
     t0 = time.perf_counter()
     with read_tx(reg.engine) as conn:  # one snapshot: the versions and where their chunks were
@@ -66,7 +69,7 @@ def check(reg, family: str | None = None, read_data: bool = False, progress: Pro
 
 
 def unreadable_or_damaged(
-    reg,
+    reg: Store,
     located: dict[str, StoredChunk],
     ids: Iterable[str],
     progress: Progress | None = None,
@@ -88,7 +91,7 @@ def unreadable_or_damaged(
 
 
 def to_mend(
-    reg,
+    reg: Store,
     located: dict[str, StoredChunk],
     ids: Iterable[str],
     progress: Progress | None = None,
@@ -133,7 +136,7 @@ def warn_damaged(damaged: dict[str, str], located: dict[str, StoredChunk], mende
 
 
 def find_damaged(
-    reg, located: dict[str, StoredChunk], lost: dict[str, str], progress: Progress
+    reg: Store, located: dict[str, StoredChunk], lost: dict[str, str], progress: Progress
 ) -> tuple[dict[str, str], int]:
     """Read, decode and hash every chunk outside the lost packs, a batch at a time, each plain
     chunk with the deltas on it; a basis is read again only where a batch ends between them. A
@@ -175,7 +178,7 @@ def find_damaged(
     return damaged, read
 
 
-def _decode_levels(reg, order: list[str], located: dict[str, StoredChunk], payloads: dict) -> dict[str, str]:
+def _decode_levels(reg: Store, order: list[str], located: dict[str, StoredChunk], payloads: dict) -> dict[str, str]:
     """Decode ``order`` (bases first) level by level on the registry's pool; a chunk whose basis
     did not decode is not counted as damaged itself: check() finds it through its basis."""
     raw: dict[str, bytes] = {}

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from mfsreg.registry import filecheck
+from mfsreg.registry.context import Store
 from mfsreg.registry.db import chunks as chunk_db
 from mfsreg.registry.db import versions as version_db
 from mfsreg.registry.db.engine import read_tx
@@ -70,7 +71,7 @@ def commit_of(digest: str) -> str:
     return digest.removeprefix("sha256:")[:COMMIT_HEX]
 
 
-def open_repo(reg, family: str, name: str, revision: str = MAIN) -> Repo:
+def open_repo(reg: Store, family: str, name: str, revision: str = MAIN) -> Repo:
     """The version repo ``family/name`` names at ``revision`` (main, its commit id or its digest)."""
     try:
         check_name("family", family)
@@ -134,7 +135,7 @@ class RangeNotSatisfiable(InvalidRequest):
         self.http_headers = {"Content-Range": f"bytes */{size}"}
 
 
-def read_file(reg, repo: Repo, entry: FileEntry, start: int = 0, stop: int | None = None) -> Iterator[bytes]:
+def read_file(reg: Store, repo: Repo, entry: FileEntry, start: int = 0, stop: int | None = None) -> Iterator[bytes]:
     """Bytes [start, stop) of ``entry``, rebuilt from its chunks and checked as they go: each chunk
     against its id; the whole file, when all of it is read, against its sha256 before its last
     piece goes (a mismatch raises, which breaks the response off short of its Content-Length). The chunks' places are read before the first byte is sent, so
@@ -150,7 +151,7 @@ def read_file(reg, repo: Repo, entry: FileEntry, start: int = 0, stop: int | Non
     return _stream(reg, entry, chunks, located, start, stop, whole)
 
 
-def _stream(reg, entry: FileEntry, chunks, located, start: int, stop: int, whole: bool) -> Iterator[bytes]:
+def _stream(reg: Store, entry: FileEntry, chunks, located, start: int, stop: int, whole: bool) -> Iterator[bytes]:
     digest = hashlib.sha256() if whole else None
     batches = list(sized_batches(chunks, lambda c: c.size, BATCH_BYTES))
 

@@ -22,6 +22,7 @@ from mfsreg.registry.audit import named
 from mfsreg.registry.blobs.packs import StoredChunk
 from mfsreg.registry.check import to_mend
 from mfsreg.registry.config import MAX_CHUNK_SIZE, MIN_CHUNK_SIZE
+from mfsreg.registry.context import Store
 from mfsreg.registry.db import chunks as chunk_db
 from mfsreg.registry.db import claims as claim_db
 from mfsreg.registry.db import tiers as tier_db
@@ -52,7 +53,7 @@ from mfsreg.registry.tags import check_free
 
 
 def plan_deltas(
-    reg,
+    reg: Store,
     family: str,
     parent: str | None,
     new_files: list,
@@ -112,7 +113,7 @@ ChunkItem = tuple  # (id, size, encoding, payload, basis id or None, depth): wha
 
 
 def store_chunks(
-    reg,
+    reg: Store,
     ids: set[str],
     bases: Iterable[str | None],
     items: Callable[[set[str], set[str] | None], Iterable[ChunkItem]],
@@ -145,7 +146,7 @@ def store_chunks(
 
 
 def upload_missing(
-    reg,
+    reg: Store,
     job: HashJob,
     missing: set[str],
     pool: ThreadPoolExecutor,
@@ -184,7 +185,7 @@ def check_push_names(family: str, version: str, parent: str | None) -> None:
         check_name("version", parent)
 
 
-def check_parent(reg, family: str, parent: str | None, version: str | None = None) -> None:
+def check_parent(reg: Store, family: str, parent: str | None, version: str | None = None) -> None:
     """The parent (a version's name, or a tag) exists; with ``version``, that name is no tag's."""
     with read_tx(reg.engine) as conn:
         if version is not None:
@@ -193,7 +194,7 @@ def check_parent(reg, family: str, parent: str | None, version: str | None = Non
             raise NotFound(f"parent version {family}/{parent} does not exist: push it first or drop --parent")
 
 
-def family_chunk_size(reg, family: str) -> int:
+def family_chunk_size(reg: Store, family: str) -> int:
     """The size a push to ``family`` cuts at: the family's own, or for a new family this registry's."""
     with read_tx(reg.engine) as conn:
         fam = version_db.find_family(conn, family)
@@ -266,7 +267,7 @@ def stored_for(
 
 
 def commit_version(
-    reg,
+    reg: Store,
     family: str,
     version: str,
     parent: str | None,
@@ -325,7 +326,7 @@ def commit_version(
 
 
 def push(
-    reg,
+    reg: Store,
     path: Path,
     family: str,
     version: str,
@@ -413,7 +414,7 @@ def push(
 
 
 def mend_existing(
-    reg,
+    reg: Store,
     job: HashJob,
     done: PushResult,
     located: dict[str, StoredChunk],
@@ -442,7 +443,7 @@ def mend_existing(
     )
 
 
-def existing_result(reg, row, manifest: Manifest, family: str, version: str, t0: float) -> PushResult:
+def existing_result(reg: Store, row, manifest: Manifest, family: str, version: str, t0: float) -> PushResult:
     layout = stored_layout(reg, row) if row.digest == manifest.digest else None
     return results.existing_result(
         row.digest,
@@ -458,7 +459,7 @@ def existing_result(reg, row, manifest: Manifest, family: str, version: str, t0:
     )
 
 
-def stored_layout(reg, row) -> str:
+def stored_layout(reg: Store, row) -> str:
     """Manifest.layout of the stored version ``row``."""
     with read_tx(reg.engine) as conn:
         return Manifest.from_bytes(version_db.read_manifest(conn, row.id)).layout

@@ -14,6 +14,7 @@ from collections.abc import Container, Iterable
 from concurrent.futures import ThreadPoolExecutor
 
 from mfsreg.registry.blobs.packs import StoredChunk, pack_key
+from mfsreg.registry.context import Store
 from mfsreg.registry.errors import NotFound
 
 log = logging.getLogger("mfsreg")
@@ -24,7 +25,7 @@ PACK_LOOKUPS = 8  # concurrent size lookups (HEADs on S3): they wait on the netw
 PackSizes = dict[str, int | str]  # pack id -> its size in the blob store, or why it has none: lookups one push shares
 
 
-def lost_packs(reg, chunks: Iterable[StoredChunk], sizes: PackSizes | None = None) -> dict[str, str]:
+def lost_packs(reg: Store, chunks: Iterable[StoredChunk], sizes: PackSizes | None = None) -> dict[str, str]:
     """pack id -> what is wrong, for each pack of ``chunks`` that is missing from the blob store or
     ends before the last of their bytes. Several packs are looked up a few at a time on threads of
     their own (reg.pool is sized for the CPU work of uploads). ``sizes`` keeps the lookups, so that
@@ -59,7 +60,7 @@ def lost_packs(reg, chunks: Iterable[StoredChunk], sizes: PackSizes | None = Non
 
 
 def unreadable(
-    reg, located: dict[str, StoredChunk], ids: Iterable[str], sizes: PackSizes | None = None
+    reg: Store, located: dict[str, StoredChunk], ids: Iterable[str], sizes: PackSizes | None = None
 ) -> tuple[set[str], dict[str, str]]:
     """Those of the stored ``ids`` whose bytes, or the bytes of a basis down their delta chain,
     lie in a pack the store lost (``located`` holds them and their bases: db/chunks.locate_closure),

@@ -18,6 +18,7 @@ from datetime import timedelta
 from mfsreg.registry.blobs.base import Leftover
 from mfsreg.registry.blobs.packs import StoredChunk, pack_key
 from mfsreg.registry.config import PRUNE_MAX_UNUSED, PRUNE_MIN_AGE
+from mfsreg.registry.context import Store
 from mfsreg.registry.db import claims as claim_db
 from mfsreg.registry.db import prune as q
 from mfsreg.registry.db.engine import read_tx, write_tx
@@ -96,7 +97,7 @@ def still_unneeded(conn, garbage: list[q.ChunkState]) -> list[q.ChunkState]:
 
 
 def prune(
-    reg,
+    reg: Store,
     min_age: float = DEFAULT_MIN_AGE,
     max_unused: float = DEFAULT_MAX_UNUSED,
     dry_run: bool = False,
@@ -175,7 +176,7 @@ def prune(
     return result
 
 
-def _leftovers(reg, min_age: float) -> tuple[list[Leftover], list[Leftover]]:
+def _leftovers(reg: Store, min_age: float) -> tuple[list[Leftover], list[Leftover]]:
     """The blob store's leftovers (BlobStore.leftovers): those older than ``min_age``, and the rest."""
     stale: list[Leftover] = []
     young: list[Leftover] = []
@@ -188,7 +189,7 @@ class _MovedPacks(RecordedPacks):
     """New packs for repacked chunks: announced like a push's, recorded by pointing the chunks'
     rows at them (``old_pack``: chunk id -> the pack it comes from) instead of adding rows."""
 
-    def __init__(self, reg, old_pack: dict[str, str]):
+    def __init__(self, reg: Store, old_pack: dict[str, str]):
         super().__init__(reg)
         self.old_pack = old_pack
 
@@ -196,7 +197,7 @@ class _MovedPacks(RecordedPacks):
         q.record_moved(conn, pack_id, size, [(c.id, self.old_pack[c.id], c.offset) for c in stored])
 
 
-def _repack(reg, pack_ids: list[str], progress: Progress) -> tuple[int, dict[str, str]]:
+def _repack(reg: Store, pack_ids: list[str], progress: Progress) -> tuple[int, dict[str, str]]:
     """Copy the chunks still in ``pack_ids`` into new packs, point their rows there, and retire the
     old packs; returns the stored bytes copied, and the packs whose blob could not be read (missing
     or cut short: damage, since only prune deletes a listed pack's blob), each with why. Those stay
@@ -229,7 +230,7 @@ def _repack(reg, pack_ids: list[str], progress: Progress) -> tuple[int, dict[str
     return writer.bytes_written, damaged
 
 
-def _delete_blobs(reg, grace: timedelta) -> list[tuple[str, int]]:
+def _delete_blobs(reg: Store, grace: timedelta) -> list[tuple[str, int]]:
     """Delete the blobs of packs unlisted for ``grace`` or longer; returns those that existed. They
     are claimed first, in a transaction that excludes writers (db/locks.py): a writer that recorded
     its pack meanwhile keeps it, and one that records it afterwards is refused (db/prune.list_pack),

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Set as AbstractSet
 
 from mfsreg.registry.blobs.packs import PackWriter, StoredChunk, pack_key
+from mfsreg.registry.context import Store
 from mfsreg.registry.db import chunks as chunk_db
 from mfsreg.registry.db import prune as prune_db
 from mfsreg.registry.db.engine import read_tx, write_tx
@@ -16,7 +17,7 @@ class RecordedPacks(PackWriter):
     """A PackWriter whose packs are recorded in the database as each becomes durable;
     ``added`` counts the stored bytes of chunks this writer really added."""
 
-    def __init__(self, reg, mend: AbstractSet[str] = frozenset()):
+    def __init__(self, reg: Store, mend: AbstractSet[str] = frozenset()):
         super().__init__(reg.blobs, reg.settings.pack_size, self._record, self._announce, self._withdraw)
         self._engine = reg.engine
         self.mend = mend  # chunks whose stored copy was lost or damaged: their rows move to the new one

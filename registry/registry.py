@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -113,7 +113,7 @@ class Registry:
         with read_tx(self.engine) as conn:
             return _manifest_in(conn, family, version)
 
-    def locate(self, ids) -> dict[str, StoredChunk]:
+    def locate(self, ids: Iterable[str]) -> dict[str, StoredChunk]:
         """Where ``ids`` and the bases of their deltas are stored."""
         from mfsreg.registry.db import chunks as chunk_db
 

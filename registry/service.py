@@ -19,6 +19,7 @@ from mfsreg.registry.auth import Principal
 from mfsreg.registry.blobs.packs import StoredChunk
 from mfsreg.registry.check import to_mend, unreadable_or_damaged
 from mfsreg.registry.config import check_chunk_size
+from mfsreg.registry.context import Store
 from mfsreg.registry.db import chunks as chunk_db
 from mfsreg.registry.db import claims as claim_db
 from mfsreg.registry.db import tiers as tier_db
@@ -66,7 +67,7 @@ def _check_encoding(name: str) -> None:
 
 
 def negotiate(
-    reg,
+    reg: Store,
     family: str,
     version: str,
     doc: object,
@@ -140,7 +141,7 @@ def negotiate(
 
 
 def _negotiate_existing(
-    reg, existing, manifest: Manifest, located: dict[str, StoredChunk], mend_damaged: bool = False
+    reg: Store, existing, manifest: Manifest, located: dict[str, StoredChunk], mend_damaged: bool = False
 ) -> dict:
     """The version exists: the client compares its digest and layout with the stored ones, and
     commits nothing. Where they match (a draft's unknown digest aside), the chunks whose bytes, or a
@@ -169,7 +170,7 @@ def _negotiate_existing(
     }
 
 
-def receive_batch(reg, family: str, body: bytes, who: Principal | None = None) -> dict:
+def receive_batch(reg: Store, family: str, body: bytes, who: Principal | None = None) -> dict:
     """Verify and store one uploaded batch. Every chunk is decoded and re-hashed against its id; a
     mismatch, or an id sent twice, refuses the whole batch before a byte is written. A chunk naming
     a basis its family uses is stored as a delta where that is smaller. Through a scoped ``who``
@@ -288,7 +289,7 @@ def receive_batch(reg, family: str, body: bytes, who: Principal | None = None) -
     return {"received": len(entries), "new_bytes": added}
 
 
-def _damaged_uploads(reg, ids: list[str]) -> set[str]:
+def _damaged_uploads(reg: Store, ids: list[str]) -> set[str]:
     """Those of the stored chunks ``ids`` (uploaded again, in packs the store holds, and not ones a
     scoped token must prove it holds) whose stored bytes, or a basis's, do not read back: read,
     decoded and hashed, to be stored again. The server keeps no state between the negotiation and
@@ -301,7 +302,7 @@ def _damaged_uploads(reg, ids: list[str]) -> set[str]:
     return unreadable_or_damaged(reg, located, ids)[0]
 
 
-def _check_headers(reg, manifest: Manifest, who: Principal | None = None, family: str = "") -> None:
+def _check_headers(reg: Store, manifest: Manifest, who: Principal | None = None, family: str = "") -> None:
     """Each safetensors file's first chunk must be a header that describes exactly its tensors.
     One decoded header is held at a time: a manifest may name many headers of up to 100 MB each."""
     files_of: dict[str, list] = {}
@@ -328,7 +329,7 @@ def _check_headers(reg, manifest: Manifest, who: Principal | None = None, family
 
 
 def commit(
-    reg,
+    reg: Store,
     family: str,
     version: str,
     parent: str | None,
@@ -390,7 +391,7 @@ def commit(
     )
 
 
-def _check_readable(reg, family: str, version: str, manifest: Manifest) -> None:
+def _check_readable(reg: Store, family: str, version: str, manifest: Manifest) -> None:
     """Before a commit: every pack the version's chunks (and their bases) lie in is in storage and
     long enough, one size lookup per pack. A chunk in a lost pack is refused as missing, which the
     client answers by negotiating again (listed missing there), uploading it (mended) and
@@ -408,7 +409,7 @@ def _check_readable(reg, family: str, version: str, manifest: Manifest) -> None:
         )
 
 
-def plan_download(reg, family: str, ids: list[str]) -> list[StoredChunk]:
+def plan_download(reg: Store, family: str, ids: list[str]) -> list[StoredChunk]:
     """The stored chunks to stream, after checking they belong to ``family`` (a token scoped to one
     family must not read another family's bytes by naming their ids)."""
     ids = [check_id(i) for i in dict.fromkeys(ids)]  # a 400 for what cannot be an id, not "not part of"
@@ -423,7 +424,7 @@ def plan_download(reg, family: str, ids: list[str]) -> list[StoredChunk]:
     return sorted((located[i] for i in ids), key=lambda c: (c.pack_id, c.offset))
 
 
-def check_packs(reg, chunks: list[StoredChunk]) -> None:
+def check_packs(reg: Store, chunks: list[StoredChunk]) -> None:
     """Every pack the batch reads is in storage and reaches its last chunk, checked before the
     stream starts: a store that lost (or cut short) a pack is answered with an error the client
     can show, instead of a response that breaks off halfway. One size lookup per pack (a HEAD on
@@ -438,7 +439,7 @@ def check_packs(reg, chunks: list[StoredChunk]) -> None:
 EAGER_BYTES = 8 << 20  # a batch of at most this many stored bytes is read whole before it is sent
 
 
-def stream_chunks(reg, chunks: list[StoredChunk]) -> Iterator[bytes]:
+def stream_chunks(reg: Store, chunks: list[StoredChunk]) -> Iterator[bytes]:
     """The batch as the wire sends it (registry/wire.py), its packs found whole first: a lost or cut
     pack is answered with an error the client can show, not a stream that breaks off halfway. A
     small batch (EAGER_BYTES) is read whole before the answer starts, which finds that too, and
@@ -459,7 +460,7 @@ def stream_chunks(reg, chunks: list[StoredChunk]) -> Iterator[bytes]:
     return stream()
 
 
-def _read_whole(reg, chunks: list[StoredChunk]) -> list:
+def _read_whole(reg: Store, chunks: list[StoredChunk]) -> list:
     """Every payload of ``chunks``, read now; a pack missing or cut short raises check_packs' error."""
     try:
         got = list(reg.read_payloads(chunks))
@@ -473,7 +474,7 @@ def _read_whole(reg, chunks: list[StoredChunk]) -> list:
     )
 
 
-def version_doc(reg, family: str, version: str, if_none_match: str | None = None) -> tuple[dict | None, str]:
+def version_doc(reg: Store, family: str, version: str, if_none_match: str | None = None) -> tuple[dict | None, str]:
     """(document, tag) of a version for a node: its manifest, and per chunk it needs (its own and
     the bases of its deltas) [encoding, stored bytes, basis id, raw bytes, tier], read in one
     transaction (four queries). The tag, an HTTP entity tag, holds the version's row id, its
@@ -517,7 +518,7 @@ def _tag_matches(if_none_match: str, tag: str) -> bool:
     return "*" in tags or tag in tags
 
 
-def tier_doc(reg, family: str, tier: str | None) -> dict:
+def tier_doc(reg: Store, family: str, tier: str | None) -> dict:
     """A family's chunks of one tier (or all), with what a node needs to fetch them."""
     if tier is not None and tier not in TIERS:
         raise InvalidRequest(f"unknown tier {shown(tier, 40)}: use one of {', '.join(TIERS)}")
