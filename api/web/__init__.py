@@ -13,11 +13,13 @@ a cookie the page is anonymous where MFSREG_ANONYMOUS_READ is on, else it asks t
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from urllib.parse import parse_qs, quote, urlsplit
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
+from starlette.concurrency import run_in_threadpool
 from starlette.staticfiles import StaticFiles
 
 from mfsreg.api.errors import public_line
@@ -93,93 +95,106 @@ def _local(path: str | None) -> str:
     return path
 
 
-def install(app: FastAPI) -> None:
-    """The page's routes (kept out of the OpenAPI schema: they answer HTML), its assets, its headers."""
-    env = _templates()
+@functools.cache
+def _env():
+    return _templates()
 
-    def render(request: Request, template: str, code: int = 200, **context) -> HTMLResponse:
-        who = context.pop("who", None)
-        body = env.get_template(template).render(who=who, signed_in=request.cookies.get(COOKIE) is not None, **context)
-        return HTMLResponse(body, status_code=code, headers={"Cache-Control": "no-store"})
 
-    def page(request: Request, template: str, build) -> Response:
-        """``build(registry, who)``'s context in ``template``; a refusal or error as a page of its own."""
-        who = _who(request)
-        if who is None:
-            gone = COOKIE in request.cookies
-            target = f"/ui/login?next={quote(request.url.path)}" + ("&expired=1" if gone else "")
-            response = RedirectResponse(target, status_code=303)
-            if gone:
-                response.delete_cookie(COOKIE, path="/")
-            return response
-        try:
-            context = build(request.app.state.registry, who)
-        except RegistryError as exc:
-            status, line = public_line(exc, request.scope)
-            return render(request, "error.html", status, who=who, status=status, message=line)
-        return render(request, template, who=who, **context)
+def render(request: Request, template: str, code: int = 200, **context) -> HTMLResponse:
+    who = context.pop("who", None)
+    body = _env().get_template(template).render(who=who, signed_in=request.cookies.get(COOKIE) is not None, **context)
+    return HTMLResponse(body, status_code=code, headers={"Cache-Control": "no-store"})
 
-    @app.get("/", include_in_schema=False)
-    def home(request: Request) -> Response:
-        return page(request, "families.html", views.families)
 
-    @app.get("/ui", include_in_schema=False)
-    def ui() -> Response:
-        return RedirectResponse("/", status_code=308)
-
-    @app.get("/ui/families/{family}", include_in_schema=False)
-    def family(family: str, request: Request) -> Response:
-        return page(request, "family.html", lambda reg, who: views.family(reg, who, family))
-
-    @app.get("/ui/families/{family}/versions/{version}", include_in_schema=False)
-    def version(family: str, version: str, request: Request) -> Response:
-        base_url = str(request.base_url).rstrip("/")
-        return page(request, "version.html", lambda reg, who: views.version(reg, who, family, version, base_url))
-
-    @app.get("/ui/login", include_in_schema=False)
-    def login_form(request: Request, next: str = "/", expired: int = 0) -> Response:
-        anonymous = request.app.state.registry.settings.anonymous_read
-        message = "Your token is no longer valid: sign in again." if expired else None
-        return render(request, "login.html", next=_local(next), anonymous=anonymous, message=message)
-
-    @app.post("/ui/login", include_in_schema=False)
-    async def login(request: Request) -> Response:
-        reg = request.app.state.registry
-        body = await request.body()
-        try:
-            origin = request.headers.get("origin")
-            if origin is not None and urlsplit(origin).netloc != request.headers.get("host"):
-                raise InvalidRequest("a sign-in from another site's page: sign in on this server's own page")
-            if len(body) > MAX_FORM:
-                raise InvalidRequest(f"a sign-in form of {len(body):,} bytes: send a token, at most {MAX_FORM}")
-            form = parse_qs(body.decode("utf-8", "replace"), max_num_fields=4)
-            token = (form.get("token") or [""])[0].strip()
-            target = _local((form.get("next") or ["/"])[0])
-            if not token:
-                raise InvalidRequest("no token given: paste an mfsreg token (mfs_...)")
-            from starlette.concurrency import run_in_threadpool
-
-            await run_in_threadpool(authenticate, reg.engine, f"Bearer {token}", False)
-        except (RegistryError, ValueError) as exc:
-            status = 401 if isinstance(exc, Unauthorized) else 400
-            line = str(exc) if isinstance(exc, RegistryError) else "a malformed sign-in form: use the page's form"
-            return render(request, "login.html", status, next="/", anonymous=reg.settings.anonymous_read, message=line)
+def page(request: Request, template: str, build) -> Response:
+    """``build(registry, who)``'s context in ``template``; a refusal or error as a page of its own;
+    without a valid token (and no anonymous reads), to the sign-in page."""
+    who = _who(request)
+    if who is None:
+        gone = COOKIE in request.cookies
+        target = f"/ui/login?next={quote(request.url.path)}" + ("&expired=1" if gone else "")
         response = RedirectResponse(target, status_code=303)
-        response.set_cookie(
-            COOKIE,
-            token,
-            httponly=True,
-            samesite="strict",
-            secure=request.url.scheme == "https",
-            path="/",
-        )
+        if gone:
+            response.delete_cookie(COOKIE, path="/")
         return response
+    try:
+        context = build(request.app.state.registry, who)
+    except RegistryError as exc:
+        status, line = public_line(exc, request.scope)
+        return render(request, "error.html", status, who=who, status=status, message=line)
+    return render(request, template, who=who, **context)
 
-    @app.post("/ui/logout", include_in_schema=False)
-    def logout() -> Response:
-        response = RedirectResponse("/ui/login", status_code=303)
-        response.delete_cookie(COOKIE, path="/")
-        return response
 
+router = APIRouter(include_in_schema=False)  # HTML pages: not in the API's schema
+
+
+@router.get("/")
+def home(request: Request) -> Response:
+    return page(request, "families.html", views.families)
+
+
+@router.get("/ui")
+def ui() -> Response:
+    return RedirectResponse("/", status_code=308)
+
+
+@router.get("/ui/families/{family}")
+def family(family: str, request: Request) -> Response:
+    return page(request, "family.html", lambda reg, who: views.family(reg, who, family))
+
+
+@router.get("/ui/families/{family}/versions/{version}")
+def version(family: str, version: str, request: Request) -> Response:
+    base_url = str(request.base_url).rstrip("/")
+    return page(request, "version.html", lambda reg, who: views.version(reg, who, family, version, base_url))
+
+
+@router.get("/ui/login")
+def login_form(request: Request, next: str = "/", expired: int = 0) -> Response:
+    anonymous = request.app.state.registry.settings.anonymous_read
+    message = "Your token is no longer valid: sign in again." if expired else None
+    return render(request, "login.html", next=_local(next), anonymous=anonymous, message=message)
+
+
+def _sign_in_form(request: Request, body: bytes) -> tuple[str, str]:
+    """(token, where to go next) from a sign-in form posted by this server's own page."""
+    origin = request.headers.get("origin")
+    if origin is not None and urlsplit(origin).netloc != request.headers.get("host"):
+        raise InvalidRequest("a sign-in from another site's page: sign in on this server's own page")
+    if len(body) > MAX_FORM:
+        raise InvalidRequest(f"a sign-in form of {len(body):,} bytes: send a token, at most {MAX_FORM}")
+    form = parse_qs(body.decode("utf-8", "replace"), max_num_fields=4)
+    token = (form.get("token") or [""])[0].strip()
+    if not token:
+        raise InvalidRequest("no token given: paste an mfsreg token (mfs_...)")
+    return token, _local((form.get("next") or ["/"])[0])
+
+
+@router.post("/ui/login")
+async def login(request: Request) -> Response:
+    reg = request.app.state.registry
+    try:
+        token, target = _sign_in_form(request, await request.body())
+        await run_in_threadpool(authenticate, reg.engine, f"Bearer {token}", False)
+    except (RegistryError, ValueError) as exc:
+        status = 401 if isinstance(exc, Unauthorized) else 400
+        line = str(exc) if isinstance(exc, RegistryError) else "a malformed sign-in form: use the page's form"
+        return render(request, "login.html", status, next="/", anonymous=reg.settings.anonymous_read, message=line)
+    response = RedirectResponse(target, status_code=303)
+    secure = request.url.scheme == "https"
+    response.set_cookie(COOKIE, token, httponly=True, samesite="strict", secure=secure, path="/")
+    return response
+
+
+@router.post("/ui/logout")
+def logout() -> Response:
+    response = RedirectResponse("/ui/login", status_code=303)
+    response.delete_cookie(COOKIE, path="/")
+    return response
+
+
+def install(app: FastAPI) -> None:
+    """The page's routes, its assets and its headers."""
+    app.include_router(router)
     app.mount("/ui/assets", StaticFiles(directory=HERE / "assets"), name="ui-assets")
     app.add_middleware(SecurityHeaders)
