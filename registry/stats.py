@@ -51,17 +51,17 @@ def _content_ids(manifest: bytes) -> set[str]:
     return {ref[0] for f in doc["files"] for ref in f["chunks"]}
 
 
-def content_split(conn, family_id: int) -> dict[int, dict[str, tuple[int, int, int, int]]]:
+def content_split(conn, family: str | None) -> dict[int, dict[str, tuple[int, int, int, int]]]:
     """version id -> tier -> (raw bytes, stored bytes, raw bytes stored as deltas, stored bytes of
     those), over the distinct chunks of each version's own files (not the bases its deltas decode
     against: a dense fine-tune stored as deltas shares none of its bytes) and their tier in its own
     family, so that no other family's pushes change a figure."""
-    facts = q.chunk_facts(conn, family_id)
+    facts = q.chunk_facts(conn, family)
     out: dict[int, dict[str, tuple[int, int, int, int]]] = {}
-    for vid, blob in q.manifests(conn, family_id):
+    for vid, fid, blob in q.manifests(conn, family):
         sums = {t: [0, 0, 0, 0] for t in (BASE, GROUP, UNIQUE)}
         for cid in _content_ids(blob):
-            tier, raw, stored, delta = facts[cid]
+            tier, raw, stored, delta = facts[fid, cid]
             row = sums[tier]
             row[0] += raw
             row[1] += stored
@@ -84,10 +84,7 @@ def compute_stats(engine, family: str | None = None, visible: Callable[[str], bo
         encodings = q.encodings(conn, family)
         seen = None if visible is None else [f.id for f in list_families(conn) if visible(f.name)]
         per_version = q.version_figures(conn, family, seen)
-        split = {}
-        for fam in list_families(conn):
-            if family is None or fam.name == family:
-                split.update(content_split(conn, fam.id))
+        split = content_split(conn, family)
         pack_bytes, orphan_bytes, unlisted_bytes = q.storage_totals(conn) if family is None else (None, None, None)
     stored = sum(b for _, b in tiers.values())
     out = {
@@ -134,15 +131,15 @@ def sharing_matrix(engine, family: str, limit: int = MATRIX_MAX) -> dict:
             raise NotFound(f"family {family!r} does not exist: see `mfsreg ls`")
         rows = list_versions(conn, family)[-limit:]
         fam_id = get_family(conn, family).id
-        facts = q.chunk_facts(conn, fam_id)
-        blobs = dict(q.manifests(conn, fam_id))
+        facts = q.chunk_facts(conn, family)
+        blobs = {vid: blob for vid, _, blob in q.manifests(conn, family)}
     column: dict[str, int] = {}
     uses = []
     for r in rows:
         uses.append([column.setdefault(cid, len(column)) for cid in _content_ids(blobs[r.id])])
     sizes = np.zeros(len(column), dtype=np.float64)
     for cid, i in column.items():
-        sizes[i] = facts[cid][1]
+        sizes[i] = facts[fam_id, cid][1]
     incidence = np.zeros((len(rows), len(column)), dtype=np.float64)
     for i, cols in enumerate(uses):
         incidence[i, cols] = 1.0

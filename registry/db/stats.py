@@ -132,17 +132,19 @@ def storage_totals(conn: Connection) -> tuple[int, int, int]:
     return int(pack_bytes), int(orphan), int(unlisted)
 
 
-def manifests(conn: Connection, family_id: int) -> list[tuple[int, bytes]]:
-    """(version id, stored manifest) of every version of one family."""
-    q = select(versions.c.id, versions.c.manifest).where(versions.c.family_id == family_id)
-    return [(int(v), bytes(m)) for v, m in conn.execute(q)]
+def manifests(conn: Connection, family: str | None) -> list[tuple[int, int, bytes]]:
+    """(version id, family id, stored manifest) of every version of ``family`` (or of all)."""
+    q = select(versions.c.id, versions.c.family_id, versions.c.manifest)
+    if family is not None:
+        q = q.where(versions.c.family_id == _family_id(family))
+    return [(int(v), int(f), bytes(m)) for v, f, m in conn.execute(q)]
 
 
-def chunk_facts(conn: Connection, family_id: int) -> dict[str, tuple[str, int, int, bool]]:
-    """chunk id -> (tier in this family, raw size, stored size, stored as a delta) over one family."""
-    q = (
-        select(fc.c.chunk_id, fc.c.tier, chunks.c.size, chunks.c.stored_size, chunks.c.basis_id.is_not(None))
-        .join(chunks, chunks.c.id == fc.c.chunk_id)
-        .where(fc.c.family_id == family_id)
-    )
-    return {c: (t, int(n), int(s), bool(d)) for c, t, n, s, d in conn.execute(q)}
+def chunk_facts(conn: Connection, family: str | None) -> dict[tuple[int, str], tuple[str, int, int, bool]]:
+    """(family id, chunk id) -> (tier in that family, raw size, stored size, stored as a delta)."""
+    q = select(
+        fc.c.family_id, fc.c.chunk_id, fc.c.tier, chunks.c.size, chunks.c.stored_size, chunks.c.basis_id.is_not(None)
+    ).join(chunks, chunks.c.id == fc.c.chunk_id)
+    if family is not None:
+        q = q.where(fc.c.family_id == _family_id(family))
+    return {(int(f), c): (t, int(n), int(s), bool(d)) for f, c, t, n, s, d in conn.execute(q)}
