@@ -21,6 +21,7 @@ from mfsreg.api.openapi import RESPONSES
 from mfsreg.api.query import strict_query
 from mfsreg.api.requestid import RequestId
 from mfsreg.api.routes import admin, families, ops, pull, push, versions
+from mfsreg.api.versioning import ProtocolVersion
 from mfsreg.registry.config import Settings
 from mfsreg.registry.registry import Registry
 
@@ -58,6 +59,7 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
         BodyLimit, max_body=(settings or (registry.settings if registry else Settings.from_env())).max_body
     )
     app.add_middleware(Authenticate)  # runs before BodyLimit: no body is read before the token is checked
+    app.add_middleware(ProtocolVersion)  # before the token: a client of another protocol is told so first
     app.add_middleware(RequestId)  # every answer carries the request's id
     app.add_middleware(Metrics)  # added last, so it runs first: it times and counts the whole answer
 

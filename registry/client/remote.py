@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 
-from mfsreg.registry import rebuild
+from mfsreg.registry import protocol, rebuild
 from mfsreg.registry.blobs.packs import StoredChunk
 from mfsreg.registry.config import DEFAULT_CHUNK_SIZE, check_chunk_size, size_from_env
 from mfsreg.registry.errors import (
@@ -187,6 +187,7 @@ class RemoteRegistry(DocumentReader, Closable):
                 "beyond ASCII): copy it again from `mfsreg token create`"
             )
         headers = {"Authorization": f"Bearer {token}"} if token else {}
+        headers[protocol.HEADER] = str(protocol.CURRENT)  # a server of another version says which to upgrade
         self.http = httpx.Client(
             base_url=self.url,
             headers=headers,
