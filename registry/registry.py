@@ -227,6 +227,12 @@ class Registry:
             out["leftover_bytes"] = self._leftover_bytes()
         return out
 
+    def family_summaries(self) -> list[dict]:
+        """Every family's versions, logical and stored bytes and sharing ratio (registry/stats.py)."""
+        from mfsreg.registry.stats import family_summaries
+
+        return family_summaries(self.engine)
+
     def sharing_matrix(self, family: str) -> dict:
         """The bytes each pair of the family's newest versions share (registry/stats.py)."""
         from mfsreg.registry.stats import sharing_matrix

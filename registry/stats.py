@@ -149,3 +149,24 @@ def sharing_matrix(engine, family: str, limit: int = MATRIX_MAX) -> dict:
         "shared": [[int(x) for x in row] for row in shared],
         "omitted": max(0, len(blobs) - len(rows)),
     }
+
+
+def family_summaries(engine) -> list[dict]:
+    """Each family's versions, logical and stored bytes and sharing ratio: the figures compute_stats
+    gives for one family, for all of them in two queries."""
+    with read_tx(engine) as conn:
+        fams = list_families(conn)
+        totals = q.family_totals(conn)
+    out = []
+    for f in fams:
+        n, logical, stored = totals.get(f.id, (0, 0, 0))
+        out.append(
+            {
+                "family": f.name,
+                "versions_count": n,
+                "logical_bytes": logical,
+                "stored_bytes": stored,
+                "sharing_ratio": round(logical / stored, 4) if stored else 0.0,
+            }
+        )
+    return out

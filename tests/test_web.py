@@ -293,3 +293,22 @@ def test_any_path_is_a_page_or_a_refusal_never_a_failure(site, family, version):
             # slash (307, Starlette's redirect_slashes)
             assert r.status_code in (200, 307, 308, 400, 404), (path, r.status_code, r.text[:300])
             assert "Traceback" not in r.text and "sqlalchemy" not in r.text.lower()
+
+
+def test_the_family_list_gives_each_family_the_figures_stats_gives(site):
+    from mfsreg.registry.config import Settings
+    from mfsreg.registry.registry import Registry
+
+    with Registry(Settings.from_env(site["env"], blobs=False)) as reg:
+        summaries = {s["family"]: s for s in reg.family_summaries()}
+        assert set(summaries) == {"qwen", "beta"}
+        for name, s in summaries.items():
+            full = reg.stats(name)
+            assert (s["versions_count"], s["logical_bytes"], s["stored_bytes"], s["sharing_ratio"]) == (
+                full["versions_count"],
+                full["logical_bytes"],
+                full["stored_bytes"],
+                full["sharing_ratio"],
+            )
+    # beta's one version is qwen's base: its chunks count for both families
+    assert summaries["beta"]["stored_bytes"] > 0 and summaries["qwen"]["versions_count"] == 5

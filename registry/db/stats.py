@@ -148,3 +148,23 @@ def chunk_facts(conn: Connection, family: str | None) -> dict[tuple[int, str], t
     if family is not None:
         q = q.where(fc.c.family_id == _family_id(family))
     return {(int(f), c): (t, int(n), int(s), bool(d)) for f, c, t, n, s, d in conn.execute(q)}
+
+
+def family_totals(conn: Connection) -> dict[int, tuple[int, int, int]]:
+    """family id -> (versions, logical bytes, stored bytes of the chunks it uses), every family in
+    two grouped queries (the web page's list of families)."""
+    out = {
+        int(f): (int(n), int(b), 0)
+        for f, n, b in conn.execute(
+            select(versions.c.family_id, func.count(), func.coalesce(func.sum(versions.c.logical_bytes), 0)).group_by(
+                versions.c.family_id
+            )
+        )
+    }
+    stored = select(fc.c.family_id, func.coalesce(func.sum(chunks.c.stored_size), 0)).join(
+        chunks, chunks.c.id == fc.c.chunk_id
+    )
+    for f, b in conn.execute(stored.group_by(fc.c.family_id)):
+        n, logical, _ = out.get(int(f), (0, 0, 0))
+        out[int(f)] = (n, logical, int(b))
+    return out
