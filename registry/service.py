@@ -9,6 +9,7 @@ api/ routes call these; they take already-authorised requests and speak in regis
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -170,13 +171,9 @@ def _negotiate_existing(
     }
 
 
-def receive_batch(reg: Store, family: str, body: bytes, who: Principal | None = None) -> dict:
-    """Verify and store one uploaded batch. Every chunk is decoded and re-hashed against its id; a
-    mismatch, or an id sent twice, refuses the whole batch before a byte is written. A chunk naming
-    a basis its family uses is stored as a delta where that is smaller. Through a scoped ``who``
-    the chunks are claimed for ``family``, stored ones compared byte for byte, and ``new_bytes`` is
-    the bytes sent. Raises TooLarge past RAW_PER_BODY x MFSREG_MAX_BODY decoded.
-    See docs/design/protocol.md."""
+def _parsed_batch(body: bytes, max_body: int) -> list:
+    """An upload's entries, refused whole on an id sent twice, a delta encoding, a size out of
+    range, or more decoded bytes than RAW_PER_BODY x MFSREG_MAX_BODY."""
     entries = list(parse_batch(body, MAX_UPLOAD_CHUNKS))
     seen: set[str] = set()
     for e, _ in entries:
@@ -190,39 +187,53 @@ def receive_batch(reg: Store, family: str, body: bytes, who: Principal | None = 
             raise InvalidRequest("delta-encoded uploads are not accepted: send raw or zstd chunks")
         if not 0 < e.size <= MAX_CHUNK_BYTES:
             raise InvalidRequest(f"chunk {e.id}: size {e.size} is out of range")
-    limit = max(RAW_PER_BODY * reg.settings.max_body, MAX_CHUNK_BYTES)  # the largest chunk always fits
+    limit = max(RAW_PER_BODY * max_body, MAX_CHUNK_BYTES)  # the largest chunk always fits
     decoded = sum(e.size for e, _ in entries)
     if decoded > limit:
         raise TooLarge(
             f"the batch's chunks add up to {decoded:,} bytes once decoded, over this "
             f"server's {limit:,} ({RAW_PER_BODY}x MFSREG_MAX_BODY): send fewer chunks per request"
         )
-    hinted = list({e.basis_id for e, _ in entries if e.basis_id})
+    return entries
+
+
+def _verified(item):
+    """(entry, payload, raw bytes) of an uploaded chunk, decoded and checked against its id."""
+    e, payload = item
+    stored = StoredChunk(e.id, e.size, e.encoding, e.length, "", 0)
+    try:
+        raw = decode_verified(stored, payload)
+    except IntegrityError:
+        raise IntegrityError(f"chunk {e.id}: bytes do not match the id; the batch was refused") from None
+    return e, payload, raw
+
+
+def _encoded(basis_of: dict, reader: BasisReader, located: dict, item):
+    """(entry, encoding, payload, basis id, depth) to store: a delta against the basis the client
+    named where that is smaller than what was sent, else what was sent."""
+    e, payload, raw = item
+    basis_id = basis_of.get(e.id)
+    basis = reader.usable(basis_id) if basis_id is not None else None
+    if basis is not None:
+        # The client's compressed upload is the plain candidate; a raw upload may still compress.
+        plain = (e.encoding, payload) if e.encoding != codec.RAW else None
+        encoding, out, is_delta = codec.best_encoding(raw, e.itemsize, basis, plain)
+        if is_delta and len(out) < e.length:
+            return e, encoding, out, basis_id, located[basis_id].depth + 1
+    return e, e.encoding, bytes(payload), None, 0
+
+
+def receive_batch(reg: Store, family: str, body: bytes, who: Principal | None = None) -> dict:
+    """Verify and store one uploaded batch. Every chunk is decoded and re-hashed against its id; a
+    mismatch, or an id sent twice, refuses the whole batch before a byte is written. A chunk naming
+    a basis its family uses is stored as a delta where that is smaller. Through a scoped ``who``
+    the chunks are claimed for ``family``, stored ones compared byte for byte, and ``new_bytes`` is
+    the bytes sent. Raises TooLarge past RAW_PER_BODY x MFSREG_MAX_BODY decoded.
+    See docs/design/protocol.md."""
+    entries = _parsed_batch(body, reg.settings.max_body)
     scoped = not access.reads_everything(who)
-    with read_tx(reg.engine) as conn:
-        missing = chunk_db.missing_ids(conn, [e.id for e, _ in entries])
-        fam = version_db.find_family(conn, family)
-        # only bases this family already uses: a push must not pull another family's bytes in
-        allowed = tier_db.family_chunk_ids(conn, fam.id, hinted) if fam else set()
-        located = chunk_db.locate_closure(conn, allowed)
-        # stored chunks a scoped token has not shown it may use: compared with the stored bytes below
-        proving = access.unproven(conn, who, family, [e.id for e, _ in entries if e.id not in missing])
-        stored_here = chunk_db.locate_closure(conn, [e.id for e, _ in entries if e.id not in missing])
-    # A stored chunk in a pack the blob store lost (negotiate listed it as missing): the upload
-    # mends it, stored again plain. Not where this token may not read a family that uses it: its
-    # bytes could not be compared with the stored ones (access.compare_stored), and an xxh3 id
-    # alone must not decide what another family's pulls get.
-    mend, lost = unreadable(reg, stored_here, [e.id for e, _ in entries if e.id in stored_here])
-    # and a stored chunk whose bytes are damaged (negotiate listed it, asked to mend_damaged): the
-    # same, but never one a scoped token must prove, which compare_stored reads back anyway
-    mend |= _damaged_uploads(reg, [e.id for e, _ in entries if e.id in stored_here and e.id not in mend | proving])
-    if mend & proving:
-        pack_id, why = next(iter(lost.items()))
-        advice = "a push through this token cannot mend it; tell the registry's operator"
-        raise StorageError(
-            f"the registry's storage lost data ({why}): {advice}",
-            public=f"the registry's storage lost data (pack {pack_id}): {advice}",
-        )
+    missing, allowed, located, proving, stored_here = _batch_rows(reg, family, who, entries)
+    mend = _batch_mends(reg, entries, stored_here, proving)
     reader = BasisReader(located, reg.read_payloads, decode_verified, locate=reg.locate)
     # Every chunk is verified, the stored ones too: an upload is how a scoped token proves it
     # holds a chunk another family stored (registry/access.py); only the missing ones are stored.
@@ -233,26 +244,7 @@ def receive_batch(reg: Store, family: str, body: bytes, who: Principal | None = 
         if e.id in todo_ids and e.id not in mend and e.basis_id in allowed
     }
 
-    def verify(item):
-        e, payload = item
-        stored = StoredChunk(e.id, e.size, e.encoding, e.length, "", 0)
-        try:
-            raw = decode_verified(stored, payload)
-        except IntegrityError:
-            raise IntegrityError(f"chunk {e.id}: bytes do not match the id; the batch was refused") from None
-        return e, payload, raw
-
-    def encode(item):
-        e, payload, raw = item
-        basis_id = basis_of.get(e.id)
-        basis = reader.usable(basis_id) if basis_id is not None else None
-        if basis is not None:
-            # The client's compressed upload is the plain candidate; a raw upload may still compress.
-            plain = (e.encoding, payload) if e.encoding != codec.RAW else None
-            encoding, out, is_delta = codec.best_encoding(raw, e.itemsize, basis, plain)
-            if is_delta and len(out) < e.length:
-                return e, encoding, out, basis_id, located[basis_id].depth + 1
-        return e, e.encoding, bytes(payload), None, 0
+    encode = functools.partial(_encoded, basis_of, reader, located)
 
     # All verified before anything is written; the bases' reads (network) overlap the verification.
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="mfsreg-bases") as io:
@@ -260,7 +252,7 @@ def receive_batch(reg: Store, family: str, body: bytes, who: Principal | None = 
         # raw bytes are kept for the chunks to store and those to compare, no others
         checked = [
             v if v[0].id in todo_ids or v[0].id in proving else (v[0], v[1], None)
-            for v in windowed_map(reg.pool, verify, entries)
+            for v in windowed_map(reg.pool, _verified, entries)
         ]
         fetching.result()
     verified = [v for v in checked if v[0].id in todo_ids]
@@ -287,6 +279,42 @@ def receive_batch(reg: Store, family: str, body: bytes, who: Principal | None = 
         # counts every chunk sent, at the size sent, whether stored now, before, or as a delta.
         added = sum(e.length for e, _ in entries)
     return {"received": len(entries), "new_bytes": added}
+
+
+def _batch_rows(reg: Store, family: str, who: Principal | None, entries: list) -> tuple:
+    """What the database says of an upload's chunks: (ids not stored, the bases named that this
+    family uses, where those are stored, stored ids a scoped ``who`` must prove it holds, where
+    the stored ones are)."""
+    hinted = list({e.basis_id for e, _ in entries if e.basis_id})
+    with read_tx(reg.engine) as conn:
+        missing = chunk_db.missing_ids(conn, [e.id for e, _ in entries])
+        fam = version_db.find_family(conn, family)
+        # only bases this family already uses: a push must not pull another family's bytes in
+        allowed = tier_db.family_chunk_ids(conn, fam.id, hinted) if fam else set()
+        located = chunk_db.locate_closure(conn, allowed)
+        # stored chunks a scoped token has not shown it may use: compared with the stored bytes later
+        proving = access.unproven(conn, who, family, [e.id for e, _ in entries if e.id not in missing])
+        stored_here = chunk_db.locate_closure(conn, [e.id for e, _ in entries if e.id not in missing])
+    return missing, allowed, located, proving, stored_here
+
+
+def _batch_mends(reg: Store, entries: list, stored_here: dict, proving: set[str]) -> set[str]:
+    """The stored chunks of an upload to store again: in a pack the blob store lost (negotiate
+    listed them as missing), stored again plain; or whose bytes are damaged (negotiate listed them,
+    asked to mend_damaged). Refused where a scoped token would mend a chunk it has not proved it
+    holds: its bytes could not be compared with the stored ones (access.compare_stored), and an
+    xxh3 id alone must not decide what another family's pulls get."""
+    mend, lost = unreadable(reg, stored_here, [e.id for e, _ in entries if e.id in stored_here])
+    # damaged ones: never one a scoped token must prove, which compare_stored reads back anyway
+    mend |= _damaged_uploads(reg, [e.id for e, _ in entries if e.id in stored_here and e.id not in mend | proving])
+    if mend & proving:
+        pack_id, why = next(iter(lost.items()))
+        advice = "a push through this token cannot mend it; tell the registry's operator"
+        raise StorageError(
+            f"the registry's storage lost data ({why}): {advice}",
+            public=f"the registry's storage lost data (pack {pack_id}): {advice}",
+        )
+    return mend
 
 
 def _damaged_uploads(reg: Store, ids: list[str]) -> set[str]:
