@@ -506,6 +506,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("--device cuda: this process sees no CUDA device")
     t_start = time.perf_counter()
+    args.data.mkdir(parents=True, exist_ok=True)  # a fresh checkout has no bench-data/ yet
     work = Path(tempfile.mkdtemp(prefix="bench-ready-", dir=args.data))
     stack = Stack(work)
     doc: dict = {

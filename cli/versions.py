@@ -150,40 +150,14 @@ def ls(
             )
     with open_backend(registry, blobs=False) as reg:
         if family is None:
-            fams = reg.families()
-            rows: list[dict[str, Any]] = [
-                dict(family=f.name, versions=f.member_count, base_quorum=f.base_quorum, chunk_size=f.chunk_size)
-                for f in fams
-            ]
-            if json_:
-                emit_json({"families": rows})
-            else:
-                table(
-                    None,
-                    ["family", "versions", "base quorum", "chunk size"],
-                    [[r["family"], r["versions"], r["base_quorum"], human_bytes(r["chunk_size"])] for r in rows],
-                )
+            _list_families(reg, json_)
             return
         vers = reg.versions(family)
         tagged: dict[str, list[str]] = {}
         for t in _tags(reg, family):
             tagged.setdefault(t.version, []).append(t.name)
     rows = [
-        dict(
-            family=v.family,
-            version=v.name,
-            parent=v.parent,
-            digest=v.digest,
-            logical_bytes=v.logical_bytes,
-            files=v.file_count,
-            created_at=timestamp(v.created_at),
-            tags=tagged.get(v.name, []),
-            description=v.description,
-            labels=v.labels,
-            pushed_by=v.pushed_by,
-        )
-        for v in vers
-        if all(v.labels.get(k) == value for k, value in wanted.items())
+        _version_row(v, tagged.get(v.name, [])) for v in vers if all(v.labels.get(k) == x for k, x in wanted.items())
     ]
     if json_:
         emit_json({"family": family, "versions": rows})
@@ -205,6 +179,38 @@ def ls(
             for r in rows
         ],
         names=3,
+    )
+
+
+def _list_families(reg, json_: bool) -> None:
+    rows = [
+        dict(family=f.name, versions=f.member_count, base_quorum=f.base_quorum, chunk_size=f.chunk_size)
+        for f in reg.families()
+    ]
+    if json_:
+        emit_json({"families": rows})
+        return
+    table(
+        None,
+        ["family", "versions", "base quorum", "chunk size"],
+        [[r["family"], r["versions"], r["base_quorum"], human_bytes(r["chunk_size"])] for r in rows],
+    )
+
+
+def _version_row(v, tags: list[str]) -> dict[str, Any]:
+    """One version as `ls --json` gives it."""
+    return dict(
+        family=v.family,
+        version=v.name,
+        parent=v.parent,
+        digest=v.digest,
+        logical_bytes=v.logical_bytes,
+        files=v.file_count,
+        created_at=timestamp(v.created_at),
+        tags=tags,
+        description=v.description,
+        labels=v.labels,
+        pushed_by=v.pushed_by,
     )
 
 
