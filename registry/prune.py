@@ -125,13 +125,7 @@ def prune(
                 claim_db.forget_before(conn, cutoff)  # those of pushes that never committed
                 retired = q.retire_packs(conn, plan.retire)  # a pack whose chunk stayed stays listed
         if dry_run:
-            retiring = [(p, sizes[p]) for p in plan.retire + plan.repack]
-            with read_tx(reg.engine) as conn:
-                due = q.unlisted(conn, q.db_now(conn) - grace)
-                waiting = [r for r in q.unlisted(conn) + retiring if r not in due]
-            # as the real run counts: blobs that exist (a writer that died before its put left none)
-            due = [r for r in due if reg.blobs.exists(pack_key(r[0]))] + (retiring if min_age == 0 else [])
-            waiting = [r for r in waiting if r not in due]
+            due, waiting = _would_delete(reg, plan.retire + plan.repack, sizes, grace, min_age)
         else:
             # with the chunks still_unneeded kept there; a pack that cannot be read stays as it is
             moved, damaged = _repack(reg, plan.repack, progress)
@@ -161,19 +155,37 @@ def prune(
         seconds=time.perf_counter() - t0,
     )
     if damaged:
-        first, why = next(iter(damaged.items()))
-        more = f" and {len(damaged) - 1} more" if len(damaged) > 1 else ""
-        said = (
-            "the chunks versions still need there are lost, and that pack was left as it was; restore its blob from "
-            f"a backup (MFSREG_BLOB_URL names the store). The rest of the prune ran: {result.deleted_chunks} chunks "
-            f"deleted, {result.repacked_packs} packs repacked, {result.deleted_packs} blobs deleted "
-            f"({result.freed_bytes:,} bytes)"
-        )
-        raise StorageError(
-            f"prune could not repack pack {first}{more}, which storage lost or cut short ({why}): {said}",
-            public=f"prune could not repack pack {first}{more}, which storage lost or cut short: {said}",
-        )
+        raise _unrepacked(damaged, result)
     return result
+
+
+def _would_delete(
+    reg: Store, retiring_ids: list[str], sizes: dict[str, int], grace: timedelta, min_age: float
+) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
+    """A dry run's (blobs a run would delete now, blobs that would wait out the grace period)."""
+    retiring = [(p, sizes[p]) for p in retiring_ids]
+    with read_tx(reg.engine) as conn:
+        due = q.unlisted(conn, q.db_now(conn) - grace)
+        waiting = [r for r in q.unlisted(conn) + retiring if r not in due]
+    # as the real run counts: blobs that exist (a writer that died before its put left none)
+    due = [r for r in due if reg.blobs.exists(pack_key(r[0]))] + (retiring if min_age == 0 else [])
+    return due, [r for r in waiting if r not in due]
+
+
+def _unrepacked(damaged: dict[str, str], result: PruneResult) -> StorageError:
+    """The error of a prune that could not read some packs it meant to repack; the rest ran."""
+    first, why = next(iter(damaged.items()))
+    more = f" and {len(damaged) - 1} more" if len(damaged) > 1 else ""
+    said = (
+        "the chunks versions still need there are lost, and that pack was left as it was; restore its blob from "
+        f"a backup (MFSREG_BLOB_URL names the store). The rest of the prune ran: {result.deleted_chunks} chunks "
+        f"deleted, {result.repacked_packs} packs repacked, {result.deleted_packs} blobs deleted "
+        f"({result.freed_bytes:,} bytes)"
+    )
+    return StorageError(
+        f"prune could not repack pack {first}{more}, which storage lost or cut short ({why}): {said}",
+        public=f"prune could not repack pack {first}{more}, which storage lost or cut short: {said}",
+    )
 
 
 def _leftovers(reg: Store, min_age: float) -> tuple[list[Leftover], list[Leftover]]:
