@@ -380,20 +380,9 @@ def push(
         # a reused delta whose chain leaves the family: a plain copy, so that the version lends its
         # family's readers no other family's bytes (registry/access.py)
         detach_foreign_chains(reg, None, family, manifest.chunk_ids())
-        try:
-            changed, existing = commit_version(
-                reg, family, version, parent, manifest, chunk_size, meta=meta, pushed_by=named(None)
-            )
-        except MissingChunks:
-            # A prune deleted chunks this push found stored (a deleted version's) before the commit
-            # could use them: store them (plain) and commit once more.
-            with read_tx(reg.engine) as conn:
-                lost = chunk_db.missing_ids(conn, ids)
-            added += upload_missing(reg, job, lost, reg.pool, NullProgress())
-            missing |= lost
-            changed, existing = commit_version(
-                reg, family, version, parent, manifest, chunk_size, meta=meta, pushed_by=named(None)
-            )
+        changed, existing, lost, again = _commit(reg, job, family, version, parent, manifest, chunk_size, meta)
+        added += again
+        missing |= lost
     if existing is not None:  # a concurrent push of the same name committed first
         return existing_result(reg, existing, manifest, family, version, t0)
     return PushResult(
@@ -411,6 +400,35 @@ def push(
         seconds=time.perf_counter() - t0,
         mended_chunks=len(mend),
     )
+
+
+def _commit(
+    reg: Store,
+    job: HashJob,
+    family: str,
+    version: str,
+    parent: str | None,
+    manifest: Manifest,
+    chunk_size: int,
+    meta: VersionMeta | None,
+) -> tuple[int, VersionRow | None, set[str], int]:
+    """commit_version's (tier changes, the row of a version committed first), then the chunks
+    stored again and their bytes: a prune that deleted chunks this push found stored (a deleted
+    version's) before the commit could use them has them stored (plain), and the commit runs once
+    more."""
+    try:
+        changed, existing = commit_version(
+            reg, family, version, parent, manifest, chunk_size, meta=meta, pushed_by=named(None)
+        )
+        return changed, existing, set(), 0
+    except MissingChunks:
+        with read_tx(reg.engine) as conn:
+            lost = chunk_db.missing_ids(conn, manifest.chunk_ids())
+    added = upload_missing(reg, job, lost, reg.pool, NullProgress())
+    changed, existing = commit_version(
+        reg, family, version, parent, manifest, chunk_size, meta=meta, pushed_by=named(None)
+    )
+    return changed, existing, lost, added
 
 
 def mend_existing(
