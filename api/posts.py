@@ -17,6 +17,9 @@ _MANIFEST = re.compile(r"/v1/families/[^/]+/versions/[^/]+/(?:negotiate|commit)"
 _PRUNE = re.compile(r"/v1/prune")
 _TAG = re.compile(r"/v1/families/([^/]+)/tags/[^/]+")
 MAX_TAG_BODY = 4096  # {"version": NAME}: a name is at most 128 characters
+# The web page's sign-in form (a token and a path) and sign-out (no body): anyone may post them,
+# token or not, so their bodies are held to what they need before a byte is read
+WEB_FORMS = {"/ui/login": 4096, "/ui/logout": 1024}
 
 # A download names at most MAX_DOWNLOAD_IDS ids, 35 bytes each in compact JSON (32 hex digits,
 # quotes, a comma): room for twice that and whitespace
@@ -45,14 +48,16 @@ def role_for(method: str, path: str) -> tuple[str, str | None] | None:
 
 
 def body_limit(method: str, path: str, max_body: int) -> int:
-    """The most bytes a request's body may hold: MFSREG_MAX_BODY, less for a download's list of ids
-    and for a manifest."""
+    """The most bytes a request's body may hold: MFSREG_MAX_BODY, less for a download's list of ids,
+    a manifest, a tag's move and the web page's forms."""
     if method == "POST" and _DOWNLOAD.fullmatch(path):
         return min(max_body, MAX_DOWNLOAD_BODY)
     if method == "POST" and _MANIFEST.fullmatch(path):
         return min(max_body, MAX_MANIFEST_BODY)
     if method == "PUT" and _TAG.fullmatch(path):
         return min(max_body, MAX_TAG_BODY)
+    if method == "POST" and path in WEB_FORMS:
+        return min(max_body, WEB_FORMS[path])
     return max_body
 
 

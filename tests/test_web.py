@@ -232,12 +232,28 @@ def test_sign_in_sets_an_httponly_strict_cookie_and_refuses_bad_tokens(site):
         for form, status, said in (
             ({"token": "mfs_not-a-token"}, 401, "unknown or revoked token"),
             ({"token": ""}, 400, "no token given"),
-            ({"token": "x" * 5000}, 400, "sign-in form of"),
+            ({"token": "x" * 5000}, 413, "over the 4096 byte limit"),  # refused before it is read
         ):
             r = c.post("/ui/login", data=form)
             assert r.status_code == status and said in r.text and "set-cookie" not in r.headers
+        # a body of no stated length is read only up to the limit
+        r = c.post("/ui/login", content=iter([b"token=" + b"x" * 4096] * 64))
+        assert r.status_code == 413 and "set-cookie" not in r.headers
         r = c.post("/ui/login", data={"token": site["beta"]}, headers={"Origin": "http://evil.example"})
         assert r.status_code == 400 and "another site" in r.text and "set-cookie" not in r.headers
+        r = c.post("/ui/logout", headers={"Origin": "http://evil.example"})
+        assert r.status_code == 400 and "another site" in r.text and "set-cookie" not in r.headers
+        # behind a TLS proxy: the page's origin is the proxy's host, said in X-Forwarded-Host, and
+        # the cookie is Secure where the proxy says the browser came over https
+        proxied = {"Origin": "https://registry.example", "X-Forwarded-Host": "registry.example"}
+        r = c.post("/ui/login", data={"token": site["beta"]}, headers={**proxied, "X-Forwarded-Proto": "https"})
+        assert r.status_code == 303 and "secure" in r.headers["set-cookie"].lower()
+        r = c.post("/ui/login", data={"token": site["beta"]})
+        assert r.status_code == 303 and "secure" not in r.headers["set-cookie"].lower()  # plain http
+        # next hops that would leave the server land on the home page
+        for hop in ("//evil.example", "/\\evil.example", "https://evil.example", "https:evil", "evil"):
+            r = c.post("/ui/login", data={"token": site["beta"], "next": hop})
+            assert r.headers["location"] == "/", hop
     # a cookie whose token was revoked: back to sign-in, told why, the cookie dropped
     from mfsreg.registry.config import Settings
     from mfsreg.registry.registry import Registry
@@ -312,3 +328,100 @@ def test_the_family_list_gives_each_family_the_figures_stats_gives(site):
             )
     # beta's one version is qwen's base: its chunks count for both families
     assert summaries["beta"]["stored_bytes"] > 0 and summaries["qwen"]["versions_count"] == 5
+
+
+def test_the_pages_assets_leave_the_hub_paths_of_a_family_named_ui_alone(tmp_path):
+    """The assets are served by a route of one path segment, not a mount at /ui/assets, which would
+    take the Hub's downloads of family 'ui', version 'assets'."""
+    import hashlib
+
+    from mfsreg.registry.config import Settings
+    from mfsreg.registry.registry import Registry
+
+    env = embedded_server_env(tmp_path / "home")
+    path = synth.write(tmp_path / "m.safetensors", synth.base_tensors())
+    with Registry(Settings.from_env(env)) as reg:
+        reg.push(path, "ui", "assets")
+    srv = Server(env, tmp_path / "server.log")
+    try:
+        tok = token(env, "read", "ui")
+        got = httpx.get(
+            f"{srv.url}/ui/assets/resolve/main/model.safetensors", headers={"Authorization": f"Bearer {tok}"}
+        )
+        assert got.status_code == 200, got.text[:200]
+        assert hashlib.sha256(got.content).hexdigest() == hashlib.sha256(path.read_bytes()).hexdigest()
+        css = httpx.get(f"{srv.url}/ui/assets/mfsreg.css")
+        assert css.status_code == 200 and css.headers["content-type"].startswith("text/css")
+        assert httpx.get(f"{srv.url}/ui/assets/nothing.css").status_code == 404
+        assert httpx.get(f"{srv.url}/ui/assets/..%2Fviews.py").status_code == 404
+    finally:
+        srv.stop()
+
+
+def test_the_words_never_round_a_part_away():
+    from mfsreg.registry.wording import in_words
+
+    def part(n: int, deltas: int = 0) -> dict:
+        return {"bytes": n, "fraction": 0.0, "stored_bytes": n, "delta_bytes": deltas, "delta_stored_bytes": deltas}
+
+    # a 10 GiB fine-tune whose own bytes are one 40 KB header: not "100%" and "0%"
+    said = in_words({"base": part(10 << 30), "group": part(0), "unique": part(40_000)})
+    assert said.startswith("shares >99% with base; <1% is only in this version (39.06 KiB stored, none as deltas)")
+    said = in_words({"base": part(0), "group": part(0), "unique": part(1 << 20, 1 << 19)})
+    assert said == "shares 0% with base; 100% is only in this version (1.00 MiB stored, 512.00 KiB of it as deltas)"
+    assert in_words({"base": part(0), "group": part(0), "unique": part(0)}) == "holds no chunks"
+
+
+def test_the_matrix_equals_a_count_of_the_chunks_each_pair_holds(site):
+    """Against a brute-force count over the manifests' chunk ids and sizes."""
+    from mfsreg.registry.config import Settings
+    from mfsreg.registry.registry import Registry
+
+    with Registry(Settings.from_env(site["env"], blobs=False)) as reg:
+        m = reg.sharing_matrix("qwen")
+        sizes, ids = {}, {}
+        for name in m["versions"]:
+            _, manifest = reg.manifest("qwen", name)
+            sizes.update(manifest.chunk_sizes())
+            ids[name] = set(manifest.chunk_ids())
+    assert m["versions"] == list(PARENTS) and m["omitted"] == 0
+    for i, a in enumerate(m["versions"]):
+        for j, b in enumerate(m["versions"]):
+            assert m["shared"][i][j] == sum(sizes[c] for c in ids[a] & ids[b]), (a, b)
+
+
+def test_a_chunk_without_its_row_leaves_the_figures_standing(tmp_path):
+    """A manifest naming a chunk with no row (`mfsreg check` reports such damage) must not break
+    stats, the matrix or the pages: the chunk is left out of the figures."""
+    from sqlalchemy import delete
+
+    from mfsreg.registry.config import Settings
+    from mfsreg.registry.db.engine import write_tx
+    from mfsreg.registry.db.models import chunks
+    from mfsreg.registry.registry import Registry
+
+    env = embedded_server_env(tmp_path / "home")
+    files = synth.family(tmp_path / "models")
+    with Registry(Settings.from_env(env)) as reg:
+        reg.push(files["base"], "f", "base")
+        reg.push(files["lora-chat"], "f", "lora", parent="base")
+        _, manifest = reg.manifest("f", "lora")
+        gone = manifest.chunk_ids()[0]
+        with write_tx(reg.engine) as conn:
+            conn.execute(delete(chunks).where(chunks.c.id == gone))
+        s = reg.stats("f")
+        lora = next(v for v in s["versions"] if v["version"] == "lora")["shares"]
+        sizes = manifest.chunk_sizes()
+        assert sum(t["bytes"] for t in lora.values()) == sum(sizes.values()) - sizes[gone]
+        assert (
+            reg.sharing_matrix("f")["shared"][1][1]
+            == sum(manifest.chunk_sizes().values()) - manifest.chunk_sizes()[gone]
+        )
+    srv = Server(env, tmp_path / "server.log")
+    try:
+        tok = token(env, "read", "*")
+        with httpx.Client(base_url=srv.url, cookies={"mfsreg_session": tok}) as c:
+            assert c.get("/ui/families/f").status_code == 200
+            assert c.get("/ui/families/f/versions/lora").status_code == 200
+    finally:
+        srv.stop()

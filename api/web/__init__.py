@@ -18,18 +18,18 @@ from pathlib import Path
 from urllib.parse import parse_qs, quote, urlsplit
 
 from fastapi import APIRouter, FastAPI, Request
-from fastapi.responses import HTMLResponse, RedirectResponse, Response
+from fastapi.responses import FileResponse, HTMLResponse, RedirectResponse, Response
 from starlette.concurrency import run_in_threadpool
-from starlette.staticfiles import StaticFiles
 
 from mfsreg.api.errors import public_line
+from mfsreg.api.posts import WEB_FORMS
 from mfsreg.api.web import views
 from mfsreg.registry.auth import Principal, authenticate
 from mfsreg.registry.errors import InvalidRequest, RegistryError, Unauthorized
 
 HERE = Path(__file__).parent
 COOKIE = "mfsreg_session"
-MAX_FORM = 4096  # bytes of a sign-in form: a token and a path
+MAX_FORM = WEB_FORMS["/ui/login"]  # bytes of a sign-in form (api/limits.BodyLimit refuses more, unread)
 SECURITY_HEADERS = [
     (
         b"content-security-policy",
@@ -156,11 +156,26 @@ def login_form(request: Request, next: str = "/", expired: int = 0) -> Response:
     return render(request, "login.html", next=_local(next), anonymous=anonymous, message=message)
 
 
+def _same_site(request: Request, what: str) -> None:
+    """Refuse a form another site's page posted: its Origin names neither this server's Host nor,
+    behind a proxy, the X-Forwarded-Host the proxy was asked for. (No Origin: not a browser's form.)"""
+    origin = request.headers.get("origin")
+    if origin is None:
+        return
+    ours = {request.headers.get("host"), *(h.strip() for h in request.headers.get("x-forwarded-host", "").split(","))}
+    if urlsplit(origin).netloc not in ours - {None, ""}:
+        raise InvalidRequest(f"a {what} from another site's page: use this server's own page")
+
+
+def _secure(request: Request) -> bool:
+    """Whether the browser reached the page over https: directly, or through a TLS proxy that said so."""
+    forwarded = request.headers.get("x-forwarded-proto", "").split(",")[0].strip().lower()
+    return request.url.scheme == "https" or forwarded == "https"
+
+
 def _sign_in_form(request: Request, body: bytes) -> tuple[str, str]:
     """(token, where to go next) from a sign-in form posted by this server's own page."""
-    origin = request.headers.get("origin")
-    if origin is not None and urlsplit(origin).netloc != request.headers.get("host"):
-        raise InvalidRequest("a sign-in from another site's page: sign in on this server's own page")
+    _same_site(request, "sign-in")
     if len(body) > MAX_FORM:
         raise InvalidRequest(f"a sign-in form of {len(body):,} bytes: send a token, at most {MAX_FORM}")
     form = parse_qs(body.decode("utf-8", "replace"), max_num_fields=4)
@@ -181,20 +196,37 @@ async def login(request: Request) -> Response:
         line = str(exc) if isinstance(exc, RegistryError) else "a malformed sign-in form: use the page's form"
         return render(request, "login.html", status, next="/", anonymous=reg.settings.anonymous_read, message=line)
     response = RedirectResponse(target, status_code=303)
-    secure = request.url.scheme == "https"
-    response.set_cookie(COOKIE, token, httponly=True, samesite="strict", secure=secure, path="/")
+    response.set_cookie(COOKIE, token, httponly=True, samesite="strict", secure=_secure(request), path="/")
     return response
 
 
 @router.post("/ui/logout")
-def logout() -> Response:
+def logout(request: Request) -> Response:
+    try:
+        _same_site(request, "sign-out")
+    except InvalidRequest as exc:
+        return render(request, "error.html", 400, status=400, message=str(exc))
     response = RedirectResponse("/ui/login", status_code=303)
     response.delete_cookie(COOKIE, path="/")
     return response
 
 
+ASSETS = {p.name: p for p in (HERE / "assets").iterdir() if p.is_file()}
+_TYPES = {".css": "text/css", ".js": "text/javascript", ".svg": "image/svg+xml"}
+
+
+@router.get("/ui/assets/{name}")
+def asset(name: str) -> Response:
+    """The page's packaged files. A route of one path segment, not a mount: a mount at /ui/assets
+    would take the Hub's downloads of a family 'ui', version 'assets'."""
+    path = ASSETS.get(name)
+    if path is None:
+        return Response("no such asset", status_code=404, media_type="text/plain")
+    headers = {"Cache-Control": "public, max-age=3600"}
+    return FileResponse(path, media_type=_TYPES.get(path.suffix, "application/octet-stream"), headers=headers)
+
+
 def install(app: FastAPI) -> None:
     """The page's routes, its assets and its headers."""
     app.include_router(router)
-    app.mount("/ui/assets", StaticFiles(directory=HERE / "assets"), name="ui-assets")
     app.add_middleware(SecurityHeaders)
