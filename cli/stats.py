@@ -38,6 +38,8 @@ def stats(
             "`mfsreg prune` removes them once older than --min-age"
         )
     for v in s["versions"]:
+        if "shares" not in v:  # a server older than these figures: its tables below say the rest
+            continue
         name = v["version"] if family else f"{v['family']}/{v['version']}"
         typer.echo(f"  {name} ({human_bytes(v['logical_bytes'])}): {in_words(v['shares'])}")
     table(

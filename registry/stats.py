@@ -8,7 +8,7 @@
   base tier ("shares 91% with base"), in the group tier (shared with some other members) and in the
   unique tier (only in this version), each as raw bytes, a fraction, stored bytes, and how much of
   that is stored as deltas. The tiers are its own family's: no other family's pushes change them.
-  The web page (api/web.py) draws these same figures.
+  The web page (api/web/) draws these same figures.
 - per encoding: chunks, raw bytes and stored bytes.
 """
 
@@ -25,7 +25,7 @@ from mfsreg.registry.tiers import BASE, GROUP, UNIQUE
 
 def shares(split: dict[str, tuple[int, int, int, int]]) -> dict[str, dict[str, float | int]]:
     """tier -> {bytes, fraction, stored_bytes, delta_bytes, delta_stored_bytes} of one version, from
-    db/stats.tier_split's rows for it."""
+    content_split's sums for it."""
     total = sum(raw for raw, *_ in split.values())
     out: dict[str, dict[str, float | int]] = {}
     for tier in (BASE, GROUP, UNIQUE):
@@ -61,7 +61,10 @@ def content_split(conn, family: str | None) -> dict[int, dict[str, tuple[int, in
     for vid, fid, blob in q.manifests(conn, family):
         sums = {t: [0, 0, 0, 0] for t in (BASE, GROUP, UNIQUE)}
         for cid in _content_ids(blob):
-            tier, raw, stored, delta = facts[fid, cid]
+            fact = facts.get((fid, cid))
+            if fact is None:  # no row for a chunk the manifest names: `mfsreg check` reports it
+                continue
+            tier, raw, stored, delta = fact
             row = sums[tier]
             row[0] += raw
             row[1] += stored
@@ -124,8 +127,6 @@ def sharing_matrix(engine, family: str, limit: int = MATRIX_MAX) -> dict:
     """Bytes each pair of ``family``'s newest ``limit`` versions share: ``shared[i][j]`` is the raw
     size of the distinct chunks of both one's and the other's files (``shared[i][i]``: all of
     version i's). ``omitted``: the older versions left out."""
-    import numpy as np  # the web page's import, not the CLI's
-
     with read_tx(engine) as conn:
         if not family_exists(conn, family):
             raise NotFound(f"family {family!r} does not exist: see `mfsreg ls`")
@@ -133,20 +134,29 @@ def sharing_matrix(engine, family: str, limit: int = MATRIX_MAX) -> dict:
         fam_id = get_family(conn, family).id
         facts = q.chunk_facts(conn, family)
         blobs = {vid: blob for vid, _, blob in q.manifests(conn, family)}
-    column: dict[str, int] = {}
-    uses = []
-    for r in rows:
-        uses.append([column.setdefault(cid, len(column)) for cid in _content_ids(blobs[r.id])])
-    sizes = np.zeros(len(column), dtype=np.float64)
-    for cid, i in column.items():
-        sizes[i] = facts[fam_id, cid][1]
-    incidence = np.zeros((len(rows), len(column)), dtype=np.float64)
-    for i, cols in enumerate(uses):
-        incidence[i, cols] = 1.0
-    shared = (incidence * sizes) @ incidence.T  # exact: whole numbers far below 2**53
+    # Chunks held by the same set of versions are added up once per set: a family's chunks fall
+    # into few such sets (the base's, each member's own, a few shared), so no versions x chunks
+    # matrix is built however large the models.
+    holders: dict[str, list[int]] = {}
+    size: dict[str, int] = {}
+    for i, r in enumerate(rows):
+        for cid in _content_ids(blobs[r.id]):
+            fact = facts.get((fam_id, cid))
+            if fact is not None:
+                holders.setdefault(cid, []).append(i)
+                size[cid] = fact[1]
+    by_set: dict[tuple[int, ...], int] = {}
+    for cid, held_by in holders.items():
+        key = tuple(held_by)
+        by_set[key] = by_set.get(key, 0) + size[cid]
+    shared = [[0] * len(rows) for _ in rows]
+    for members, n in by_set.items():
+        for i in members:
+            for j in members:
+                shared[i][j] += n
     return {
         "versions": [r.name for r in rows],
-        "shared": [[int(x) for x in row] for row in shared],
+        "shared": shared,
         "omitted": max(0, len(blobs) - len(rows)),
     }
 

@@ -33,14 +33,15 @@ def in_words(shares_of: dict) -> str:
     base, group, unique = (shares_of[t] for t in (BASE, GROUP, UNIQUE))
     if not base["bytes"] + group["bytes"] + unique["bytes"]:
         return "holds no chunks"
-    said = f"shares {percent(base['fraction'])} with base"
+    total = base["bytes"] + group["bytes"] + unique["bytes"]  # the shares from bytes: fractions are rounded
+    said = f"shares {percent(base['bytes'] / total)} with base"
     if group["bytes"]:
-        said += f" and {percent(group['fraction'])} with other versions"
+        said += f" and {percent(group['bytes'] / total)} with other versions"
     if not unique["bytes"]:
         return said + "; nothing is only in this version"
     deltas = unique["delta_stored_bytes"]
     how = f"{human_bytes(deltas)} of it as deltas" if deltas else "none as deltas"
     return (
-        f"{said}; {percent(unique['fraction'])} is only in this version "
+        f"{said}; {percent(unique['bytes'] / total)} is only in this version "
         f"({human_bytes(unique['stored_bytes'])} stored, {how})"
     )

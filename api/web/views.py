@@ -4,6 +4,7 @@ same `mfsreg stats` prints), the words registry/wording.py's."""
 from __future__ import annotations
 
 from mfsreg.registry.auth import Principal
+from mfsreg.registry.errors import NotFound
 from mfsreg.registry.names import check_name
 from mfsreg.registry.registry import Registry
 from mfsreg.registry.wording import human_bytes, in_words, percent
@@ -24,11 +25,15 @@ def _visible(who: Principal):
     return None if who.family_pattern == "*" else (lambda name: who.allows("read", name))
 
 
-def _open(reg: Registry, who: Principal, family: str) -> dict:
-    """The family's figures, after the caller's scope is checked (first: a refusal says nothing of
-    what exists)."""
+def _check(who: Principal, family: str) -> None:
+    """The caller's scope, checked before anything is read: a refusal says nothing of what exists."""
     check_name("family", family)
     who.require("read", family)
+
+
+def _open(reg: Registry, who: Principal, family: str) -> dict:
+    """The family's figures, after the caller's scope is checked."""
+    _check(who, family)
     return reg.stats(family, _visible(who))
 
 
@@ -114,6 +119,7 @@ def family(reg: Registry, who: Principal, name: str) -> dict:
     for t in reg.tags(name):
         tags.setdefault(t.version, []).append(t.name)
     figures = {v["version"]: v for v in s["versions"]}
+    rows = [r for r in rows if r.name in figures]  # (one pushed or deleted between the two reads: next time)
     scale = max((sum(_parts(v["shares"]).values()) for v in s["versions"]), default=0)
     versions = [
         {
@@ -164,9 +170,12 @@ def _commands(base_url: str, family: str, row, single_file: bool) -> list[dict]:
 
 def version(reg: Registry, who: Principal, family: str, name: str, base_url: str = "") -> dict:
     check_name("version", name)
-    s = _open(reg, who, family)
+    _check(who, family)
     row, manifest = reg.manifest(family, name)
-    figures = next(v for v in s["versions"] if v["version"] == row.name)
+    s = reg.stats(family, _visible(who))  # after the version is read: a push between still has its figures
+    figures = next((v for v in s["versions"] if v["version"] == row.name), None)
+    if figures is None:  # deleted between the two reads
+        raise NotFound(f"version {family}/{row.name} was deleted just now: see the family's page")
     scale = sum(_parts(figures["shares"]).values())
     tensors = [(f.path, t) for f in manifest.files for t in f.tensors]
     return {
