@@ -55,7 +55,7 @@ class Registry:
         if self._blobs is None:
             with self._blobs_lock:
                 if self._blobs is None:
-                    from mfsreg.registry.blobs import open_blob_store
+                    from mfsreg.registry.blobs.stores import open_blob_store
 
                     s = self.settings
                     # a malformed S3 timeout is refused here, where it would be used (Settings.s3_error)

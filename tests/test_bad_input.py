@@ -1263,7 +1263,7 @@ def test_database_only_commands_never_contact_an_s3_endpoint(seeded, fam, tmp_pa
 
 
 def test_a_good_s3_blob_url_with_a_trailing_slash_is_taken(s3_blob_url, tmp_path):
-    from mfsreg.registry.blobs import open_blob_store
+    from mfsreg.registry.blobs.stores import open_blob_store
 
     blob_url, endpoint = s3_blob_url
     store = open_blob_store(blob_url + "/", endpoint)

@@ -17,10 +17,10 @@ import time
 import boto3
 import pytest
 
-from mfsreg.registry.blobs import open_blob_store
 from mfsreg.registry.blobs.base import BlobStore
 from mfsreg.registry.blobs.packs import PackWriter, StoredChunk, read_payloads
 from mfsreg.registry.blobs.s3 import MULTIPART_CHUNK, MULTIPART_THRESHOLD, S3BlobStore
+from mfsreg.registry.blobs.stores import open_blob_store
 from mfsreg.registry.config import Settings
 from mfsreg.registry.errors import InvalidRequest, NotFound, StorageError
 

@@ -47,25 +47,30 @@ def _modules() -> dict[str, Path]:
     return out
 
 
-def _runtime_imports(tree: ast.Module):
+def _runtime_imports(tree: ast.Module, package_init: bool = False):
     """Every import statement, at module level or inside a function, but those under ``if
-    TYPE_CHECKING:`` (annotations only: they never run)."""
+    TYPE_CHECKING:`` (annotations only: they never run). Of a package's __init__, the module-level
+    ones alone: importing any module of the package runs those, while a name its ``__getattr__``
+    (or a function) loads on first use is imported by whoever uses it."""
     skipped = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
             skipped.update(id(n) for stmt in node.body for n in ast.walk(stmt))
+        if package_init and isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            skipped.update(id(n) for n in ast.walk(node))
     return [n for n in ast.walk(tree) if isinstance(n, ast.Import | ast.ImportFrom) and id(n) not in skipped]
 
 
 def import_graph() -> dict[str, set[str]]:
-    """module -> the package's modules it imports. ``from pkg import name`` is an import of
-    ``pkg.name`` where that is a module (a C extension is a leaf), else of ``pkg``."""
+    """module -> the package's modules it imports, its own package's __init__ among them. ``from
+    pkg import name`` is an import of ``pkg.name`` where that is a module (a C extension is a
+    leaf), else of ``pkg``."""
     mods = _modules()
     graph: dict[str, set[str]] = {}
     for mod, path in mods.items():
         package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
         deps = set()
-        for node in _runtime_imports(ast.parse(path.read_text())):
+        for node in _runtime_imports(ast.parse(path.read_text()), path.name == "__init__.py"):
             if isinstance(node, ast.Import):
                 named = [a.name for a in node.names]
             else:
@@ -84,6 +89,12 @@ def import_graph() -> dict[str, set[str]]:
                 if target in mods and target != mod and target.startswith("mfsreg"):
                     deps.add(target)
         graph[mod] = deps
+    # Importing a.b.c runs the package a.b's __init__ first: an edge to it, but from a module that
+    # __init__ itself imports (re-exports), which Python has running already by then.
+    for mod in mods:
+        parent = mod.rpartition(".")[0]
+        if parent in mods and mod not in graph[parent]:
+            graph[mod].add(parent)
     return graph
 
 

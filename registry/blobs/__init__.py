@@ -2,23 +2,9 @@
 
 from __future__ import annotations
 
-from urllib.parse import urlsplit
-
 from mfsreg.registry.blobs.base import BlobStore
-from mfsreg.registry.blobs.urls import check_endpoint_url, check_not_left_behind, configured_endpoint, parse_blob_url
+from mfsreg.registry.blobs.urls import check_endpoint_url, configured_endpoint, parse_blob_url
 
-__all__ = ["BlobStore", "check_endpoint_url", "configured_endpoint", "open_blob_store", "parse_blob_url"]
-
-
-def open_blob_store(url: str, s3_endpoint_url: str | None = None, **s3_options) -> BlobStore:
-    """Open the blob store named by ``url``: ``file:///dir`` or ``s3://bucket/prefix``; ``s3_options``
-    (connect_timeout, read_timeout, max_attempts) go to S3BlobStore."""
-    scheme, where, prefix = parse_blob_url(url)
-    if scheme == "file":
-        from mfsreg.registry.blobs.local import LocalBlobStore
-
-        check_not_left_behind(urlsplit(url).path, where)
-        return LocalBlobStore(where)
-    from mfsreg.registry.blobs.s3 import S3BlobStore
-
-    return S3BlobStore(where, prefix, endpoint_url=s3_endpoint_url, **s3_options)
+# open_blob_store is stores.py's: imported from here, it would make every blobs module (and the
+# settings, which check blob URLs) depend on the S3 store
+__all__ = ["BlobStore", "check_endpoint_url", "configured_endpoint", "parse_blob_url"]

@@ -4,12 +4,16 @@
 so that the rest of the client works without it.
 """
 
-from mfsreg.registry.client.remote import RemoteRegistry
-
 __all__ = ["RemoteRegistry", "load_tensors", "ResidentModel", "Node"]
 
 
 def __getattr__(name: str):
+    # every name loads on first use: a module of the package imports this one first, and must not
+    # bring the HTTP client (and what it imports) with it
+    if name == "RemoteRegistry":
+        from mfsreg.registry.client.remote import RemoteRegistry
+
+        return RemoteRegistry
     if name in ("load_tensors", "Node"):
         from mfsreg.registry.client import torch_loader
 
