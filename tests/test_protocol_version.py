@@ -70,15 +70,24 @@ def test_another_version_is_refused_in_one_line_before_the_token(site, sent, sai
 
 
 def test_a_refused_push_stores_nothing(site):
-    before = _get(site, "/v1/families", None).json()
-    answer = httpx.post(
-        site["srv"].url + "/v1/families/newfam/versions/v1/negotiate",
-        headers={"Authorization": f"Bearer {site['push']}", protocol.HEADER: str(protocol.CURRENT + 1)},
-        json={"manifest": {"files": [], "single_file": True}},
-        timeout=30,
-    )
-    assert answer.status_code == 400 and "upgrade the server" in answer.json()["detail"]
-    assert _get(site, "/v1/families", None).json() == before
+    """A client of a newer protocol pushing a whole model: refused at its first request, and no
+    family, version, chunk or pack appears."""
+    from mfsreg.registry.client.remote import RemoteRegistry
+    from mfsreg.registry.errors import InvalidRequest
+
+    packs = site["where"] / "home" / "blobs"
+    path = synth.write(site["where"] / "new.safetensors", synth.base_tensors(seed=5))
+    with RemoteRegistry(site["srv"].url, token=site["push"]) as reg:
+        reg.push(synth.write(site["where"] / "ok.safetensors", synth.base_tensors(seed=6)), "okfam", "v1")
+    before = sorted(p.name for p in packs.rglob("*") if p.is_file())
+    assert before  # the listing sees the packs a push writes
+    with RemoteRegistry(site["srv"].url, token=site["push"]) as reg:
+        reg.http.headers[protocol.HEADER] = str(protocol.CURRENT + 1)
+        with pytest.raises(InvalidRequest, match="upgrade the server"):
+            reg.push(path, "newfam", "v1")
+    with RemoteRegistry(site["srv"].url, token=site["push"]) as reg:
+        assert "newfam" not in [f.name for f in reg.families()]
+    assert sorted(p.name for p in packs.rglob("*") if p.is_file()) == before
 
 
 def test_routes_outside_v1_take_no_version(site):
