@@ -199,19 +199,7 @@ def _list_families(reg, json_: bool) -> None:
 
 def _version_row(v, tags: list[str]) -> dict[str, Any]:
     """One version as `ls --json` gives it."""
-    return dict(
-        family=v.family,
-        version=v.name,
-        parent=v.parent,
-        digest=v.digest,
-        logical_bytes=v.logical_bytes,
-        files=v.file_count,
-        created_at=timestamp(v.created_at),
-        tags=tags,
-        description=v.description,
-        labels=v.labels,
-        pushed_by=v.pushed_by,
-    )
+    return {**v.to_dict(), "tags": tags}
 
 
 def _tags(reg, family: str) -> list:

@@ -33,6 +33,22 @@ class VersionRow:
     labels: dict[str, str] = field(default_factory=dict)
     pushed_by: str = ""  # a token's prefix and description, or local:<user> (registry/audit.actor_of)
 
+    def to_dict(self) -> dict:
+        """As GET /v1/families/F/versions and `ls F --json` write it."""
+        return dict(
+            family=self.family,
+            version=self.name,
+            parent=self.parent,
+            digest=self.digest,
+            logical_bytes=self.logical_bytes,
+            files=self.file_count,
+            single_file=self.single_file,
+            created_at=timestamp(self.created_at),
+            description=self.description,
+            labels=self.labels,
+            pushed_by=self.pushed_by,
+        )
+
 
 @dataclass(frozen=True)
 class TagRow:

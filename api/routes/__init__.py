@@ -26,16 +26,4 @@ def family_model(f) -> FamilyModel:
 
 
 def version_model(v) -> VersionModel:
-    return VersionModel(
-        family=v.family,
-        version=v.name,
-        parent=v.parent,
-        digest=v.digest,
-        logical_bytes=v.logical_bytes,
-        files=v.file_count,
-        single_file=v.single_file,
-        created_at=timestamp(v.created_at),
-        description=v.description,
-        labels=v.labels,
-        pushed_by=v.pushed_by,
-    )
+    return VersionModel(**v.to_dict())
