@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from collections.abc import Set as AbstractSet
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from sqlalchemy import Connection
@@ -110,6 +110,42 @@ def plan_deltas(
 
 
 ChunkItem = tuple  # (id, size, encoding, payload, basis id or None, depth): what RecordedPacks.add takes
+
+
+@dataclass(frozen=True)
+class PushPlan:
+    """What a push sends and how the store keeps it: the chunks to store (new, and stored ones to
+    store again), those of them mended, the bases suggested for the new ones, a reader of those."""
+
+    missing: set[str]
+    mend: set[str]
+    bases: dict[str, str]
+    reader: BasisReader | None
+
+
+def plan_push(
+    reg: Store,
+    family: str,
+    parent: str | None,
+    new_files: list,
+    ids: list[str],
+    located: dict[str, StoredChunk],
+    missing: set[str],
+    unproven: AbstractSet[str] = frozenset(),
+    progress: Progress | None = None,
+    mend_damaged: bool = False,
+) -> PushPlan:
+    """The step of a push between hashing and uploading, for the embedded push and the server's
+    negotiation alike: of the stored chunks it reuses (``located``, less those a scoped token must
+    send anyway: ``unproven``, another family's, which it must not learn the state of), those in
+    a pack the blob store lost and, with ``mend_damaged``, those whose bytes do not read back are
+    stored again, plain; the new ones get bases (plan_deltas), none in a lost or damaged pack."""
+    pack_sizes: PackSizes = {}
+    reused = [i for i in ids if i in located and i not in unproven]
+    mend, damaged, warning = to_mend(reg, located, reused, progress, pack_sizes, mend_damaged)
+    bases, reader = plan_deltas(reg, family, parent, new_files, ids, missing, pack_sizes, warning, damaged.keys())
+    warning.say()
+    return PushPlan(missing | mend, mend, {c: b for c, b in bases.items() if c not in mend}, reader)
 
 
 def store_chunks(
@@ -357,23 +393,17 @@ def push(
         if existing is not None:
             done = existing_result(reg, existing, job.manifest(), family, version, t0)  # other content: refused
             return mend_existing(reg, job, done, located, progress, t0, mend_damaged)
-        # stored, but in a pack the blob store lost (or down a delta chain through one): sent again
-        pack_sizes: PackSizes = {}
-        reused = [i for i in ids if i in located]
-        # and, asked, those whose stored bytes (or a basis's) do not read back: a pack's size
-        # cannot show flipped bytes, and committing over them leaves a version no pull rebuilds
-        mend, damaged, warning = to_mend(reg, located, reused, progress, pack_sizes, mend_damaged)
-        missing |= mend
+        # stored, but in a pack the blob store lost (or down a delta chain through one), and, asked,
+        # those whose stored bytes (or a basis's) do not read back: sent again, plain
+        new_files = [(refs, f.header.tensors if f.header else ()) for refs, f in zip(job.file_chunks, source.files)]
+        plan = plan_push(
+            reg, family, parent, new_files, ids, located, missing, progress=progress, mend_damaged=mend_damaged
+        )
+        missing, mend = plan.missing, plan.mend
         skipped = job.logical_bytes - missing_bytes(job, missing)
         progress.start("skip", skipped)
         progress.advance("skip", skipped)
-        new_files = [(refs, f.header.tensors if f.header else ()) for refs, f in zip(job.file_chunks, source.files)]
-        # chunks mended go plain: a delta would lean on the chain that lost them
-        bases, reader = plan_deltas(
-            reg, family, parent, new_files, ids, missing - mend, pack_sizes, warning, damaged.keys()
-        )
-        warning.say()
-        added = upload_missing(reg, job, missing, reg.pool, progress, bases, reader, mend)
+        added = upload_missing(reg, job, missing, reg.pool, progress, plan.bases, plan.reader, mend)
         manifest = job.manifest()  # waits for the file digests, which ran beside the encoding
         from mfsreg.registry.access import detach_foreign_chains  # (access builds on this module)
 

@@ -45,12 +45,12 @@ from mfsreg.registry.ingest import (
     check_push_names,
     commit_version,
     existing_result,
-    plan_deltas,
+    plan_push,
     store_chunks,
     stored_for,
     stored_layout,
 )
-from mfsreg.registry.lost import PackSizes, lost_packs, unreadable
+from mfsreg.registry.lost import lost_packs, unreadable
 from mfsreg.registry.manifest import MAX_CHUNK_BYTES, SAFETENSORS, Manifest, parse_doc
 from mfsreg.registry.meta import VersionMeta
 from mfsreg.registry.names import check_name
@@ -101,34 +101,13 @@ def negotiate(
         check_cut(manifest, family, fam.chunk_size)
     if existing is not None:
         return _negotiate_existing(reg, existing, manifest, located, mend_damaged)
-    # stored in a pack the blob store lost: listed as missing, so the client sends them and the
-    # upload mends them (receive_batch), plain (no basis is suggested for them)
-    pack_sizes: PackSizes = {}
-    # Not the chunks this token must send anyway: they are another family's (listed missing like
-    # chunks stored nowhere, access.unproven), and naming them under mend, or reading them for
-    # damage, would tell the token what that family stores and in what state
-    reused = [i for i in ids if i in located and i not in unproven]
-    # and, asked, those whose stored bytes (or a basis's) do not read back: listed the same way,
-    # and receive_batch reads them again before it stores them (ingest.push does the same)
-    mend, damaged, warning = to_mend(reg, located, reused, sizes=pack_sizes, read_data=mend_damaged)
-    # no basis is suggested in a lost pack either: receive_batch could not read it; nor one found
-    # damaged just now, which receive_batch would read again only to warn of it a second time
-    bases, _ = plan_deltas(
-        reg,
-        family,
-        parent,
-        [(f.chunks, f.tensors) for f in manifest.files],
-        ids,
-        missing,
-        pack_sizes,
-        warning,
-        damaged.keys(),
-    )
-    warning.say()
-    bases = {c: b for c, b in bases.items() if c not in mend}
-    missing |= mend
+    # the push's planning step, as an embedded push runs it: mended chunks are listed as missing,
+    # so the client sends them and the upload stores them again (receive_batch reads them again first)
+    files = [(f.chunks, f.tensors) for f in manifest.files]
+    plan = plan_push(reg, family, parent, files, ids, located, missing, unproven, mend_damaged=mend_damaged)
+    missing, mend = plan.missing, plan.mend
     return {
-        "bases": bases,
+        "bases": plan.bases,
         "digest": manifest.digest,
         "exists": False,
         "existing_digest": None,
