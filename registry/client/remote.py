@@ -277,8 +277,6 @@ class RemoteRegistry(DocumentReader, Closable):
         base = f"/v1/families/{family}/versions/{version}"
         chunk_size = self._cut_size(family)
         with HashJob(source, chunk_size, progress) as job:
-            # Negotiate and upload while the whole-file sha256s (the slowest hash) still run on
-            # their own thread; they are needed only by the commit.
             # mend_damaged is sent only when asked: without it the request is the one older servers know
             asked = {"mend_damaged": True} if mend_damaged else {}
 
@@ -287,37 +285,11 @@ class RemoteRegistry(DocumentReader, Closable):
                     "POST", f"{base}/negotiate", _negotiation, json={"manifest": m.to_doc(), "parent": parent, **asked}
                 )
 
-            draft = job.draft()
-            try:
-                neg = negotiate(draft)
-            except InvalidRequest as exc:
-                if not draft.is_draft or "sha256" not in str(exc):
-                    raise
-                draft = job.manifest()  # a server older than draft manifests: negotiate once the digests are in
-                neg = negotiate(draft)
+            draft, neg = _negotiate_draft(job, negotiate)
             if neg["exists"]:
-                manifest = job.manifest()
-                done = existing_result(
-                    neg["existing_digest"],
-                    manifest.logical_bytes,
-                    len(manifest.files),
-                    manifest.final_digest(),
-                    neg["chunks"],
-                    family,
-                    version,
-                    t0,
-                    neg.get("existing_layout"),
-                    manifest.layout,
-                )  # other content: refused
+                done = _existing(neg, job.manifest(), family, version, t0)  # other content: refused
             if mend_damaged and neg.get("mend_damaged") is not True:
-                # an older server ignores the field (one of the release before, for a new version): it
-                # read nothing, so "already stored" would read as "nothing was damaged", and a new
-                # version would commit over damaged chunks. Said before anything is uploaded.
-                raise InvalidRequest(
-                    f"the server at {self.url} is older than push --mend-damaged: it did not read "
-                    "the stored chunks this version needs, so nothing damaged was mended; upgrade "
-                    "it, or push without --mend-damaged to mend only lost packs"
-                )
+                raise _mend_unheard(self.url)
             if neg["exists"]:
                 return self._mend_existing(family, job, draft, done, set(neg.get("mend", ())), progress, t0)
             missing = set(neg["missing"])
@@ -337,21 +309,11 @@ class RemoteRegistry(DocumentReader, Closable):
                 # ask again what is missing, upload it and commit once more.
                 neg = negotiate(manifest)
                 lost = set(neg["missing"])
-                more_sent, more_added = self._upload(family, job, manifest, lost, NullProgress(), neg.get("bases", {}))
-                sent, added, missing = sent + more_sent, added + more_added, missing | lost
+                more = self._upload(family, job, manifest, lost, NullProgress(), neg.get("bases", {}))
+                sent, added, missing = sent + more[0], added + more[1], missing | lost
                 mended |= set(neg.get("mend", ())) & lost
                 res = self._doc("POST", f"{base}/commit", _committed, json=commit)
-        return PushResult(
-            **{
-                **res,
-                "new_bytes": added,
-                "new_chunks": len(missing),
-                "reused_chunks": res["chunks"] - len(missing),
-                "sent_bytes": sent,
-                "seconds": time.perf_counter() - t0,
-                "mended_chunks": len(mended),
-            }
-        )
+        return _pushed(res, added, missing, sent, mended, t0)
 
     def _mend_existing(
         self,
@@ -726,6 +688,61 @@ def _version_row(d: dict) -> VersionRow:
 def _tag_move(d) -> TagMove:
     _dict(d)
     return TagMove(d["family"], d["tag"], d.get("before"), d.get("after"))
+
+
+def _pushed(res: dict, added: int, missing: set[str], sent: int, mended: set[str], t0: float) -> PushResult:
+    """A push's result: the server's commit answer, with what this client sent."""
+    extra = {
+        "new_bytes": added,
+        "new_chunks": len(missing),
+        "reused_chunks": res["chunks"] - len(missing),
+        "sent_bytes": sent,
+        "seconds": time.perf_counter() - t0,
+        "mended_chunks": len(mended),
+    }
+    return PushResult(**{**res, **extra})
+
+
+def _existing(neg: dict, manifest: Manifest, family: str, version: str, t0: float) -> PushResult:
+    """The result of a push of a version the server holds already with this content (InvalidRequest
+    where it holds other content under the name)."""
+    return existing_result(
+        neg["existing_digest"],
+        manifest.logical_bytes,
+        len(manifest.files),
+        manifest.final_digest(),
+        neg["chunks"],
+        family,
+        version,
+        t0,
+        neg.get("existing_layout"),
+        manifest.layout,
+    )
+
+
+def _negotiate_draft(job: HashJob, negotiate) -> tuple[Manifest, dict]:
+    """(the manifest negotiated, the server's answer). A draft goes first, so that the uploads run
+    while the whole-file sha256s (the slowest hash, needed only by the commit) are still being
+    computed; a server older than draft manifests gets the whole one, once the digests are in."""
+    draft = job.draft()
+    try:
+        return draft, negotiate(draft)
+    except InvalidRequest as exc:
+        if not draft.is_draft or "sha256" not in str(exc):
+            raise
+    whole = job.manifest()
+    return whole, negotiate(whole)
+
+
+def _mend_unheard(url: str) -> InvalidRequest:
+    """An older server ignores mend_damaged (one of the release before, for a new version): it read
+    nothing, so "already stored" would read as "nothing was damaged", and a new version would commit
+    over damaged chunks. Said before anything is uploaded."""
+    return InvalidRequest(
+        f"the server at {url} is older than push --mend-damaged: it did not read "
+        "the stored chunks this version needs, so nothing damaged was mended; upgrade "
+        "it, or push without --mend-damaged to mend only lost packs"
+    )
 
 
 class NoRoute(NotFound):
