@@ -122,23 +122,6 @@ def pull(
 
     stop = threading.Event()  # set when the assembly fails: the fetch stops after the batches in flight
 
-    def fetch() -> None:
-        try:
-            fetched["stats"] = fetcher.ensure(
-                family,
-                ids,
-                info.located,
-                info.tiers,
-                progress,
-                landed=arrivals.land,
-                cancel=stop,
-                planned=arrivals.plan,
-            )
-        except BaseException as exc:  # handed to the assembly, which raises it
-            arrivals.finish(exc)
-        else:
-            arrivals.finish()
-
     refetched = FetchStats()
     refetch = refetcher(fetcher, info, refetched)
     # what a pull brought stays, over the limit if need be: its chunks, and the files it materialised
@@ -146,19 +129,16 @@ def pull(
     protect = ids + ([f"file:{f.sha256}" for f in info.manifest.files] if to_dir else [])
     # and, while it runs, leased: another process's eviction passes them over (cache eviction.py)
     with cache.leased(protect):
-        worker = threading.Thread(target=fetch, name="mfsreg-pull-fetch", daemon=True)
+        worker = threading.Thread(
+            target=_fetch,
+            args=(fetcher, info, ids, progress, arrivals, stop, fetched),
+            name="mfsreg-pull-fetch",
+            daemon=True,
+        )
         worker.start()
         assembled, failed = False, None
         try:
-            with Placing() as placing:  # the version's files appear together, once all are written
-                if to_dir:
-                    _materialise_dir(fetcher, info, out, progress, refetch, arrivals.wait, placing)
-                else:
-                    progress.start("write", info.logical_bytes)
-                    for entry, dest in plan:
-                        assemble.write_file(
-                            entry, dest, cache, refetch, fetcher.remote.pool, progress, arrivals.wait, placing=placing
-                        )
+            _assemble(fetcher, info, out, plan, to_dir, progress, refetch, arrivals.wait)
             assembled = True
         except NotFound as exc:  # the fetch's error, raised where the assembly waited, or a refetch's
             failed = exc
@@ -174,7 +154,14 @@ def pull(
         stats = fetched["stats"]
         cache.record_pull(family, version)
         cache.evict(protect=protect)
-    # a chunk found cached and then fetched again (damaged, or evicted by another process) counts as fetched only
+    return _pulled(family, version, info, out, stats, refetched, t0)
+
+
+def _pulled(
+    family: str, version: str, info, out: Path, stats: FetchStats, refetched: FetchStats, t0: float
+) -> PullResult:
+    """A pull's result. A chunk found cached and then fetched again (damaged, or evicted by another
+    process) counts as fetched only."""
     recounted = stats.cached.intersection(refetched.chunk_ids)
     return PullResult(
         family=family,
@@ -187,6 +174,42 @@ def pull(
         fetched_bytes=stats.fetched_bytes + refetched.fetched_bytes,
         cached_bytes=stats.cached_bytes - sum(info.located[i].size for i in recounted),
     )
+
+
+def _fetch(
+    fetcher: Fetcher, info, ids: list[str], progress: Progress, arrivals: _Arrivals, stop, fetched: dict
+) -> None:
+    """A pull's fetch, on its own thread: what the cache lacks, each batch announced to the assembly
+    as it lands; an error is handed to the assembly, which raises it."""
+    try:
+        fetched["stats"] = fetcher.ensure(
+            info.family,
+            ids,
+            info.located,
+            info.tiers,
+            progress,
+            landed=arrivals.land,
+            cancel=stop,
+            planned=arrivals.plan,
+        )
+    except BaseException as exc:
+        arrivals.finish(exc)
+    else:
+        arrivals.finish()
+
+
+def _assemble(fetcher: Fetcher, info, out: Path, plan, to_dir: bool, progress: Progress, refetch, wait) -> None:
+    """Write the version's files from the cache as their chunks arrive (``wait``); they appear
+    together, once all are written."""
+    with Placing() as placing:
+        if to_dir:
+            _materialise_dir(fetcher, info, out, progress, refetch, wait, placing)
+            return
+        progress.start("write", info.logical_bytes)
+        for entry, dest in plan:
+            assemble.write_file(
+                entry, dest, fetcher.cache, refetch, fetcher.remote.pool, progress, wait, placing=placing
+            )
 
 
 def evict_quietly(cache, protect) -> None:
