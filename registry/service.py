@@ -335,6 +335,22 @@ def _check_headers(reg: Store, manifest: Manifest, who: Principal | None = None,
                 raise InvalidRequest(f"manifest does not match its header: {f.path}: tensors differ")
 
 
+def _commit_manifest(
+    reg: Store, family: str, version: str, parent: str | None, doc: object, chunk_size: int | None, who
+) -> Manifest:
+    """A commit's manifest, checked: names, document, readable stored chunks, safetensors headers,
+    the cut and the parent; what commit_version would refuse, refused before anything is written."""
+    check_push_names(family, version, parent)
+    manifest = parse_doc(doc)
+    _check_readable(reg, family, version, manifest)  # first: the header check below reads stored heads
+    _check_headers(reg, manifest, who, family)
+    if chunk_size is not None:
+        check_chunk_size(chunk_size, "chunk_size")
+    check_named_cut(manifest, chunk_size)
+    check_parent(reg, family, parent, version)
+    return manifest
+
+
 def commit(
     reg: Store,
     family: str,
@@ -348,15 +364,7 @@ def commit(
     """Step 3 of a push (docs/design/protocol.md): the version appears, with ``meta``, recorded as
     pushed by ``who``."""
     t0 = time.perf_counter()
-    check_push_names(family, version, parent)
-    manifest = parse_doc(doc)
-    _check_readable(reg, family, version, manifest)  # first: the header check below reads stored heads
-    _check_headers(reg, manifest, who, family)
-    if chunk_size is not None:
-        check_chunk_size(chunk_size, "chunk_size")
-    # what commit_version would refuse, refused before the detach below writes anything
-    check_named_cut(manifest, chunk_size)
-    check_parent(reg, family, parent, version)
+    manifest = _commit_manifest(reg, family, version, parent, doc, chunk_size, who)
 
     def refused_first(conn) -> bool:
         """What the commit's transaction would refuse, refused before any copy is made; a version of
