@@ -30,10 +30,18 @@ class RequestId:
         rid = given[0].decode() if len(given) == 1 and _TOKEN.fullmatch(given[0]) else uuid.uuid4().hex
         scope.setdefault("state", {})["request_id"] = rid
 
-        async def send_with_id(message):
-            if message["type"] == "http.response.start":
-                headers = [(k, v) for k, v in message.get("headers", ()) if k.lower() != HEADER]
-                message = {**message, "headers": [*headers, (HEADER, rid.encode())]}
-            await send(message)
+        await self.app(scope, receive, with_headers(send, [(HEADER, rid.encode())]))
 
-        await self.app(scope, receive, send_with_id)
+
+def with_headers(send, headers: list[tuple[bytes, bytes]]):
+    """``send`` that sets ``headers`` on the response (replacing any of those names the app set):
+    the one way the middlewares here add a header (request id, protocol version, page security)."""
+    names = {k for k, _ in headers}
+
+    async def sending(message):
+        if message["type"] == "http.response.start":
+            kept = [(k, v) for k, v in message.get("headers", ()) if k.lower() not in names]
+            message = {**message, "headers": [*kept, *headers]}
+        await send(message)
+
+    return sending

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from starlette._utils import get_route_path
 
+from mfsreg.api.requestid import with_headers
 from mfsreg.registry import protocol
 from mfsreg.registry.errors import RegistryError
 
@@ -21,11 +22,7 @@ class ProtocolVersion:
             await self.app(scope, receive, send)
             return
 
-        async def send_with_version(message):
-            if message["type"] == "http.response.start":
-                message = {**message, "headers": [*message.get("headers", ()), _ANSWER]}
-            await send(message)
-
+        send_with_version = with_headers(send, [_ANSWER])
         given = [v for k, v in scope.get("headers", ()) if k == _HEADER]
         try:
             if len(given) > 1:

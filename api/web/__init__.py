@@ -23,6 +23,7 @@ from starlette.concurrency import run_in_threadpool
 
 from mfsreg.api.errors import public_line
 from mfsreg.api.posts import WEB_FORMS
+from mfsreg.api.requestid import with_headers
 from mfsreg.api.web import views
 from mfsreg.registry.auth import Principal, authenticate
 from mfsreg.registry.errors import InvalidRequest, RegistryError, Unauthorized
@@ -68,14 +69,7 @@ class SecurityHeaders:
             await self.app(scope, receive, send)
             return
 
-        async def send_with_headers(message):
-            if message["type"] == "http.response.start":
-                taken = {k for k, _ in SECURITY_HEADERS}
-                headers = [(k, v) for k, v in message.get("headers", ()) if k.lower() not in taken]
-                message = {**message, "headers": [*headers, *SECURITY_HEADERS]}
-            await send(message)
-
-        await self.app(scope, receive, send_with_headers)
+        await self.app(scope, receive, with_headers(send, SECURITY_HEADERS))
 
 
 def _who(request: Request) -> Principal | None:
