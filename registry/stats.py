@@ -128,12 +128,11 @@ def sharing_matrix(engine, family: str, limit: int = MATRIX_MAX) -> dict:
     size of the distinct chunks of both one's and the other's files (``shared[i][i]``: all of
     version i's). ``omitted``: the older versions left out."""
     with read_tx(engine) as conn:
-        if not family_exists(conn, family):
-            raise NotFound(f"family {family!r} does not exist: see `mfsreg ls`")
-        rows = list_versions(conn, family)[-limit:]
-        fam_id = get_family(conn, family).id
+        fam_id = get_family(conn, family).id  # NotFound where there is none
+        every = list_versions(conn, family)
+        rows = every[-limit:]
         facts = q.chunk_facts(conn, family)
-        blobs = {vid: blob for vid, _, blob in q.manifests(conn, family)}
+        blobs = {vid: blob for vid, _, blob in q.manifests(conn, family, [r.id for r in rows])}
     # Chunks held by the same set of versions are added up once per set: a family's chunks fall
     # into few such sets (the base's, each member's own, a few shared), so no versions x chunks
     # matrix is built however large the models.
@@ -157,7 +156,7 @@ def sharing_matrix(engine, family: str, limit: int = MATRIX_MAX) -> dict:
     return {
         "versions": [r.name for r in rows],
         "shared": shared,
-        "omitted": max(0, len(blobs) - len(rows)),
+        "omitted": len(every) - len(rows),
     }
 
 

@@ -132,11 +132,16 @@ def storage_totals(conn: Connection) -> tuple[int, int, int]:
     return int(pack_bytes), int(orphan), int(unlisted)
 
 
-def manifests(conn: Connection, family: str | None) -> list[tuple[int, int, bytes]]:
-    """(version id, family id, stored manifest) of every version of ``family`` (or of all)."""
+def manifests(
+    conn: Connection, family: str | None, version_ids: Sequence[int] | None = None
+) -> list[tuple[int, int, bytes]]:
+    """(version id, family id, stored manifest) of every version of ``family`` (or of all), or of
+    those of ``version_ids``."""
     q = select(versions.c.id, versions.c.family_id, versions.c.manifest)
     if family is not None:
         q = q.where(versions.c.family_id == _family_id(family))
+    if version_ids is not None:
+        q = q.where(versions.c.id.in_(list(version_ids)))
     return [(int(v), int(f), bytes(m)) for v, f, m in conn.execute(q)]
 
 
