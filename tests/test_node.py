@@ -33,7 +33,7 @@ from mfsreg.registry.client.cache import NodeCache
 from mfsreg.registry.client.direct import taken as takes_direct
 from mfsreg.registry.client.node import refetcher
 from mfsreg.registry.client.remote import RemoteRegistry
-from mfsreg.registry.client.torch_loader import Copier, Node, _fetch_ahead, build, chunk_ids, fill, layout
+from mfsreg.registry.client.torch_loader import Copier, FetchAhead, Node, build, chunk_ids, fill, layout
 from mfsreg.registry.config import parse_size
 from mfsreg.registry.manifest import Manifest
 from tests import synth
@@ -337,20 +337,39 @@ def test_a_load_maps_from_the_kept_document_while_the_registry_answers(published
 
 
 def test_a_fetch_ahead_closed_early_stops_its_thread(published):
-    """A copy that fails mid-load drops the fetch-ahead generator: its thread stops instead of
-    waiting for ever to hand over the next batch."""
+    """A copy that fails mid-load closes the fetch-ahead: its thread stops instead of waiting for
+    ever to hand over the next batch."""
     _, env = published
     node = Node(env["MFSREG_URL"], env["MFSREG_TOKEN"], env["MFSREG_CACHE_DIR"])
     try:
         info = node.fetcher.version("fam", "base")
         ids = chunk_ids(layout(info))
         before = set(threading.enumerate())
-        landed = _fetch_ahead(node.fetcher, info, [ids[k::6] for k in range(6)])
-        assert next(landed) == 0
+        landed = FetchAhead(node.fetcher, info, [ids[k::6] for k in range(6)])
+        assert next(iter(landed)) == 0
         workers = [t for t in threading.enumerate() if t.name == "mfsreg-fetch-ahead" and t not in before]
         landed.close()
         # joined by the close itself: no batch lands in the cache after the caller's lease is gone
         assert workers and not any(t.is_alive() for t in workers)
+    finally:
+        node.close()
+
+
+def test_a_fetch_ahead_fetches_before_it_is_read(published):
+    """The fetch starts when the fetch-ahead is made, not at its first ``next``: a load copies the
+    tensors already cached meanwhile, and until now the first request waited for those copies."""
+    _, env = published
+    node = Node(env["MFSREG_URL"], env["MFSREG_TOKEN"], env["MFSREG_CACHE_DIR"])
+    try:
+        info = node.fetcher.version("fam", "base")
+        ids = [i for i in chunk_ids(layout(info)) if not node.cache.has(i)]
+        assert ids
+        with FetchAhead(node.fetcher, info, [ids]) as landed:
+            deadline = time.monotonic() + 30
+            while not all(node.cache.has(i) for i in ids) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert all(node.cache.has(i) for i in ids)  # landed, and not one ``next`` yet
+            assert list(landed) == [0]
     finally:
         node.close()
 

@@ -14,7 +14,7 @@ import os
 import queue
 import sys
 import threading
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from types import ModuleType
@@ -387,44 +387,58 @@ def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.view(-1).view(torch.uint8) if tensor.dim() else tensor.reshape(1).view(torch.uint8)
 
 
-def _fetch_ahead(fetcher: Fetcher, info: VersionInfo, groups: list[list[str]]) -> Generator[int, None, None]:
-    """Yield group indexes as their chunks land in the cache; fetching runs on a background thread.
-    Closed early (a copy failed), the generator tells that thread to stop and waits for it: batches
-    not yet started are dropped, the one in flight ends, and nothing is handed over any more."""
-    done: queue.Queue = queue.Queue(maxsize=2)
-    stop = threading.Event()
+class FetchAhead:
+    """Fetches ``groups`` of chunks into the cache on a background thread, started at once: the
+    caller copies what is cached meanwhile (a generator would start it only at the first ``next``,
+    after those copies: 60 ms of a 1.16 GB member's load spent before the first request went out).
+    Iterating yields group indexes as their chunks land. ``close`` (also when iteration stopped
+    early: a copy failed) tells the thread to stop and waits for it: batches not yet started are
+    dropped, the one in flight ends, and nothing is handed over any more."""
 
-    def hand(item) -> bool:
-        while not stop.is_set():
+    def __init__(self, fetcher: Fetcher, info: VersionInfo, groups: list[list[str]]):
+        self.count = len(groups)
+        self.done: queue.Queue = queue.Queue(maxsize=2)
+        self.stop = threading.Event()
+
+        def work():
             try:
-                done.put(item, timeout=0.1)
+                for k, ids in enumerate(groups):
+                    fetcher.ensure(info.family, ids, info.located, info.tiers, cancel=self.stop)
+                    if not self._hand(k):
+                        return
+            except BaseException as exc:  # hand the error to the consumer (if it still listens)
+                self._hand(exc)
+
+        self.thread = threading.Thread(target=work, name="mfsreg-fetch-ahead", daemon=True)
+        self.thread.start()
+
+    def _hand(self, item) -> bool:
+        while not self.stop.is_set():
+            try:
+                self.done.put(item, timeout=0.1)
                 return True
             except queue.Full:
                 pass
         return False
 
-    def work():
-        try:
-            for k, ids in enumerate(groups):
-                fetcher.ensure(info.family, ids, info.located, info.tiers, cancel=stop)
-                if not hand(k):
-                    return
-        except BaseException as exc:  # hand the error to the consumer (if it still listens)
-            hand(exc)
-
-    t = threading.Thread(target=work, name="mfsreg-fetch-ahead", daemon=True)
-    t.start()
-    try:
-        for _ in groups:
-            item = done.get()
+    def __iter__(self) -> Iterator[int]:
+        for _ in range(self.count):
+            item = self.done.get()
             if isinstance(item, BaseException):
                 raise item
             yield item
-    finally:
+
+    def close(self) -> None:
         # Also when closed early: the batch in flight ends (the fetch stops at the next one) before
         # the caller's lease on these chunks goes, so nothing lands in the cache unleased after it.
-        stop.set()
-        t.join()
+        self.stop.set()
+        self.thread.join()
+
+    def __enter__(self) -> FetchAhead:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def chunk_ids(lay: dict) -> list[str]:
@@ -476,7 +490,7 @@ def fill(
             # evicted under them is fetched again by the copier.
             with (
                 node.cache.leased(needed),
-                contextlib.closing(_fetch_ahead(node.fetcher, info, chunk_groups)) as landed,
+                FetchAhead(node.fetcher, info, chunk_groups) as landed,
             ):
                 # the tensors already cached are copied here at once, while the thread fetches the
                 # rest: it starts on what is missing, not on their bookkeeping
