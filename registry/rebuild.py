@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import stat
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
@@ -22,7 +22,7 @@ from mfsreg.registry.chunking import chunk_id
 from mfsreg.registry.durable import Placing, writing
 from mfsreg.registry.errors import IntegrityError, InvalidRequest
 from mfsreg.registry.manifest import FileEntry, Manifest
-from mfsreg.registry.parallel import sized_batches, windowed_map
+from mfsreg.registry.parallel import sized_batches
 from mfsreg.registry.progress import NullProgress, Progress
 
 # A source of encoded payloads: given stored chunks, yield (chunk, payload) in any order.
@@ -235,43 +235,93 @@ def levels(order: list[str], located: dict[str, StoredChunk]) -> list[list[str]]
     return out
 
 
+class _BasisUnreadable(Exception):
+    """A basis ``cached`` said was held could not be read after all (decode_batch fetches it)."""
+
+
+def _decode_on(chunk: StoredChunk, payload, basis: Future) -> bytes:
+    raw = basis.result()  # submitted before this job: running or done by now (the pool takes jobs in order)
+    if raw is None:
+        raise _BasisUnreadable(chunk.basis_id)
+    return decode_verified(chunk, payload, raw)
+
+
 def decode_batch(
     ids: list[str],
     located: dict[str, StoredChunk],
     payloads: PayloadSource,
     pool: ThreadPoolExecutor,
     known: Callable[[str], bytes | None] | None = None,
+    cached: Callable[[str], bool] | None = None,
 ) -> dict[str, bytes]:
-    """Raw bytes of ``ids`` (and of the bases they need), fetched in one go, decoded level by level
-    so that each delta finds its basis decoded; each level decodes in parallel. ``known`` supplies
-    raw bytes of bases held elsewhere (a node cache), which are then neither fetched nor decoded."""
-    known_raw: dict[str, bytes] = {}
+    """Raw bytes of ``ids`` (and of the bases they need), fetched in one go, each decoded on the pool
+    as soon as its payload and its basis are in: decoding overlaps the transfer. ``known`` supplies
+    raw bytes of bases held elsewhere (a node cache), which are then neither fetched nor decoded.
+    With ``cached`` (whether ``known`` holds a chunk, asked cheaply) those bases are read on the pool
+    while the request runs, not before it is sent (50 bases of 2 MiB read and checked: 40 ms of a
+    1.16 GB member's load); one that cannot be read after all is fetched in a second request."""
+    reads: dict[str, Future] = {}
+    if known is not None and cached is None:
 
-    def have(i: str) -> bool:
-        if known is None:
-            return False
-        data = known(i)
-        if data is not None:
-            known_raw[i] = data
-        return data is not None
+        def have(i: str) -> bool:
+            data = known(i)
+            if data is not None:
+                reads[i] = Future()
+                reads[i].set_result(data)
+            return data is not None
 
-    order = closure(ids, located, have)
-    fetched = {c.id: (c, p) for c, p in payloads([located[i] for i in order])}
-    missing = [i for i in order if i not in fetched]
-    if missing:
-        raise IntegrityError(f"chunk {missing[0]} was not delivered by the store")
-    raw: dict[str, bytes] = dict(known_raw)
-    for todo in levels(order, located):
+        order = closure(ids, located, have)
+    else:
+        order = closure(ids, located, cached or (lambda i: False))
+    wanted = set(order)
+    if known is not None and cached is not None:
+        for b in dict.fromkeys(located[i].basis_id for i in order):
+            if b and b not in wanted:
+                reads[b] = pool.submit(known, b)
+    jobs: dict[str, Future] = {}
+    received: dict[str, tuple[StoredChunk, bytes]] = {}  # (kept for a second round)
+    waiting: dict[str, list[tuple[StoredChunk, bytes]]] = {}  # basis id -> deltas that arrived first
 
-        def job(i: str) -> tuple[str, bytes]:
-            c, p = fetched[i]
-            b = located[i].basis_id
-            return i, decode_verified(c, p, raw[b] if b else None)
+    def start(c: StoredChunk, p) -> None:
+        b = located[c.id].basis_id
+        if not b:
+            jobs[c.id] = pool.submit(decode_verified, c, p)
+        elif (basis := jobs.get(b) or reads.get(b)) is not None:
+            jobs[c.id] = pool.submit(_decode_on, c, p, basis)
+        else:  # its basis comes later in this stream: decoded once that is under way
+            waiting.setdefault(b, []).append((c, p))
+            return
+        for after in waiting.pop(c.id, ()):
+            start(*after)
 
-        raw.update(windowed_map(pool, job, todo))
-    for i in known_raw:
-        if i not in order:
-            raw.pop(i, None)
+    try:
+        for c, p in payloads([located[i] for i in order]):
+            if c.id in wanted and c.id not in received:
+                received[c.id] = (c, p)
+                start(c, p)
+        missing = [i for i in order if i not in received]
+        if missing:
+            raise IntegrityError(f"chunk {missing[0]} was not delivered by the store")
+        raw: dict[str, bytes] = {}
+        again = []
+        for i in order:
+            try:
+                raw[i] = jobs[i].result()
+            except _BasisUnreadable:
+                again.append(i)
+    finally:  # also on a failure: no job still decodes a payload the caller's store may close
+        for f in jobs.values():
+            f.cancel()
+        wait([*jobs.values(), *reads.values()])
+    if again:  # fetch the bases that could not be read; the payloads received are not asked for again
+        held = {b: f.result() for b, f in reads.items() if f.exception() is None and f.result() is not None}
+
+        def more(chunks: list[StoredChunk]) -> Iterator[tuple[StoredChunk, bytes]]:
+            yield from (received[c.id] for c in chunks if c.id in received)
+            if rest := [c for c in chunks if c.id not in received]:
+                yield from payloads(rest)
+
+        raw.update(decode_batch(again, located, more, pool, known=lambda i: raw.get(i) or held.get(i)))
     return raw
 
 

@@ -14,7 +14,7 @@ from mfsreg.registry.blobs.packs import StoredChunk, pack_key
 from mfsreg.registry.chunking import chunk_id
 from mfsreg.registry.deltas import MAX_DEPTH
 from mfsreg.registry.errors import IntegrityError, StorageError
-from mfsreg.registry.rebuild import decode_verified
+from mfsreg.registry.rebuild import decode_batch, decode_verified
 from tests import synth
 from tests.dialects import sqlite_only
 
@@ -348,6 +348,67 @@ def test_xor_deltas_stored_before_sub_still_decode():
     a, b = near.view(torch.uint8).numpy(), t.view(torch.uint8).numpy()
     payload = zstandard.ZstdCompressor().compress(codec.split_planes(np.bitwise_xor(a, b), 2))
     assert codec.decode("xor-p2", payload, a.size, b.tobytes()) == a.tobytes()
+
+
+def _chain(n: int, size: int = 4096) -> tuple[dict[str, StoredChunk], dict[str, bytes], dict[str, bytes]]:
+    """``n`` chunks, each after the first a delta against the one before: (located, raw, payloads)."""
+    rng = np.random.default_rng(n)
+    data = rng.integers(0, 256, size, dtype=np.uint8)
+    located, raw, payloads = {}, {}, {}
+    prev = None
+    for k in range(n):
+        if k:
+            data = data.copy()
+            data[k::97] ^= 1
+        b = data.tobytes()
+        i = chunk_id(b)
+        enc, payload = codec.encode_delta(b, raw[prev], 4) if prev else codec.encode(b, 4)
+        located[i] = StoredChunk(i, size, enc, len(payload), "pack", 0, prev)
+        raw[i], payloads[i] = b, payload
+        prev = i
+    return located, raw, payloads
+
+
+def test_a_batch_decodes_as_it_arrives_in_any_order_and_fetches_an_unreadable_basis_once():
+    """decode_batch decodes each payload once it and its basis are in: a stream that sends a chain's
+    deltas before their bases still decodes; bases held elsewhere are read, not fetched; one held
+    but found unreadable is fetched in a second request, without asking for the rest again."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    located, raw, payloads = _chain(6)
+    ids = list(located)
+    asked: list[list[str]] = []
+
+    def source(chunks):
+        asked.append([c.id for c in chunks])
+        for c in reversed(chunks):  # deltas before their bases
+            yield c, payloads[c.id]
+
+    with ThreadPoolExecutor(2) as pool:
+        assert decode_batch(ids[3:], located, source, pool) == {i: raw[i] for i in ids}
+        assert asked == [ids]
+        asked.clear()
+        # ids[2] is held elsewhere: it is read there, and neither fetched nor returned
+        got = decode_batch(
+            ids[3:], located, source, pool, known={ids[2]: raw[ids[2]]}.get, cached={ids[2]}.__contains__
+        )
+        assert got == {i: raw[i] for i in ids[3:]} and asked == [ids[3:]]
+        asked.clear()
+        # said to be held, but unreadable: fetched (with what it needs) in a second request
+        got = decode_batch(ids[3:], located, source, pool, known=lambda i: None, cached={ids[2]}.__contains__)
+        assert got == {i: raw[i] for i in ids} and asked == [ids[3:], ids[:3]]
+        asked.clear()
+
+        def short(chunks):
+            asked.append([c.id for c in chunks])
+            yield from ((c, payloads[c.id]) for c in chunks[1:])
+
+        with pytest.raises(IntegrityError, match=f"chunk {ids[0]} was not delivered"):
+            decode_batch(ids, located, short, pool)
+        bad = dict(payloads)
+        bad[ids[1]] = codec.encode(b"x" * 4096, 4)[1]
+        with pytest.raises(IntegrityError, match=ids[1]):
+            decode_batch(ids, located, lambda chunks: ((c, bad[c.id]) for c in chunks), pool)
 
 
 def test_unrelated_basis_falls_back_to_plain():

@@ -131,6 +131,8 @@ class CacheIndex:
         See docs/design/node-cache.md."""
         now = time.time()
         items = list(items)
+        if not items:  # no write transaction (a fetch's first request waited on it)
+            return
         rows = [(k, n, RANK.get(t, UNKNOWN_RANK) if t else UNKNOWN_RANK, fam, now) for k, n, t, fam in items]
         try:
             with self.db() as db:

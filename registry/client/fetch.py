@@ -188,17 +188,19 @@ class Fetcher:
                 stats.cached.add(i)
             else:
                 missing.append(i)
-        self.note_used(family, stats.cached, located, tiers)
         if planned is not None:
             planned(missing)
         progress.start("fetch", sum(located[i].size for i in missing))
         if not missing:
+            self.note_used(family, stats.cached, located, tiers)
             return stats
         batches = list(sized_batches(missing, lambda i: located[i].size, BATCH_BYTES))
         with ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix="mfsreg-fetch") as requests:
             results = requests.map(
                 lambda b: (self._fetch_batch(family, b, located, tiers, landed, cancel, again), b), batches
             )
+            # the requests are on their way: the cached chunks' use is recorded meanwhile
+            self.note_used(family, stats.cached, located, tiers)
             for (received, got), batch in results:
                 stats.fetched_bytes += received
                 stats.fetched_chunks += got
@@ -237,7 +239,7 @@ class Fetcher:
                 stale.add(i)
             return data
 
-        raw = decode_batch(batch, located, payloads, self.remote.pool, known=known)
+        raw = decode_batch(batch, located, payloads, self.remote.pool, known=known, cached=self.cache.has)
         self.cache.put_many(((i, data, tiers.get(i), family) for i, data in raw.items()), replace=replace or stale)
         if landed is not None:
             landed(raw.keys())
