@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mfsreg.registry.config import PRUNE_MAX_UNUSED, PRUNE_MIN_AGE, Settings
+from mfsreg.registry.context import Kept
 from mfsreg.registry.db import schema
 from mfsreg.registry.db import versions as version_db
 from mfsreg.registry.db.engine import create_db_engine, read_tx, write_tx
@@ -34,6 +35,9 @@ if TYPE_CHECKING:  # the push, pull and prune machinery loads when a method need
     from mfsreg.registry.rebuild import PullResult
 
 
+KEPT_DOCUMENTS = 32  # version documents' parts kept by tag (a 7B model's lists about 7,000 chunks)
+
+
 class Registry:
     def __init__(self, settings: Settings | None = None, migrate: bool | None = None):
         self.settings = settings or Settings.from_env()
@@ -45,6 +49,7 @@ class Registry:
         self._blobs: BlobStore | None = None
         self._blobs_lock = threading.Lock()  # a server's request threads may be the first to ask at once
         self.pool = ThreadPoolExecutor(max_workers=self.settings.workers, thread_name_prefix="mfsreg")
+        self.documents = Kept(KEPT_DOCUMENTS)
 
     def open_blobs(self) -> BlobStore:
         """The blob store, opened the first time it is asked for (InvalidRequest for an

@@ -173,6 +173,34 @@ def test_every_change_to_a_family_bumps_its_epoch(reg, fam):
     assert service.version_doc(reg, "fam", "base", if_none_match=f'W/"x", {tag}')[0] is None
 
 
+def test_a_kept_version_document_follows_every_change_to_its_family(reg, fam):
+    """The server keeps a document's manifest and chunk table by tag (service.version_doc): what it
+    answers after a change equals what a registry that kept nothing answers, and it keeps a few."""
+    from mfsreg.registry import service
+    from mfsreg.registry.context import Kept
+    from mfsreg.registry.registry import Registry
+
+    reg.push(fam["base"], "fam", "base")
+    reg.push(fam["lora-chat"], "fam", "lora-chat")
+    before, tag = service.version_doc(reg, "fam", "lora-chat")
+    assert reg.documents.get(tag) is not None
+    assert service.version_doc(reg, "fam", "lora-chat") == (before, tag)  # from what was kept
+    reg.set_base_quorum("fam", 0.5)  # lora-chat's own chunks join base: the tiers in its table move
+    after, moved = service.version_doc(reg, "fam", "lora-chat")
+    other = Registry(reg.settings)
+    try:
+        assert moved != tag and after != before
+        assert (after, moved) == service.version_doc(other, "fam", "lora-chat")
+    finally:
+        other.close()
+    kept = Kept(2)
+    for k in "abc":
+        kept.put(k, k.upper())
+    assert kept.get("a") is None and kept.get("b") == "B"
+    kept.put("d", "D")  # b was read last: c goes
+    assert (kept.get("b"), kept.get("c"), kept.get("d")) == ("B", None, "D")
+
+
 def test_a_version_pushed_again_under_its_name_never_keeps_its_tag(reg, fam):
     """Even when the writer bumps no epoch (one of an earlier release: here the epoch is put back
     as it would leave it) and SQLite gives the new row the deleted one's id."""
