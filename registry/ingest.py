@@ -376,6 +376,8 @@ def push(
     whose bytes are damaged as well as those lost: where the version is stored already with this
     content, that is all the push does (mend_existing); a new version's reused chunks are mended so
     before it commits over them."""
+    # (over 60 lines: the push's steps in order, each a call; the planning step is shared with
+    # the server's negotiate as ingest.plan_push)
     progress = progress or NullProgress()
     t0 = time.perf_counter()
     check_push_names(family, version, parent)

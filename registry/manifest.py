@@ -191,6 +191,8 @@ def parse_doc(doc: object, draft: bool = False) -> Manifest:
     header chunk's bytes are checked against the tensors on commit, once the chunk is stored
     (registry/service.py).
     """
+    # (over 60 lines: one check per rule the docstring lists, in that order, each with its
+    # one-line refusal; split, the rules would no longer read as one list)
     from mfsreg.registry.errors import InvalidRequest, shown
     from mfsreg.registry.safetensors import DTYPE_SIZES
     from mfsreg.registry.wire import check_id
@@ -275,6 +277,7 @@ def _check_shape(doc: object) -> None:
     stored documents, written by this code) takes it whole. Each refusal names the field, as a path
     into the document (files[0].chunks[3]), quotes the value and says what it must be: a client's
     bug is named, not reported as the Python error that reading it would raise."""
+    # (over 60 lines: one check per field of the document, in the document's order)
     from mfsreg.registry.errors import InvalidRequest, shown
 
     def bad(what: str) -> InvalidRequest:

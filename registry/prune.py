@@ -105,6 +105,8 @@ def prune(
 ) -> PruneResult:
     """Delete what no version needs and free its space (see the module docstring); with ``dry_run``,
     only say what that would do."""
+    # (over 60 lines: the steps under one prune lock, in the order they must run; helpers
+    # would spread that order, which the module docstring explains, over several functions)
     check_prune_args(min_age, max_unused)
     progress = progress or NullProgress()
     t0 = time.perf_counter()

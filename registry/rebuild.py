@@ -246,6 +246,57 @@ def _decode_on(chunk: StoredChunk, payload, basis: Future) -> bytes:
     return decode_verified(chunk, payload, raw)
 
 
+class _Decoding:
+    """One batch's decode jobs on the pool, each started once its payload and its basis are in."""
+
+    def __init__(self, located: dict[str, StoredChunk], pool: ThreadPoolExecutor, reads: dict[str, Future]):
+        self.located, self.pool, self.reads = located, pool, reads  # reads: bases held elsewhere, by id
+        self.jobs: dict[str, Future] = {}
+        self.received: dict[str, tuple[StoredChunk, bytes]] = {}  # (kept for a second round)
+        self.waiting: dict[str, list[tuple[StoredChunk, bytes]]] = {}  # basis id -> deltas that came first
+
+    def take(self, c: StoredChunk, p) -> None:
+        if c.id not in self.received:
+            self.received[c.id] = (c, p)
+            self._start(c, p)
+
+    def _start(self, c: StoredChunk, p) -> None:
+        b = self.located[c.id].basis_id
+        if not b:
+            self.jobs[c.id] = self.pool.submit(decode_verified, c, p)
+        elif (basis := self.jobs.get(b) or self.reads.get(b)) is not None:
+            self.jobs[c.id] = self.pool.submit(_decode_on, c, p, basis)
+        else:  # its basis comes later in this stream: decoded once that is under way
+            self.waiting.setdefault(b, []).append((c, p))
+            return
+        for after in self.waiting.pop(c.id, ()):
+            self._start(*after)
+
+    def results(self, order: list[str]) -> tuple[dict[str, bytes], list[str]]:
+        """(raw bytes by id, the ids whose basis could not be read after all)."""
+        missing = [i for i in order if i not in self.received]
+        if missing:
+            raise IntegrityError(f"chunk {missing[0]} was not delivered by the store")
+        raw: dict[str, bytes] = {}
+        again = []
+        for i in order:
+            try:
+                raw[i] = self.jobs[i].result()
+            except _BasisUnreadable:
+                again.append(i)
+        return raw, again
+
+    def close(self) -> None:
+        """Also after a failure: no job still decodes a payload the caller's store may close."""
+        for f in self.jobs.values():
+            f.cancel()
+        wait([*self.jobs.values(), *self.reads.values()])
+
+    def held(self) -> dict[str, bytes]:
+        """The bases held elsewhere that could be read."""
+        return {b: f.result() for b, f in self.reads.items() if f.exception() is None and f.result() is not None}
+
+
 def decode_batch(
     ids: list[str],
     located: dict[str, StoredChunk],
@@ -278,43 +329,16 @@ def decode_batch(
         for b in dict.fromkeys(located[i].basis_id for i in order):
             if b and b not in wanted:
                 reads[b] = pool.submit(known, b)
-    jobs: dict[str, Future] = {}
-    received: dict[str, tuple[StoredChunk, bytes]] = {}  # (kept for a second round)
-    waiting: dict[str, list[tuple[StoredChunk, bytes]]] = {}  # basis id -> deltas that arrived first
-
-    def start(c: StoredChunk, p) -> None:
-        b = located[c.id].basis_id
-        if not b:
-            jobs[c.id] = pool.submit(decode_verified, c, p)
-        elif (basis := jobs.get(b) or reads.get(b)) is not None:
-            jobs[c.id] = pool.submit(_decode_on, c, p, basis)
-        else:  # its basis comes later in this stream: decoded once that is under way
-            waiting.setdefault(b, []).append((c, p))
-            return
-        for after in waiting.pop(c.id, ()):
-            start(*after)
-
+    decoding = _Decoding(located, pool, reads)
     try:
         for c, p in payloads([located[i] for i in order]):
-            if c.id in wanted and c.id not in received:
-                received[c.id] = (c, p)
-                start(c, p)
-        missing = [i for i in order if i not in received]
-        if missing:
-            raise IntegrityError(f"chunk {missing[0]} was not delivered by the store")
-        raw: dict[str, bytes] = {}
-        again = []
-        for i in order:
-            try:
-                raw[i] = jobs[i].result()
-            except _BasisUnreadable:
-                again.append(i)
-    finally:  # also on a failure: no job still decodes a payload the caller's store may close
-        for f in jobs.values():
-            f.cancel()
-        wait([*jobs.values(), *reads.values()])
+            if c.id in wanted:
+                decoding.take(c, p)
+        raw, again = decoding.results(order)
+    finally:
+        decoding.close()
     if again:  # fetch the bases that could not be read; the payloads received are not asked for again
-        held = {b: f.result() for b, f in reads.items() if f.exception() is None and f.result() is not None}
+        held, received = decoding.held(), decoding.received
 
         def more(chunks: list[StoredChunk]) -> Iterator[tuple[StoredChunk, bytes]]:
             yield from (received[c.id] for c in chunks if c.id in received)

@@ -143,3 +143,45 @@ def test_no_module_imports_itself_round_a_cycle():
 def test_the_cycle_finder_finds_a_cycle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+# -- functions short enough to read ---------------------------------------------------------------
+
+LONGEST = 60  # lines, the def and its docstring included
+
+
+def long_functions(source: str) -> list[tuple[str, int]]:
+    """(name, lines) of the functions over LONGEST lines without a comment, right after their
+    docstring, that says why they read better whole: one starting "# (over 60 lines: "."""
+    lines = source.splitlines()
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        length = (node.end_lineno or node.lineno) - node.lineno + 1
+        first = node.body[0]
+        after = (
+            first.end_lineno if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) else node.lineno
+        )
+        said = after < len(lines) and lines[after].strip().startswith(f"# (over {LONGEST} lines: ")
+        if length > LONGEST and not said:
+            out.append((node.name, length))
+    return out
+
+
+def test_functions_over_60_lines_say_why():
+    found = [
+        f"{path.relative_to(REPO)}: {name} ({n} lines)"
+        for path in _modules().values()
+        for name, n in long_functions(path.read_text())
+    ]
+    assert not found, "split these, or say why one reads better whole: " + "; ".join(found)
+
+
+def test_the_length_rule_finds_a_long_function_and_takes_a_reason():
+    body = "\n".join(f"    x{i} = {i}" for i in range(LONGEST))
+    plain = f'def f():\n    """Doc."""\n{body}\n'
+    assert long_functions(plain) == [("f", LONGEST + 2)]
+    said = f'def f():\n    """Doc."""\n    # (over {LONGEST} lines: one list)\n{body}\n'
+    assert long_functions(said) == []
+    assert long_functions(f"def f():\n{body[body.index(chr(10)) + 1 :]}\n") == []  # 60 lines exactly

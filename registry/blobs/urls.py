@@ -25,6 +25,8 @@ def parse_blob_url(url: str) -> tuple[str, str, str]:
     """``("file", directory, "")`` or ``("s3", bucket, prefix)`` for MFSREG_BLOB_URL, or
     InvalidRequest in one line. A message never quotes what could hold a secret: the part of an
     s3 URL before an '@', a query or a fragment."""
+    # (over 60 lines: one refusal per malformed form of the two URL kinds, in the order a
+    # reader checks a URL)
     try:
         parsed = urlsplit(url)
     except ValueError:  # an unclosed '[' (urllib's "Invalid IPv6 URL")

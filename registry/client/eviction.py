@@ -252,6 +252,8 @@ class Eviction:
 
     def evict(self, max_bytes: int | None = None, protect: Iterable[str] = ()) -> tuple[int, int]:
         """Drop entries until the cache fits ``max_bytes`` (default: its limit); returns (entries, bytes)."""
+        # (over 60 lines: one pass under the write lock that picks, removes and counts; its steps
+        # share the lock's state)
         limit = self.max_bytes if max_bytes is None else max_bytes
         if limit is None:
             return 0, 0

@@ -464,6 +464,8 @@ def fill(
     to the size limit) to the caller. ``refetch``: what the copier calls for chunks to fetch again
     (default: fetch them on ``info``'s word). ``outcome``: what a failure leaves, said where the
     version was deleted meanwhile."""
+    # (over 60 lines: the lease, the fetch-ahead and the copies' finish are one try block, so
+    # that a failure anywhere releases them in order; split, that order would be spread out)
     names = [n for n in todo if todo[n]]
     needed = list(dict.fromkeys(p.chunk.id for n in names for p in todo[n]))
     have: set[str] = set()  # where ``cached`` is False: taken as none

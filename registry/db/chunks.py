@@ -37,6 +37,8 @@ def record_pack(
     recorded first keeps its place. Raises Pruned where a prune deleted a basis of its deltas.
     See docs/design/prune.md.
     """
+    # (over 60 lines: one transaction's steps (locks, bases, mends, rows) in the order they must
+    # run)
     if mend.isdisjoint(c.id for c in stored):
         exclude_prune(conn)
     else:  # a mend may re-chain chunks, and with them what versions need: see rechain
