@@ -13,8 +13,8 @@ from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI
 
-from mfsreg.api import errors, hub, openapi, tags, web
-from mfsreg.api.auth import Authenticate
+from mfsreg.api import hub, openapi, problems, tags, web
+from mfsreg.api.bearer import Authenticate
 from mfsreg.api.limits import BodyLimit
 from mfsreg.api.metrics import Metrics
 from mfsreg.api.openapi import RESPONSES
@@ -51,7 +51,7 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
         docs_url=None,  # /docs is served from packaged assets (api/openapi.py); ReDoc needs a CDN: none
         redoc_url=None,
     )
-    errors.install(app)
+    problems.install(app)
     openapi.install(app)
     tags.install(app)
     web.install(app)  # the page at / (api/web/)

@@ -9,7 +9,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from mfsreg.api import metrics
-from mfsreg.api.auth import principal
+from mfsreg.api.bearer import principal
 from mfsreg.api.streams import broken_off
 from mfsreg.registry import hub
 from mfsreg.registry.auth import Principal

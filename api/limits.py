@@ -69,7 +69,7 @@ class BodyLimit:
         await self.app(scope, replay, send)
 
     async def _refuse(self, scope, receive, send, exc: RegistryError):
-        from mfsreg.api.errors import error_problem
+        from mfsreg.api.problems import error_problem
 
         await error_problem(exc, scope)(scope, receive, send)
 
@@ -77,7 +77,7 @@ class BodyLimit:
 async def read_body(request: Request, limit: int) -> bytes:
     """The body, counted as it streams in (chunked uploads have no Content-Length to check)."""
     buf = bytearray()
-    async for piece in request.stream():  # a client gone midway raises ClientDisconnect (api/errors.py)
+    async for piece in request.stream():  # a client gone midway raises ClientDisconnect (api/problems.py)
         buf += piece
         if len(buf) > limit:
             raise _too_large(limit)

@@ -1,7 +1,7 @@
 """Prometheus metrics at /metrics (prometheus-client), for the operator's scraper.
 
 Counted per request by the Metrics middleware (route template, method, status, latency, body bytes
-each way) and by the routes (pushes, chunks, pulls), and per 503 by api/errors.py. With several
+each way) and by the routes (pushes, chunks, pulls), and per 503 by api/problems.py. With several
 worker processes (`mfsreg serve --workers N`), each writes its samples under
 PROMETHEUS_MULTIPROC_DIR, which `serve` sets, and /metrics adds up every worker's; one process
 keeps them in memory. MFSREG_METRICS_TOKEN, where set, is the bearer token /metrics asks for.

@@ -48,7 +48,7 @@ def install(app: FastAPI) -> None:
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             doc = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
-            # the bearer token every /v1/ route reads (api/auth.py): /docs shows an Authorize button
+            # the bearer token every /v1/ route reads (api/bearer.py): /docs shows an Authorize button
             doc.setdefault("components", {})["securitySchemes"] = {"bearer": BEARER}
             for path, ops in doc["paths"].items():
                 if path.startswith("/v1/"):

@@ -1,7 +1,7 @@
 """What a POST needs, read off its path before its body is read: the role it needs (and for which
 family), and the most bytes its body may hold.
 
-The middlewares (api/auth.py, api/limits.py) check these before FastAPI reads and parses the body;
+The middlewares (api/bearer.py, api/limits.py) check these before FastAPI reads and parses the body;
 the routes check again, with the names checked too. See docs/design/protocol.md.
 """
 

@@ -1,4 +1,4 @@
-"""What a request's scope carries from the token middleware (api/auth.py) to the routes and the
+"""What a request's scope carries from the token middleware (api/bearer.py) to the routes and the
 access log (api/logs.py): who the request was found to be."""
 
 from __future__ import annotations

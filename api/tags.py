@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from fastapi import Depends, FastAPI, Query, Request
 
-from mfsreg.api.auth import principal
+from mfsreg.api.bearer import principal
 from mfsreg.api.openapi import FamilyName, VersionName
 from mfsreg.api.schemas import TagEventModel, TagModel, TagMoveModel, TagRequest
 from mfsreg.registry.auth import Principal

@@ -29,7 +29,7 @@ class ProtocolVersion:
                 raise protocol.InvalidRequest(f"the request has {len(given)} {protocol.HEADER} headers: send one")
             protocol.check(given[0].decode("latin-1") if given else None)
         except RegistryError as exc:
-            from mfsreg.api.errors import error_problem
+            from mfsreg.api.problems import error_problem
 
             await error_problem(exc, scope)(scope, receive, send_with_version)
             return

@@ -6,8 +6,8 @@ Method. Each run creates a scratch Postgres database (127.0.0.1:5432, trust auth
 use), migrates it to 0008 (before the index) or to head, and fills it with --chunks chunk rows
 spread over --packs packs (rows only: no blobs; a 7B model at 2 MiB chunks is about 7,000 rows, so
 400,000 is a registry of some 800 GB of distinct chunks). A tenth of the packs is emptied, as
-prune's deletes leave them. Timed: db/prune.chunks_in for another tenth of the packs (what a
-repack asks per pack) and db/prune.retire_packs of the emptied ones (each DELETE FROM packs makes
+prune's deletes leave them. Timed: db/reclaim.chunks_in for another tenth of the packs (what a
+repack asks per pack) and db/reclaim.retire_packs of the emptied ones (each DELETE FROM packs makes
 Postgres check the foreign key from chunks). Both revisions take turns in each run; the anchor is
 0008's time in the same run. Figures are medians over --runs. Writes results/prune_index.json.
 """
@@ -22,7 +22,7 @@ from alembic import command
 from sqlalchemy import text
 
 from benchmarks.common import finish, machine_info, median, scratch_postgres, table
-from mfsreg.registry.db import prune as q
+from mfsreg.registry.db import reclaim as q
 from mfsreg.registry.db.schema import _config
 
 

@@ -6,7 +6,7 @@ import typer
 from typer.core import TyperCommand
 
 from mfsreg.cli.backend import RegistryOption, embedded, local_only, open_backend
-from mfsreg.cli.errors import usage_error_type
+from mfsreg.cli.exits import usage_error_type
 from mfsreg.cli.output import emit_json, human_bytes
 from mfsreg.cli.progress import progress_for
 

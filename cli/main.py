@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import typer
 
 from mfsreg.cli import admin, cache, server, stats, tags, versions
-from mfsreg.cli.errors import run_guarded
+from mfsreg.cli.exits import run_guarded
 
 app = typer.Typer(
     name="mfsreg",

@@ -2,7 +2,7 @@
 
 Every failure a user can cause is a RegistryError subclass with a one-line message that says what is
 wrong and what to do. The CLI maps the tree to exit codes, the API to HTTP statuses, each in one table
-(cli/errors.py, api/errors.py); nothing here knows about either.
+(cli/exits.py, api/problems.py); nothing here knows about either.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from mfsreg.registry.config import MAX_CHUNK_SIZE, MIN_CHUNK_SIZE
 from mfsreg.registry.context import Store
 from mfsreg.registry.db import chunks as chunk_db
 from mfsreg.registry.db import claims as claim_db
-from mfsreg.registry.db import tiers as tier_db
+from mfsreg.registry.db import rebalance as tier_db
 from mfsreg.registry.db import versions as version_db
 from mfsreg.registry.db.engine import read_tx, write_tx
 from mfsreg.registry.db.locks import exclude_prune

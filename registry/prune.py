@@ -20,7 +20,7 @@ from mfsreg.registry.blobs.packs import StoredChunk, pack_key
 from mfsreg.registry.config import PRUNE_MAX_UNUSED, PRUNE_MIN_AGE
 from mfsreg.registry.context import Store
 from mfsreg.registry.db import claims as claim_db
-from mfsreg.registry.db import prune as q
+from mfsreg.registry.db import reclaim as q
 from mfsreg.registry.db.engine import read_tx, write_tx
 from mfsreg.registry.db.locks import exclude_writers
 from mfsreg.registry.errors import InvalidRequest, NotFound, StorageError
@@ -247,7 +247,7 @@ def _repack(reg: Store, pack_ids: list[str], progress: Progress) -> tuple[int, d
 def _delete_blobs(reg: Store, grace: timedelta) -> list[tuple[str, int]]:
     """Delete the blobs of packs unlisted for ``grace`` or longer; returns those that existed. They
     are claimed first, in a transaction that excludes writers (db/locks.py): a writer that recorded
-    its pack meanwhile keeps it, and one that records it afterwards is refused (db/prune.list_pack),
+    its pack meanwhile keeps it, and one that records it afterwards is refused (db/reclaim.list_pack),
     so no chunk row ever points into a deleted blob. Rows go only after their blobs: a prune that
     dies in between leaves claims that the next one finishes."""
     with write_tx(reg.engine) as conn:

@@ -8,7 +8,7 @@ from collections.abc import Set as AbstractSet
 from mfsreg.registry.blobs.packs import PackWriter, StoredChunk, pack_key
 from mfsreg.registry.context import Store
 from mfsreg.registry.db import chunks as chunk_db
-from mfsreg.registry.db import prune as prune_db
+from mfsreg.registry.db import reclaim as prune_db
 from mfsreg.registry.db.engine import read_tx, write_tx
 from mfsreg.registry.errors import Pruned
 
@@ -51,6 +51,6 @@ class RecordedPacks(PackWriter):
             raise
 
     def _write_rows(self, conn, pack_id: str, size: int, stored: list[StoredChunk]) -> None:
-        """The rows of a durable pack, in the transaction that lists it (db/prune.list_pack, which
+        """The rows of a durable pack, in the transaction that lists it (db/reclaim.list_pack, which
         raises Pruned for a pack a prune took for abandoned). Writers of other rows override this."""
         self.added += chunk_db.record_pack(conn, pack_id, size, stored, self.mend)

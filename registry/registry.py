@@ -214,7 +214,7 @@ class Registry:
 
     def chunk_tiers(self, family: str, tier: str | None = None) -> dict[str, tuple[str, int]]:
         """chunk id -> (tier, number of members using it) for one family."""
-        from mfsreg.registry.db import tiers as tier_db
+        from mfsreg.registry.db import rebalance as tier_db
 
         check_name("family", family)
         with read_tx(self.engine) as conn:
@@ -266,7 +266,7 @@ class Registry:
         later push of the same bytes reuses them, and ``prune`` gives back their space. The audit
         log records it, as done by ``who`` (None: the embedded CLI's user)."""
         from mfsreg.registry import audit
-        from mfsreg.registry.db import tiers as tier_db
+        from mfsreg.registry.db import rebalance as tier_db
         from mfsreg.registry.tags import drop_for_version
 
         check_name("family", family)
@@ -331,7 +331,7 @@ class Registry:
         """Change a family's base quorum and re-tier its chunks; returns rows that changed tier. The
         audit log records it."""
         from mfsreg.registry import audit
-        from mfsreg.registry.db import tiers as tier_db
+        from mfsreg.registry.db import rebalance as tier_db
         from mfsreg.registry.tiers import check_quorum
 
         check_name("family", family)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from mfsreg.registry.db import stats as q
+from mfsreg.registry.db import sharing as q
 from mfsreg.registry.db.engine import read_tx
 from mfsreg.registry.db.versions import family_exists, get_family, list_families, list_versions
 from mfsreg.registry.errors import NotFound

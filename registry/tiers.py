@@ -4,7 +4,7 @@
 - group: used by two or more members, below the threshold
 - unique: used by one member
 
-A push or delete re-tiers only the rows whose tier can change (db/tiers.py).
+A push or delete re-tiers only the rows whose tier can change (db/rebalance.py).
 See docs/design/tiers.md.
 """
 

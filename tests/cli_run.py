@@ -66,7 +66,7 @@ class _NotServerThreads(logging.Filter):
 
 
 def in_process(argv: list[str], env: dict, cwd: str | Path | None = None) -> Ran:
-    from mfsreg.cli import errors
+    from mfsreg.cli import exits as errors
     from mfsreg.cli.main import main
 
     out, err = io.BytesIO(), io.BytesIO()

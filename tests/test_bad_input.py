@@ -1066,7 +1066,7 @@ def test_a_read_only_destination_is_not_told_to_make_room(capsys):
     # one the CLI meets outside such a write (a folder made on a read-only mount): exit 2, not 1
     import errno as errnos
 
-    from mfsreg.cli.errors import run_guarded
+    from mfsreg.cli.exits import run_guarded
 
     def make_on_read_only():
         raise OSError(errnos.EROFS, os.strerror(errnos.EROFS), "/mnt/ro/engine")

@@ -293,7 +293,7 @@ def test_an_error_a_signal_leaves_while_the_command_unwinds_is_reported_as_the_s
     import signal
     import time
 
-    from mfsreg.cli import errors
+    from mfsreg.cli import exits as errors
 
     def command():
         try:

@@ -73,7 +73,7 @@ def test_chunk_rows_of_the_previous_release_and_this_one_live_side_by_side(empty
 
     from mfsreg.registry.blobs.packs import StoredChunk
     from mfsreg.registry.db import chunks as chunk_db
-    from mfsreg.registry.db import prune as prune_db
+    from mfsreg.registry.db import reclaim as prune_db
     from mfsreg.registry.db.schema import _config
 
     engine = create_db_engine(empty_db_url)

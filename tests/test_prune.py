@@ -14,7 +14,7 @@ from sqlalchemy import func, insert, select, text, update
 from mfsreg.registry import service
 from mfsreg.registry.blobs.packs import pack_key
 from mfsreg.registry.config import Settings
-from mfsreg.registry.db import prune as prune_db
+from mfsreg.registry.db import reclaim as prune_db
 from mfsreg.registry.db.engine import create_db_engine, read_tx, write_tx
 from mfsreg.registry.db.locks import exclude_writers
 from mfsreg.registry.db.models import chunks, packs, unlisted_packs

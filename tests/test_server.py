@@ -1620,7 +1620,7 @@ def test_a_push_over_http_mends_chunks_whose_pack_was_lost_before_or_during_it(s
 
     def lose_a_pack_of(version: str) -> str:
         """Delete a pack every chunk of which ``version`` uses, so that its push mends all it lost."""
-        from mfsreg.registry.db import prune as prune_db
+        from mfsreg.registry.db import reclaim as prune_db
         from mfsreg.registry.db.engine import read_tx
 
         ids = set(local.manifest("fam", version)[1].chunk_ids())

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Query, Request
 
-from mfsreg.api.auth import principal
+from mfsreg.api.bearer import principal
 from mfsreg.api.openapi import FamilyQuery
 from mfsreg.api.routes import audit_model, registry_of
 from mfsreg.api.schemas import (

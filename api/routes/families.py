@@ -6,7 +6,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse
 
-from mfsreg.api.auth import principal
+from mfsreg.api.bearer import principal
 from mfsreg.api.openapi import FamilyName, FamilyQuery
 from mfsreg.api.routes import family_model, registry_of
 from mfsreg.api.schemas import (

@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
 
-from mfsreg.api.auth import principal
+from mfsreg.api.bearer import principal
 from mfsreg.api.openapi import FamilyName
 from mfsreg.api.routes import registry_of
 from mfsreg.api.schemas import (

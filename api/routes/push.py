@@ -8,7 +8,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response
 
 from mfsreg.api import metrics
-from mfsreg.api.auth import principal
+from mfsreg.api.bearer import principal
 from mfsreg.api.limits import read_body
 from mfsreg.api.openapi import FamilyName, VersionName
 from mfsreg.api.routes import registry_of

@@ -6,7 +6,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
 from mfsreg.api import metrics
-from mfsreg.api.auth import principal
+from mfsreg.api.bearer import principal
 from mfsreg.api.openapi import FamilyName, VersionName
 from mfsreg.api.routes import registry_of, version_model
 from mfsreg.api.schemas import (

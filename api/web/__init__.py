@@ -21,8 +21,8 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import FileResponse, HTMLResponse, RedirectResponse, Response
 from starlette.concurrency import run_in_threadpool
 
-from mfsreg.api.errors import public_line
 from mfsreg.api.posts import WEB_FORMS
+from mfsreg.api.problems import public_line
 from mfsreg.api.requestid import with_headers
 from mfsreg.api.web import views
 from mfsreg.registry.auth import Principal, authenticate

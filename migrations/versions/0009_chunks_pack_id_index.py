@@ -1,6 +1,6 @@
 """An index on chunks.pack_id
 
-Prune asks which chunk rows point into each pack it retires or repacks (db/prune.chunks_in,
+Prune asks which chunk rows point into each pack it retires or repacks (db/reclaim.chunks_in,
 retire_packs), and Postgres checks the foreign key from chunks to packs on each DELETE FROM packs:
 without an index each of those scans every chunk row, once per pack, so a prune of a large
 registry took time in the number of packs times the number of chunks.

@@ -81,7 +81,7 @@ _STATUS = {
     503: StorageError,
 }
 # The problem's type names the kind where a status has several: 422 is a chunk that fails its
-# check (IntegrityError) or a request body of the wrong shape (invalid_request, api/errors.py).
+# check (IntegrityError) or a request body of the wrong shape (invalid_request, api/problems.py).
 _CODES = {k.code: k for k in (MissingChunks, Pruned, InvalidRequest)}
 
 
@@ -787,7 +787,7 @@ def _raise_for(resp: httpx.Response) -> None:
         ) from None
     detail = " ".join(str(detail).split())[:500]  # one line, whatever the server put in it
     mfsreg_problem = isinstance(body, dict) and str(body.get("type", "")).startswith("urn:mfsreg:")
-    # an mfsreg server answers a path it has no route for as urn:mfsreg:http_error (api/errors.py)
+    # an mfsreg server answers a path it has no route for as urn:mfsreg:http_error (api/problems.py)
     if resp.status_code == 404 and (not mfsreg_problem or body.get("type") == "urn:mfsreg:http_error"):
         # not mfsreg's "no such family or version" (a problem with its type) but the server's
         # "no such route": MFSREG_URL names another server, or a path the API is not mounted at
@@ -798,7 +798,7 @@ def _raise_for(resp: httpx.Response) -> None:
         )
     kind = _STATUS.get(resp.status_code, RegistryError)
     if kind is not RegistryError and isinstance(body, dict):
-        # A finer kind the caller acts on, named by the problem's type (api/errors.py); a server
+        # A finer kind the caller acts on, named by the problem's type (api/problems.py); a server
         # older than that kind sends the plain one. On a 422 the type tells the two kinds apart.
         named = _CODES.get(str(body.get("type", "")).removeprefix("urn:mfsreg:"))
         if named is not None and (issubclass(named, kind) or resp.status_code == 422):

@@ -10,12 +10,12 @@ from typing import Any
 from sqlalchemy import Connection, and_, bindparam, delete, select, update
 
 from mfsreg.registry.blobs.packs import StoredChunk
-from mfsreg.registry.db import tiers as tier_db
+from mfsreg.registry.db import rebalance as tier_db
 from mfsreg.registry.db import versions as version_db
 from mfsreg.registry.db.dialect import batches, insert
 from mfsreg.registry.db.locks import exclude_prune, exclude_writers
 from mfsreg.registry.db.models import chunks, families, family_chunks, version_chunks, versions
-from mfsreg.registry.db.prune import list_pack
+from mfsreg.registry.db.reclaim import list_pack
 from mfsreg.registry.errors import Pruned
 from mfsreg.registry.manifest import Manifest
 
@@ -128,7 +128,7 @@ def rechain(conn: Connection, ids: Sequence[str]) -> int:
     """The chunks ``ids`` were just pointed at copies with other delta chains (record_pack's mend,
     repoint_plain): each version that needs one gets its version_chunks rows made its own chunks
     and their bases down the chains as they are now, and its family's tiers follow
-    (db/tiers.change_uses). Returns how many rows were added and dropped. The caller holds exclude_writers;
+    (db/rebalance.change_uses). Returns how many rows were added and dropped. The caller holds exclude_writers;
     families are locked in name order, as delete and commit lock theirs.
     See docs/design/check.md.
     """

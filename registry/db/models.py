@@ -53,7 +53,7 @@ families = Table(
     # Rows of releases before 0005 were cut at 1 MiB, that release's default (migrations/versions/0005).
     Column("chunk_size", Integer, nullable=False, server_default=str(1 << 20)),
     Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
-    # Bumped by every change to the family's members or tiers (db/tiers.py): with a version's id and
+    # Bumped by every change to the family's members or tiers (db/rebalance.py): with a version's id and
     # digest it tags the version document a node keeps (migrations/versions/0007).
     Column("epoch", Integer, nullable=False, server_default="0"),
 )

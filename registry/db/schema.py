@@ -153,7 +153,7 @@ def ensure_current(engine: Engine, auto_upgrade: bool) -> None:
 
 
 _MIGRATING = (
-    0x6D667303  # Postgres advisory lock key: a schema upgrade is running (db/locks.py, db/prune.py have others)
+    0x6D667303  # Postgres advisory lock key: a schema upgrade is running (db/locks.py, db/reclaim.py have others)
 )
 
 

@@ -31,7 +31,7 @@ class Authenticate:
         if scope["type"] != "http" or not get_route_path(scope).startswith("/v1/") or _no_route_takes(scope):
             await self.app(scope, receive, send)  # the routes answer it (a method no route takes: 405)
             return
-        from mfsreg.api.errors import error_problem
+        from mfsreg.api.problems import error_problem
 
         reg = scope["app"].state.registry
         headers = [v for k, v in scope.get("headers", ()) if k == b"authorization"]
@@ -57,7 +57,7 @@ class Authenticate:
 def _no_route_takes(scope) -> bool:
     """Whether no route takes this request's method on its path (a TRACE, a PUT): answered 405 with
     the methods that are taken, token or not, as an undeclared method is everywhere."""
-    from mfsreg.api.errors import routes_of
+    from mfsreg.api.problems import routes_of
 
     matches = [route.matches(scope)[0] for route in routes_of(scope["app"].router.routes)]
     return Match.FULL not in matches and Match.PARTIAL in matches
