@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
+from typing import TypeVar
 
 from mfsreg.registry import codec, filecheck
-from mfsreg.registry.blobs.packs import StoredChunk
+from mfsreg.registry.blobs.packs import ChunkForm
 from mfsreg.registry.chunking import chunk_id
 from mfsreg.registry.durable import Placing, writing
 from mfsreg.registry.errors import IntegrityError, InvalidRequest
@@ -25,8 +26,10 @@ from mfsreg.registry.manifest import FileEntry, Manifest
 from mfsreg.registry.parallel import sized_batches
 from mfsreg.registry.progress import NullProgress, Progress
 
-# A source of encoded payloads: given stored chunks, yield (chunk, payload) in any order.
-PayloadSource = Callable[[list[StoredChunk]], Iterator[tuple[StoredChunk, bytes]]]
+C = TypeVar("C", bound=ChunkForm)
+# A source of encoded payloads: given chunks (a registry's StoredChunk, a node's Located), yield
+# (chunk, payload) in any order.
+PayloadSource = Callable[[list[C]], Iterator[tuple[ChunkForm, bytes]]]
 
 
 @dataclass(frozen=True)
@@ -45,7 +48,7 @@ class PullResult:
         return dict(self.__dict__)
 
 
-def decode_verified(chunk: StoredChunk, payload, basis: bytes | None = None) -> bytes:
+def decode_verified(chunk: ChunkForm, payload, basis: bytes | None = None) -> bytes:
     """Decode one stored chunk and check that its bytes hash to its id."""
     if not codec.is_known(chunk.encoding):  # a newer registry wrote it: the bytes are fine, this code is old
         raise IntegrityError(
@@ -193,7 +196,7 @@ def written_path(manifest: Manifest, out: Path) -> Path:
 
 
 def closure(
-    ids: list[str], located: dict[str, StoredChunk], have: Callable[[str], bool] = lambda i: False
+    ids: list[str], located: Mapping[str, ChunkForm], have: Callable[[str], bool] = lambda i: False
 ) -> list[str]:
     """``ids`` plus the bases their deltas need, each listed after its basis (decode order).
     Bases for which ``have`` is true (already decoded elsewhere, e.g. in a node cache) stop the walk."""
@@ -220,7 +223,7 @@ def closure(
     return order
 
 
-def levels(order: list[str], located: dict[str, StoredChunk]) -> list[list[str]]:
+def levels(order: list[str], located: Mapping[str, ChunkForm]) -> list[list[str]]:
     """``order`` (bases first, as closure gives it) cut into decode levels: plain chunks and deltas
     whose basis is not in ``order`` first, then each delta one level after its basis, so that a
     level decodes in parallel once the one before it is done."""
@@ -239,7 +242,7 @@ class _BasisUnreadable(Exception):
     """A basis ``cached`` said was held could not be read after all (decode_batch fetches it)."""
 
 
-def _decode_on(chunk: StoredChunk, payload, basis: Future) -> bytes:
+def _decode_on(chunk: ChunkForm, payload, basis: Future) -> bytes:
     raw = basis.result()  # submitted before this job: running or done by now (the pool takes jobs in order)
     if raw is None:
         raise _BasisUnreadable(chunk.basis_id)
@@ -249,18 +252,18 @@ def _decode_on(chunk: StoredChunk, payload, basis: Future) -> bytes:
 class _Decoding:
     """One batch's decode jobs on the pool, each started once its payload and its basis are in."""
 
-    def __init__(self, located: dict[str, StoredChunk], pool: ThreadPoolExecutor, reads: dict[str, Future]):
+    def __init__(self, located: Mapping[str, ChunkForm], pool: ThreadPoolExecutor, reads: dict[str, Future]):
         self.located, self.pool, self.reads = located, pool, reads  # reads: bases held elsewhere, by id
         self.jobs: dict[str, Future] = {}
-        self.received: dict[str, tuple[StoredChunk, bytes]] = {}  # (kept for a second round)
-        self.waiting: dict[str, list[tuple[StoredChunk, bytes]]] = {}  # basis id -> deltas that came first
+        self.received: dict[str, tuple[ChunkForm, bytes]] = {}  # (kept for a second round)
+        self.waiting: dict[str, list[tuple[ChunkForm, bytes]]] = {}  # basis id -> deltas that came first
 
-    def take(self, c: StoredChunk, p) -> None:
+    def take(self, c: ChunkForm, p) -> None:
         if c.id not in self.received:
             self.received[c.id] = (c, p)
             self._start(c, p)
 
-    def _start(self, c: StoredChunk, p) -> None:
+    def _start(self, c: ChunkForm, p) -> None:
         b = self.located[c.id].basis_id
         if not b:
             self.jobs[c.id] = self.pool.submit(decode_verified, c, p)
@@ -299,8 +302,8 @@ class _Decoding:
 
 def decode_batch(
     ids: list[str],
-    located: dict[str, StoredChunk],
-    payloads: PayloadSource,
+    located: Mapping[str, C],
+    payloads: PayloadSource[C],
     pool: ThreadPoolExecutor,
     known: Callable[[str], bytes | None] | None = None,
     cached: Callable[[str], bool] | None = None,
@@ -340,7 +343,7 @@ def decode_batch(
     if again:  # fetch the bases that could not be read; the payloads received are not asked for again
         held, received = decoding.held(), decoding.received
 
-        def more(chunks: list[StoredChunk]) -> Iterator[tuple[StoredChunk, bytes]]:
+        def more(chunks: list[C]) -> Iterator[tuple[ChunkForm, bytes]]:
             yield from (received[c.id] for c in chunks if c.id in received)
             if rest := [c for c in chunks if c.id not in received]:
                 yield from payloads(rest)
@@ -352,8 +355,8 @@ def decode_batch(
 def write_file(
     entry: FileEntry,
     dest: Path,
-    located: dict[str, StoredChunk],
-    payloads: PayloadSource,
+    located: Mapping[str, C],
+    payloads: PayloadSource[C],
     pool: ThreadPoolExecutor,
     progress: Progress,
     placing: Placing,
@@ -396,8 +399,8 @@ def write_file(
 def rebuild(
     manifest: Manifest,
     out: Path,
-    located: dict[str, StoredChunk],
-    payloads: PayloadSource,
+    located: Mapping[str, C],
+    payloads: PayloadSource[C],
     pool: ThreadPoolExecutor,
     progress: Progress | None = None,
     to_dir: bool = False,

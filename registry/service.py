@@ -59,7 +59,15 @@ from mfsreg.registry.rebuild import decode_verified
 from mfsreg.registry.results import PushResult, timestamp
 from mfsreg.registry.safetensors import parse_header
 from mfsreg.registry.tiers import TIERS
-from mfsreg.registry.wire import MAX_UPLOAD_CHUNKS, RAW_PER_BODY, Entry, check_id, encode_index, parse_batch
+from mfsreg.registry.wire import (
+    MAX_UPLOAD_CHUNKS,
+    RAW_PER_BODY,
+    Entry,
+    Located,
+    check_id,
+    encode_index,
+    parse_batch,
+)
 
 
 def _check_encoding(name: str) -> None:
@@ -179,9 +187,8 @@ def _parsed_batch(body: bytes, max_body: int) -> list:
 def _verified(item):
     """(entry, payload, raw bytes) of an uploaded chunk, decoded and checked against its id."""
     e, payload = item
-    stored = StoredChunk(e.id, e.size, e.encoding, e.length, "", 0)
     try:
-        raw = decode_verified(stored, payload)
+        raw = decode_verified(Located(e.id, e.size, e.encoding, e.length), payload)
     except IntegrityError:
         raise IntegrityError(f"chunk {e.id}: bytes do not match the id; the batch was refused") from None
     return e, payload, raw

@@ -29,6 +29,19 @@ _ID = re.compile(r"^[0-9a-f]{32}$")
 
 
 @dataclass(frozen=True)
+class Located:
+    """A chunk as a node knows it (a row of a version document, an entry of a download): what
+    decoding it needs (blobs/packs.ChunkForm), without the pack and offset that only the registry
+    holds."""
+
+    id: str
+    size: int  # raw bytes
+    encoding: str
+    stored_size: int  # encoded bytes, as sent
+    basis_id: str | None = None
+
+
+@dataclass(frozen=True)
 class Entry:
     id: str
     size: int

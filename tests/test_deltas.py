@@ -15,6 +15,7 @@ from mfsreg.registry.chunking import chunk_id
 from mfsreg.registry.deltas import MAX_DEPTH
 from mfsreg.registry.errors import IntegrityError, StorageError
 from mfsreg.registry.rebuild import decode_batch, decode_verified
+from mfsreg.registry.wire import Located
 from tests import synth
 from tests.dialects import sqlite_only
 
@@ -350,7 +351,7 @@ def test_xor_deltas_stored_before_sub_still_decode():
     assert codec.decode("xor-p2", payload, a.size, b.tobytes()) == a.tobytes()
 
 
-def _chain(n: int, size: int = 4096) -> tuple[dict[str, StoredChunk], dict[str, bytes], dict[str, bytes]]:
+def _chain(n: int, size: int = 4096) -> tuple[dict[str, Located], dict[str, bytes], dict[str, bytes]]:
     """``n`` chunks, each after the first a delta against the one before: (located, raw, payloads)."""
     rng = np.random.default_rng(n)
     data = rng.integers(0, 256, size, dtype=np.uint8)
@@ -363,7 +364,7 @@ def _chain(n: int, size: int = 4096) -> tuple[dict[str, StoredChunk], dict[str, 
         b = data.tobytes()
         i = chunk_id(b)
         enc, payload = codec.encode_delta(b, raw[prev], 4) if prev else codec.encode(b, 4)
-        located[i] = StoredChunk(i, size, enc, len(payload), "pack", 0, prev)
+        located[i] = Located(i, size, enc, len(payload), prev)
         raw[i], payloads[i] = b, payload
         prev = i
     return located, raw, payloads
@@ -447,7 +448,7 @@ def test_plain_candidate_at_hand_is_not_encoded_again():
 
 def test_unknown_encoding_asks_for_an_upgrade():
     """A chunk written by a newer registry in an encoding this code lacks is not reported as damage."""
-    chunk = StoredChunk(chunk_id(b"x" * 64), 64, "future-p2", 10, "", 0)
+    chunk = Located(chunk_id(b"x" * 64), 64, "future-p2", 10)
     with pytest.raises(IntegrityError, match="does not know: upgrade mfsreg"):
         decode_verified(chunk, b"0123456789")
 
@@ -457,7 +458,7 @@ def test_corrupt_delta_is_detected():
     near = bytearray(base)
     near[100] ^= 0xFF
     enc, payload, _ = codec.best_encoding(bytes(near), 2, base)
-    chunk = StoredChunk(chunk_id(bytes(near)), len(near), enc, len(payload), "", 0, "b" * 32, 1)
+    chunk = Located(chunk_id(bytes(near)), len(near), enc, len(payload), "b" * 32)
     assert decode_verified(chunk, payload, base) == bytes(near)
     with pytest.raises(IntegrityError):
         decode_verified(chunk, payload, base[::-1])  # wrong basis: bytes do not match the id

@@ -13,10 +13,28 @@ import uuid
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import Protocol
 
 from mfsreg.registry.blobs.base import BlobStore
 
 COALESCE_GAP = 1 << 20  # read through gaps this small rather than issue another request
+
+
+class ChunkForm(Protocol):
+    """What decoding a chunk needs to know of it, wherever it lies: its id, raw size, encoding,
+    encoded size and basis. StoredChunk (a pack's row, in the registry) and wire.Located (a chunk as
+    a node learns it from the server's documents and streams) both fit it."""
+
+    @property
+    def id(self) -> str: ...
+    @property
+    def size(self) -> int: ...
+    @property
+    def encoding(self) -> str: ...
+    @property
+    def stored_size(self) -> int: ...
+    @property
+    def basis_id(self) -> str | None: ...
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from mfsreg.registry.blobs.packs import StoredChunk
+from mfsreg.registry.blobs.packs import ChunkForm
 from mfsreg.registry.client.cache import NodeCache
 from mfsreg.registry.config import age_from_env
 from mfsreg.registry.errors import StorageError
@@ -24,6 +24,7 @@ from mfsreg.registry.manifest import Manifest
 from mfsreg.registry.parallel import sized_batches
 from mfsreg.registry.progress import NullProgress, Progress
 from mfsreg.registry.rebuild import decode_batch
+from mfsreg.registry.wire import Located
 
 
 class ChunkSource(Protocol):
@@ -37,11 +38,11 @@ class ChunkSource(Protocol):
 
     def version_doc_if(self, family: str, version: str, tag: str | None = None) -> tuple[dict | None, str | None]: ...
 
-    def chunk_table(self, doc: dict) -> tuple[dict[str, StoredChunk], dict[str, str | None]]: ...
+    def chunk_table(self, doc: dict) -> tuple[dict[str, Located], dict[str, str | None]]: ...
 
     def manifest_of(self, doc: dict) -> Manifest: ...
 
-    def fetch(self, family: str, chunks: list[StoredChunk]) -> Iterator[tuple[StoredChunk, bytes]]: ...
+    def fetch(self, family: str, chunks: list[Located]) -> Iterator[tuple[ChunkForm, bytes]]: ...
 
 
 BATCH_BYTES = 32 << 20  # raw bytes per request: several requests run at once
@@ -72,7 +73,7 @@ class VersionInfo:
     digest: str
     logical_bytes: int
     manifest: Manifest
-    located: dict[str, StoredChunk]
+    located: dict[str, Located]
     tiers: dict[str, str | None]
     named: str = ""  # the version's own name where ``version`` is a tag of it (prod, latest); else ""
 
@@ -163,7 +164,7 @@ class Fetcher:
         self,
         family: str,
         ids: list[str],
-        located: dict[str, StoredChunk],
+        located: dict[str, Located],
         tiers: dict[str, str | None],
         progress: Progress | None = None,
         landed: Callable[[Iterable[str]], None] | None = None,
@@ -208,7 +209,7 @@ class Fetcher:
         return stats
 
     def note_used(
-        self, family: str, ids: Iterable[str], located: dict[str, StoredChunk], tiers: dict[str, str | None]
+        self, family: str, ids: Iterable[str], located: dict[str, Located], tiers: dict[str, str | None]
     ) -> None:
         """Record cached chunks as used now, and in this family's tiers: a chunk cached through another
         family is marked base of this one too (a pin of either keeps it), and a file whose writer
@@ -222,7 +223,7 @@ class Fetcher:
             raise FetchCancelled("the fetch was called off")
         received = 0
 
-        def payloads(chunks: list[StoredChunk]) -> Iterator[tuple[StoredChunk, bytes]]:
+        def payloads(chunks: list[Located]) -> Iterator[tuple[ChunkForm, bytes]]:
             nonlocal received
             for c, p in self.remote.fetch(family, chunks):
                 received += len(p)

@@ -7,10 +7,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from mfsreg.registry import service
-from mfsreg.registry.blobs.packs import StoredChunk
+from mfsreg.registry.blobs.packs import ChunkForm
 from mfsreg.registry.client.remote import Closable, DocumentReader
 from mfsreg.registry.errors import InvalidRequest
 from mfsreg.registry.registry import Registry
+from mfsreg.registry.wire import Located
 
 
 class EmbeddedSource(DocumentReader, Closable):
@@ -35,7 +36,7 @@ class EmbeddedSource(DocumentReader, Closable):
     def tier_doc(self, family: str, tier: str | None = None) -> dict:
         return service.tier_doc(self.registry, family, tier)
 
-    def fetch(self, family: str, chunks: list[StoredChunk]) -> Iterator[tuple[StoredChunk, bytes]]:
+    def fetch(self, family: str, chunks: list[Located]) -> Iterator[tuple[ChunkForm, bytes]]:
         """Payloads of ``chunks`` (which must be the family's), read from the blob store."""
         self.check_open()
         located = service.plan_download(self.registry, family, [c.id for c in chunks])

@@ -20,7 +20,6 @@ from pathlib import Path
 import httpx
 
 from mfsreg.registry import protocol, rebuild
-from mfsreg.registry.blobs.packs import StoredChunk
 from mfsreg.registry.config import DEFAULT_CHUNK_SIZE, check_chunk_size, size_from_env
 from mfsreg.registry.errors import (
     Conflict,
@@ -58,6 +57,7 @@ from mfsreg.registry.wire import (
     MAX_UPLOAD_CHUNKS,
     RAW_PER_BODY,
     Entry,
+    Located,
     StreamBrokeOff,
     build_batch,
     check_id,
@@ -143,14 +143,14 @@ class DocumentReader:
         except (InvalidRequest, KeyError, TypeError) as exc:
             raise self._bad_document(exc) from None
 
-    def chunk_table(self, doc: dict) -> tuple[dict[str, StoredChunk], dict[str, str | None]]:
+    def chunk_table(self, doc: dict) -> tuple[dict[str, Located], dict[str, str | None]]:
         """Where each chunk of a version or tier document is stored, and its tier (None: not yet
         sorted), in one pass over the rows. The ids name files in the node cache (a delta's basis
         too): each is checked to be one, and each row's fields their type."""
         located, tiers = {}, {}
         try:
             for i, (encoding, stored, basis, size, tier) in _chunk_rows(doc):
-                located[i] = StoredChunk(i, size, encoding, stored, "", 0, basis)
+                located[i] = Located(i, size, encoding, stored, basis)
                 tiers[i] = tier
         except (InvalidRequest, KeyError, TypeError, ValueError, AttributeError) as exc:
             raise self._bad_document(exc) from None
@@ -430,9 +430,9 @@ class RemoteRegistry(DocumentReader, Closable):
         check_name("family", family)
         return self._doc("GET", f"/v1/families/{family}/chunks", _dict, params={"tier": tier} if tier else None)
 
-    def fetch(self, family: str, chunks: list[StoredChunk]) -> Iterator[tuple[StoredChunk, bytes]]:
+    def fetch(self, family: str, chunks: list[Located]) -> Iterator[tuple[Located, bytes]]:
         """Payloads of ``chunks`` from the server, in batches of about DOWNLOAD_BATCH stored bytes."""
-        batch: list[StoredChunk] = []
+        batch: list[Located] = []
         size = 0
         for c in chunks:
             batch.append(c)
@@ -443,7 +443,7 @@ class RemoteRegistry(DocumentReader, Closable):
         if batch:
             yield from self._fetch_batch(family, batch)
 
-    def _fetch_batch(self, family: str, chunks: list[StoredChunk]) -> Iterator[tuple[StoredChunk, bytes]]:
+    def _fetch_batch(self, family: str, chunks: list[Located]) -> Iterator[tuple[Located, bytes]]:
         by_id = {c.id: c for c in chunks}
         self.check_open()
         try:
@@ -457,7 +457,7 @@ class RemoteRegistry(DocumentReader, Closable):
                         raise IntegrityError(f"server sent chunk {entry.id}, which was not asked for")
                     self.bytes_received += len(payload)
                     yield (
-                        StoredChunk(entry.id, entry.size, entry.encoding, entry.length, "", 0, entry.basis_id),
+                        Located(entry.id, entry.size, entry.encoding, entry.length, entry.basis_id),
                         payload,
                     )
         except httpx.TransportError as exc:
