@@ -6,12 +6,12 @@ from __future__ import annotations
 from fastapi import Request
 from starlette._utils import get_route_path
 
-from mfsreg.api.posts import body_limit, json_shape_problem, takes_json
+from mfsreg.api.posts import body_limit, json_shape_problem, takes_json, too_large_advice
 from mfsreg.registry.errors import InvalidRequest, RegistryError, TooLarge
 
 
-def _too_large(limit: int) -> TooLarge:
-    return TooLarge(f"request body is over the {limit} byte limit: send smaller batches (MFSREG_MAX_BODY)")
+def _too_large(limit: int, method: str, path: str) -> TooLarge:
+    return TooLarge(f"request body is over the {limit} byte limit: {too_large_advice(method, path)}")
 
 
 class BodyLimit:
@@ -32,7 +32,7 @@ class BodyLimit:
         length = dict(scope.get("headers", ())).get(b"content-length")
         limit = body_limit(method, path, self.max_body)
         if length is not None and length.isdigit() and int(length) > limit:
-            await self._refuse(scope, receive, send, _too_large(limit))
+            await self._refuse(scope, receive, send, _too_large(limit, method, path))
             return
         json = takes_json(method, path)
         if (length is not None and not json) or method in ("GET", "HEAD", "DELETE", "OPTIONS"):
@@ -49,7 +49,7 @@ class BodyLimit:
                 break
             body += message.get("body", b"")
             if len(body) > limit:
-                await self._refuse(scope, receive, send, _too_large(limit))
+                await self._refuse(scope, receive, send, _too_large(limit, method, path))
                 return
             if not message.get("more_body", False):
                 break
@@ -80,5 +80,5 @@ async def read_body(request: Request, limit: int) -> bytes:
     async for piece in request.stream():  # a client gone midway raises ClientDisconnect (api/problems.py)
         buf += piece
         if len(buf) > limit:
-            raise _too_large(limit)
+            raise _too_large(limit, request.method, get_route_path(request.scope))
     return bytes(buf)

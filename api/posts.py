@@ -47,6 +47,20 @@ def role_for(method: str, path: str) -> tuple[str, str | None] | None:
     return None
 
 
+def too_large_advice(method: str, path: str) -> str:
+    """What to do about a body over its limit, said for the request it is: only an upload's batches
+    can be made smaller by its sender (a 413 told a sign-in form to send smaller batches)."""
+    if method == "POST" and path in WEB_FORMS:
+        return "paste the token alone"
+    if method == "POST" and _DOWNLOAD.fullmatch(path):
+        return f"ask for at most {MAX_DOWNLOAD_IDS:,} chunk ids a request"
+    if method == "POST" and _MANIFEST.fullmatch(path):
+        return "the version's manifest is larger than this server takes (MFSREG_MAX_BODY, at most 32 MiB)"
+    if method == "PUT" and _TAG.fullmatch(path):
+        return 'send {"version": NAME} alone'
+    return "send smaller batches (MFSREG_MAX_BODY)"
+
+
 def body_limit(method: str, path: str, max_body: int) -> int:
     """The most bytes a request's body may hold: MFSREG_MAX_BODY, less for a download's list of ids,
     a manifest, a tag's move and the web page's forms."""

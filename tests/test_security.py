@@ -216,6 +216,7 @@ def test_hostile_json_bodies_are_refused_before_they_are_parsed(servers, server_
     big = b'{"manifest": {"x": "' + b"a" * MAX_MANIFEST_BODY + b'"}}'
     r = httpx.post(url, content=big, headers=auth, timeout=120)
     assert r.status_code == 413 and f"{MAX_MANIFEST_BODY} byte limit" in r.json()["detail"], r.text[:300]
+    assert "manifest is larger than this server takes" in r.json()["detail"]
     assert rss(srv.proc.pid) <= 2 * idle + MAX_MANIFEST_BODY, (idle, rss(srv.proc.pid))
 
 

@@ -571,6 +571,7 @@ def test_a_post_is_refused_for_its_role_before_its_body_is_parsed(server_env, se
     for body in (b" " * (MAX_DOWNLOAD_BODY + 1), (b" " * (1 << 20) for _ in range(MAX_DOWNLOAD_BODY // (1 << 20) + 1))):
         r = httpx.post(f"{srv.url}/v1/families/fam/chunks/download", content=body, headers=reader)
         assert r.status_code == 413 and f"{MAX_DOWNLOAD_BODY} byte limit" in r.json()["detail"], r.text
+        assert "chunk ids a request" in r.json()["detail"]
 
 
 @pytest.mark.process

@@ -232,7 +232,7 @@ def test_sign_in_sets_an_httponly_strict_cookie_and_refuses_bad_tokens(site):
         for form, status, said in (
             ({"token": "mfs_not-a-token"}, 401, "unknown or revoked token"),
             ({"token": ""}, 400, "no token given"),
-            ({"token": "x" * 5000}, 413, "over the 4096 byte limit"),  # refused before it is read
+            ({"token": "x" * 5000}, 413, "over the 4096 byte limit: paste the token alone"),  # refused unread
         ):
             r = c.post("/ui/login", data=form)
             assert r.status_code == status and said in r.text and "set-cookie" not in r.headers
