@@ -1,1 +1,1 @@
-"""The FastAPI app: routes, pydantic schemas, auth and error mapping; thin over registry/."""
+"""The FastAPI app: routes, auth and error mapping, over the wire documents of registry/documents.py; thin over registry/."""

@@ -9,7 +9,7 @@ from typing import Annotated, Any
 from fastapi import FastAPI, Path, Query
 from fastapi.openapi.utils import get_openapi
 
-from mfsreg.api.schemas import Problem
+from mfsreg.registry.documents import Problem
 from mfsreg.registry.names import NAME_PATTERN
 
 PROBLEM = "application/problem+json"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-from mfsreg.api.schemas import MAX_DOWNLOAD_IDS
+from mfsreg.registry.documents import MAX_DOWNLOAD_IDS
 
 _DOWNLOAD = re.compile(r"/v1/families/([^/]+)/chunks/download")
 _PUSH = re.compile(r"/v1/families/([^/]+)/(?:chunks|versions/[^/]+/(?:negotiate|commit))")

@@ -7,8 +7,8 @@ from fastapi import Depends, FastAPI, Query, Request
 
 from mfsreg.api.bearer import principal
 from mfsreg.api.openapi import FamilyName, VersionName
-from mfsreg.api.schemas import TagEventModel, TagModel, TagMoveModel, TagRequest
 from mfsreg.registry.auth import Principal
+from mfsreg.registry.documents import TagEventModel, TagModel, TagMoveModel, TagRequest
 from mfsreg.registry.names import check_name
 
 PREFIX = "/v1/families/{family}/tags"

@@ -248,6 +248,11 @@ ANSWERS = {
     "200 with {}": ((200, "application/json", b"{}"), "another shape"),
     "200 with []": ((200, "application/json", b"[]"), "another shape"),
     "200 with null": ((200, "application/json", b"null"), "another shape"),
+    # fields of the wrong types: the shared documents' check (registry/documents.py) says so in one line
+    "200 with wrong types": (
+        (200, "application/json", b'{"family": 1, "versions": "x", "exists": []}'),
+        "another shape",
+    ),
     "a 400 whose detail has newlines": ((400, "application/json", b'{"detail": "one\\ntwo\\nthree"}'), "one two three"),
     # a route the server lacks (FastAPI's own 404, or a wrong path in MFSREG_URL): not a missing version
     "a JSON 404 that is not mfsreg's": ((404, "application/json", b'{"detail": "Not Found"}'), "no mfsreg API there"),
@@ -294,6 +299,8 @@ def test_a_server_that_is_not_mfsreg_gets_one_line_for_every_command(answer, fam
             assert says in lines[0] or says == "another shape" and "fails its checks" in lines[0], (args, lines[0])
             if says != "one two three":
                 assert "MFSREG_URL" in lines[0], (args, lines[0])
+            if answer == "200 with wrong types" and args[0] == "push":  # the family's document, by its model
+                assert "family: Input should be a valid string (as FamilyModel)" in lines[0], lines[0]
         assert not (tmp_path / "out.safetensors").exists() and not (tmp_path / "home").exists()
     finally:
         impostor.shutdown()

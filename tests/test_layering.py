@@ -29,6 +29,7 @@ def test_node_client_needs_no_database_driver():
     )
     assert "sqlalchemy" not in loaded and "psycopg" not in loaded and "alembic" not in loaded
     assert "torch" not in loaded  # load_tensors and ResidentModel bring torch only when used
+    assert "pydantic" not in loaded  # the wire documents' models load at a client's first check
 
 
 # -- no import cycles ---------------------------------------------------------------------------

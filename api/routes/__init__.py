@@ -1,11 +1,11 @@
 """The HTTP API's routes, one module per resource; api/app.py includes their routers in order.
-The models' builders below turn the registry's rows into the wire documents (api/schemas.py)."""
+The models' builders below turn the registry's rows into the wire documents (registry/documents.py)."""
 
 from __future__ import annotations
 
 from fastapi import Request
 
-from mfsreg.api.schemas import AuditEntryModel, FamilyModel, VersionModel
+from mfsreg.registry.documents import AuditEntryModel, FamilyModel, VersionModel
 from mfsreg.registry.registry import Registry
 from mfsreg.registry.results import timestamp
 

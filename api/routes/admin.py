@@ -7,13 +7,13 @@ from fastapi import APIRouter, Depends, Query, Request
 from mfsreg.api.bearer import principal
 from mfsreg.api.openapi import FamilyQuery
 from mfsreg.api.routes import audit_model, registry_of
-from mfsreg.api.schemas import (
+from mfsreg.registry import prune
+from mfsreg.registry.auth import Principal
+from mfsreg.registry.documents import (
     AuditEntryModel,
     CheckResultModel,
     PruneResultModel,
 )
-from mfsreg.registry import prune
-from mfsreg.registry.auth import Principal
 from mfsreg.registry.errors import Forbidden
 from mfsreg.registry.names import check_name
 

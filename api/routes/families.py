@@ -9,11 +9,11 @@ from fastapi.responses import JSONResponse
 from mfsreg.api.bearer import principal
 from mfsreg.api.openapi import FamilyName, FamilyQuery
 from mfsreg.api.routes import family_model, registry_of
-from mfsreg.api.schemas import (
-    FamilyModel,
-)
 from mfsreg.registry import service
 from mfsreg.registry.auth import Principal
+from mfsreg.registry.documents import (
+    FamilyModel,
+)
 from mfsreg.registry.errors import Forbidden
 from mfsreg.registry.names import check_name
 

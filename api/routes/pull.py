@@ -8,12 +8,12 @@ from fastapi.responses import StreamingResponse
 from mfsreg.api.bearer import principal
 from mfsreg.api.openapi import FamilyName
 from mfsreg.api.routes import registry_of
-from mfsreg.api.schemas import (
-    DownloadRequest,
-)
 from mfsreg.api.streams import broken_off
 from mfsreg.registry import service
 from mfsreg.registry.auth import Principal
+from mfsreg.registry.documents import (
+    DownloadRequest,
+)
 from mfsreg.registry.names import check_name
 
 router = APIRouter()

@@ -12,15 +12,15 @@ from mfsreg.api.bearer import principal
 from mfsreg.api.limits import read_body
 from mfsreg.api.openapi import FamilyName, VersionName
 from mfsreg.api.routes import registry_of
-from mfsreg.api.schemas import (
+from mfsreg.registry import service
+from mfsreg.registry.auth import Principal
+from mfsreg.registry.documents import (
     CommitRequest,
     NegotiateRequest,
     NegotiateResponse,
     PushResultModel,
     UploadResponse,
 )
-from mfsreg.registry import service
-from mfsreg.registry.auth import Principal
 from mfsreg.registry.meta import check_meta
 from mfsreg.registry.names import check_name
 

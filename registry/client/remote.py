@@ -363,7 +363,7 @@ class RemoteRegistry(DocumentReader, Closable):
             added = self._doc(
                 "POST",
                 f"/v1/families/{family}/chunks",
-                lambda r: _counted(r["new_bytes"]),
+                lambda r: _counted(_checked("UploadResponse", r)["new_bytes"]),
                 content=build_batch(batch),
                 headers={"Content-Type": "application/octet-stream"},
             )
@@ -490,7 +490,7 @@ class RemoteRegistry(DocumentReader, Closable):
     # -- listing and changes ----------------------------------------------------------------------
 
     def families(self) -> list[FamilyRow]:
-        return self._doc("GET", "/v1/families", lambda d: [_family_row(f) for f in _list(d)])
+        return self._doc("GET", "/v1/families", lambda d: [_family_row(f) for f in _list(d)])  # (rows checked there)
 
     def family(self, family: str) -> FamilyRow:
         check_name("family", family)
@@ -512,7 +512,11 @@ class RemoteRegistry(DocumentReader, Closable):
         if family is None:
             return [v for f in self.families() for v in self.versions(f.name)]
         check_name("family", family)
-        return self._doc("GET", f"/v1/families/{family}/versions", lambda d: [_version_row(v) for v in _list(d)])
+        return self._doc(
+            "GET",
+            f"/v1/families/{family}/versions",
+            lambda d: [_version_row(_checked("VersionModel", v)) for v in _list(d)],
+        )
 
     def stats(self, family: str | None = None) -> dict:
         if family is not None:
@@ -525,7 +529,8 @@ class RemoteRegistry(DocumentReader, Closable):
 
         def rows(d) -> list[AuditRow]:
             return [
-                AuditRow(0, e["at"], e["actor"], e["action"], e.get("family"), e.get("detail", "")) for e in _list(d)
+                AuditRow(0, e["at"], e["actor"], e["action"], e.get("family"), e.get("detail", ""))
+                for e in (_checked("AuditEntryModel", e) for e in _list(d))
             ]
 
         return self._doc("GET", "/v1/audit", rows, params={"limit": limit})
@@ -545,7 +550,10 @@ class RemoteRegistry(DocumentReader, Closable):
         check_name("family", family)
 
         def rows(d) -> list[TagRow]:
-            return [TagRow(t["tag"], t["version"], t["set_by"], t["set_at"], bool(t["automatic"])) for t in _list(d)]
+            return [
+                TagRow(t["tag"], t["version"], t["set_by"], t["set_at"], bool(t["automatic"]))
+                for t in (_checked("TagModel", t) for t in _list(d))
+            ]
 
         return self._doc("GET", f"/v1/families/{family}/tags", rows)
 
@@ -557,7 +565,8 @@ class RemoteRegistry(DocumentReader, Closable):
 
         def rows(d) -> list[TagEvent]:
             return [
-                TagEvent(e["tag"], e.get("from_version"), e.get("to_version"), e["actor"], e["at"]) for e in _list(d)
+                TagEvent(e["tag"], e.get("from_version"), e.get("to_version"), e["actor"], e["at"])
+                for e in (_checked("TagEventModel", e) for e in _list(d))
             ]
 
         return self._doc("GET", f"/v1/families/{family}/tag-history", rows, params=params)
@@ -565,7 +574,11 @@ class RemoteRegistry(DocumentReader, Closable):
     def delete(self, family: str, version: str) -> DeleteResult:
         check_name("family", family)
         check_name("version", version)
-        return self._doc("DELETE", f"/v1/families/{family}/versions/{version}", lambda d: _result(DeleteResult, d))
+        return self._doc(
+            "DELETE",
+            f"/v1/families/{family}/versions/{version}",
+            lambda d: _result(DeleteResult, "DeleteResultModel", d),
+        )
 
     def prune(
         self, min_age: float, max_unused: float, dry_run: bool = False, progress: Progress | None = None
@@ -578,7 +591,7 @@ class RemoteRegistry(DocumentReader, Closable):
         return self._doc(
             "POST",
             "/v1/prune",
-            lambda d: _result(PruneResult, d),
+            lambda d: _result(PruneResult, "PruneResultModel", d),
             params=params,
             timeout=httpx.Timeout(None, connect=10.0),
         )
@@ -594,7 +607,7 @@ class RemoteRegistry(DocumentReader, Closable):
         return self._doc(
             "GET",
             "/v1/check",
-            lambda d: CheckResult(**{k: v for k, v in _dict(d).items() if k != "ok"}),
+            lambda d: CheckResult(**{k: v for k, v in _checked("CheckResultModel", d).items() if k != "ok"}),
             params=params,
             timeout=httpx.Timeout(None, connect=10.0),
         )
@@ -603,12 +616,31 @@ class RemoteRegistry(DocumentReader, Closable):
         return self._doc("GET", "/healthz", _dict)
 
 
-def _result(cls, d):
-    """A result dataclass from a server's answer; fields a newer server adds are left out."""
+def _checked(model: str, d) -> dict:
+    """``d``, checked against the wire document ``model`` of registry/documents.py (what the
+    server answers with; fields a newer server adds pass). pydantic is imported at the first
+    check: a node that only loads tensors never imports it (version documents, its hot path, are
+    checked by hand: _version_doc, chunk_table, manifest_of)."""
+    from pydantic import ValidationError
+
+    from mfsreg.registry import documents
+
+    try:
+        getattr(documents, model).model_validate(_dict(d))
+    except ValidationError as exc:  # its text runs over several lines: the first fault, in one
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "the document"
+        raise ValueError(f"{where}: {first['msg']} (as {model})") from None
+    return d
+
+
+def _result(cls, model: str, d):
+    """A result dataclass from a server's answer, checked as ``model``; fields a newer server adds
+    are left out."""
     import dataclasses
 
     names = {f.name for f in dataclasses.fields(cls)}
-    return cls(**{k: v for k, v in _dict(d).items() if k in names})
+    return cls(**{k: v for k, v in _checked(model, d).items() if k in names})
 
 
 def _dict(d) -> dict:
@@ -631,8 +663,9 @@ def _counted(n) -> int:
 
 def _negotiation(d) -> dict:
     """A negotiate answer: the version exists already (its digest and chunk count), or which chunks
-    the server lacks and the bases it suggests for them."""
-    _dict(d)
+    the server lacks and the bases it suggests for them (the ids checked as ids, which the model
+    leaves to the server's code)."""
+    _checked("NegotiateResponse", d)
     if d["exists"]:
         str(d["existing_digest"]), _counted(d["chunks"])
     else:
@@ -643,7 +676,7 @@ def _negotiation(d) -> dict:
 
 
 def _committed(d) -> dict:
-    _dict(d)
+    _checked("PushResultModel", d)
     _counted(d["chunks"])
     return d
 
@@ -686,7 +719,7 @@ def _version_row(d: dict) -> VersionRow:
 
 
 def _tag_move(d) -> TagMove:
-    _dict(d)
+    _checked("TagMoveModel", d)
     return TagMove(d["family"], d["tag"], d.get("before"), d.get("after"))
 
 
@@ -807,4 +840,5 @@ def _raise_for(resp: httpx.Response) -> None:
 
 
 def _family_row(f: dict) -> FamilyRow:
+    _checked("FamilyModel", f)
     return FamilyRow(0, f["family"], f["base_quorum"], f["versions"], f.get("chunk_size", LEGACY_CHUNK_SIZE))

@@ -1,4 +1,10 @@
-"""Request and response bodies (pydantic lives here only)."""
+"""The API's wire documents: request and response bodies, as pydantic models. The server reads
+requests and writes answers with them (api/); the remote client checks the server's answers with
+them (client/remote.py), importing this module at its first check. pydantic lives here only.
+
+The two documents a node reads on every load (a version's and a tier's, thousands of chunk rows)
+are not models: they are written as plain JSON and checked by hand where they are read
+(client/remote.py's chunk_table and manifest_of), which costs a fraction of a model's validation."""
 
 from __future__ import annotations
 
