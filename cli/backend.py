@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import typer
 
 if TYPE_CHECKING:
+    from mfsreg.registry.client.remote import RemoteRegistry
     from mfsreg.registry.interface import RegistryClient
     from mfsreg.registry.registry import Registry
 
@@ -39,15 +40,20 @@ def open_backend(url: str | None = None, *, blobs: bool = True) -> Iterator[Regi
     command that reads or changes only the database (ls, show, stats, delete): the embedded registry
     then runs whatever MFSREG_BLOB_URL and the MFSREG_S3_* settings hold, since it never opens the store."""
     if url:
-        from mfsreg.registry.client.remote import RemoteRegistry
-
-        backend: RegistryClient = RemoteRegistry(url, token=os.environ.get("MFSREG_TOKEN") or None)  # empty: unset
+        backend: RegistryClient = server_client(url)
     else:
         backend = embedded(blobs=blobs)  # mypy checks that both fit the interface
     try:
         yield backend
     finally:
         backend.close()
+
+
+def server_client(url: str) -> RemoteRegistry:
+    """A client of the server at ``url``, with MFSREG_TOKEN (an empty one counts as unset)."""
+    from mfsreg.registry.client.remote import RemoteRegistry
+
+    return RemoteRegistry(url, token=os.environ.get("MFSREG_TOKEN") or None)
 
 
 def embedded(*, blobs: bool = True) -> Registry:

@@ -195,11 +195,9 @@ def verify(json_: bool = typer.Option(False, "--json")) -> None:
 
 
 def _remote(registry: str | None):
-    import os
-
-    from mfsreg.registry.client.remote import RemoteRegistry
+    from mfsreg.cli.backend import server_client
     from mfsreg.registry.errors import InvalidRequest
 
     if not registry:
         raise InvalidRequest("the node cache serves a remote registry: set MFSREG_URL or pass --registry")
-    return RemoteRegistry(registry, token=os.environ.get("MFSREG_TOKEN") or None)  # empty: unset
+    return server_client(registry)

@@ -204,16 +204,12 @@ def _version_row(v, tags: list[str]) -> dict[str, Any]:
 
 def _tags(reg, family: str) -> list:
     """The family's tags; none from a server older than tags (it has no such route)."""
-    from mfsreg.registry.errors import NotFound
+    from mfsreg.registry.errors import NoRoute
 
     try:
         return reg.tags(family)
-    except NotFound as exc:
-        from mfsreg.registry.client.remote import NoRoute  # only a remote raises it: loaded then
-
-        if isinstance(exc, NoRoute):
-            return []
-        raise
+    except NoRoute:
+        return []
 
 
 def _short(text: str, limit: int = 40) -> str:

@@ -53,6 +53,11 @@ class NotFound(RegistryError):
     pack_id: str | None = None  # a basis read's failed pack, set by registry/deltas.py
 
 
+class NoRoute(NotFound):
+    """A 404 that is not mfsreg's: no such route on that server (another server, a wrong path in
+    MFSREG_URL, or a server of an older release without this route). Raised by the remote client."""
+
+
 class MissingChunks(NotFound):
     """A commit names chunks that are not stored: never uploaded, or deleted by a prune after the
     push found them stored. A push uploads them and commits again, once."""

@@ -146,6 +146,26 @@ def test_the_cycle_finder_finds_a_cycle():
     assert cycles({"a": {"b"}, "b": set()}) == []
 
 
+# -- the CLI talks to a registry through its interface -----------------------------------------
+
+# The implementations of registry/interface.RegistryClient, and the store's own modules
+IMPLEMENTATIONS = {"mfsreg.registry.registry", "mfsreg.registry.client.remote", "mfsreg.registry.service"}
+# cli/backend.py opens one or the other (open_backend, server_client, embedded); cli/server.py runs
+# `serve` and `token`, and cli/admin.py `db upgrade`, on the database itself
+OPENERS = {"mfsreg.cli.backend", "mfsreg.cli.server", "mfsreg.cli.admin"}
+
+
+def test_cli_commands_reach_a_registry_through_its_interface_only():
+    graph = import_graph()
+    reaching = {
+        mod: sorted(deps & IMPLEMENTATIONS)
+        for mod, deps in graph.items()
+        if mod.startswith("mfsreg.cli") and mod not in OPENERS and deps & IMPLEMENTATIONS
+    }
+    assert not reaching, f"open a registry through cli/backend.py, not directly: {reaching}"
+    assert graph["mfsreg.cli.backend"] & IMPLEMENTATIONS  # (the test looks where the imports are)
+
+
 # -- functions short enough to read ---------------------------------------------------------------
 
 LONGEST = 60  # lines, the def and its docstring included

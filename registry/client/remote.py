@@ -27,6 +27,7 @@ from mfsreg.registry.errors import (
     IntegrityError,
     InvalidRequest,
     MissingChunks,
+    NoRoute,
     NotFound,
     Pruned,
     RegistryError,
@@ -776,11 +777,6 @@ def _mend_unheard(url: str) -> InvalidRequest:
         "the stored chunks this version needs, so nothing damaged was mended; upgrade "
         "it, or push without --mend-damaged to mend only lost packs"
     )
-
-
-class NoRoute(NotFound):
-    """A 404 that is not mfsreg's: no such route on that server (another server, a wrong path in
-    MFSREG_URL, or a server of an older release without this route)."""
 
 
 def _check_url(url: str) -> None:
