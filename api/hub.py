@@ -1,4 +1,4 @@
-"""The Hugging Face Hub's read routes (registry/hub.py): with ``HF_ENDPOINT`` set to this server and
+"""The Hugging Face Hub's read routes (registry/store/hub.py): with ``HF_ENDPOINT`` set to this server and
 ``HF_TOKEN`` to an mfsreg read token, `huggingface_hub` and `transformers` download a version by
 repo id ``FAMILY/VERSION`` or ``FAMILY/TAG``. Scopes hold as on /v1/: a token for other families
 gets a 403, no token a 401 unless anonymous reads are open. See docs/hub.md."""
@@ -11,9 +11,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from mfsreg.api import metrics
 from mfsreg.api.bearer import principal
 from mfsreg.api.streams import broken_off
-from mfsreg.registry import hub
 from mfsreg.registry.auth import Principal
 from mfsreg.registry.errors import Unauthorized
+from mfsreg.registry.store import hub
 
 
 def hub_principal(request: Request) -> Principal:

@@ -85,7 +85,7 @@ def public_line(exc: e.RegistryError, scope) -> tuple[int, str]:
 def error_problem(exc: e.RegistryError, scope) -> JSONResponse:
     """The answer to ``exc`` (public_line's), as problem details."""
     status, line = public_line(exc, scope)
-    # http_headers: a Hub client's X-Error-Code, a 416's Content-Range (registry/hub.py)
+    # http_headers: a Hub client's X-Error-Code, a 416's Content-Range (registry/store/hub.py)
     headers = getattr(exc, "http_headers", None) if status < 500 else None
     return problem(status, exc.code, line, headers, request_id=request_id(scope))
 

@@ -1,5 +1,5 @@
 """Routes for tags: list, history, set (PUT) and remove (DELETE). Setting or removing needs a push
-token for the family; every move is recorded (registry/tags.py)."""
+token for the family; every move is recorded (registry/store/tags.py)."""
 
 from __future__ import annotations
 

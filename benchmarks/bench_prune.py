@@ -29,7 +29,7 @@ from safetensors.torch import load_file
 from benchmarks import anchors
 from benchmarks.common import FAMILY, MB, cpu_seconds, finish, fresh_registry, machine_info, median, table
 from benchmarks.family import DEFAULT_DIR, _save, generate
-from mfsreg.registry.prune import DEFAULT_MAX_UNUSED
+from mfsreg.registry.store.prune import DEFAULT_MAX_UNUSED
 
 PUSHED = ("base", "lora-chat", "lora-half", "lastlayers-code", "full-medical", "vocab-ext")
 DELETED = ("lastlayers-code", "lora-chat")

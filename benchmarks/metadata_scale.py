@@ -30,13 +30,13 @@ from datetime import timedelta
 from sqlalchemy import text
 
 from benchmarks.common import finish, machine_info, scratch_postgres, table
-from mfsreg.registry import prune
 from mfsreg.registry.db import chunks as chunk_db
 from mfsreg.registry.db import reclaim as prune_db
 from mfsreg.registry.db import sharing as stats_db
 from mfsreg.registry.db import versions as version_db
 from mfsreg.registry.db.engine import read_tx
 from mfsreg.registry.db.schema import upgrade
+from mfsreg.registry.store import prune
 
 BASE, OWN = 5000, 2000  # chunks every member of a family uses, chunks each member alone uses
 FILL = [

@@ -46,7 +46,8 @@ def _wrap(module, name: str, phase: str) -> bool:
 
 
 def install() -> None:
-    from mfsreg.registry import hashing, ingest
+    from mfsreg.registry import hashing
+    from mfsreg.registry.store import ingest
 
     if hasattr(ingest, "hash_source"):
         _wrap(ingest, "hash_source", "hash")

@@ -1,6 +1,6 @@
 """`mfsreg stats`: how much is shared, per family, tier and version, in plain words.
 
-The figures are registry/stats.py's, the same the web page draws; encoding names and the
+The figures are registry/store/stats.py's, the same the web page draws; encoding names and the
 registry-wide "alone holds" column only under --verbose (and always in --json)."""
 
 from __future__ import annotations

@@ -65,7 +65,7 @@ def create_token(
         )
     if expires_in is not None and not 0 < expires_in <= MAX_EXPIRY:
         raise InvalidRequest(f"token expiry of {expires_in:g} s: give more than zero, at most ten years")
-    from mfsreg.registry import audit
+    from mfsreg.registry.store import audit
 
     secret = TOKEN_PREFIX + secrets.token_urlsafe(32)
     expires_at = datetime.now(UTC) + timedelta(seconds=expires_in) if expires_in is not None else None
@@ -116,7 +116,7 @@ def list_tokens(engine) -> list[token_db.TokenRow]:
 
 def revoke_token(engine, prefix: str, who: Principal | None = None) -> int:
     """Revoke the token of ``prefix``; returns how many were (0 or 1). The audit log records it."""
-    from mfsreg.registry import audit
+    from mfsreg.registry.store import audit
 
     with write_tx(engine) as conn:
         n = token_db.revoke(conn, prefix)

@@ -35,7 +35,7 @@ DEFAULT_S3_CONNECT_TIMEOUT = 5.0
 DEFAULT_S3_READ_TIMEOUT = 20.0
 DEFAULT_S3_MAX_ATTEMPTS = 3
 MAX_S3_ATTEMPTS = 20
-# prune's defaults (registry/prune.py): a grace period, in seconds, longer than any push between its
+# prune's defaults (registry/store/prune.py): a grace period, in seconds, longer than any push between its
 # first upload and its commit; and the share of unused bytes past which a pack is repacked
 PRUNE_MIN_AGE = 3600.0
 PRUNE_MAX_UNUSED = 0.1

@@ -50,7 +50,7 @@ class NotFound(RegistryError):
     """A family, version, chunk or blob that does not exist."""
 
     code = "not_found"
-    pack_id: str | None = None  # a basis read's failed pack, set by registry/deltas.py
+    pack_id: str | None = None  # a basis read's failed pack, set by registry/store/deltas.py
 
 
 class NoRoute(NotFound):
@@ -83,7 +83,7 @@ class IntegrityError(RegistryError):
     """Stored or received bytes that do not match their recorded digest."""
 
     code = "integrity_error"
-    chunk_id: str | None = None  # a delta chain's damaged chunk, set by registry/deltas.py
+    chunk_id: str | None = None  # a delta chain's damaged chunk, set by registry/store/deltas.py
 
 
 class Unauthorized(RegistryError):

@@ -1,6 +1,6 @@
 """Hashing a push's input into a manifest, and encoding the chunks to send.
 
-Shared by the embedded push (registry/ingest.py) and the node-side client (registry/client/), so it
+Shared by the embedded push (registry/store/ingest.py) and the node-side client (registry/client/), so it
 touches no database: it reads files, cuts them, hashes and encodes.
 """
 

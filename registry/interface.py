@@ -8,12 +8,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:  # annotations only: importing this module costs the CLI nothing
-    from mfsreg.registry.check import CheckResult
     from mfsreg.registry.manifest import Manifest
     from mfsreg.registry.meta import VersionMeta
     from mfsreg.registry.progress import Progress
     from mfsreg.registry.rebuild import PullResult
     from mfsreg.registry.results import DeleteResult, FamilyRow, PruneResult, PushResult, VersionRow
+    from mfsreg.registry.store.check import CheckResult
 
 
 class RegistryClient(Protocol):

@@ -189,7 +189,7 @@ def parse_doc(doc: object, draft: bool = False) -> Manifest:
     Checked here: the fields and their JSON types (_check_shape), safe unique paths, chunks that
     tile each file from 0 to its size, tensors of known dtypes that lie on chunk boundaries. The
     header chunk's bytes are checked against the tensors on commit, once the chunk is stored
-    (registry/service.py).
+    (registry/store/service.py).
     """
     # (over 60 lines: one check per rule the docstring lists, in that order, each with its
     # one-line refusal; split, the rules would no longer read as one list)

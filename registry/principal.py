@@ -1,5 +1,5 @@
 """Who is asking: a role and the families it may touch. registry/auth.py finds one from a token;
-the audit log (registry/audit.py) names it. Imports nothing of the registry but its errors."""
+the audit log (registry/store/audit.py) names it. Imports nothing of the registry but its errors."""
 
 from __future__ import annotations
 

@@ -28,11 +28,11 @@ if TYPE_CHECKING:  # the push, pull and prune machinery loads when a method need
     from mfsreg.registry.auth import Principal
     from mfsreg.registry.blobs.base import BlobStore
     from mfsreg.registry.blobs.packs import StoredChunk
-    from mfsreg.registry.ingest import PushResult
     from mfsreg.registry.manifest import Manifest
     from mfsreg.registry.meta import VersionMeta
     from mfsreg.registry.progress import Progress
     from mfsreg.registry.rebuild import PullResult
+    from mfsreg.registry.store.ingest import PushResult
 
 
 KEPT_DOCUMENTS = 32  # version documents' parts kept by tag (a 7B model's lists about 7,000 chunks)
@@ -109,7 +109,7 @@ class Registry:
     ) -> PushResult:
         """Store the version at ``path`` (a file, a sharded checkpoint, a model directory or a
         Hugging Face cache folder), with ``meta`` (a description and labels)."""
-        from mfsreg.registry import ingest
+        from mfsreg.registry.store import ingest
 
         self.open_blobs()  # before the file is read or the family made: a bad store is refused first
         return ingest.push(self, Path(path), family, version, parent, progress, mend_damaged, meta)
@@ -222,8 +222,8 @@ class Registry:
             return tier_db.chunk_tiers(conn, fam.id, tier)
 
     def stats(self, family: str | None = None, visible: Callable[[str], bool] | None = None) -> dict:
-        """Sharing figures of ``family`` or the registry; ``visible``: see registry/stats.py."""
-        from mfsreg.registry.stats import compute_stats
+        """Sharing figures of ``family`` or the registry; ``visible``: see registry/store/stats.py."""
+        from mfsreg.registry.store.stats import compute_stats
 
         if family is not None:
             check_name("family", family)
@@ -233,14 +233,14 @@ class Registry:
         return out
 
     def family_summaries(self) -> list[dict]:
-        """Every family's versions, logical and stored bytes and sharing ratio (registry/stats.py)."""
-        from mfsreg.registry.stats import family_summaries
+        """Every family's versions, logical and stored bytes and sharing ratio (registry/store/stats.py)."""
+        from mfsreg.registry.store.stats import family_summaries
 
         return family_summaries(self.engine)
 
     def sharing_matrix(self, family: str) -> dict:
-        """The bytes each pair of the family's newest versions share (registry/stats.py)."""
-        from mfsreg.registry.stats import sharing_matrix
+        """The bytes each pair of the family's newest versions share (registry/store/stats.py)."""
+        from mfsreg.registry.store.stats import sharing_matrix
 
         check_name("family", family)
         return sharing_matrix(self.engine, family)
@@ -265,9 +265,9 @@ class Registry:
         that no version needs any more become unreferenced (see stats' ``unreferenced_bytes``): a
         later push of the same bytes reuses them, and ``prune`` gives back their space. The audit
         log records it, as done by ``who`` (None: the embedded CLI's user)."""
-        from mfsreg.registry import audit
         from mfsreg.registry.db import rebalance as tier_db
-        from mfsreg.registry.tags import drop_for_version
+        from mfsreg.registry.store import audit
+        from mfsreg.registry.store.tags import drop_for_version
 
         check_name("family", family)
         check_name("version", version)
@@ -293,8 +293,8 @@ class Registry:
         self, family: str | None = None, read_data: bool = False, progress: Progress | None = None
     ) -> CheckResult:
         """Which packs and chunks the stored versions need are lost or damaged, and which versions
-        cannot be pulled because of them (registry/check.py); changes nothing."""
-        from mfsreg.registry.check import check as check_registry
+        cannot be pulled because of them (registry/store/check.py); changes nothing."""
+        from mfsreg.registry.store.check import check as check_registry
 
         self.open_blobs()
         return check_registry(self, family, read_data, progress)
@@ -307,9 +307,9 @@ class Registry:
         progress: Progress | None = None,
         who: Principal | None = None,
     ) -> PruneResult:
-        """Delete the chunks no version needs and give back their space (registry/prune.py). The
+        """Delete the chunks no version needs and give back their space (registry/store/prune.py). The
         audit log records a run that was not a dry one."""
-        from mfsreg.registry import audit, prune
+        from mfsreg.registry.store import audit, prune
 
         self.open_blobs()  # before it deletes a row: a prune that cannot reach the blobs must change nothing
         result = prune.prune(self, min_age, max_unused, dry_run, progress)
@@ -330,9 +330,9 @@ class Registry:
     def set_base_quorum(self, family: str, quorum: float, who: Principal | None = None) -> int:
         """Change a family's base quorum and re-tier its chunks; returns rows that changed tier. The
         audit log records it."""
-        from mfsreg.registry import audit
         from mfsreg.registry.db import rebalance as tier_db
-        from mfsreg.registry.tiers import check_quorum
+        from mfsreg.registry.store import audit
+        from mfsreg.registry.store.tiers import check_quorum
 
         check_name("family", family)
         check_quorum(quorum)
@@ -346,29 +346,29 @@ class Registry:
     # -- tags ----------------------------------------------------------------------------------
 
     def tag_set(self, family: str, tag: str, version: str, who: Principal | None = None):
-        """Point ``tag`` at ``version`` (registry/tags.py); returns the TagMove."""
-        from mfsreg.registry import tags
+        """Point ``tag`` at ``version`` (registry/store/tags.py); returns the TagMove."""
+        from mfsreg.registry.store import tags
 
         return tags.set_tag(self.engine, family, tag, version, who)
 
     def tag_rm(self, family: str, tag: str, who: Principal | None = None):
-        from mfsreg.registry import tags
+        from mfsreg.registry.store import tags
 
         return tags.remove_tag(self.engine, family, tag, who)
 
     def tags(self, family: str) -> list:
-        from mfsreg.registry import tags
+        from mfsreg.registry.store import tags
 
         return tags.list_tags(self.engine, family)
 
     def tag_history(self, family: str, tag: str | None = None, limit: int = 1000) -> list:
-        from mfsreg.registry import tags
+        from mfsreg.registry.store import tags
 
         return tags.history(self.engine, family, tag, limit)
 
     def audit(self, who: Principal | None = None, limit: int = 100) -> list:
-        """The newest ``limit`` audit entries ``who`` may read (registry/audit.py)."""
-        from mfsreg.registry import audit
+        """The newest ``limit`` audit entries ``who`` may read (registry/store/audit.py)."""
+        from mfsreg.registry.store import audit
 
         return audit.entries(self.engine, who, limit)
 

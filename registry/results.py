@@ -93,9 +93,7 @@ class PushResult:
     version: str
     digest: str
     logical_bytes: int
-    new_bytes: (
-        int  # stored (encoded) bytes this push added; through a scoped token, the bytes it sent (registry/service.py)
-    )
+    new_bytes: int  # stored (encoded) bytes this push added; through a scoped token, the bytes it sent (registry/store/service.py)
     new_chunks: int
     reused_chunks: int
     chunks: int
@@ -104,7 +102,7 @@ class PushResult:
     existed: bool  # the same version with the same digest was already there: nothing was committed
     seconds: float
     sent_bytes: int = 0  # chunk payload bytes sent to a server (remote pushes; batch framing excluded)
-    # chunks stored again because the pack their stored copy lay in was lost (registry/lost.py):
+    # chunks stored again because the pack their stored copy lay in was lost (registry/store/lost.py):
     # counted in new_chunks too; a re-push of an existing version (existed) mends only these
     mended_chunks: int = 0
 
@@ -189,7 +187,7 @@ def timestamp(value) -> str:
 
 @dataclass
 class CheckResult:
-    """What `mfsreg check` found (registry/check.py), embedded or as the server answers it."""
+    """What `mfsreg check` found (registry/store/check.py), embedded or as the server answers it."""
 
     scope: str  # a family's name, or "registry"
     versions: int

@@ -3,7 +3,7 @@ Imports nothing heavy: the CLI's start-up pays for it."""
 
 from __future__ import annotations
 
-from mfsreg.registry.tiers import BASE, GROUP, UNIQUE
+from mfsreg.registry.store.tiers import BASE, GROUP, UNIQUE
 
 
 def human_bytes(n: int | None) -> str:

@@ -1,11 +1,11 @@
-"""A scoped upload's proof as receive_batch makes it (registry/service.py), for tests that call it
+"""A scoped upload's proof as receive_batch makes it (registry/store/service.py), for tests that call it
 on an embedded registry: the stored chunks the token may not use yet (access.unproven) compared with
 what it sent (access.compare_stored)."""
 
 from __future__ import annotations
 
-from mfsreg.registry import access
 from mfsreg.registry.db.engine import read_tx
+from mfsreg.registry.store import access
 
 
 def check_proofs(reg, who, family: str, uploaded: dict[str, bytes]) -> set[str]:

@@ -13,7 +13,7 @@ from mfsreg.registry.client.remote import RemoteRegistry
 from mfsreg.registry.config import Settings
 from mfsreg.registry.errors import IntegrityError, NotFound, StorageError
 from mfsreg.registry.registry import Registry
-from mfsreg.registry.service import version_doc
+from mfsreg.registry.store.service import version_doc
 from tests.cli_run import mfsreg, mfsreg_json
 from tests.dialects import sqlite_only
 from tests.server import client_env, token

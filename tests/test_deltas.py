@@ -12,9 +12,9 @@ import torch
 from mfsreg.registry import codec
 from mfsreg.registry.blobs.packs import StoredChunk, pack_key
 from mfsreg.registry.chunking import chunk_id
-from mfsreg.registry.deltas import MAX_DEPTH
 from mfsreg.registry.errors import IntegrityError, StorageError
 from mfsreg.registry.rebuild import decode_batch, decode_verified
+from mfsreg.registry.store.deltas import MAX_DEPTH
 from mfsreg.registry.wire import Located
 from tests import synth
 from tests.dialects import sqlite_only
@@ -104,7 +104,7 @@ def test_a_basis_found_damaged_or_lost_gives_way_to_the_one_below_it():
     """cap_depth steps down a chain past a basis that cannot be read: in a lost pack, or read and
     found damaged by the push itself (--mend-damaged), or leaning on such a chunk; a chunk below
     the bad one still serves, and with none below the new chunk goes plain."""
-    from mfsreg.registry.deltas import cap_depth
+    from mfsreg.registry.store.deltas import cap_depth
 
     plain = StoredChunk("p", 8, "raw", 8, "pack-a", 0)
     mid = StoredChunk("m", 8, "xor", 4, "pack-b", 0, "p", 1)
@@ -671,12 +671,12 @@ def test_a_header_an_uploader_stored_as_a_delta_still_passes_the_commit_check(re
     stores that header as a delta when it is smaller; the commit's check of each header against the
     manifest decodes it against its basis (it read the payload as if plain, and every commit of a
     model with that header, in any family, failed with 'the stored pack is damaged')."""
-    from mfsreg.registry import service
     from mfsreg.registry.db import chunks as chunk_db
     from mfsreg.registry.db.engine import read_tx
     from mfsreg.registry.hashing import HashJob
     from mfsreg.registry.progress import NullProgress
     from mfsreg.registry.source import open_source
+    from mfsreg.registry.store import service
     from mfsreg.registry.wire import Entry, build_batch
 
     reg.push(fam["base"], "fam", "base")

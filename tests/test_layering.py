@@ -17,7 +17,7 @@ def modules_after(imports: str) -> set[str]:
 
 def test_core_imports_no_framework():
     loaded = modules_after(
-        "import mfsreg.registry.registry, mfsreg.registry.service, mfsreg.registry.auth, mfsreg.registry.stats"
+        "import mfsreg.registry.registry, mfsreg.registry.store.service, mfsreg.registry.auth, mfsreg.registry.store.stats"
     )
     assert "fastapi" not in loaded and "typer" not in loaded and "starlette" not in loaded
 
@@ -135,7 +135,7 @@ def test_no_module_imports_itself_round_a_cycle():
     graph = import_graph()
     assert len(graph) > 100 and "mfsreg.registry.client._mapfiles" not in graph
     assert "mfsreg.registry.blobs.urls" in graph["mfsreg.registry.config"]  # the walk sees imports
-    assert "mfsreg.registry.ingest" in graph["mfsreg.registry.registry"]  # ... inside functions too
+    assert "mfsreg.registry.store.ingest" in graph["mfsreg.registry.registry"]  # ... inside functions too
     found = cycles(graph)
     edges = {m: sorted(graph[m] & set(c)) for c in found for m in c}
     assert not found, f"import cycles: {found}; the imports inside them: {edges}"
@@ -149,7 +149,7 @@ def test_the_cycle_finder_finds_a_cycle():
 # -- the CLI talks to a registry through its interface -----------------------------------------
 
 # The implementations of registry/interface.RegistryClient, and the store's own modules
-IMPLEMENTATIONS = {"mfsreg.registry.registry", "mfsreg.registry.client.remote", "mfsreg.registry.service"}
+IMPLEMENTATIONS = {"mfsreg.registry.registry", "mfsreg.registry.client.remote", "mfsreg.registry.store.service"}
 # cli/backend.py opens one or the other (open_backend, server_client, embedded); cli/server.py runs
 # `serve` and `token`, and cli/admin.py `db upgrade`, on the database itself
 OPENERS = {"mfsreg.cli.backend", "mfsreg.cli.server", "mfsreg.cli.admin"}

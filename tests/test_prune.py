@@ -11,7 +11,6 @@ from datetime import UTC, datetime
 import pytest
 from sqlalchemy import func, insert, select, text, update
 
-from mfsreg.registry import service
 from mfsreg.registry.blobs.packs import pack_key
 from mfsreg.registry.config import Settings
 from mfsreg.registry.db import reclaim as prune_db
@@ -20,11 +19,12 @@ from mfsreg.registry.db.locks import exclude_writers
 from mfsreg.registry.db.models import chunks, packs, unlisted_packs
 from mfsreg.registry.errors import Conflict, InvalidRequest, NotFound, Pruned
 from mfsreg.registry.hashing import HashJob, hash_source
-from mfsreg.registry.ingest import commit_version, plan_deltas, upload_missing
 from mfsreg.registry.progress import NullProgress
-from mfsreg.registry.recorded import RecordedPacks
 from mfsreg.registry.registry import Registry
 from mfsreg.registry.source import open_source
+from mfsreg.registry.store import service
+from mfsreg.registry.store.ingest import commit_version, plan_deltas, upload_missing
+from mfsreg.registry.store.recorded import RecordedPacks
 from mfsreg.registry.wire import Entry, build_batch
 from tests.cli_run import mfsreg, mfsreg_json
 from tests.hooks import OnFirst, OnSend, Tally
@@ -307,7 +307,7 @@ def test_chunks_in_flight_keep_the_bases_of_their_deltas(reg, fam, tmp_path):
 def after_the_decision(monkeypatch, action) -> None:
     """Run ``action`` once prune has decided on its snapshot and before it takes the writers' lock
     to check that choice again: writers go on while it decides."""
-    from mfsreg.registry import prune as prune_mod
+    from mfsreg.registry.store import prune as prune_mod
 
     decide = prune_mod.decide
 
@@ -392,7 +392,7 @@ def test_the_check_keeps_a_chosen_chain_down_to_its_plain_chunk(reg, fam):
     """still_unneeded walks the bases of what it keeps: a delta recorded meanwhile against a chosen
     delta keeps that delta and the plain chunk beneath it (no synthetic member stores a delta
     against a delta, so the newer one is a row written here, and rolled back)."""
-    from mfsreg.registry import prune as prune_mod
+    from mfsreg.registry.store import prune as prune_mod
 
     reg.push(fam["base"], "fam", "base")
     reg.push(fam["full-med"], "fam", "full-med", parent="base")
@@ -464,11 +464,11 @@ def test_a_push_whose_pack_a_prune_took_for_abandoned_writes_it_again(reg, fam, 
 
 def test_a_plain_copy_whose_pack_a_prune_took_for_abandoned_leaves_no_blob(reg, fam):
     """The plain copies a scoped push makes of chunks whose delta chains pass through another
-    family's (registry/access.py) are written in announced packs too: one that a prune claims
+    family's (registry/store/access.py) are written in announced packs too: one that a prune claims
     before its blob is written is refused, and its writer deletes the blob (it was left in the
     store, listed nowhere, for good)."""
-    from mfsreg.registry.access import _PlainCopies
     from mfsreg.registry.errors import Pruned
+    from mfsreg.registry.store.access import _PlainCopies
 
     reg.push(fam["base"], "fam", "base")
     _, manifest = reg.manifest("fam", "base")
@@ -752,7 +752,7 @@ def _cut_short(reg, pack_id: str) -> None:
 
 
 def _plan_now(reg, max_unused: float = 0.0):
-    from mfsreg.registry import prune as prune_mod
+    from mfsreg.registry.store import prune as prune_mod
 
     with read_tx(reg.engine) as conn:
         return prune_mod.decide(conn, prune_db.db_now(conn), prune_db.pack_sizes(conn), max_unused)

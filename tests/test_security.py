@@ -113,7 +113,7 @@ def borrowed_tensor(fam: dict, tmp_path) -> Path:
 
 def lent_to(reg, family: str, version: str) -> set[str]:
     """Chunks a version needs beyond those of its own files: what it lends its readers besides."""
-    from mfsreg.registry.service import version_doc
+    from mfsreg.registry.store.service import version_doc
 
     doc, _ = version_doc(reg, family, version, None)
     own = {c[0] for f in doc["manifest"]["files"] for c in f["chunks"]}

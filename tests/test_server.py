@@ -1526,7 +1526,7 @@ def test_an_s3_endpoint_that_dies_mid_download_is_one_line_on_both_sides(batch, 
     import numpy as np
     from safetensors.numpy import save_file
 
-    from mfsreg.registry.service import EAGER_BYTES
+    from mfsreg.registry.store.service import EAGER_BYTES
     from tests.faults import CutProxy
     from tests.server import Server
 

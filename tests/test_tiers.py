@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from mfsreg.registry.tiers import BASE, GROUP, UNIQUE, threshold, tier_of
+from mfsreg.registry.store.tiers import BASE, GROUP, UNIQUE, threshold, tier_of
 from tests import synth
 
 
@@ -147,9 +147,9 @@ def test_every_change_to_a_family_bumps_its_epoch(reg, fam):
     quorum change moves it, and nothing else (a read, a re-push of an existing version) does."""
     from sqlalchemy import select
 
-    from mfsreg.registry import service
     from mfsreg.registry.db.engine import read_tx
     from mfsreg.registry.db.models import families
+    from mfsreg.registry.store import service
 
     def epoch() -> int:
         with read_tx(reg.engine) as conn:
@@ -176,9 +176,9 @@ def test_every_change_to_a_family_bumps_its_epoch(reg, fam):
 def test_a_kept_version_document_follows_every_change_to_its_family(reg, fam):
     """The server keeps a document's manifest and chunk table by tag (service.version_doc): what it
     answers after a change equals what a registry that kept nothing answers, and it keeps a few."""
-    from mfsreg.registry import service
     from mfsreg.registry.context import Kept
     from mfsreg.registry.registry import Registry
+    from mfsreg.registry.store import service
 
     reg.push(fam["base"], "fam", "base")
     reg.push(fam["lora-chat"], "fam", "lora-chat")
@@ -206,10 +206,10 @@ def test_a_version_pushed_again_under_its_name_never_keeps_its_tag(reg, fam):
     as it would leave it) and SQLite gives the new row the deleted one's id."""
     from sqlalchemy import update
 
-    from mfsreg.registry import service
     from mfsreg.registry.db import versions as version_db
     from mfsreg.registry.db.engine import read_tx, write_tx
     from mfsreg.registry.db.models import families
+    from mfsreg.registry.store import service
 
     reg.push(fam["base"], "fam", "base")
     reg.push(fam["lora-chat"], "fam", "v")

@@ -7,7 +7,6 @@ from fastapi import APIRouter, Depends, Query, Request
 from mfsreg.api.bearer import principal
 from mfsreg.api.openapi import FamilyQuery
 from mfsreg.api.routes import audit_model, registry_of
-from mfsreg.registry import prune
 from mfsreg.registry.auth import Principal
 from mfsreg.registry.documents import (
     AuditEntryModel,
@@ -16,6 +15,7 @@ from mfsreg.registry.documents import (
 )
 from mfsreg.registry.errors import Forbidden
 from mfsreg.registry.names import check_name
+from mfsreg.registry.store import prune
 
 router = APIRouter()
 

@@ -9,13 +9,13 @@ from fastapi.responses import JSONResponse
 from mfsreg.api.bearer import principal
 from mfsreg.api.openapi import FamilyName, FamilyQuery
 from mfsreg.api.routes import family_model, registry_of
-from mfsreg.registry import service
 from mfsreg.registry.auth import Principal
 from mfsreg.registry.documents import (
     FamilyModel,
 )
 from mfsreg.registry.errors import Forbidden
 from mfsreg.registry.names import check_name
+from mfsreg.registry.store import service
 
 router = APIRouter()
 
@@ -56,6 +56,6 @@ def stats(request: Request, family: FamilyQuery = None, who: Principal = Depends
     if family is None and who.family_pattern != "*":
         raise Forbidden(f"this token is limited to families matching {who.family_pattern!r}: ask for one family")
     who.require("read", family)
-    # a token for some families sees figures of those alone (registry/stats.py)
+    # a token for some families sees figures of those alone (registry/store/stats.py)
     visible = None if who.family_pattern == "*" else (lambda name: who.allows("read", name))
     return registry_of(request).stats(family, visible)

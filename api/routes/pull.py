@@ -9,12 +9,12 @@ from mfsreg.api.bearer import principal
 from mfsreg.api.openapi import FamilyName
 from mfsreg.api.routes import registry_of
 from mfsreg.api.streams import broken_off
-from mfsreg.registry import service
 from mfsreg.registry.auth import Principal
 from mfsreg.registry.documents import (
     DownloadRequest,
 )
 from mfsreg.registry.names import check_name
+from mfsreg.registry.store import service
 
 router = APIRouter()
 

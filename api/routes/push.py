@@ -12,7 +12,6 @@ from mfsreg.api.bearer import principal
 from mfsreg.api.limits import read_body
 from mfsreg.api.openapi import FamilyName, VersionName
 from mfsreg.api.routes import registry_of
-from mfsreg.registry import service
 from mfsreg.registry.auth import Principal
 from mfsreg.registry.documents import (
     CommitRequest,
@@ -23,6 +22,7 @@ from mfsreg.registry.documents import (
 )
 from mfsreg.registry.meta import check_meta
 from mfsreg.registry.names import check_name
+from mfsreg.registry.store import service
 
 router = APIRouter()
 

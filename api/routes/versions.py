@@ -9,13 +9,13 @@ from mfsreg.api import metrics
 from mfsreg.api.bearer import principal
 from mfsreg.api.openapi import FamilyName, VersionName
 from mfsreg.api.routes import registry_of, version_model
-from mfsreg.registry import service
 from mfsreg.registry.auth import Principal
 from mfsreg.registry.documents import (
     DeleteResultModel,
     VersionModel,
 )
 from mfsreg.registry.names import check_name
+from mfsreg.registry.store import service
 
 router = APIRouter()
 

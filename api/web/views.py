@@ -1,4 +1,4 @@
-"""What each page shows, as plain data for its template: the figures are registry/stats.py's (the
+"""What each page shows, as plain data for its template: the figures are registry/store/stats.py's (the
 same `mfsreg stats` prints), the words registry/wording.py's."""
 
 from __future__ import annotations

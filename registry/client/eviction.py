@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from mfsreg.registry.client.indexdb import forget_rows
 from mfsreg.registry.errors import StorageError
-from mfsreg.registry.tiers import EVICTION_ORDER
+from mfsreg.registry.store.tiers import EVICTION_ORDER
 
 if TYPE_CHECKING:  # (cacheindex.py imports the ranks from here)
     from mfsreg.registry.client.cacheindex import CacheIndex

@@ -1,16 +1,16 @@
 """The embedded registry as a node's source of documents and chunks: what RemoteRegistry answers
-over HTTP, answered by the same service steps in this process (registry/service.py). With it,
+over HTTP, answered by the same service steps in this process (registry/store/service.py). With it,
 load_tensors, ResidentModel and load_into work without a server (Node() without MFSREG_URL)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
-from mfsreg.registry import service
 from mfsreg.registry.blobs.packs import ChunkForm
 from mfsreg.registry.client.remote import Closable, DocumentReader
 from mfsreg.registry.errors import InvalidRequest
 from mfsreg.registry.registry import Registry
+from mfsreg.registry.store import service
 from mfsreg.registry.wire import Located
 
 

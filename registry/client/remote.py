@@ -53,7 +53,7 @@ from mfsreg.registry.results import (
     existing_result,
 )
 from mfsreg.registry.source import open_source
-from mfsreg.registry.tiers import TIERS
+from mfsreg.registry.store.tiers import TIERS
 from mfsreg.registry.wire import (
     MAX_UPLOAD_CHUNKS,
     RAW_PER_BODY,

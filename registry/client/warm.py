@@ -7,7 +7,7 @@ from mfsreg.registry.client.fetch import Fetcher
 from mfsreg.registry.client.node import evict_quietly
 from mfsreg.registry.client.remote import RemoteRegistry
 from mfsreg.registry.errors import InvalidRequest, NotFound
-from mfsreg.registry.tiers import TIERS
+from mfsreg.registry.store.tiers import TIERS
 
 MAX_RECENT = 100_000  # a node keeps far fewer members; the index's LIMIT takes no more than 2**63 - 1
 

@@ -1,4 +1,4 @@
-"""Queries on the audit log (registry/audit.py says what is recorded)."""
+"""Queries on the audit log (registry/store/audit.py says what is recorded)."""
 
 from __future__ import annotations
 

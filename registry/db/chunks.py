@@ -98,7 +98,7 @@ def record_pack(
 
 
 def repoint_plain(conn: Connection, pack_id: str, size: int, stored: Sequence[StoredChunk]) -> None:
-    """A durable pack of plain copies of stored chunks (registry/access.py), and those chunks' rows
+    """A durable pack of plain copies of stored chunks (registry/store/access.py), and those chunks' rows
     pointed at it: no longer deltas. Their old copies are dead weight until prune repacks them. A
     chunk deleted meanwhile (a prune) stays deleted: the commit that needed it finds it missing.
     The versions that used the deltas no longer need their bases: rechain, as a mend does."""

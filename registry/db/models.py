@@ -77,7 +77,7 @@ versions = Table(
     UniqueConstraint("family_id", "name"),
 )
 
-# movable names of versions; a family's tags and version names are one namespace (registry/tags.py)
+# movable names of versions; a family's tags and version names are one namespace (registry/store/tags.py)
 tags = Table(
     "tags",
     metadata,
@@ -184,7 +184,7 @@ tokens = Table(
     Column("last_used_at", DateTime(timezone=True), nullable=True),  # kept to the minute
 )
 
-# who did what: deletes, prunes, quorum changes, token creation and revocation (registry/audit.py)
+# who did what: deletes, prunes, quorum changes, token creation and revocation (registry/store/audit.py)
 audit_log = Table(
     "audit_log",
     metadata,

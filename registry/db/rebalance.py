@@ -1,4 +1,4 @@
-"""SQL for incremental tier rebalancing (policy in registry/tiers.py).
+"""SQL for incremental tier rebalancing (policy in registry/store/tiers.py).
 
 Each function works inside the caller's write transaction, after the family row has been locked,
 and returns how many rows changed tier so that callers (and tests) can see the work done.
@@ -13,7 +13,7 @@ from sqlalchemy import Connection, and_, bindparam, case, delete, func, select, 
 from mfsreg.registry.db.dialect import batches, insert
 from mfsreg.registry.db.models import families
 from mfsreg.registry.db.models import family_chunks as fc
-from mfsreg.registry.tiers import BASE, GROUP, UNIQUE, threshold
+from mfsreg.registry.store.tiers import BASE, GROUP, UNIQUE, threshold
 
 
 def _tier_expr(members: int, base_quorum: float):

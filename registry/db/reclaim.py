@@ -1,4 +1,4 @@
-"""Queries of prune (registry/prune.py): which chunks versions need, what each pack holds, moving
+"""Queries of prune (registry/store/prune.py): which chunks versions need, what each pack holds, moving
 chunks to new packs, unlisted packs (blobs awaiting deletion), and the lock that keeps one prune
 at a time (db/locks.py keeps prune apart from commits and from recording packs)."""
 

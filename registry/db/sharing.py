@@ -1,4 +1,4 @@
-"""Aggregate queries for sharing figures (registry/stats.py shapes them)."""
+"""Aggregate queries for sharing figures (registry/store/stats.py shapes them)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from sqlalchemy import Connection, and_, case, exists, func, select
 from mfsreg.registry.db.models import chunks, families, packs, unlisted_packs, versions
 from mfsreg.registry.db.models import family_chunks as fc
 from mfsreg.registry.db.models import version_chunks as vc
-from mfsreg.registry.tiers import BASE, GROUP, TIERS, UNIQUE
+from mfsreg.registry.store.tiers import BASE, GROUP, TIERS, UNIQUE
 
 
 def _family_id(name: str | None):

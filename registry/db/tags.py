@@ -1,4 +1,4 @@
-"""Queries on tags and their history (registry/tags.py says the rules)."""
+"""Queries on tags and their history (registry/store/tags.py says the rules)."""
 
 from __future__ import annotations
 

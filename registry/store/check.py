@@ -1,6 +1,6 @@
 """`mfsreg check`: does the blob store still hold every byte that the stored versions need?
 
-Looks up each pack that a version's chunks, or the bases of their deltas, lie in (registry/lost.py)
+Looks up each pack that a version's chunks, or the bases of their deltas, lie in (registry/store/lost.py)
 and, with ``read_data``, reads, decodes and hashes every such chunk; names what is wrong with the
 versions it breaks. Changes nothing, so it runs beside pushes and pulls. ``unreadable_or_damaged``
 is the same read for ``push --mend-damaged``.
@@ -19,11 +19,11 @@ from mfsreg.registry.db import chunks as chunk_db
 from mfsreg.registry.db import versions as version_db
 from mfsreg.registry.db.engine import read_tx
 from mfsreg.registry.errors import IntegrityError, NotFound
-from mfsreg.registry.lost import LostWarning, PackSizes, lost_packs, through_lost, unreadable
 from mfsreg.registry.parallel import sized_batches, windowed_map
 from mfsreg.registry.progress import NullProgress, Progress
 from mfsreg.registry.rebuild import closure, decode_verified, levels
 from mfsreg.registry.results import CheckResult
+from mfsreg.registry.store.lost import LostWarning, PackSizes, lost_packs, through_lost, unreadable
 
 # chunk bytes, decoded, checked at a time with read_data (plus the bases their deltas need): what
 # memory holds at once. Counted raw, not stored: a batch of deltas can decode to ten times its size

@@ -20,7 +20,7 @@ from mfsreg.registry.db import sharing as q
 from mfsreg.registry.db.engine import read_tx
 from mfsreg.registry.db.versions import family_exists, get_family, list_families, list_versions
 from mfsreg.registry.errors import NotFound
-from mfsreg.registry.tiers import BASE, GROUP, UNIQUE
+from mfsreg.registry.store.tiers import BASE, GROUP, UNIQUE
 
 
 def shares(split: dict[str, tuple[int, int, int, int]]) -> dict[str, dict[str, float | int]]:

@@ -25,8 +25,8 @@ from mfsreg.registry.db.engine import read_tx, write_tx
 from mfsreg.registry.db.locks import exclude_writers
 from mfsreg.registry.errors import InvalidRequest, NotFound, StorageError
 from mfsreg.registry.progress import NullProgress, Progress
-from mfsreg.registry.recorded import RecordedPacks
 from mfsreg.registry.results import PruneResult
+from mfsreg.registry.store.recorded import RecordedPacks
 
 DEFAULT_MIN_AGE = PRUNE_MIN_AGE  # seconds: longer than any push between its first upload and its commit
 DEFAULT_MAX_UNUSED = PRUNE_MAX_UNUSED  # a pack with more than this share of unused bytes is repacked

@@ -29,7 +29,7 @@ LATEST = version_db.LATEST
 
 def named(who: Principal | None) -> str:
     """Who moved a tag (registry/audit.named), loaded only by what changes a tag: `ls` stays light."""
-    from mfsreg.registry.audit import named as audit_named
+    from mfsreg.registry.store.audit import named as audit_named
 
     return audit_named(who)
 

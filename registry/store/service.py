@@ -14,11 +14,9 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
-from mfsreg.registry import access, codec
-from mfsreg.registry.audit import named
+from mfsreg.registry import codec
 from mfsreg.registry.auth import Principal
 from mfsreg.registry.blobs.packs import StoredChunk
-from mfsreg.registry.check import to_mend, unreadable_or_damaged
 from mfsreg.registry.config import check_chunk_size
 from mfsreg.registry.context import Store
 from mfsreg.registry.db import chunks as chunk_db
@@ -26,7 +24,6 @@ from mfsreg.registry.db import claims as claim_db
 from mfsreg.registry.db import rebalance as tier_db
 from mfsreg.registry.db import versions as version_db
 from mfsreg.registry.db.engine import read_tx, write_tx
-from mfsreg.registry.deltas import BasisReader, cap_depth
 from mfsreg.registry.errors import (
     IntegrityError,
     InvalidModel,
@@ -37,7 +34,18 @@ from mfsreg.registry.errors import (
     TooLarge,
     shown,
 )
-from mfsreg.registry.ingest import (
+from mfsreg.registry.manifest import MAX_CHUNK_BYTES, SAFETENSORS, Manifest, parse_doc
+from mfsreg.registry.meta import VersionMeta
+from mfsreg.registry.names import check_name
+from mfsreg.registry.parallel import windowed_map
+from mfsreg.registry.rebuild import decode_verified
+from mfsreg.registry.results import PushResult, timestamp
+from mfsreg.registry.safetensors import parse_header
+from mfsreg.registry.store import access
+from mfsreg.registry.store.audit import named
+from mfsreg.registry.store.check import to_mend, unreadable_or_damaged
+from mfsreg.registry.store.deltas import BasisReader, cap_depth
+from mfsreg.registry.store.ingest import (
     check_cut,
     check_named_cut,
     check_new_cut,
@@ -50,15 +58,8 @@ from mfsreg.registry.ingest import (
     stored_for,
     stored_layout,
 )
-from mfsreg.registry.lost import lost_packs, unreadable
-from mfsreg.registry.manifest import MAX_CHUNK_BYTES, SAFETENSORS, Manifest, parse_doc
-from mfsreg.registry.meta import VersionMeta
-from mfsreg.registry.names import check_name
-from mfsreg.registry.parallel import windowed_map
-from mfsreg.registry.rebuild import decode_verified
-from mfsreg.registry.results import PushResult, timestamp
-from mfsreg.registry.safetensors import parse_header
-from mfsreg.registry.tiers import TIERS
+from mfsreg.registry.store.lost import lost_packs, unreadable
+from mfsreg.registry.store.tiers import TIERS
 from mfsreg.registry.wire import (
     MAX_UPLOAD_CHUNKS,
     RAW_PER_BODY,
@@ -85,7 +86,7 @@ def negotiate(
     mend_damaged: bool = False,
 ) -> dict:
     """Which chunks to upload (those not stored, and those ``who`` may not use without sending
-    them: registry/access.py), and for each a suggested basis, against which the server may store
+    them: registry/store/access.py), and for each a suggested basis, against which the server may store
     it as a delta. The manifest may be a draft (file sha256s null). ``mend`` lists the missing
     chunks that are stored, in a lost pack or, with ``mend_damaged``, damaged; where the version
     exists, see _negotiate_existing.
@@ -222,7 +223,7 @@ def receive_batch(reg: Store, family: str, body: bytes, who: Principal | None = 
     mend = _batch_mends(reg, entries, stored_here, proving)
     reader = BasisReader(located, reg.read_payloads, decode_verified, locate=reg.locate)
     # Every chunk is verified, the stored ones too: an upload is how a scoped token proves it
-    # holds a chunk another family stored (registry/access.py); only the missing ones are stored.
+    # holds a chunk another family stored (registry/store/access.py); only the missing ones are stored.
     todo_ids = {e.id for e, _ in entries if e.id in missing} | mend
     basis_of = {
         e.id: cap_depth(e.basis_id, located)
@@ -450,7 +451,7 @@ def check_packs(reg: Store, chunks: list[StoredChunk]) -> None:
     """Every pack the batch reads is in storage and reaches its last chunk, checked before the
     stream starts: a store that lost (or cut short) a pack is answered with an error the client
     can show, instead of a response that breaks off halfway. One size lookup per pack (a HEAD on
-    S3; registry/lost.py)."""
+    S3; registry/store/lost.py)."""
     for pack_id, why in lost_packs(reg, chunks).items():
         raise StorageError(
             f"the registry's storage lost data ({why}): tell the registry's operator",

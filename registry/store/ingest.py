@@ -17,10 +17,8 @@ from pathlib import Path
 
 from sqlalchemy import Connection
 
-from mfsreg.registry import deltas, results
-from mfsreg.registry.audit import named
+from mfsreg.registry import results
 from mfsreg.registry.blobs.packs import StoredChunk
-from mfsreg.registry.check import to_mend
 from mfsreg.registry.config import MAX_CHUNK_SIZE, MIN_CHUNK_SIZE
 from mfsreg.registry.context import Store
 from mfsreg.registry.db import chunks as chunk_db
@@ -29,7 +27,6 @@ from mfsreg.registry.db import rebalance as tier_db
 from mfsreg.registry.db import versions as version_db
 from mfsreg.registry.db.engine import read_tx, write_tx
 from mfsreg.registry.db.locks import exclude_prune
-from mfsreg.registry.deltas import BasisReader
 from mfsreg.registry.errors import (
     Conflict,
     InvalidName,
@@ -40,16 +37,20 @@ from mfsreg.registry.errors import (
     StorageError,
 )
 from mfsreg.registry.hashing import HashJob, encoded_chunks, missing_bytes
-from mfsreg.registry.lost import LostWarning, PackSizes, lost_packs, warn_lost_bases
 from mfsreg.registry.manifest import Manifest
 from mfsreg.registry.meta import VersionMeta, check_meta
 from mfsreg.registry.names import check_name, check_new_name
 from mfsreg.registry.progress import NullProgress, Progress
 from mfsreg.registry.rebuild import decode_verified
-from mfsreg.registry.recorded import RecordedPacks
 from mfsreg.registry.results import PushResult, VersionRow
 from mfsreg.registry.source import open_source
-from mfsreg.registry.tags import check_free
+from mfsreg.registry.store import deltas
+from mfsreg.registry.store.audit import named
+from mfsreg.registry.store.check import to_mend
+from mfsreg.registry.store.deltas import BasisReader
+from mfsreg.registry.store.lost import LostWarning, PackSizes, lost_packs, warn_lost_bases
+from mfsreg.registry.store.recorded import RecordedPacks
+from mfsreg.registry.store.tags import check_free
 
 
 def plan_deltas(
@@ -63,9 +64,9 @@ def plan_deltas(
     warning: LostWarning | None = None,
     damaged: AbstractSet[str] = frozenset(),
 ) -> tuple[dict[str, str], BasisReader | None]:
-    """Bases for the missing chunks (see registry/deltas.py) and a reader for their bytes.
+    """Bases for the missing chunks (see registry/store/deltas.py) and a reader for their bytes.
     ``new_files``: (chunks, tensors) per file of the version pushed; ``pack_sizes``: the pack
-    lookups this push made already (registry/lost.py); ``warning``: where the caller gathers what
+    lookups this push made already (registry/store/lost.py); ``warning``: where the caller gathers what
     the push found lost into one warning (without it, warned of here); ``damaged``: stored chunks
     this push found damaged, on which no basis, nor a chain through them, is taken."""
     if not reg.settings.delta or not missing or not any(tensors for _, tensors in new_files):
@@ -407,10 +408,10 @@ def push(
         progress.advance("skip", skipped)
         added = upload_missing(reg, job, missing, reg.pool, progress, plan.bases, plan.reader, mend)
         manifest = job.manifest()  # waits for the file digests, which ran beside the encoding
-        from mfsreg.registry.access import detach_foreign_chains  # (access builds on this module)
+        from mfsreg.registry.store.access import detach_foreign_chains  # (access builds on this module)
 
         # a reused delta whose chain leaves the family: a plain copy, so that the version lends its
-        # family's readers no other family's bytes (registry/access.py)
+        # family's readers no other family's bytes (registry/store/access.py)
         detach_foreign_chains(reg, None, family, manifest.chunk_ids())
         changed, existing, lost, again = _commit(reg, job, family, version, parent, manifest, chunk_size, meta)
         added += again

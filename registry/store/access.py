@@ -29,7 +29,7 @@ from mfsreg.registry.db.engine import read_tx
 from mfsreg.registry.errors import IntegrityError, NotFound, StorageError
 from mfsreg.registry.parallel import sized_batches
 from mfsreg.registry.rebuild import decode_batch
-from mfsreg.registry.recorded import RecordedPacks
+from mfsreg.registry.store.recorded import RecordedPacks
 
 log = logging.getLogger("mfsreg")
 

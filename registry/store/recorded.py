@@ -1,5 +1,5 @@
 """A pack writer whose packs are recorded in the database as each becomes durable: the push's
-(registry/ingest.py), and the base of prune's and access's writers of moved or copied chunks."""
+(registry/store/ingest.py), and the base of prune's and access's writers of moved or copied chunks."""
 
 from __future__ import annotations
 

@@ -15,8 +15,8 @@ from collections.abc import Callable, Container, Iterable, Sequence
 from mfsreg.registry.blobs.packs import StoredChunk
 from mfsreg.registry.chunking import ChunkRef
 from mfsreg.registry.errors import IntegrityError, NotFound
-from mfsreg.registry.lost import through_lost, warn_damaged_basis, warn_lost_bases
 from mfsreg.registry.safetensors import TensorSpan
+from mfsreg.registry.store.lost import through_lost, warn_damaged_basis, warn_lost_bases
 
 MAX_DEPTH = 3  # a pull decodes at most this many deltas on top of a plain chunk
 Position = tuple[str, int]
@@ -73,7 +73,7 @@ def cap_depth(
 ) -> str | None:
     """The basis to use instead of ``basis_id`` so that the new delta stays within MAX_DEPTH and
     can be encoded: a basis whose bytes, or those of a basis down its chain, lie in a pack the blob
-    store lost (``lost``, registry/lost.py) or are chunks this push has read and found ``damaged``
+    store lost (``lost``, registry/store/lost.py) or are chunks this push has read and found ``damaged``
     (push --mend-damaged: check.unreadable_or_damaged) cannot be read, so the next one down the
     chain is taken (a chunk below the bad one still decodes). None: store the chunk plain."""
     b = located.get(basis_id)
