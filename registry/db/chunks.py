@@ -220,6 +220,34 @@ def locate(conn: Connection, ids: Iterable[str]) -> dict[str, StoredChunk]:
     return out
 
 
+def locate_in_family(conn: Connection, family: str, ids: Iterable[str]) -> dict[str, StoredChunk]:
+    """Where each of ``ids`` that family ``family`` uses (directly or as a delta basis) is stored, in
+    one query per batch of ids (a node's download asked three: the family, its use of the ids,
+    their places). Ids the family does not use, or that are not stored, are absent."""
+    cols = (
+        chunks.c.id,
+        chunks.c.size,
+        chunks.c.encoding,
+        chunks.c.stored_size,
+        chunks.c.pack_id,
+        chunks.c.offset,
+        chunks.c.basis_id,
+        chunks.c.depth,
+    )
+    out: dict[str, StoredChunk] = {}
+    for batch in batches(list(dict.fromkeys(ids))):
+        q = (
+            select(*cols)
+            .select_from(chunks)
+            .join(family_chunks, family_chunks.c.chunk_id == chunks.c.id)
+            .join(families, families.c.id == family_chunks.c.family_id)
+            .where(families.c.name == family, chunks.c.id.in_(batch))
+        )
+        for row in conn.execute(q):
+            out[row.id] = StoredChunk(*row)
+    return out
+
+
 def locate_closure(conn: Connection, ids: Iterable[str]) -> dict[str, StoredChunk]:
     """Where ``ids`` and, transitively, the basis chunks of their deltas are stored."""
     out = locate(conn, ids)
