@@ -40,11 +40,12 @@ from mfsreg.registry.hashing import HashJob, encoded_chunks, missing_bytes
 from mfsreg.registry.manifest import Manifest
 from mfsreg.registry.meta import VersionMeta, check_meta
 from mfsreg.registry.names import check_name, check_new_name
+from mfsreg.registry.principal import Principal
 from mfsreg.registry.progress import NullProgress, Progress
 from mfsreg.registry.rebuild import decode_verified
-from mfsreg.registry.results import PushResult, VersionRow
+from mfsreg.registry.results import FamilyRow, PushResult, VersionRow
 from mfsreg.registry.source import open_source
-from mfsreg.registry.store import deltas
+from mfsreg.registry.store import access, deltas
 from mfsreg.registry.store.audit import named
 from mfsreg.registry.store.check import to_mend
 from mfsreg.registry.store.deltas import BasisReader
@@ -122,6 +123,31 @@ class PushPlan:
     mend: set[str]
     bases: dict[str, str]
     reader: BasisReader | None
+
+
+@dataclass(frozen=True)
+class Survey:
+    """What a push's "what is missing?" finds, read in one transaction."""
+
+    existing: VersionRow | None  # the version already stored under this name
+    family: FamilyRow | None  # None: the push makes the family
+    missing: set[str]  # chunks not stored; with a scoped principal, also those it must send (unproven)
+    located: dict[str, StoredChunk]  # where the stored ones lie, and the bases down their chains
+    unproven: set[str]  # stored chunks the principal may not reuse without sending them (access.py)
+
+
+def survey(reg: Store, family: str, version: str, ids: list[str], who: Principal | None = None) -> Survey:
+    """The push's second step, asked once by the embedded push and by the server's negotiate: is
+    the version there, is the family, which of its chunks are stored and where, and which of those
+    ``who`` must send all the same (none for the embedded registry's own push)."""
+    with read_tx(reg.engine) as conn:
+        existing = version_db.find_version(conn, family, version)
+        fam = version_db.find_family(conn, family)
+        missing = chunk_db.missing_ids(conn, ids)
+        stored = [i for i in ids if i not in missing]
+        located = chunk_db.locate_closure(conn, stored)
+        unproven = access.unproven(conn, who, family, stored)
+    return Survey(existing, fam, missing | unproven, located, unproven)
 
 
 def plan_push(
@@ -377,8 +403,8 @@ def push(
     whose bytes are damaged as well as those lost: where the version is stored already with this
     content, that is all the push does (mend_existing); a new version's reused chunks are mended so
     before it commits over them."""
-    # (over 60 lines: the push's steps in order, each a call; the planning step is shared with
-    # the server's negotiate as ingest.plan_push)
+    # (over 60 lines: the push's steps in order, each a call; the survey and the planning steps are
+    # shared with the server's negotiate: survey, plan_push)
     progress = progress or NullProgress()
     t0 = time.perf_counter()
     check_push_names(family, version, parent)
@@ -389,10 +415,8 @@ def push(
     chunk_size = family_chunk_size(reg, family)
     with HashJob(source, chunk_size, progress) as job:
         ids = job.chunk_ids()
-        with read_tx(reg.engine) as conn:
-            existing = version_db.find_version(conn, family, version)
-            missing = chunk_db.missing_ids(conn, ids)
-            located = chunk_db.locate_closure(conn, [i for i in ids if i not in missing])
+        found = survey(reg, family, version, ids)
+        existing, missing, located = found.existing, found.missing, found.located
         if existing is not None:
             done = existing_result(reg, existing, job.manifest(), family, version, t0)  # other content: refused
             return mend_existing(reg, job, done, located, progress, t0, mend_damaged)
@@ -408,11 +432,9 @@ def push(
         progress.advance("skip", skipped)
         added = upload_missing(reg, job, missing, reg.pool, progress, plan.bases, plan.reader, mend)
         manifest = job.manifest()  # waits for the file digests, which ran beside the encoding
-        from mfsreg.registry.store.access import detach_foreign_chains  # (access builds on this module)
-
         # a reused delta whose chain leaves the family: a plain copy, so that the version lends its
         # family's readers no other family's bytes (registry/store/access.py)
-        detach_foreign_chains(reg, None, family, manifest.chunk_ids())
+        access.detach_foreign_chains(reg, None, family, manifest.chunk_ids())
         changed, existing, lost, again = _commit(reg, job, family, version, parent, manifest, chunk_size, meta)
         added += again
         missing |= lost

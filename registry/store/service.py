@@ -57,6 +57,7 @@ from mfsreg.registry.store.ingest import (
     store_chunks,
     stored_for,
     stored_layout,
+    survey,
 )
 from mfsreg.registry.store.lost import lost_packs, unreadable
 from mfsreg.registry.store.tiers import TIERS
@@ -96,13 +97,14 @@ def negotiate(
     ids = manifest.chunk_ids()
     sizes = manifest.chunk_sizes()
     check_parent(reg, family, parent, version)  # before anything is uploaded, as an embedded push does
-    with read_tx(reg.engine) as conn:
-        existing = version_db.find_version(conn, family, version)
-        fam = version_db.find_family(conn, family)
-        missing = chunk_db.missing_ids(conn, ids)
-        located = chunk_db.locate_closure(conn, [i for i in ids if i not in missing])
-        unproven = access.unproven(conn, who, family, [i for i in ids if i not in missing])
-        missing |= unproven
+    found = survey(reg, family, version, ids, who)  # the embedded push's own question
+    existing, fam, missing, located, unproven = (
+        found.existing,
+        found.family,
+        found.missing,
+        found.located,
+        found.unproven,
+    )
     # before anything is uploaded
     if fam is None:
         check_new_cut(family, manifest.cut_size())
