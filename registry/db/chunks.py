@@ -201,21 +201,24 @@ def _needed(own: Iterable[str], located: dict[str, StoredChunk]) -> set[str]:
     return need
 
 
+# a chunks row as StoredChunk's fields, in their order
+_STORED = (
+    chunks.c.id,
+    chunks.c.size,
+    chunks.c.encoding,
+    chunks.c.stored_size,
+    chunks.c.pack_id,
+    chunks.c.offset,
+    chunks.c.basis_id,
+    chunks.c.depth,
+)
+
+
 def locate(conn: Connection, ids: Iterable[str]) -> dict[str, StoredChunk]:
     """Where each of ``ids`` is stored. Ids that are not stored are simply absent from the result."""
     out: dict[str, StoredChunk] = {}
-    cols = (
-        chunks.c.id,
-        chunks.c.size,
-        chunks.c.encoding,
-        chunks.c.stored_size,
-        chunks.c.pack_id,
-        chunks.c.offset,
-        chunks.c.basis_id,
-        chunks.c.depth,
-    )
     for batch in batches(list(dict.fromkeys(ids))):
-        for row in conn.execute(select(*cols).where(chunks.c.id.in_(batch))):
+        for row in conn.execute(select(*_STORED).where(chunks.c.id.in_(batch))):
             out[row.id] = StoredChunk(*row)
     return out
 
@@ -224,20 +227,10 @@ def locate_in_family(conn: Connection, family: str, ids: Iterable[str]) -> dict[
     """Where each of ``ids`` that family ``family`` uses (directly or as a delta basis) is stored, in
     one query per batch of ids (a node's download asked three: the family, its use of the ids,
     their places). Ids the family does not use, or that are not stored, are absent."""
-    cols = (
-        chunks.c.id,
-        chunks.c.size,
-        chunks.c.encoding,
-        chunks.c.stored_size,
-        chunks.c.pack_id,
-        chunks.c.offset,
-        chunks.c.basis_id,
-        chunks.c.depth,
-    )
     out: dict[str, StoredChunk] = {}
     for batch in batches(list(dict.fromkeys(ids))):
         q = (
-            select(*cols)
+            select(*_STORED)
             .select_from(chunks)
             .join(family_chunks, family_chunks.c.chunk_id == chunks.c.id)
             .join(families, families.c.id == family_chunks.c.family_id)
