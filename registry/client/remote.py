@@ -516,7 +516,7 @@ class RemoteRegistry(DocumentReader, Closable):
         return self._doc(
             "GET",
             f"/v1/families/{family}/versions",
-            lambda d: [_version_row(_checked("VersionModel", v)) for v in _list(d)],
+            lambda d: [_version_row(v) for v in _rows("VersionModel", d)],
         )
 
     def stats(self, family: str | None = None) -> dict:
@@ -531,7 +531,7 @@ class RemoteRegistry(DocumentReader, Closable):
         def rows(d) -> list[AuditRow]:
             return [
                 AuditRow(0, e["at"], e["actor"], e["action"], e.get("family"), e.get("detail", ""))
-                for e in (_checked("AuditEntryModel", e) for e in _list(d))
+                for e in _rows("AuditEntryModel", d)
             ]
 
         return self._doc("GET", "/v1/audit", rows, params={"limit": limit})
@@ -553,7 +553,7 @@ class RemoteRegistry(DocumentReader, Closable):
         def rows(d) -> list[TagRow]:
             return [
                 TagRow(t["tag"], t["version"], t["set_by"], t["set_at"], bool(t["automatic"]))
-                for t in (_checked("TagModel", t) for t in _list(d))
+                for t in _rows("TagModel", d)
             ]
 
         return self._doc("GET", f"/v1/families/{family}/tags", rows)
@@ -567,7 +567,7 @@ class RemoteRegistry(DocumentReader, Closable):
         def rows(d) -> list[TagEvent]:
             return [
                 TagEvent(e["tag"], e.get("from_version"), e.get("to_version"), e["actor"], e["at"])
-                for e in (_checked("TagEventModel", e) for e in _list(d))
+                for e in _rows("TagEventModel", d)
             ]
 
         return self._doc("GET", f"/v1/families/{family}/tag-history", rows, params=params)
@@ -633,6 +633,11 @@ def _checked(model: str, d) -> dict:
         where = ".".join(str(p) for p in first["loc"]) or "the document"
         raise ValueError(f"{where}: {first['msg']} (as {model})") from None
     return d
+
+
+def _rows(model: str, d) -> list[dict]:
+    """A list answer, each of its rows checked as ``model``."""
+    return [_checked(model, row) for row in _list(d)]
 
 
 def _result(cls, model: str, d):
