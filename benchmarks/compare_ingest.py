@@ -1,6 +1,7 @@
 """The CPU cost of one push under two revisions of the code, measured as interleaved pairs.
 
     python -m benchmarks.compare_ingest REV [--against REV2] [--member full-medical|base|...] [--pairs 3]
+        [--through embedded|server]
 
 This VM's speed swings by up to 1.5x between hours, so two benchmark runs made at different times
 cannot show a 10% change. Here the two versions of the code push the same member one after the
@@ -13,7 +14,10 @@ the side's own. For each side, an embedded
 registry holding the member's parent (the base; nothing, for the base itself) is made once as a template. Each push then runs
 in a fresh process on a copy of that template: the process first pushes a small two-version
 family (imports, thread pools and scratch buffers warm up, as in a long-lived server), then
-pushes the member, timing user + system CPU of the whole process around that push alone. The
+pushes the member, timing user + system CPU of the whole process around that push alone. With
+``--through server`` the process also runs the side's API app (uvicorn in a thread, over the same
+embedded registry) and every push goes through the side's remote client: the CPU then counts the
+client and the server, as bench_api's pushes do. The
 sides take turns going first. The files are read into the page cache first. Prints the CPU-seconds of each side, pair by pair, and
 their ratio; writes benchmarks/results/compare_ingest.json (or --out; earlier runs live in git history).
 """
@@ -66,6 +70,18 @@ Registry = side("registry").Registry
 
 home, path, version, parent = Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4], sys.argv[5] or None
 reg = Registry(Settings.from_env({"MFSREG_HOME": str(home)}))
+api_file = None
+if sys.argv[7] == "server":  # the side's own API app in uvicorn in a thread; its client pushes
+    import socket, threading, uvicorn
+    api_app = importlib.import_module("mfsreg.api.app" if _PKG != "registry" else "api.app")
+    api_file = api_app.__file__
+    token = side("auth").create_token(reg.engine, "admin")
+    sock = socket.create_server(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(api_app.create_app(registry=reg), log_config=None, log_level="warning"))
+    threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True).start()
+    while not server.started:
+        time.sleep(0.005)
+    reg = side("client.remote").RemoteRegistry(f"http://127.0.0.1:{sock.getsockname()[1]}", token=token)
 if sys.argv[6] == "warm":  # a small family of two versions: warms what a long-lived process has warm
     rng = np.random.default_rng(0)
     w = ((rng.standard_normal(3 << 20) * 0.02).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
@@ -77,7 +93,9 @@ r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
 result = reg.push(path, "family", version, parent=parent)
 r1, wall = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter() - t0
 reg.close()
-print(json.dumps({"user": r1.ru_utime - r0.ru_utime, "system": r1.ru_stime - r0.ru_stime, "wall": wall,
+if api_file is not None:
+    server.should_exit = True
+print(json.dumps({"api": api_file, "user": r1.ru_utime - r0.ru_utime, "system": r1.ru_stime - r0.ru_stime, "wall": wall,
                   "logical_bytes": result.logical_bytes, "new_bytes": result.new_bytes,
                   "package": core.__file__,
                   "c_module": getattr(codec._grouping, "__file__", None) if codec._grouping is not None else None}))
@@ -138,11 +156,15 @@ def child_result(root: Path, code: str, args: list[str], *modules: str) -> dict:
     return doc
 
 
-def push(root: Path, home: Path, path: Path, version: str, parent: str | None, warm: bool) -> dict:
+def push(
+    root: Path, home: Path, path: Path, version: str, parent: str | None, warm: bool, through: str = "embedded"
+) -> dict:
+    """One push in a fresh process; ``through`` "server": to the side's API app in uvicorn in a
+    thread of that process, by its remote client, the process's CPU counting both."""
     # setup.py builds the module optionally: a failed build would quietly measure the numpy path
-    return child_result(
-        root, CHILD, [str(home), str(path), version, parent or "", "warm" if warm else "cold"], "package", "c_module"
-    )
+    checked = ("package", "c_module") + (("api",) if through == "server" else ())
+    args = [str(home), str(path), version, parent or "", "warm" if warm else "cold", through]
+    return child_result(root, CHILD, args, *checked)
 
 
 def compare_parser(description: str, out: str) -> argparse.ArgumentParser:
@@ -164,6 +186,12 @@ def main(argv: list[str] | None = None) -> None:
         default="full-medical",
         choices=list(MEMBERS),
         help="the member pushed; onto a registry holding its parent, or an empty one for the base",
+    )
+    ap.add_argument(
+        "--through",
+        default="embedded",
+        choices=["embedded", "server"],
+        help="embedded: Registry.push; server: RemoteRegistry.push to the side's API app in the same process",
     )
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
@@ -189,7 +217,9 @@ def main(argv: list[str] | None = None) -> None:
                     shutil.rmtree(home)
                     shutil.copytree(templates[label], home)
                     try:
-                        pair[label] = push(root, home, paths[args.member], args.member, parent, warm=True)
+                        pair[label] = push(
+                            root, home, paths[args.member], args.member, parent, warm=True, through=args.through
+                        )
                     finally:
                         shutil.rmtree(home, ignore_errors=True)
                 pairs.append(pair)
@@ -208,6 +238,7 @@ def main(argv: list[str] | None = None) -> None:
         "params": {
             "member": args.member,
             "parent": parent,
+            "through": args.through,
             "pairs": args.pairs,
             "scale": args.scale,
             "sides": {a: args.rev, b: args.against},
@@ -228,7 +259,8 @@ def report(doc: dict) -> str:
         rows.append([i, f"{ca:.2f}", f"{logical / ca / MB:.0f}", f"{cb:.2f}", f"{logical / cb / MB:.0f}", f"{r:.2f}"])
     return "\n".join(
         [
-            f"## {doc['params']['member']} pushed by two revisions, interleaved ({logical / MB:,.1f} MB logical)",
+            f"## {doc['params']['member']} pushed by two revisions, interleaved ({logical / MB:,.1f} MB logical,"
+            f" {doc['params'].get('through', 'embedded')})",
             "",
             table(["pair", f"{a} CPU s", "MB per CPU-s", f"{b} CPU s", "MB per CPU-s", f"{b} / {a}"], rows),
             "",

@@ -166,6 +166,41 @@ def test_cli_commands_reach_a_registry_through_its_interface_only():
     assert graph["mfsreg.cli.backend"] & IMPLEMENTATIONS  # (the test looks where the imports are)
 
 
+# -- one push --------------------------------------------------------------------------------------
+
+
+def calls_to(source: str, name: str) -> list[int]:
+    """Lines where ``source`` calls ``name`` (a bare name or an attribute of that name)."""
+    return [
+        node.lineno
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Call)
+        and (getattr(node.func, "id", None) == name or getattr(node.func, "attr", None) == name)
+    ]
+
+
+def test_a_push_is_driven_in_one_place():
+    """The sequence of a push (cut and hash, then negotiate, upload, commit) lies in pushing.drive:
+    no other module starts a HashJob but hashing's own hash_source, and both registries' push call drive."""
+    modules = _modules()
+    starting = {
+        mod: lines
+        for mod, path in modules.items()
+        if mod not in ("mfsreg.registry.pushing", "mfsreg.registry.hashing")
+        and (lines := calls_to(path.read_text(), "HashJob"))
+    }
+    assert not starting, f"a push's steps run in mfsreg.registry.pushing.drive only: {starting}"
+    assert calls_to(modules["mfsreg.registry.pushing"].read_text(), "HashJob")
+    for mod in ("mfsreg.registry.store.ingest", "mfsreg.registry.client.remote"):
+        assert calls_to(modules[mod].read_text(), "drive"), f"{mod}'s push does not call pushing.drive"
+
+
+def test_the_push_rule_finds_a_second_driver():
+    assert calls_to("with HashJob(source, 1, p) as job:\n    pass\n", "HashJob") == [1]
+    assert calls_to("x = pushing.drive(steps, path)\n", "drive") == [1]
+    assert calls_to("from mfsreg.registry.hashing import HashJob\n", "HashJob") == []
+
+
 # -- functions short enough to read ---------------------------------------------------------------
 
 LONGEST = 60  # lines, the def and its docstring included

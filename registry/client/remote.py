@@ -14,12 +14,11 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
 from pathlib import Path
 
 import httpx
 
-from mfsreg.registry import protocol, rebuild
+from mfsreg.registry import protocol, pushing, rebuild
 from mfsreg.registry.config import DEFAULT_CHUNK_SIZE, check_chunk_size, size_from_env
 from mfsreg.registry.errors import (
     Conflict,
@@ -52,7 +51,6 @@ from mfsreg.registry.results import (
     VersionRow,
     existing_result,
 )
-from mfsreg.registry.source import open_source
 from mfsreg.registry.store.tiers import TIERS
 from mfsreg.registry.wire import (
     MAX_UPLOAD_CHUNKS,
@@ -268,86 +266,12 @@ class RemoteRegistry(DocumentReader, Closable):
         mend_damaged: bool = False,
         meta: VersionMeta | None = None,
     ) -> PushResult:
-        progress = progress or NullProgress()
-        t0 = time.perf_counter()
-        check_name("family", family)
-        check_name("version", version)
-        if parent is not None:
-            check_name("version", parent)
-        source = open_source(Path(path))
-        base = f"/v1/families/{family}/versions/{version}"
-        chunk_size = self._cut_size(family)
-        with HashJob(source, chunk_size, progress) as job:
-            # mend_damaged is sent only when asked: without it the request is the one older servers know
-            asked = {"mend_damaged": True} if mend_damaged else {}
-
-            def negotiate(m: Manifest) -> dict:
-                return self._doc(
-                    "POST", f"{base}/negotiate", _negotiation, json={"manifest": m.to_doc(), "parent": parent, **asked}
-                )
-
-            draft, neg = _negotiate_draft(job, negotiate)
-            if neg["exists"]:
-                done = _existing(neg, job.manifest(), family, version, t0)  # other content: refused
-            if mend_damaged and neg.get("mend_damaged") is not True:
-                raise _mend_unheard(self.url)
-            if neg["exists"]:
-                return self._mend_existing(family, job, draft, done, set(neg.get("mend", ())), progress, t0)
-            missing = set(neg["missing"])
-            mended = set(neg.get("mend", ())) & missing
-            skipped = draft.logical_bytes - missing_bytes(draft, missing)
-            progress.start("skip", skipped)
-            progress.advance("skip", skipped)
-            sent, added = self._upload(family, job, draft, missing, progress, neg.get("bases", {}))
-            manifest = job.manifest()
-            commit = {"parent": parent, "manifest": manifest.to_doc(), "chunk_size": chunk_size}
-            if meta is not None and (meta.description or meta.labels):  # else the body older servers know
-                commit.update(meta.to_dict())
-            try:
-                res = self._doc("POST", f"{base}/commit", _committed, json=commit)
-            except MissingChunks:
-                # A prune deleted chunks this push found stored before the commit could use them:
-                # ask again what is missing, upload it and commit once more.
-                neg = negotiate(manifest)
-                lost = set(neg["missing"])
-                more = self._upload(family, job, manifest, lost, NullProgress(), neg.get("bases", {}))
-                sent, added, missing = sent + more[0], added + more[1], missing | lost
-                mended |= set(neg.get("mend", ())) & lost
-                res = self._doc("POST", f"{base}/commit", _committed, json=commit)
-        return _pushed(res, added, missing, sent, mended, t0)
-
-    def _mend_existing(
-        self,
-        family: str,
-        job: HashJob,
-        draft: Manifest,
-        done: PushResult,
-        mend: set[str],
-        progress: Progress,
-        t0: float,
-    ) -> PushResult:
-        """The version is stored with this content: the chunks the server listed to mend (stored
-        in a pack its blob store lost) are uploaded, which stores them again there, and nothing is
-        committed. A server older than mending lists none, and the push is 'already stored' as before."""
-        mend &= set(job.chunk_ids())
-        if not mend:
-            return done
-        sent, added = self._upload(family, job, draft, mend, progress, {})
-        return replace(
-            done,
-            new_bytes=added,
-            new_chunks=len(mend),
-            reused_chunks=done.chunks - len(mend),
-            sent_bytes=sent,
-            mended_chunks=len(mend),
-            seconds=time.perf_counter() - t0,
-        )
+        return pushing.drive(HttpPush(self, family, version, parent), path, progress, mend_damaged, meta)
 
     def _upload(
         self,
         family: str,
         job: HashJob,
-        manifest: Manifest,
         missing: set[str],
         progress: Progress,
         bases: dict[str, str],
@@ -355,7 +279,7 @@ class RemoteRegistry(DocumentReader, Closable):
         """Send the missing chunks in batches; UPLOAD_INFLIGHT batches are in flight while the next is
         encoded (the server stores one while it verifies and delta-encodes another).
         Returns (payload bytes sent, stored bytes the server added)."""
-        progress.start("send", missing_bytes(manifest, missing))
+        progress.start("send", missing_bytes(job, missing))
         sent = added = 0
         uploader = ThreadPoolExecutor(max_workers=UPLOAD_INFLIGHT, thread_name_prefix="mfsreg-upload")
         inflight: deque = deque()
@@ -617,6 +541,56 @@ class RemoteRegistry(DocumentReader, Closable):
         return self._doc("GET", "/healthz", _dict)
 
 
+class HttpPush:
+    """A push's steps (pushing.PushSteps) sent to a server: POST negotiate, the chunk batches, POST
+    commit (docs/design/protocol.md), which the server answers with the embedded push's own steps."""
+
+    def __init__(self, remote: RemoteRegistry, family: str, version: str, parent: str | None) -> None:
+        self.remote, self.family, self.version, self.parent = remote, family, version, parent
+        self.base = f"/v1/families/{family}/versions/{version}"
+        self.t0 = time.perf_counter()
+        self.asked: dict = {}
+
+    def check_names(self, meta: VersionMeta | None) -> VersionMeta | None:
+        check_name("family", self.family)
+        check_name("version", self.version)
+        if self.parent is not None:
+            check_name("version", self.parent)
+        return meta  # checked by the server
+
+    def prepare(self) -> int:
+        return self.remote._cut_size(self.family)
+
+    def _negotiate(self, m: Manifest) -> dict:
+        body = {"manifest": m.to_doc(), "parent": self.parent, **self.asked}
+        return self.remote._doc("POST", f"{self.base}/negotiate", _negotiation, json=body)
+
+    def negotiate(self, job: HashJob, mend_damaged: bool, progress: Progress) -> pushing.Offer:
+        # mend_damaged is sent only when asked: without it the request is the one older servers know
+        self.asked = {"mend_damaged": True} if mend_damaged else {}
+        neg = _negotiate_draft(job, self._negotiate)
+        done = _existing(neg, job.manifest(), self.family, self.version, self.t0) if neg["exists"] else None
+        if mend_damaged and neg.get("mend_damaged") is not True:  # other content is refused first
+            raise _mend_unheard(self.remote.url)
+        if done is not None:
+            # the chunks the server lists to mend (in a pack its blob store lost); an older server lists none
+            mend = set(neg.get("mend", ())) & set(job.chunk_ids())
+            return pushing.Offer(mend, mend, existing=done)
+        return _offer(neg)
+
+    def upload(self, job: HashJob, offer: pushing.Offer, progress: Progress) -> tuple[int, int]:
+        return self.remote._upload(self.family, job, offer.missing, progress, offer.bases)
+
+    def commit(self, job: HashJob, manifest: Manifest, chunk_size: int, meta: VersionMeta | None) -> PushResult:
+        body = {"parent": self.parent, "manifest": manifest.to_doc(), "chunk_size": chunk_size}
+        if meta is not None and (meta.description or meta.labels):  # else the body older servers know
+            body.update(meta.to_dict())
+        return PushResult(**self.remote._doc("POST", f"{self.base}/commit", _committed, json=body))
+
+    def renegotiate(self, job: HashJob, manifest: Manifest) -> pushing.Offer:
+        return _offer(self._negotiate(manifest))
+
+
 def _checked(model: str, d) -> dict:
     """``d``, checked against the wire document ``model`` of registry/documents.py (what the
     server answers with; fields a newer server adds pass). pydantic is imported at the first
@@ -729,17 +703,10 @@ def _tag_move(d) -> TagMove:
     return TagMove(d["family"], d["tag"], d.get("before"), d.get("after"))
 
 
-def _pushed(res: dict, added: int, missing: set[str], sent: int, mended: set[str], t0: float) -> PushResult:
-    """A push's result: the server's commit answer, with what this client sent."""
-    extra = {
-        "new_bytes": added,
-        "new_chunks": len(missing),
-        "reused_chunks": res["chunks"] - len(missing),
-        "sent_bytes": sent,
-        "seconds": time.perf_counter() - t0,
-        "mended_chunks": len(mended),
-    }
-    return PushResult(**{**res, **extra})
+def _offer(neg: dict) -> pushing.Offer:
+    """A server's negotiate answer for a version it does not hold: what to send, mend and delta against."""
+    missing = set(neg["missing"])
+    return pushing.Offer(missing, set(neg.get("mend", ())) & missing, neg.get("bases", {}))
 
 
 def _existing(neg: dict, manifest: Manifest, family: str, version: str, t0: float) -> PushResult:
@@ -759,18 +726,17 @@ def _existing(neg: dict, manifest: Manifest, family: str, version: str, t0: floa
     )
 
 
-def _negotiate_draft(job: HashJob, negotiate) -> tuple[Manifest, dict]:
-    """(the manifest negotiated, the server's answer). A draft goes first, so that the uploads run
+def _negotiate_draft(job: HashJob, negotiate) -> dict:
+    """The server's answer to negotiating ``job``'s manifest. A draft goes first, so that the uploads run
     while the whole-file sha256s (the slowest hash, needed only by the commit) are still being
     computed; a server older than draft manifests gets the whole one, once the digests are in."""
     draft = job.draft()
     try:
-        return draft, negotiate(draft)
+        return negotiate(draft)
     except InvalidRequest as exc:
         if not draft.is_draft or "sha256" not in str(exc):
             raise
-    whole = job.manifest()
-    return whole, negotiate(whole)
+    return negotiate(job.manifest())
 
 
 def _mend_unheard(url: str) -> InvalidRequest:

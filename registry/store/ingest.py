@@ -12,12 +12,12 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from collections.abc import Set as AbstractSet
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from sqlalchemy import Connection
 
-from mfsreg.registry import results
+from mfsreg.registry import pushing, results
 from mfsreg.registry.blobs.packs import StoredChunk
 from mfsreg.registry.config import MAX_CHUNK_SIZE, MIN_CHUNK_SIZE
 from mfsreg.registry.context import Store
@@ -41,10 +41,9 @@ from mfsreg.registry.manifest import Manifest
 from mfsreg.registry.meta import VersionMeta, check_meta
 from mfsreg.registry.names import check_name, check_new_name
 from mfsreg.registry.principal import Principal
-from mfsreg.registry.progress import NullProgress, Progress
+from mfsreg.registry.progress import Progress
 from mfsreg.registry.rebuild import decode_verified
 from mfsreg.registry.results import FamilyRow, PushResult, VersionRow
-from mfsreg.registry.source import open_source
 from mfsreg.registry.store import access, deltas
 from mfsreg.registry.store.audit import named
 from mfsreg.registry.store.check import to_mend
@@ -398,120 +397,96 @@ def push(
     mend_damaged: bool = False,
     meta: VersionMeta | None = None,
 ) -> PushResult:
-    """Store a version (see the module's docstring), with ``meta`` (description, labels). ``mend_damaged``: read, decode and hash every
-    stored chunk the version needs (its bases down the chains too) and store again, plain, those
-    whose bytes are damaged as well as those lost: where the version is stored already with this
-    content, that is all the push does (mend_existing); a new version's reused chunks are mended so
-    before it commits over them."""
-    # (over 60 lines: the push's steps in order, each a call; the survey and the planning steps are
-    # shared with the server's negotiate: survey, plan_push)
-    progress = progress or NullProgress()
-    t0 = time.perf_counter()
-    check_push_names(family, version, parent)
-    if meta is not None:  # a library caller's values, checked as the CLI's and the API's are
-        meta = check_meta(meta.description, meta.labels)
-    source = open_source(Path(path))  # every input check happens before the registry is touched
-    check_parent(reg, family, parent, version)
-    chunk_size = family_chunk_size(reg, family)
-    with HashJob(source, chunk_size, progress) as job:
+    """Store a version (see the module's docstring), with ``meta`` (description, labels): the
+    push's steps (registry/pushing.py) run against this store in this process. ``mend_damaged``:
+    read, decode and hash every stored chunk the version needs (its bases down the chains too) and
+    store again, plain, those whose bytes are damaged as well as those lost: where the version is
+    stored already with this content, that is all the push does; a new version's reused chunks are
+    mended so before it commits over them."""
+    return pushing.drive(LocalPush(reg, family, version, parent), path, progress, mend_damaged, meta)
+
+
+class LocalPush:
+    """A push's steps (pushing.PushSteps) against the embedded store: the survey, the planning,
+    the store and the commit that the server's negotiate, upload and commit call as well
+    (registry/store/service.py), without a wire between."""
+
+    def __init__(self, reg: Store, family: str, version: str, parent: str | None) -> None:
+        self.reg, self.family, self.version, self.parent = reg, family, version, parent
+        self.t0 = time.perf_counter()
+
+    def check_names(self, meta: VersionMeta | None) -> VersionMeta | None:
+        check_push_names(self.family, self.version, self.parent)
+        # a library caller's values, checked as the CLI's and the API's are
+        return check_meta(meta.description, meta.labels) if meta is not None else None
+
+    def prepare(self) -> int:
+        check_parent(self.reg, self.family, self.parent, self.version)
+        return family_chunk_size(self.reg, self.family)
+
+    def negotiate(self, job: HashJob, mend_damaged: bool, progress: Progress) -> pushing.Offer:
+        reg, family = self.reg, self.family
         ids = job.chunk_ids()
-        found = survey(reg, family, version, ids)
-        existing, missing, located = found.existing, found.missing, found.located
-        if existing is not None:
-            done = existing_result(reg, existing, job.manifest(), family, version, t0)  # other content: refused
-            return mend_existing(reg, job, done, located, progress, t0, mend_damaged)
+        found = survey(reg, family, self.version, ids)
+        if found.existing is not None:
+            # other content: refused; this content: what lies in a lost pack (or reads damaged, asked)
+            done = existing_result(reg, found.existing, job.manifest(), family, self.version, self.t0)
+            mend, _, warning = to_mend(reg, found.located, ids, progress, read_data=mend_damaged)
+            if mend:
+                warning.say()
+            return pushing.Offer(mend, mend, existing=done)
         # stored, but in a pack the blob store lost (or down a delta chain through one), and, asked,
         # those whose stored bytes (or a basis's) do not read back: sent again, plain
-        new_files = [(refs, f.header.tensors if f.header else ()) for refs, f in zip(job.file_chunks, source.files)]
+        new_files = [(refs, f.header.tensors if f.header else ()) for refs, f in zip(job.file_chunks, job.source.files)]
         plan = plan_push(
-            reg, family, parent, new_files, ids, located, missing, progress=progress, mend_damaged=mend_damaged
+            reg,
+            family,
+            self.parent,
+            new_files,
+            ids,
+            found.located,
+            found.missing,
+            progress=progress,
+            mend_damaged=mend_damaged,
         )
-        missing, mend = plan.missing, plan.mend
-        skipped = job.logical_bytes - missing_bytes(job, missing)
-        progress.start("skip", skipped)
-        progress.advance("skip", skipped)
-        added = upload_missing(reg, job, missing, reg.pool, progress, plan.bases, plan.reader, mend)
-        manifest = job.manifest()  # waits for the file digests, which ran beside the encoding
+        return pushing.Offer(plan.missing, plan.mend, plan.bases, reader=plan.reader)
+
+    def upload(self, job: HashJob, offer: pushing.Offer, progress: Progress) -> tuple[int, int]:
+        reader = offer.reader if isinstance(offer.reader, BasisReader) else None
+        return 0, upload_missing(self.reg, job, offer.missing, self.reg.pool, progress, offer.bases, reader, offer.mend)
+
+    def commit(self, job: HashJob, manifest: Manifest, chunk_size: int, meta: VersionMeta | None) -> PushResult:
+        reg, family, version = self.reg, self.family, self.version
         # a reused delta whose chain leaves the family: a plain copy, so that the version lends its
         # family's readers no other family's bytes (registry/store/access.py)
         access.detach_foreign_chains(reg, None, family, manifest.chunk_ids())
-        changed, existing, lost, again = _commit(reg, job, family, version, parent, manifest, chunk_size, meta)
-        added += again
-        missing |= lost
-    if existing is not None:  # a concurrent push of the same name committed first
-        return existing_result(reg, existing, manifest, family, version, t0)
+        changed, existing = commit_version(
+            reg, family, version, self.parent, manifest, chunk_size, meta=meta, pushed_by=named(None)
+        )
+        if existing is not None:
+            return existing_result(reg, existing, manifest, family, version, self.t0)
+        return committed_result(family, version, manifest, changed, self.t0)
+
+    def renegotiate(self, job: HashJob, manifest: Manifest) -> pushing.Offer:
+        with read_tx(self.reg.engine) as conn:
+            return pushing.Offer(chunk_db.missing_ids(conn, manifest.chunk_ids()))
+
+
+def committed_result(family: str, version: str, manifest: Manifest, changed: int, t0: float) -> PushResult:
+    """A commit's result: the version's chunks, all counted as reused until the push counts its own."""
+    n = len(manifest.chunk_ids())
     return PushResult(
         family=family,
         version=version,
         digest=manifest.final_digest(),
         logical_bytes=manifest.logical_bytes,
-        new_bytes=added,
-        new_chunks=len(missing),
-        reused_chunks=len(ids) - len(missing),
-        chunks=len(ids),
+        new_bytes=0,
+        new_chunks=0,
+        reused_chunks=n,
+        chunks=n,
         files=len(manifest.files),
         tier_changes=changed,
         existed=False,
-        seconds=time.perf_counter() - t0,
-        mended_chunks=len(mend),
-    )
-
-
-def _commit(
-    reg: Store,
-    job: HashJob,
-    family: str,
-    version: str,
-    parent: str | None,
-    manifest: Manifest,
-    chunk_size: int,
-    meta: VersionMeta | None,
-) -> tuple[int, VersionRow | None, set[str], int]:
-    """commit_version's (tier changes, the row of a version committed first), then the chunks
-    stored again and their bytes: a prune that deleted chunks this push found stored (a deleted
-    version's) before the commit could use them has them stored (plain), and the commit runs once
-    more."""
-    try:
-        changed, existing = commit_version(
-            reg, family, version, parent, manifest, chunk_size, meta=meta, pushed_by=named(None)
-        )
-        return changed, existing, set(), 0
-    except MissingChunks:
-        with read_tx(reg.engine) as conn:
-            lost = chunk_db.missing_ids(conn, manifest.chunk_ids())
-    added = upload_missing(reg, job, lost, reg.pool, NullProgress())
-    changed, existing = commit_version(
-        reg, family, version, parent, manifest, chunk_size, meta=meta, pushed_by=named(None)
-    )
-    return changed, existing, lost, added
-
-
-def mend_existing(
-    reg: Store,
-    job: HashJob,
-    done: PushResult,
-    located: dict[str, StoredChunk],
-    progress: Progress,
-    t0: float,
-    read_data: bool = False,
-) -> PushResult:
-    """A push of a version stored with this content: those of its chunks whose bytes, or a basis's
-    down their delta chains, lie in a lost pack are stored again, plain, and their rows pointed at
-    the new copies; nothing else is done (with nothing lost, one size lookup per distinct pack).
-    With ``read_data`` (push --mend-damaged), also those whose stored bytes, read as ``mfsreg check
-    --read-data`` does, are damaged.
-    See docs/design/check.md."""
-    mend, _, warning = to_mend(reg, located, job.chunk_ids(), progress, read_data=read_data)
-    if not mend:
-        return done
-    warning.say()
-    added = upload_missing(reg, job, mend, reg.pool, progress, mend=mend)
-    return replace(
-        done,
-        new_bytes=added,
-        new_chunks=len(mend),
-        reused_chunks=done.chunks - len(mend),
-        mended_chunks=len(mend),
         seconds=time.perf_counter() - t0,
     )
 

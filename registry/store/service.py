@@ -52,6 +52,7 @@ from mfsreg.registry.store.ingest import (
     check_parent,
     check_push_names,
     commit_version,
+    committed_result,
     existing_result,
     plan_push,
     store_chunks,
@@ -399,21 +400,7 @@ def commit(
     )
     if existing is not None:
         return existing_result(reg, existing, manifest, family, version, t0)
-    n = len(manifest.chunk_ids())
-    return PushResult(
-        family=family,
-        version=version,
-        digest=manifest.final_digest(),
-        logical_bytes=manifest.logical_bytes,
-        new_bytes=0,
-        new_chunks=0,
-        reused_chunks=n,
-        chunks=n,
-        files=len(manifest.files),
-        tier_changes=changed,
-        existed=False,
-        seconds=time.perf_counter() - t0,
-    )
+    return committed_result(family, version, manifest, changed, t0)
 
 
 def _check_readable(reg: Store, family: str, version: str, manifest: Manifest) -> None:
