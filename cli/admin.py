@@ -6,9 +6,9 @@ import typer
 from typer.core import TyperCommand
 
 from mfsreg.cli.backend import RegistryOption, embedded, local_only, open_backend
+from mfsreg.cli.bars import progress_for
 from mfsreg.cli.exits import usage_error_type
 from mfsreg.cli.output import emit_json, human_bytes
-from mfsreg.cli.progress import progress_for
 
 db_app = typer.Typer(help="The metadata database.", no_args_is_help=True)
 family_app = typer.Typer(help="Family settings.", no_args_is_help=True)

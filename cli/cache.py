@@ -155,7 +155,7 @@ def verify(json_: bool = typer.Option(False, "--json")) -> None:
     """Hash every cached chunk and materialised file against its name; drop what is damaged
     (it is fetched again when next needed). Exits 4, the code of integrity errors, when it dropped
     something: the cache is whole again, but a script should hear that this node's disk lost bytes."""
-    from mfsreg.cli.progress import progress_for
+    from mfsreg.cli.bars import progress_for
     from mfsreg.registry.client.cache import NodeCache, missing_cache_stats
     from mfsreg.registry.client.scrub import verify_cache
 

@@ -8,8 +8,8 @@ from typing import Any
 import typer
 
 from mfsreg.cli.backend import RegistryOption, open_backend
+from mfsreg.cli.bars import progress_for
 from mfsreg.cli.output import emit_json, human_bytes, table
-from mfsreg.cli.progress import progress_for
 from mfsreg.registry.errors import InvalidRequest
 from mfsreg.registry.results import timestamp
 

@@ -166,6 +166,25 @@ def test_cli_commands_reach_a_registry_through_its_interface_only():
     assert graph["mfsreg.cli.backend"] & IMPLEMENTATIONS  # (the test looks where the imports are)
 
 
+# -- names ----------------------------------------------------------------------------------------
+
+
+def same_names(modules) -> dict[str, list[str]]:
+    """Module names (the last part) that more than one of ``modules`` (import names) has."""
+    by_name: dict[str, list[str]] = {}
+    for mod in modules:
+        by_name.setdefault(mod.rsplit(".", 1)[-1], []).append(mod)
+    return {name: sorted(mods) for name, mods in by_name.items() if len(mods) > 1}
+
+
+def test_no_two_modules_of_the_core_share_a_name():
+    """registry/ by role: a db module is named apart from the store module it serves (reclaim for
+    prune), a client module apart from a blob store's (embedded, not a second local)."""
+    core = [m for m, path in _modules().items() if m.startswith("mfsreg.registry.") and path.name != "__init__.py"]
+    assert not same_names(core), f"name these apart: {same_names(core)}"
+    assert same_names(["a.b.tags", "a.c.tags", "a.d.x"]) == {"tags": ["a.b.tags", "a.c.tags"]}
+
+
 # -- one push --------------------------------------------------------------------------------------
 
 

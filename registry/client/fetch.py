@@ -29,7 +29,7 @@ from mfsreg.registry.wire import Located
 
 class ChunkSource(Protocol):
     """Where a fetcher gets documents and chunks: a server (client/remote.RemoteRegistry) or the
-    embedded registry (client/local.EmbeddedSource)."""
+    embedded registry (client/embedded.EmbeddedSource)."""
 
     url: str
     pool: ThreadPoolExecutor

@@ -450,7 +450,7 @@ class RemoteRegistry(DocumentReader, Closable):
 
     def audit(self, limit: int = 100) -> list:
         """The newest ``limit`` audit entries this token may read (an admin token)."""
-        from mfsreg.registry.db.audit import AuditRow
+        from mfsreg.registry.db.auditlog import AuditRow
 
         def rows(d) -> list[AuditRow]:
             return [

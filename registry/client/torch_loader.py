@@ -29,7 +29,7 @@ from mfsreg.registry.client.node import evict_quietly, gone_meanwhile, refetcher
 from mfsreg.registry.client.remote import Closable, RemoteRegistry
 
 if TYPE_CHECKING:
-    from mfsreg.registry.client.local import EmbeddedSource
+    from mfsreg.registry.client.embedded import EmbeddedSource
 from mfsreg.registry.config import age_from_env
 from mfsreg.registry.errors import IntegrityError, InvalidRequest, NotFound
 from mfsreg.registry.manifest import SAFETENSORS
@@ -125,7 +125,7 @@ class Node(Closable):
         if url:
             self.remote = RemoteRegistry(url, token=token or os.environ.get("MFSREG_TOKEN") or None)
         else:  # the embedded registry under MFSREG_HOME, through the same steps a server runs
-            from mfsreg.registry.client.local import EmbeddedSource
+            from mfsreg.registry.client.embedded import EmbeddedSource
             from mfsreg.registry.config import Settings
             from mfsreg.registry.registry import Registry
 

@@ -11,7 +11,7 @@ import json
 
 from sqlalchemy import Connection
 
-from mfsreg.registry.db import audit as audit_db
+from mfsreg.registry.db import auditlog as audit_db
 from mfsreg.registry.db.engine import read_tx
 from mfsreg.registry.errors import Forbidden
 from mfsreg.registry.principal import Principal

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from sqlalchemy import Connection
 
-from mfsreg.registry.db import tags as tag_db
+from mfsreg.registry.db import tagrefs as tag_db
 from mfsreg.registry.db import versions as version_db
 from mfsreg.registry.db.engine import read_tx, write_tx
 from mfsreg.registry.errors import Conflict, NotFound
