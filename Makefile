@@ -15,7 +15,7 @@ TYPECHECK := build/typecheck
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml setup.py registry/_grouping.c registry/_busguard.c registry/client/_mapfiles.c
+$(STAMP): pyproject.toml setup.py registry/format/_grouping.c registry/format/_busguard.c registry/client/_mapfiles.c
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH)"

@@ -4,7 +4,7 @@ The folders registry/, api/, cli/ and migrations/ stay at the top of the reposit
 one import name, ``mfsreg``: ``mfsreg.registry``, ``mfsreg.api``, ``mfsreg.cli``, ``mfsreg.migrations``
 (tests/test_packaging.py builds the wheel and reads its top-level names).
 
-The three C modules are optional: without a C compiler the install still succeeds; registry/codec.py
+The three C modules are optional: without a C compiler the install still succeeds; registry/format/codec.py
 then writes ungrouped deltas (numpy), registry/client/mapping.py maps chunk files through ctypes one
 at a time, and a file cut short while it is pushed ends the push with SIGBUS instead of one line.
 """
@@ -30,8 +30,10 @@ setup(
     package_dir=ROOTS,
     package_data={"mfsreg.migrations": ["*.ini", "*.mako"], "mfsreg.api.web": ["templates/*.html", "assets/*"]},
     ext_modules=[
-        ext("mfsreg.registry._grouping", "registry/_grouping.c", "-O3"),  # grouped deltas
-        ext("mfsreg.registry._busguard", "registry/_busguard.c", "-O2"),  # a pushed file cut short: one line
+        ext("mfsreg.registry.format._grouping", "registry/format/_grouping.c", "-O3"),  # grouped deltas
+        ext(
+            "mfsreg.registry.format._busguard", "registry/format/_busguard.c", "-O2"
+        ),  # a pushed file cut short: one line
         ext("mfsreg.registry.client._mapfiles", "registry/client/_mapfiles.c", "-O3"),  # chunk files mapped in one call
     ],
 )

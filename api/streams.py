@@ -2,7 +2,7 @@
 
 Once a response has started its status is sent, so an error can no longer become a 503: Starlette
 then logs a hundred-line traceback ("response already started") and drops the connection. A batch
-on the wire (registry/wire.py) is length-prefixed, so ending it early is enough for the node to see
+on the wire (registry/format/wire.py) is length-prefixed, so ending it early is enough for the node to see
 that it broke off; what the operator needs is the reason, in one line."""
 
 from __future__ import annotations

@@ -96,7 +96,7 @@ def storage_figures(stats: dict) -> dict:
 
 def decode_sets(reg) -> dict[str, dict]:
     """The two chunk sets to decode, with payloads in memory and delta bases decoded (untimed)."""
-    from mfsreg.registry import rebuild
+    from mfsreg.registry.format import rebuild
 
     out = {}
     for label, member, want_delta in (
@@ -125,8 +125,8 @@ def decode_sets(reg) -> dict[str, dict]:
 
 
 def time_decode(s: dict, verify: bool) -> dict:
-    from mfsreg.registry import codec
-    from mfsreg.registry.rebuild import decode_verified
+    from mfsreg.registry.format import codec
+    from mfsreg.registry.format.rebuild import decode_verified
 
     chunks, payloads, bases = s["chunks"], s["payloads"], s["bases"]
     if verify:

@@ -142,7 +142,7 @@ class Bench:
 
     def shared(self) -> dict:
         """Raw bytes of DUP's chunks that base also uses, from the version documents."""
-        from mfsreg.registry.manifest import Manifest
+        from mfsreg.registry.format.manifest import Manifest
 
         with self.remote() as r:
             dup, base = r.version_doc(FAMILY, DUP), r.version_doc(FAMILY, "base")

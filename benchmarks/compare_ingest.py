@@ -53,7 +53,11 @@ else:
     _PKG = "registry"
 core = importlib.import_module(_PKG)
 def side(name):
-    return importlib.import_module(f"{_PKG}.{name}")
+    # the file format's modules moved under registry/format/ in 0.2.0: looked for there first
+    try:
+        return importlib.import_module(f"{_PKG}.format.{name}")
+    except ModuleNotFoundError:
+        return importlib.import_module(f"{_PKG}.{name}")
 """
 
 # Run in a child process with the side's checkout first on sys.path. Prints one JSON line.

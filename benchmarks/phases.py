@@ -46,7 +46,7 @@ def _wrap(module, name: str, phase: str) -> bool:
 
 
 def install() -> None:
-    from mfsreg.registry import hashing
+    from mfsreg.registry.format import hashing
     from mfsreg.registry.store import ingest
 
     if hasattr(ingest, "hash_source"):

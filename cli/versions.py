@@ -48,7 +48,7 @@ def push(
     meta = check_meta(description, parse_labels(label or []))  # refused before anything is read
     source = _given_path(path, "PATH")
     if revision is not None:
-        from mfsreg.registry.hfcache import snapshot
+        from mfsreg.registry.format.hfcache import snapshot
 
         source = snapshot(source, revision)
     with open_backend(registry) as reg, progress_for(json_) as progress:

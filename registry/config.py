@@ -26,7 +26,7 @@ DEFAULT_PACK_SIZE = 64 << 20  # packs of tens of MiB keep object counts low and 
 MIN_CHUNK_SIZE = 4 << 10
 MAX_CHUNK_SIZE = 256 << 20
 # Room for an upload batch that holds one chunk of the largest size, uncompressible, with its index
-# (registry/wire.py caps an index at 16 MiB): at 256 MiB a family cut at 256 MiB could not push.
+# (registry/format/wire.py caps an index at 16 MiB): at 256 MiB a family cut at 256 MiB could not push.
 DEFAULT_MAX_BODY = 320 << 20
 # S3 requests: an endpoint that stops answering fails a request within about a minute (3 attempts
 # of 20 s without a byte), not botocore's 60 s x 5 (over 6 minutes of silence). The read timeout is

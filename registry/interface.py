@@ -8,10 +8,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:  # annotations only: importing this module costs the CLI nothing
-    from mfsreg.registry.manifest import Manifest
+    from mfsreg.registry.format.manifest import Manifest
+    from mfsreg.registry.format.rebuild import PullResult
     from mfsreg.registry.meta import VersionMeta
     from mfsreg.registry.progress import Progress
-    from mfsreg.registry.rebuild import PullResult
     from mfsreg.registry.results import DeleteResult, FamilyRow, PruneResult, PushResult, VersionRow
     from mfsreg.registry.store.check import CheckResult
 

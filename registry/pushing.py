@@ -17,12 +17,12 @@ from pathlib import Path
 from typing import Protocol
 
 from mfsreg.registry.errors import MissingChunks
-from mfsreg.registry.hashing import HashJob, missing_bytes
-from mfsreg.registry.manifest import Manifest
+from mfsreg.registry.format.hashing import HashJob, missing_bytes
+from mfsreg.registry.format.manifest import Manifest
+from mfsreg.registry.format.source import open_source
 from mfsreg.registry.meta import VersionMeta
 from mfsreg.registry.progress import NullProgress, Progress
 from mfsreg.registry.results import PushResult
-from mfsreg.registry.source import open_source
 
 
 @dataclass(frozen=True)

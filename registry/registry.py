@@ -28,10 +28,10 @@ if TYPE_CHECKING:  # the push, pull and prune machinery loads when a method need
     from mfsreg.registry.auth import Principal
     from mfsreg.registry.blobs.base import BlobStore
     from mfsreg.registry.blobs.packs import StoredChunk
-    from mfsreg.registry.manifest import Manifest
+    from mfsreg.registry.format.manifest import Manifest
+    from mfsreg.registry.format.rebuild import PullResult
     from mfsreg.registry.meta import VersionMeta
     from mfsreg.registry.progress import Progress
-    from mfsreg.registry.rebuild import PullResult
     from mfsreg.registry.store.ingest import PushResult
 
 
@@ -135,8 +135,8 @@ class Registry:
     ) -> PullResult:
         """Rebuild the version at ``out`` (a file, or a directory for a single file to go in), or
         with ``to_dir`` as the files of the directory ``out``, made if missing."""
-        from mfsreg.registry import rebuild
         from mfsreg.registry.db import chunks as chunk_db
+        from mfsreg.registry.format import rebuild
 
         t0 = time.perf_counter()
         self.open_blobs()  # a bad store is refused first, as for a push, whether or not the version exists
@@ -386,7 +386,7 @@ def upgrade_database(settings: Settings | None = None) -> str:
 
 
 def _manifest_in(conn, family: str, version: str) -> tuple[version_db.VersionRow, Manifest]:
-    from mfsreg.registry.manifest import Manifest
+    from mfsreg.registry.format.manifest import Manifest
 
     check_name("family", family)
     check_name("version", version)

@@ -103,13 +103,13 @@ def test_concurrent_pushes_of_members_sharing_chunks(backend, home_env, tmp_path
 
 
 def test_sync_dir_skips_only_filesystems_that_cannot_sync_a_directory(tmp_path, monkeypatch):
-    """The last step of every atomic write (registry/durable.py): a directory the filesystem cannot
+    """The last step of every atomic write (registry/format/durable.py): a directory the filesystem cannot
     sync (EINVAL, as on some network and FUSE filesystems) is passed over; any other failure, or a
     directory that is not there, is raised."""
     import errno
     import os
 
-    from mfsreg.registry.durable import sync_dir
+    from mfsreg.registry.format.durable import sync_dir
 
     sync_dir(tmp_path)
     with pytest.raises(FileNotFoundError):
@@ -340,7 +340,7 @@ def _cut_short_then_intact(env: dict, fam, tmp_path) -> None:
 
 
 def test_a_file_cut_short_while_it_is_pushed_is_refused_in_one_line(home_env, fam, tmp_path):
-    """The reads past the new end are answered with zeros (registry/_busguard.c) instead of ending
+    """The reads past the new end are answered with zeros (registry/format/_busguard.c) instead of ending
     the process; the push then refuses to commit what it read, in one line, and stores no version.
     Pushed again, intact, it pulls back byte for byte."""
     _cut_short_then_intact(home_env, fam, tmp_path)
@@ -355,7 +355,7 @@ def test_a_file_cut_short_while_it_is_pushed_to_a_server_is_refused_by_the_clien
 
 _REAL_FAULT_AFTER_FAULTHANDLER = r"""
 import faulthandler, mmap, os, sys, tempfile
-from mfsreg.registry import _busguard
+from mfsreg.registry.format import _busguard
 
 def mapped(n=1 << 16):
     fd, path = tempfile.mkstemp(dir=sys.argv[1])

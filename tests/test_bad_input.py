@@ -1040,7 +1040,7 @@ def test_a_node_cache_without_room_is_named_not_the_pull_output(tmp_path):
         "import os, resource, signal, sys\n"
         "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
         "from mfsreg.registry.client.cache import NodeCache\n"
-        "from mfsreg.registry.chunking import chunk_id\n"
+        "from mfsreg.registry.format.chunking import chunk_id\n"
         "from mfsreg.registry.errors import StorageError\n"
         "cache = NodeCache(sys.argv[1])\n"
         "resource.setrlimit(resource.RLIMIT_FSIZE, (1024, resource.RLIM_INFINITY))\n"
@@ -1061,8 +1061,8 @@ def test_a_read_only_destination_is_not_told_to_make_room(capsys):
     """EROFS read "make room there" like a full disk."""
     import errno
 
-    from mfsreg.registry.durable import writing
     from mfsreg.registry.errors import StorageError
+    from mfsreg.registry.format.durable import writing
 
     with pytest.raises(StorageError) as caught:
         with writing(Path("/mnt/ro/out.safetensors")):

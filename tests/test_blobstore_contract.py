@@ -623,7 +623,7 @@ def test_an_endpoint_with_credentials_is_refused_without_quoting_them(url):
 def test_a_local_put_still_writing_is_not_a_leftover(tmp_path):
     """A put holds a lock on its temp file while it writes: a prune, even with --min-age 0, takes
     only the temp files no live writer holds."""
-    from mfsreg.registry.durable import hold, temp_beside
+    from mfsreg.registry.format.durable import hold, temp_beside
 
     store = open_blob_store((tmp_path / "blobs").as_uri())
     tmp = temp_beside(store.root / "packs" / "aa" / "x.pack")

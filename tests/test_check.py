@@ -578,9 +578,9 @@ def _tied_to_base(fam: dict, tmp_path: Path) -> Path:
 def _reused_basis(reg: Registry, path: Path):
     """The stored plain chunk that a push of ``path`` (from _tied_to_base) reuses: also the basis
     that delta planning picks for the new chunk at its place."""
-    from mfsreg.registry.hashing import hash_source
+    from mfsreg.registry.format.hashing import hash_source
+    from mfsreg.registry.format.source import open_source
     from mfsreg.registry.progress import NullProgress
-    from mfsreg.registry.source import open_source
 
     ids = hash_source(open_source(path), 64 << 10, NullProgress()).chunk_ids()
     (chunk,) = [c for i, c in reg.locate(ids).items() if i in ids and not c.basis_id]

@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 import torch
 
-from mfsreg.registry import codec
 from mfsreg.registry.blobs.packs import StoredChunk, pack_key
-from mfsreg.registry.chunking import chunk_id
 from mfsreg.registry.errors import IntegrityError, StorageError
-from mfsreg.registry.rebuild import decode_batch, decode_verified
+from mfsreg.registry.format import codec
+from mfsreg.registry.format.chunking import chunk_id
+from mfsreg.registry.format.rebuild import decode_batch, decode_verified
+from mfsreg.registry.format.wire import Located
 from mfsreg.registry.store.deltas import MAX_DEPTH
-from mfsreg.registry.wire import Located
 from tests import synth
 from tests.dialects import sqlite_only
 
@@ -129,11 +129,11 @@ def test_small_bf16_differences_use_nibbles_and_large_ones_do_not():
 
 @pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")), reason="no C compiler: the numpy versions run")
 def test_grouping_module_is_built():
-    """setup.py builds registry/_grouping.c optionally, so a broken build would only show as slow,
+    """setup.py builds registry/format/_grouping.c optionally, so a broken build would only show as slow,
     ungrouped deltas: where a compiler is at hand (as in CI) the module must be there, or the
     tests that compare it with numpy would compare numpy with itself."""
     assert codec._grouping is not None, (
-        "registry/_grouping.c is not built, or built from an older checkout: make install"
+        "registry/format/_grouping.c is not built, or built from an older checkout: make install"
     )
 
 
@@ -673,11 +673,11 @@ def test_a_header_an_uploader_stored_as_a_delta_still_passes_the_commit_check(re
     model with that header, in any family, failed with 'the stored pack is damaged')."""
     from mfsreg.registry.db import chunks as chunk_db
     from mfsreg.registry.db.engine import read_tx
-    from mfsreg.registry.hashing import HashJob
+    from mfsreg.registry.format.hashing import HashJob
+    from mfsreg.registry.format.source import open_source
+    from mfsreg.registry.format.wire import Entry, build_batch
     from mfsreg.registry.progress import NullProgress
-    from mfsreg.registry.source import open_source
     from mfsreg.registry.store import service
-    from mfsreg.registry.wire import Entry, build_batch
 
     reg.push(fam["base"], "fam", "base")
     _, base_manifest = reg.manifest("fam", "base")

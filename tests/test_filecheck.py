@@ -7,10 +7,10 @@ import os
 
 import pytest
 
-from mfsreg.registry.chunking import ChunkRef, chunk_id
 from mfsreg.registry.errors import IntegrityError
-from mfsreg.registry.filecheck import bad_chunks, check_tiling
-from mfsreg.registry.manifest import BLOB, FileEntry
+from mfsreg.registry.format.chunking import ChunkRef, chunk_id
+from mfsreg.registry.format.filecheck import bad_chunks, check_tiling
+from mfsreg.registry.format.manifest import BLOB, FileEntry
 
 
 def _entry(data: bytes, cuts: list[tuple[int, int]], size: int | None = None) -> FileEntry:
@@ -58,7 +58,7 @@ def test_a_big_file_starts_its_writeback_on_a_thread_that_ends_with_it(tmp_path,
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
-    from mfsreg.registry.filecheck import BATCH_BYTES, CheckedFile, _sync_file_range
+    from mfsreg.registry.format.filecheck import BATCH_BYTES, CheckedFile, _sync_file_range
 
     size = 2 * BATCH_BYTES + 4096
     data = os.urandom(1 << 20) * (size // (1 << 20)) + os.urandom(size % (1 << 20))

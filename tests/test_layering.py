@@ -205,7 +205,7 @@ def test_a_push_is_driven_in_one_place():
     starting = {
         mod: lines
         for mod, path in modules.items()
-        if mod not in ("mfsreg.registry.pushing", "mfsreg.registry.hashing")
+        if mod not in ("mfsreg.registry.pushing", "mfsreg.registry.format.hashing")
         and (lines := calls_to(path.read_text(), "HashJob"))
     }
     assert not starting, f"a push's steps run in mfsreg.registry.pushing.drive only: {starting}"
@@ -217,7 +217,7 @@ def test_a_push_is_driven_in_one_place():
 def test_the_push_rule_finds_a_second_driver():
     assert calls_to("with HashJob(source, 1, p) as job:\n    pass\n", "HashJob") == [1]
     assert calls_to("x = pushing.drive(steps, path)\n", "drive") == [1]
-    assert calls_to("from mfsreg.registry.hashing import HashJob\n", "HashJob") == []
+    assert calls_to("from mfsreg.registry.format.hashing import HashJob\n", "HashJob") == []
 
 
 # -- functions short enough to read ---------------------------------------------------------------

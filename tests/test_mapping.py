@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from mfsreg.registry.chunking import ChunkRef, chunk_id
 from mfsreg.registry.client import mapping
 from mfsreg.registry.client.cache import NodeCache
 from mfsreg.registry.client.torch_loader import Copier, Piece
 from mfsreg.registry.errors import IntegrityError
+from mfsreg.registry.format.chunking import ChunkRef, chunk_id
 
 PAGE = mapping.PAGE
 # /proc/self/maps shows what is mapped; the loader itself also runs on macOS (copies elsewhere)

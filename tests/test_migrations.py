@@ -113,9 +113,9 @@ def test_existing_families_get_the_chunk_size_they_were_cut_at(empty_db_url, tmp
     from sqlalchemy import text
 
     from mfsreg.registry.db.schema import _config
-    from mfsreg.registry.hashing import hash_source
+    from mfsreg.registry.format.hashing import hash_source
+    from mfsreg.registry.format.source import open_source
     from mfsreg.registry.progress import NullProgress
-    from mfsreg.registry.source import open_source
     from tests import synth
 
     path = synth.write(tmp_path / "m.safetensors", synth.base_tensors())

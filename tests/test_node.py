@@ -27,7 +27,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from mfsreg.registry.chunking import chunk_id
 from mfsreg.registry.client import ResidentModel, load_tensors
 from mfsreg.registry.client.cache import NodeCache
 from mfsreg.registry.client.direct import taken as takes_direct
@@ -35,7 +34,8 @@ from mfsreg.registry.client.node import refetcher
 from mfsreg.registry.client.remote import RemoteRegistry
 from mfsreg.registry.client.torch_loader import Copier, FetchAhead, Node, build, chunk_ids, fill, layout
 from mfsreg.registry.config import parse_size
-from mfsreg.registry.manifest import Manifest
+from mfsreg.registry.format.chunking import chunk_id
+from mfsreg.registry.format.manifest import Manifest
 from tests import synth
 from tests.cli_run import MFSREG, mfsreg, mfsreg_json
 from tests.pagecache import resident_fraction
@@ -2095,7 +2095,7 @@ def test_prune_counts_and_evicts_files_a_killed_writer_left_unrecorded(tmp_path)
 _FULL_INDEX = """
 import os, resource, signal, sys
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead of killing
-from mfsreg.registry.chunking import chunk_id
+from mfsreg.registry.format.chunking import chunk_id
 from mfsreg.registry.client.cache import NodeCache
 from mfsreg.registry.errors import StorageError
 root, hard = sys.argv[1], resource.getrlimit(resource.RLIMIT_FSIZE)[1]

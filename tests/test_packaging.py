@@ -68,7 +68,11 @@ def test_every_source_module_and_migration_is_in_the_wheel(wheel):
     }
     assert wanted and wanted <= names, sorted(wanted - names)
     built = {n.split(".")[0] for n in names if n.endswith(".so")}
-    assert built == {"mfsreg/registry/_grouping", "mfsreg/registry/_busguard", "mfsreg/registry/client/_mapfiles"}
+    assert built == {
+        "mfsreg/registry/format/_grouping",
+        "mfsreg/registry/format/_busguard",
+        "mfsreg/registry/client/_mapfiles",
+    }
 
 
 def test_the_console_script_and_version(wheel):

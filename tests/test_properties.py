@@ -17,10 +17,10 @@ import numpy as np
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from mfsreg.registry import codec
 from mfsreg.registry.errors import InvalidModel, InvalidRequest
-from mfsreg.registry.manifest import Manifest, parse_doc
-from mfsreg.registry.safetensors import DTYPE_SIZES, parse_header
+from mfsreg.registry.format import codec
+from mfsreg.registry.format.manifest import Manifest, parse_doc
+from mfsreg.registry.format.safetensors import DTYPE_SIZES, parse_header
 
 # bounded so that the whole file runs in a few seconds; the deadline is off: CI machines stall
 FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -122,9 +122,9 @@ def manifests(draw) -> Manifest:
     import tempfile
     from pathlib import Path
 
-    from mfsreg.registry.hashing import hash_source
+    from mfsreg.registry.format.hashing import hash_source
+    from mfsreg.registry.format.source import open_source
     from mfsreg.registry.progress import NullProgress
-    from mfsreg.registry.source import open_source
 
     raw, _, _ = draw(safetensors_files())
     chunk = draw(st.sampled_from([4 << 10, 8 << 10]))

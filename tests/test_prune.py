@@ -18,14 +18,14 @@ from mfsreg.registry.db.engine import create_db_engine, read_tx, write_tx
 from mfsreg.registry.db.locks import exclude_writers
 from mfsreg.registry.db.models import chunks, packs, unlisted_packs
 from mfsreg.registry.errors import Conflict, InvalidRequest, NotFound, Pruned
-from mfsreg.registry.hashing import HashJob, hash_source
+from mfsreg.registry.format.hashing import HashJob, hash_source
+from mfsreg.registry.format.source import open_source
+from mfsreg.registry.format.wire import Entry, build_batch
 from mfsreg.registry.progress import NullProgress
 from mfsreg.registry.registry import Registry
-from mfsreg.registry.source import open_source
 from mfsreg.registry.store import service
 from mfsreg.registry.store.ingest import commit_version, plan_deltas, upload_missing
 from mfsreg.registry.store.recorded import RecordedPacks
-from mfsreg.registry.wire import Entry, build_batch
 from tests.cli_run import mfsreg, mfsreg_json
 from tests.hooks import OnFirst, OnSend, Tally
 

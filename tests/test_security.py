@@ -18,7 +18,7 @@ from mfsreg.registry.config import Settings
 from mfsreg.registry.db import chunks as chunk_db
 from mfsreg.registry.db import versions as version_db
 from mfsreg.registry.db.engine import read_tx
-from mfsreg.registry.manifest import Manifest
+from mfsreg.registry.format.manifest import Manifest
 from mfsreg.registry.registry import Registry
 from tests.cli_run import mfsreg, mfsreg_json
 from tests.dialects import sqlite_only
@@ -224,8 +224,8 @@ def test_an_upload_of_many_tiny_chunks_is_refused_before_it_is_parsed(server, fa
     """Repro 5: one 17 MB upload of 200,000 three-byte chunks took 29 s of server time and left
     200,028 chunk rows. An upload holds at most MAX_UPLOAD_CHUNKS chunks: past that, 413 naming the
     limit, before the index is parsed, and nothing is stored."""
-    from mfsreg.registry.chunking import chunk_id
-    from mfsreg.registry.wire import MAX_UPLOAD_CHUNKS, Entry, build_batch
+    from mfsreg.registry.format.chunking import chunk_id
+    from mfsreg.registry.format.wire import MAX_UPLOAD_CHUNKS, Entry, build_batch
 
     srv, env, _, server_env = server
     tiny = [i.to_bytes(3, "little") for i in range(200_000)]
@@ -247,7 +247,7 @@ def test_a_push_of_more_chunks_than_an_upload_holds_sends_several_uploads(server
     import numpy as np
     from safetensors.numpy import save_file
 
-    from mfsreg.registry.wire import MAX_UPLOAD_CHUNKS
+    from mfsreg.registry.format.wire import MAX_UPLOAD_CHUNKS
 
     srv, env, _, _ = server
     rng = np.random.default_rng(3)

@@ -17,11 +17,11 @@ import httpx
 import pytest
 import torch
 
-from mfsreg.registry.chunking import chunk_id
-from mfsreg.registry.hashing import hash_source
+from mfsreg.registry.format.chunking import chunk_id
+from mfsreg.registry.format.hashing import hash_source
+from mfsreg.registry.format.source import open_source
+from mfsreg.registry.format.wire import Entry, build_batch
 from mfsreg.registry.progress import NullProgress
-from mfsreg.registry.source import open_source
-from mfsreg.registry.wire import Entry, build_batch
 from tests import synth
 from tests.cli_run import MFSREG, mfsreg, mfsreg_json
 from tests.dialects import sqlite_only
@@ -177,8 +177,8 @@ def test_bad_requests_get_problem_details(servers, server_env, tmp_path):
     assert r.status_code == 422
     # nor are frames whose sizes add up to far more than the body, however small each payload
     from mfsreg.registry.config import Settings
-    from mfsreg.registry.manifest import MAX_CHUNK_BYTES
-    from mfsreg.registry.wire import RAW_PER_BODY
+    from mfsreg.registry.format.manifest import MAX_CHUNK_BYTES
+    from mfsreg.registry.format.wire import RAW_PER_BODY
 
     over = RAW_PER_BODY * Settings.from_env({}).max_body // MAX_CHUNK_BYTES + 1  # the server runs the default
     many = [(Entry(chunk_id(bytes([i])), MAX_CHUNK_BYTES, "zstd", 1), b"x") for i in range(over)]
@@ -439,7 +439,7 @@ def test_hostile_manifests_get_a_400(servers, server_env, fam, tmp_path):
             assert r.status_code == 400 and says in r.json()["detail"], (route, says, r.text)
     # 300 chunks at the largest size claim a 75 GiB file in 30 KB of JSON: compared with the cuts at
     # 4 KiB, it differs at its first chunk (planned whole, 20 million cuts: most of a minute and GBs)
-    from mfsreg.registry.manifest import MAX_CHUNK_BYTES
+    from mfsreg.registry.format.manifest import MAX_CHUNK_BYTES
 
     n = 300
     big = {
@@ -489,8 +489,8 @@ def test_a_push_of_very_compressible_chunks_cuts_its_batches_at_the_decoded_cap(
     """The server refuses a batch whose chunks decode to more than RAW_PER_BODY x its body limit (a
     few compressed bytes may claim gigabytes): a client whose batches fill slowly, because its
     chunks compress to almost nothing, cuts them by decoded size as well."""
-    from mfsreg.registry.manifest import MAX_CHUNK_BYTES
-    from mfsreg.registry.wire import RAW_PER_BODY
+    from mfsreg.registry.format.manifest import MAX_CHUNK_BYTES
+    from mfsreg.registry.format.wire import RAW_PER_BODY
 
     # the smallest body limit whose cap is not the floor (one chunk of the largest size always fits)
     limit = MAX_CHUNK_BYTES // RAW_PER_BODY + (1 << 20)
@@ -511,8 +511,8 @@ def test_a_push_of_very_compressible_chunks_cuts_its_batches_at_the_decoded_cap(
 def test_the_default_body_limit_takes_a_batch_of_the_largest_chunk():
     """A family may be cut at up to 256 MiB: one such chunk, uncompressible, goes in a batch alone."""
     from mfsreg.registry.config import Settings
-    from mfsreg.registry.manifest import MAX_CHUNK_BYTES
-    from mfsreg.registry.wire import encode_index
+    from mfsreg.registry.format.manifest import MAX_CHUNK_BYTES
+    from mfsreg.registry.format.wire import encode_index
 
     index = encode_index([Entry("f" * 32, MAX_CHUNK_BYTES, "raw", MAX_CHUNK_BYTES, "e" * 32, 8)])
     assert len(index) + MAX_CHUNK_BYTES <= Settings.from_env({}).max_body
@@ -997,7 +997,7 @@ def test_a_scoped_push_whose_proofs_lapse_before_its_commit_uploads_again(server
 
     with RemoteRegistry(srv.url, token=scoped_tok, chunk_size=64 << 10) as client:
         res = client.push(fam["base"], "qwen", "v1", progress=PruneOnceSent())
-    from mfsreg.registry import codec
+    from mfsreg.registry.format import codec
 
     m = hash_source(open_source(fam["base"]), 64 << 10, NullProgress())
     data = fam["base"].read_bytes()
@@ -1016,7 +1016,7 @@ def test_a_scoped_push_whose_proofs_lapse_before_its_commit_uploads_again(server
 def test_a_scoped_push_gets_plain_copies_of_chunks_stored_against_another_familys(servers, server_env, fam, tmp_path):
     """A chunk the push holds, stored as a delta against a chunk of a family the token may not read,
     would lend that basis: the version would list it, and its readers could download it."""
-    from mfsreg.registry.manifest import Manifest
+    from mfsreg.registry.format.manifest import Manifest
 
     (srv,) = servers(1)
     admin_tok, scoped_tok = token(server_env, "admin"), token(server_env, "push", "qwen*")

@@ -1,4 +1,4 @@
-"""Chunk downloads: stored payloads of a family's chunks, streamed as one batch (registry/wire.py)."""
+"""Chunk downloads: stored payloads of a family's chunks, streamed as one batch (registry/format/wire.py)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ router = APIRouter()
     responses={200: {"content": {"application/octet-stream": {}}}},
 )
 def download(family: FamilyName, body: DownloadRequest, request: Request, who: Principal = Depends(principal)):
-    """Stored payloads of chunks of this family, streamed as one batch (registry/wire.py)."""
+    """Stored payloads of chunks of this family, streamed as one batch (registry/format/wire.py)."""
     check_name("family", family)
     who.require("read", family)
     reg = registry_of(request)

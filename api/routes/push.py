@@ -55,7 +55,7 @@ def negotiate(
     },
 )
 async def upload(family: FamilyName, request: Request, who: Principal = Depends(principal)):
-    """Step 2: a batch of encoded chunks (registry/wire.py). Each is decoded and re-hashed; a
+    """Step 2: a batch of encoded chunks (registry/format/wire.py). Each is decoded and re-hashed; a
     chunk whose bytes do not match its id refuses the whole batch."""
     check_name("family", family)
     who.require("push", family)

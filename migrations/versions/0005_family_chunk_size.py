@@ -20,7 +20,7 @@ PREVIOUS_DEFAULT = 1 << 20
 
 
 def upgrade() -> None:
-    from mfsreg.registry.manifest import Manifest
+    from mfsreg.registry.format.manifest import Manifest
 
     with op.batch_alter_table("families") as batch_op:
         batch_op.add_column(sa.Column("chunk_size", sa.Integer(), nullable=False, server_default=str(PREVIOUS_DEFAULT)))

@@ -14,8 +14,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from mfsreg.registry.blobs.base import BlobStore, Leftover, check_key
-from mfsreg.registry.durable import NO_ROOM, abandoned, hold, make_dirs, sync_dir, temp_beside, what_to_do
 from mfsreg.registry.errors import InvalidRequest, NotFound, StorageError
+from mfsreg.registry.format.durable import NO_ROOM, abandoned, hold, make_dirs, sync_dir, temp_beside, what_to_do
 
 PRIVATE_DIR, PRIVATE_FILE = 0o700, 0o600
 

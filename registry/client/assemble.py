@@ -1,7 +1,7 @@
 """A file assembled from the node cache, every chunk checked against its id on the way.
 
 Each chunk file is read into a buffer of the process, checked there, and written: through the page
-cache (the default: registry/filecheck.py's CheckedFile), or around it (MFSREG_PULL_DIRECT=1, files
+cache (the default: registry/format/filecheck.py's CheckedFile), or around it (MFSREG_PULL_DIRECT=1, files
 of DIRECT_MIN_BYTES or more: registry/client/direct.py). A cache file found damaged, cut short or
 gone is dropped, fetched again and placed again, once; nothing of it is written before it passes.
 See docs/design/node-cache.md.
@@ -14,13 +14,13 @@ from collections.abc import Callable
 from concurrent.futures import Executor
 from pathlib import Path
 
-from mfsreg.registry.chunking import ChunkRef, chunk_hasher, chunk_id
 from mfsreg.registry.client.cache import NodeCache
 from mfsreg.registry.client.cachefiles import open_plain
 from mfsreg.registry.client.direct import DirectFile
-from mfsreg.registry.durable import Placing, writing
-from mfsreg.registry.filecheck import BATCH_BYTES, CheckedFile, check_tiling, write_at
-from mfsreg.registry.manifest import FileEntry
+from mfsreg.registry.format.chunking import ChunkRef, chunk_hasher, chunk_id
+from mfsreg.registry.format.durable import Placing, writing
+from mfsreg.registry.format.filecheck import BATCH_BYTES, CheckedFile, check_tiling, write_at
+from mfsreg.registry.format.manifest import FileEntry
 from mfsreg.registry.parallel import sized_batches
 from mfsreg.registry.progress import Progress
 

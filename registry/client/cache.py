@@ -16,7 +16,6 @@ from collections.abc import Set as AbstractSet
 from contextlib import AbstractContextManager
 from pathlib import Path
 
-from mfsreg.registry.chunking import chunk_id as chunk_id_of
 from mfsreg.registry.client.cachefiles import (
     STALE_TEMP_SECONDS,
     atomic_write,
@@ -31,6 +30,7 @@ from mfsreg.registry.client.eviction import FILE_RANK, RANK, Eviction, Lease, Le
 from mfsreg.registry.client.indexdb import forget_rows
 from mfsreg.registry.client.layout import CacheLayout
 from mfsreg.registry.errors import IntegrityError, InvalidRequest, StorageError
+from mfsreg.registry.format.chunking import chunk_id as chunk_id_of
 
 # What other modules import from here; the file helpers, index and eviction names are imported
 # from their own modules (cachefiles.py, indexdb.py, eviction.py).

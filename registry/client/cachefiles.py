@@ -12,8 +12,8 @@ import stat
 import uuid
 from pathlib import Path
 
-from mfsreg.registry.durable import NO_ROOM, what_to_do
 from mfsreg.registry.errors import InvalidRequest, StorageError
+from mfsreg.registry.format.durable import NO_ROOM, what_to_do
 
 STALE_TEMP_SECONDS = 3600  # temp files older than this were left by a writer that died
 

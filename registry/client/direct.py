@@ -16,7 +16,7 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
-from mfsreg.registry.durable import Placing, create_beside, replaced_mode, sync_dir, temp_beside
+from mfsreg.registry.format.durable import Placing, create_beside, replaced_mode, sync_dir, temp_beside
 
 ALIGN = 4096  # covers 512-byte and 4 KiB logical blocks
 BUFFER_BYTES = 8 << 20  # one write; a few of these are the whole staging memory

@@ -9,9 +9,9 @@ from collections.abc import Iterator
 from mfsreg.registry.blobs.packs import ChunkForm
 from mfsreg.registry.client.remote import Closable, DocumentReader
 from mfsreg.registry.errors import InvalidRequest
+from mfsreg.registry.format.wire import Located
 from mfsreg.registry.registry import Registry
 from mfsreg.registry.store import service
-from mfsreg.registry.wire import Located
 
 
 class EmbeddedSource(DocumentReader, Closable):

@@ -20,11 +20,11 @@ from mfsreg.registry.blobs.packs import ChunkForm
 from mfsreg.registry.client.cache import NodeCache
 from mfsreg.registry.config import age_from_env
 from mfsreg.registry.errors import StorageError
-from mfsreg.registry.manifest import Manifest
+from mfsreg.registry.format.manifest import Manifest
+from mfsreg.registry.format.rebuild import decode_batch
+from mfsreg.registry.format.wire import Located
 from mfsreg.registry.parallel import sized_batches
 from mfsreg.registry.progress import NullProgress, Progress
-from mfsreg.registry.rebuild import decode_batch
-from mfsreg.registry.wire import Located
 
 
 class ChunkSource(Protocol):

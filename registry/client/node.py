@@ -10,16 +10,16 @@ import time
 import uuid
 from pathlib import Path
 
-from mfsreg.registry import rebuild
 from mfsreg.registry.client import assemble
 from mfsreg.registry.client.cachefiles import directory_in_the_way
 from mfsreg.registry.client.fetch import Fetcher, FetchStats, VersionInfo
-from mfsreg.registry.durable import Placing
 from mfsreg.registry.errors import IntegrityError, NotFound
-from mfsreg.registry.filecheck import BATCH_BYTES, bad_chunks, check_tiling
+from mfsreg.registry.format import rebuild
+from mfsreg.registry.format.durable import Placing
+from mfsreg.registry.format.filecheck import BATCH_BYTES, bad_chunks, check_tiling
+from mfsreg.registry.format.rebuild import PullResult, safe_relpath
 from mfsreg.registry.parallel import sized_batches, windowed_map
 from mfsreg.registry.progress import NullProgress, Progress
-from mfsreg.registry.rebuild import PullResult, safe_relpath
 
 
 def refetcher(fetcher: Fetcher, info: VersionInfo, stats: FetchStats | None = None):

@@ -4,7 +4,7 @@ Push hashes locally, asks the server which chunks it lacks, uploads only those i
 on a thread pool while the previous batch is in flight), then commits. The server records chunks
 batch by batch, so a push that dies midway and is run again sends only what is still missing.
 Pull reads the manifest and chunk table, downloads chunk batches as streams, decodes and verifies
-every chunk and every file (registry/rebuild.py) and writes files atomically.
+every chunk and every file (registry/format/rebuild.py) and writes files atomically.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import httpx
 
-from mfsreg.registry import protocol, pushing, rebuild
+from mfsreg.registry import protocol, pushing
 from mfsreg.registry.config import DEFAULT_CHUNK_SIZE, check_chunk_size, size_from_env
 from mfsreg.registry.errors import (
     Conflict,
@@ -34,8 +34,19 @@ from mfsreg.registry.errors import (
     TooLarge,
     Unauthorized,
 )
-from mfsreg.registry.hashing import HashJob, encoded_chunks, missing_bytes
-from mfsreg.registry.manifest import Manifest, parse_doc
+from mfsreg.registry.format import rebuild
+from mfsreg.registry.format.hashing import HashJob, encoded_chunks, missing_bytes
+from mfsreg.registry.format.manifest import Manifest, parse_doc
+from mfsreg.registry.format.wire import (
+    MAX_UPLOAD_CHUNKS,
+    RAW_PER_BODY,
+    Entry,
+    Located,
+    StreamBrokeOff,
+    build_batch,
+    check_id,
+    read_stream,
+)
 from mfsreg.registry.meta import VersionMeta
 from mfsreg.registry.names import check_name
 from mfsreg.registry.progress import NullProgress, Progress
@@ -52,16 +63,6 @@ from mfsreg.registry.results import (
     existing_result,
 )
 from mfsreg.registry.store.tiers import TIERS
-from mfsreg.registry.wire import (
-    MAX_UPLOAD_CHUNKS,
-    RAW_PER_BODY,
-    Entry,
-    Located,
-    StreamBrokeOff,
-    build_batch,
-    check_id,
-    read_stream,
-)
 
 UPLOAD_BATCH = 32 << 20  # bytes of payload per upload request: well under the server's body limit (MFSREG_UPLOAD_BATCH)
 UPLOAD_INFLIGHT = 2  # upload requests at once

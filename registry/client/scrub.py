@@ -10,9 +10,9 @@ import os
 import shutil
 from pathlib import Path
 
-from mfsreg.registry.chunking import MappedFile, chunk_id, file_sha256
 from mfsreg.registry.client.cache import NodeCache
 from mfsreg.registry.client.cachefiles import is_temp, may_replace, unreadable
+from mfsreg.registry.format.chunking import MappedFile, chunk_id, file_sha256
 from mfsreg.registry.progress import NullProgress, Progress
 
 

@@ -22,19 +22,19 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from mfsreg.registry.chunking import ChunkRef, chunk_id
 from mfsreg.registry.client.cache import NodeCache
 from mfsreg.registry.client.fetch import MAX_AGE, Fetcher, VersionInfo
 from mfsreg.registry.client.node import evict_quietly, gone_meanwhile, refetcher
 from mfsreg.registry.client.remote import Closable, RemoteRegistry
+from mfsreg.registry.format.chunking import ChunkRef, chunk_id
 
 if TYPE_CHECKING:
     from mfsreg.registry.client.embedded import EmbeddedSource
 from mfsreg.registry.config import age_from_env
 from mfsreg.registry.errors import IntegrityError, InvalidRequest, NotFound
-from mfsreg.registry.manifest import SAFETENSORS
+from mfsreg.registry.format.manifest import SAFETENSORS
+from mfsreg.registry.format.safetensors import TensorSpan
 from mfsreg.registry.parallel import sized_batches, windowed_map
-from mfsreg.registry.safetensors import TensorSpan
 
 mapping: ModuleType | None
 try:

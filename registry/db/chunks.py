@@ -17,7 +17,7 @@ from mfsreg.registry.db.locks import exclude_prune, exclude_writers
 from mfsreg.registry.db.models import chunks, families, family_chunks, version_chunks, versions
 from mfsreg.registry.db.reclaim import list_pack
 from mfsreg.registry.errors import Pruned
-from mfsreg.registry.manifest import Manifest
+from mfsreg.registry.format.manifest import Manifest
 
 
 def missing_ids(conn: Connection, ids: Sequence[str]) -> set[str]:

@@ -18,7 +18,6 @@ from collections.abc import Callable, Sequence
 
 from sqlalchemy import Connection
 
-from mfsreg.registry import codec
 from mfsreg.registry.auth import Principal
 from mfsreg.registry.blobs.packs import StoredChunk
 from mfsreg.registry.context import Store
@@ -27,8 +26,9 @@ from mfsreg.registry.db import claims as claim_db
 from mfsreg.registry.db import versions as version_db
 from mfsreg.registry.db.engine import read_tx
 from mfsreg.registry.errors import IntegrityError, NotFound, StorageError
+from mfsreg.registry.format import codec
+from mfsreg.registry.format.rebuild import decode_batch
 from mfsreg.registry.parallel import sized_batches
-from mfsreg.registry.rebuild import decode_batch
 from mfsreg.registry.store.recorded import RecordedPacks
 
 log = logging.getLogger("mfsreg")

@@ -19,9 +19,9 @@ from mfsreg.registry.db import chunks as chunk_db
 from mfsreg.registry.db import versions as version_db
 from mfsreg.registry.db.engine import read_tx
 from mfsreg.registry.errors import IntegrityError, NotFound
+from mfsreg.registry.format.rebuild import closure, decode_verified, levels
 from mfsreg.registry.parallel import sized_batches, windowed_map
 from mfsreg.registry.progress import NullProgress, Progress
-from mfsreg.registry.rebuild import closure, decode_verified, levels
 from mfsreg.registry.results import CheckResult
 from mfsreg.registry.store.lost import LostWarning, PackSizes, lost_packs, through_lost, unreadable
 

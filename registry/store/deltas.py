@@ -13,9 +13,9 @@ from collections import OrderedDict
 from collections.abc import Callable, Container, Iterable, Sequence
 
 from mfsreg.registry.blobs.packs import StoredChunk
-from mfsreg.registry.chunking import ChunkRef
 from mfsreg.registry.errors import IntegrityError, NotFound
-from mfsreg.registry.safetensors import TensorSpan
+from mfsreg.registry.format.chunking import ChunkRef
+from mfsreg.registry.format.safetensors import TensorSpan
 from mfsreg.registry.store.lost import through_lost, warn_damaged_basis, warn_lost_bases
 
 MAX_DEPTH = 3  # a pull decodes at most this many deltas on top of a plain chunk

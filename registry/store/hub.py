@@ -18,16 +18,16 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from mfsreg.registry import filecheck
 from mfsreg.registry.context import Store
 from mfsreg.registry.db import chunks as chunk_db
 from mfsreg.registry.db import versions as version_db
 from mfsreg.registry.db.engine import read_tx
 from mfsreg.registry.errors import IntegrityError, InvalidRequest, NotFound, shown
-from mfsreg.registry.manifest import FileEntry, Manifest
+from mfsreg.registry.format import filecheck
+from mfsreg.registry.format.manifest import FileEntry, Manifest
+from mfsreg.registry.format.rebuild import decode_batch
 from mfsreg.registry.names import check_name
 from mfsreg.registry.parallel import sized_batches
-from mfsreg.registry.rebuild import decode_batch
 from mfsreg.registry.results import VersionRow
 
 MAIN = "main"

@@ -36,13 +36,13 @@ from mfsreg.registry.errors import (
     Pruned,
     StorageError,
 )
-from mfsreg.registry.hashing import HashJob, encoded_chunks, missing_bytes
-from mfsreg.registry.manifest import Manifest
+from mfsreg.registry.format.hashing import HashJob, encoded_chunks, missing_bytes
+from mfsreg.registry.format.manifest import Manifest
+from mfsreg.registry.format.rebuild import decode_verified
 from mfsreg.registry.meta import VersionMeta, check_meta
 from mfsreg.registry.names import check_name, check_new_name
 from mfsreg.registry.principal import Principal
 from mfsreg.registry.progress import Progress
-from mfsreg.registry.rebuild import decode_verified
 from mfsreg.registry.results import FamilyRow, PushResult, VersionRow
 from mfsreg.registry.store import access, deltas
 from mfsreg.registry.store.audit import named

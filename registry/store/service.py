@@ -14,7 +14,6 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
-from mfsreg.registry import codec
 from mfsreg.registry.auth import Principal
 from mfsreg.registry.blobs.packs import StoredChunk
 from mfsreg.registry.config import check_chunk_size
@@ -34,13 +33,23 @@ from mfsreg.registry.errors import (
     TooLarge,
     shown,
 )
-from mfsreg.registry.manifest import MAX_CHUNK_BYTES, SAFETENSORS, Manifest, parse_doc
+from mfsreg.registry.format import codec
+from mfsreg.registry.format.manifest import MAX_CHUNK_BYTES, SAFETENSORS, Manifest, parse_doc
+from mfsreg.registry.format.rebuild import decode_verified
+from mfsreg.registry.format.safetensors import parse_header
+from mfsreg.registry.format.wire import (
+    MAX_UPLOAD_CHUNKS,
+    RAW_PER_BODY,
+    Entry,
+    Located,
+    check_id,
+    encode_index,
+    parse_batch,
+)
 from mfsreg.registry.meta import VersionMeta
 from mfsreg.registry.names import check_name
 from mfsreg.registry.parallel import windowed_map
-from mfsreg.registry.rebuild import decode_verified
 from mfsreg.registry.results import PushResult, timestamp
-from mfsreg.registry.safetensors import parse_header
 from mfsreg.registry.store import access
 from mfsreg.registry.store.audit import named
 from mfsreg.registry.store.check import to_mend, unreadable_or_damaged
@@ -62,15 +71,6 @@ from mfsreg.registry.store.ingest import (
 )
 from mfsreg.registry.store.lost import lost_packs, unreadable
 from mfsreg.registry.store.tiers import TIERS
-from mfsreg.registry.wire import (
-    MAX_UPLOAD_CHUNKS,
-    RAW_PER_BODY,
-    Entry,
-    Located,
-    check_id,
-    encode_index,
-    parse_batch,
-)
 
 
 def _check_encoding(name: str) -> None:
@@ -452,7 +452,7 @@ EAGER_BYTES = 8 << 20  # a batch of at most this many stored bytes is read whole
 
 
 def stream_chunks(reg: Store, chunks: list[StoredChunk]) -> Iterator[bytes]:
-    """The batch as the wire sends it (registry/wire.py), its packs found whole first: a lost or cut
+    """The batch as the wire sends it (registry/format/wire.py), its packs found whole first: a lost or cut
     pack is answered with an error the client can show, not a stream that breaks off halfway. A
     small batch (EAGER_BYTES) is read whole before the answer starts, which finds that too, and
     saves the size lookups (a HEAD per pack on S3: 7-10 ms of a 30 ms batch of a node's few changed

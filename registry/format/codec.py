@@ -2,7 +2,7 @@
 
 The encoding's name is stored with each chunk: ``raw``, ``zstd``, ``zstd-pN`` (byte planes, then
 zstd), and deltas against a basis chunk: ``sub-pN``, ``subn-pN`` (lowest plane in nibbles), their
-grouped forms ``esub-pN`` and ``esubn-pN`` (written where registry/_grouping.c is built), and
+grouped forms ``esub-pN`` and ``esubn-pN`` (written where registry/format/_grouping.c is built), and
 ``xor-pN`` (decoded, no longer written). Decoders touch no database, so the node client uses them.
 See docs/design/format.md and docs/design/deltas.md.
 """
@@ -19,7 +19,7 @@ import zstandard
 _KERNELS = ("sub_grouped", "unsub_grouped", "sparse_split", "sparse_join", "nibble_split", "nibble_join", "join_planes")
 _grouping: ModuleType | None
 try:
-    from mfsreg.registry import _grouping  # C, built by setup.py where a compiler is at hand
+    from mfsreg.registry.format import _grouping  # C, built by setup.py where a compiler is at hand
 except ImportError:  # no compiler at install: the numpy versions below (tests run both)
     _grouping = None
 if _grouping is not None and not all(hasattr(_grouping, name) for name in _KERNELS):

@@ -1,4 +1,4 @@
-/* Exponent-grouped deltas and their sparse planes: the transforms of registry/codec.py that numpy
+/* Exponent-grouped deltas and their sparse planes: the transforms of registry/format/codec.py that numpy
  * cannot do at speed.
  *
  * A delta element (new minus basis, zigzagged) is moved into the group of its basis element's key,
@@ -24,7 +24,7 @@
  * the stored formats are little-endian, and so must the machine be (elsewhere codec.py's numpy
  * versions run instead, as where no compiler is at hand). */
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
-#error "registry/_grouping.c assumes a little-endian machine"
+#error "registry/format/_grouping.c assumes a little-endian machine"
 #endif
 
 #define NKEYS 256

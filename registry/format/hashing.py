@@ -10,13 +10,13 @@ import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
-from mfsreg.registry import codec
-from mfsreg.registry.chunking import ChunkRef, MappedFile, chunk_id, file_sha256, plan_cuts
 from mfsreg.registry.errors import InvalidModel
-from mfsreg.registry.manifest import BLOB, SAFETENSORS, FileEntry, Manifest
+from mfsreg.registry.format import codec
+from mfsreg.registry.format.chunking import ChunkRef, MappedFile, chunk_id, file_sha256, plan_cuts
+from mfsreg.registry.format.manifest import BLOB, SAFETENSORS, FileEntry, Manifest
+from mfsreg.registry.format.source import Source
 from mfsreg.registry.parallel import windowed_map
 from mfsreg.registry.progress import Progress
-from mfsreg.registry.source import Source
 
 ENCODE_WINDOW = 64  # chunks in flight to the encoder pool: bounds memory to a few packs
 

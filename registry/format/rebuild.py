@@ -3,8 +3,8 @@
 Each file is written to a temp name beside its target, chunk by chunk at its offsets (a chunk used
 twice in a file is fetched once). Chunk payloads are decoded on a thread pool, and each decoded
 chunk's xxh3-128 must equal its id; once written, each is checked again where it lies in the file
-(registry/filecheck.py), and only then is the file synced. The files of a version are renamed into
-place together once all of them are written and checked (registry/durable.py's Placing).
+(registry/format/filecheck.py), and only then is the file synced. The files of a version are renamed into
+place together once all of them are written and checked (registry/format/durable.py's Placing).
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import TypeVar
 
-from mfsreg.registry import codec, filecheck
 from mfsreg.registry.blobs.packs import ChunkForm
-from mfsreg.registry.chunking import chunk_id
-from mfsreg.registry.durable import Placing, writing
 from mfsreg.registry.errors import IntegrityError, InvalidRequest
-from mfsreg.registry.manifest import FileEntry, Manifest
+from mfsreg.registry.format import codec, filecheck
+from mfsreg.registry.format.chunking import chunk_id
+from mfsreg.registry.format.durable import Placing, writing
+from mfsreg.registry.format.manifest import FileEntry, Manifest
 from mfsreg.registry.parallel import sized_batches
 from mfsreg.registry.progress import NullProgress, Progress
 
@@ -362,7 +362,7 @@ def write_file(
     placing: Placing,
 ) -> None:
     """Write one file atomically from its chunks, each decoded and checked against its id, then
-    checked again where it lies in the written file (registry/filecheck.py); renamed into place by
+    checked again where it lies in the written file (registry/format/filecheck.py); renamed into place by
     ``placing``, with the version's other files.
 
     The file is written in batches at the chunks' offsets; while one batch is written, the next is

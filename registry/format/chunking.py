@@ -20,11 +20,11 @@ from typing import Protocol
 
 import xxhash
 
-from mfsreg.registry.safetensors import TensorSpan
+from mfsreg.registry.format.safetensors import TensorSpan
 
 _busguard: ModuleType | None
 try:
-    from mfsreg.registry import _busguard  # C, built by setup.py where a compiler is at hand
+    from mfsreg.registry.format import _busguard  # C, built by setup.py where a compiler is at hand
 except ImportError:  # without it, a file cut short while it is pushed ends the push with SIGBUS
     _busguard = None
 
@@ -101,7 +101,7 @@ class MappedFile:
         if self._mm is not None:
             self._mm.madvise(mmap.MADV_SEQUENTIAL)
         # a read past the end of a file cut short raises SIGBUS, which would end the process:
-        # registry/_busguard.c answers such reads of this map with zeros and remembers it
+        # registry/format/_busguard.c answers such reads of this map with zeros and remembers it
         self._guard = _busguard.guard(self._mm) if _busguard is not None and self._mm is not None else -1
         self.view = memoryview(self._mm) if self._mm is not None else memoryview(b"")
 

@@ -14,10 +14,10 @@ import os
 from concurrent.futures import Executor, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
-from mfsreg.registry.chunking import ChunkRef, chunk_id
-from mfsreg.registry.durable import Placing, create_beside, replaced_mode, sync_dir, temp_beside
 from mfsreg.registry.errors import IntegrityError
-from mfsreg.registry.manifest import FileEntry
+from mfsreg.registry.format.chunking import ChunkRef, chunk_id
+from mfsreg.registry.format.durable import Placing, create_beside, replaced_mode, sync_dir, temp_beside
+from mfsreg.registry.format.manifest import FileEntry
 
 BATCH_BYTES = 64 << 20  # bytes written before a stretch is handed to writeback and to the check
 

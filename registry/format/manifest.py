@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import zstandard
 
-from mfsreg.registry.chunking import ChunkRef, iter_cuts
 from mfsreg.registry.config import MAX_CHUNK_SIZE
-from mfsreg.registry.safetensors import MAX_HEADER_BYTES, TensorSpan
+from mfsreg.registry.format.chunking import ChunkRef, iter_cuts
+from mfsreg.registry.format.safetensors import MAX_HEADER_BYTES, TensorSpan
 
 # The largest chunk a manifest may name: a tensor piece, or a safetensors header kept whole. Bounded
 # so that a small document cannot name a huge one (checking its cuts would plan them all).
@@ -194,8 +194,8 @@ def parse_doc(doc: object, draft: bool = False) -> Manifest:
     # (over 60 lines: one check per rule the docstring lists, in that order, each with its
     # one-line refusal; split, the rules would no longer read as one list)
     from mfsreg.registry.errors import InvalidRequest, shown
-    from mfsreg.registry.safetensors import DTYPE_SIZES
-    from mfsreg.registry.wire import check_id
+    from mfsreg.registry.format.safetensors import DTYPE_SIZES
+    from mfsreg.registry.format.wire import check_id
 
     _check_shape(doc)
     m = Manifest.from_doc(doc)  # type: ignore[arg-type]

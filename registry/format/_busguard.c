@@ -6,7 +6,7 @@
  * guard(map) notes the span of a mapped buffer. A SIGBUS for an address inside a noted span maps
  * one page of zeros over the faulting page and marks the span hit; the read then goes on and reads
  * zeros, and the pusher, which asks hit() before it commits, refuses the push with one line
- * instead (registry/chunking.py). Any other SIGBUS is handed back to the handler that was there
+ * instead (registry/format/chunking.py). Any other SIGBUS is handed back to the handler that was there
  * before (or the default), as if this one had never been installed: a real fault still ends the
  * process as before.
  *

@@ -1,5 +1,5 @@
 """What a push reads: a single .safetensors file, a sharded checkpoint, a model directory, or a
-Hugging Face cache folder (its snapshot: registry/hfcache.py).
+Hugging Face cache folder (its snapshot: registry/format/hfcache.py).
 
 Everything is validated here, before the registry is touched, so that bad input leaves every stored
 byte as it was. A directory may hold .safetensors files, a ``*.safetensors.index.json`` that maps
@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from mfsreg.registry.errors import InvalidModel, InvalidRequest
-from mfsreg.registry.manifest import MAX_PATH_BYTES, unsafe_path
-from mfsreg.registry.safetensors import SafetensorsHeader, read_header
+from mfsreg.registry.format.manifest import MAX_PATH_BYTES, unsafe_path
+from mfsreg.registry.format.safetensors import SafetensorsHeader, read_header
 
 INDEX_SUFFIX = ".safetensors.index.json"
 MAX_INDEX_BYTES = 64 << 20
@@ -44,7 +44,7 @@ def open_source(path: Path) -> Source:
     if not path.exists():
         raise InvalidRequest(f"{path}: no such file or directory")
     if path.is_dir():
-        from mfsreg.registry import hfcache
+        from mfsreg.registry.format import hfcache
 
         return _directory(hfcache.snapshot(path) if hfcache.is_cache_repo(path) else path)
     _regular(path)
