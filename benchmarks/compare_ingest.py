@@ -1,7 +1,7 @@
 """The CPU cost of one push under two revisions of the code, measured as interleaved pairs.
 
     python -m benchmarks.compare_ingest REV [--against REV2] [--member full-medical|base|...] [--pairs 3]
-        [--through embedded|server]
+        [--through embedded|server] [--op push|pull]
 
 This VM's speed swings by up to 1.5x between hours, so two benchmark runs made at different times
 cannot show a 10% change. Here the two versions of the code push the same member one after the
@@ -17,7 +17,9 @@ family (imports, thread pools and scratch buffers warm up, as in a long-lived se
 pushes the member, timing user + system CPU of the whole process around that push alone. With
 ``--through server`` the process also runs the side's API app (uvicorn in a thread, over the same
 embedded registry) and every push goes through the side's remote client: the CPU then counts the
-client and the server, as bench_api's pushes do. The
+client and the server, as bench_api's pushes do. With ``--op pull`` the template holds the member
+too, and the timed step is its pull: rebuilt from the store (embedded), or fetched through the
+server into an empty node cache and assembled (server). The
 sides take turns going first. The files are read into the page cache first. Prints the CPU-seconds of each side, pair by pair, and
 their ratio; writes benchmarks/results/compare_ingest.json (or --out; earlier runs live in git history).
 """
@@ -73,6 +75,7 @@ Settings = side("config").Settings
 Registry = side("registry").Registry
 
 home, path, version, parent = Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4], sys.argv[5] or None
+os.environ["MFSREG_CACHE_DIR"] = str(home / "node-cache")  # a remote pull's node cache: empty at first
 reg = Registry(Settings.from_env({"MFSREG_HOME": str(home)}))
 api_file = None
 if sys.argv[7] == "server":  # the side's own API app in uvicorn in a thread; its client pushes
@@ -93,14 +96,20 @@ if sys.argv[6] == "warm":  # a small family of two versions: warms what a long-l
     save_file({"w": (w + (rng.integers(0, 3, w.size) == 0)).astype(np.uint16).reshape(-1, 1024)}, str(home / "w2.safetensors"))
     reg.push(home / "w1.safetensors", "warm-up", "v1")
     reg.push(home / "w2.safetensors", "warm-up", "v2", parent="v1")
+op = sys.argv[8]
+if op == "pull" and sys.argv[6] == "warm":  # the pull's path warmed as well
+    reg.pull("warm-up", "v2", home / "w2-out.safetensors")
 r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
-result = reg.push(path, "family", version, parent=parent)
+if op == "push":
+    result = reg.push(path, "family", version, parent=parent)
+else:  # the version pushed into the template: rebuilt (embedded) or fetched into an empty node cache
+    result = reg.pull("family", version, home / "out.safetensors")
 r1, wall = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter() - t0
 reg.close()
 if api_file is not None:
     server.should_exit = True
 print(json.dumps({"api": api_file, "user": r1.ru_utime - r0.ru_utime, "system": r1.ru_stime - r0.ru_stime, "wall": wall,
-                  "logical_bytes": result.logical_bytes, "new_bytes": result.new_bytes,
+                  "logical_bytes": result.logical_bytes, "new_bytes": getattr(result, "new_bytes", 0),
                   "package": core.__file__,
                   "c_module": getattr(codec._grouping, "__file__", None) if codec._grouping is not None else None}))
 """
@@ -161,13 +170,21 @@ def child_result(root: Path, code: str, args: list[str], *modules: str) -> dict:
 
 
 def push(
-    root: Path, home: Path, path: Path, version: str, parent: str | None, warm: bool, through: str = "embedded"
+    root: Path,
+    home: Path,
+    path: Path,
+    version: str,
+    parent: str | None,
+    warm: bool,
+    through: str = "embedded",
+    op: str = "push",
 ) -> dict:
-    """One push in a fresh process; ``through`` "server": to the side's API app in uvicorn in a
-    thread of that process, by its remote client, the process's CPU counting both."""
+    """One push (``op`` "pull": one pull of ``version``, pushed already) in a fresh process;
+    ``through`` "server": to (from) the side's API app in uvicorn in a thread of that process, by
+    its remote client, the process's CPU counting both."""
     # setup.py builds the module optionally: a failed build would quietly measure the numpy path
     checked = ("package", "c_module") + (("api",) if through == "server" else ())
-    args = [str(home), str(path), version, parent or "", "warm" if warm else "cold", through]
+    args = [str(home), str(path), version, parent or "", "warm" if warm else "cold", through, op]
     return child_result(root, CHILD, args, *checked)
 
 
@@ -197,6 +214,12 @@ def main(argv: list[str] | None = None) -> None:
         choices=["embedded", "server"],
         help="embedded: Registry.push; server: RemoteRegistry.push to the side's API app in the same process",
     )
+    ap.add_argument(
+        "--op",
+        default="push",
+        choices=["push", "pull"],
+        help="pull: the member pushed into the template, pulled (embedded: rebuilt; server: into an empty node cache)",
+    )
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
     paths = generate(args.data, args.scale, verbose=True)
@@ -211,6 +234,8 @@ def main(argv: list[str] | None = None) -> None:
                 templates[label] = Path(tempfile.mkdtemp(prefix="template-", dir=work))
                 if parent:  # the base is pushed onto an empty registry
                     push(root, templates[label], paths[parent], parent, None, warm=False)
+                if args.op == "pull":  # and the member too, to be pulled
+                    push(root, templates[label], paths[args.member], args.member, parent, warm=False)
             pairs = []
             for i in range(args.pairs):
                 pair = {}
@@ -222,7 +247,7 @@ def main(argv: list[str] | None = None) -> None:
                     shutil.copytree(templates[label], home)
                     try:
                         pair[label] = push(
-                            root, home, paths[args.member], args.member, parent, warm=True, through=args.through
+                            root, home, paths[args.member], args.member, parent, True, args.through, args.op
                         )
                     finally:
                         shutil.rmtree(home, ignore_errors=True)
@@ -243,6 +268,7 @@ def main(argv: list[str] | None = None) -> None:
             "member": args.member,
             "parent": parent,
             "through": args.through,
+            "op": args.op,
             "pairs": args.pairs,
             "scale": args.scale,
             "sides": {a: args.rev, b: args.against},
@@ -263,7 +289,8 @@ def report(doc: dict) -> str:
         rows.append([i, f"{ca:.2f}", f"{logical / ca / MB:.0f}", f"{cb:.2f}", f"{logical / cb / MB:.0f}", f"{r:.2f}"])
     return "\n".join(
         [
-            f"## {doc['params']['member']} pushed by two revisions, interleaved ({logical / MB:,.1f} MB logical,"
+            f"## {doc['params']['member']} {doc['params'].get('op', 'push')}ed by two revisions, interleaved"
+            f" ({logical / MB:,.1f} MB logical,"
             f" {doc['params'].get('through', 'embedded')})",
             "",
             table(["pair", f"{a} CPU s", "MB per CPU-s", f"{b} CPU s", "MB per CPU-s", f"{b} / {a}"], rows),
