@@ -54,12 +54,11 @@ if os.path.isdir(os.path.join(sys.argv[1], "mfsreg")):
 else:
     _PKG = "registry"
 core = importlib.import_module(_PKG)
+_FORMAT = os.path.isdir(os.path.join(sys.argv[1], "registry", "format"))  # the format's modules moved there in 0.2.0
 def side(name):
-    # the file format's modules moved under registry/format/ in 0.2.0: looked for there first
-    try:
+    if _FORMAT and os.path.exists(os.path.join(sys.argv[1], "registry", "format", name + ".py")):
         return importlib.import_module(f"{_PKG}.format.{name}")
-    except ModuleNotFoundError:
-        return importlib.import_module(f"{_PKG}.{name}")
+    return importlib.import_module(f"{_PKG}.{name}")
 """
 
 # Run in a child process with the side's checkout first on sys.path. Prints one JSON line.
