@@ -27,7 +27,7 @@ read once into the page cache. Then, in one process:
 - decode speed, one thread: the stored chunks of full-medical that are deltas, and the plain
   chunks of the base, their payloads read once from the packs (Registry.locate + read_payloads)
   and the bases of the deltas decoded beforehand, outside the timing; then every chunk is decoded
-  with registry.rebuild.decode_verified (decode + xxh3-128 check against the id, as a pull does)
+  with registry.format.rebuild.decode_verified (decode + xxh3-128 check against the id, as a pull does)
   on the calling thread, after one untimed warm-up pass. MB/s of raw output = per core. Also
   shown: codec.decode alone (no check).
   Gate: >= 500 MB/s per core for both sets.

@@ -36,7 +36,7 @@ class NegotiateResponse(BaseModel):
     existing_digest: str | None
     existing_layout: str | None = Field(
         None,
-        description="The stored version's layout (registry.manifest.Manifest."
+        description="The stored version's layout (registry.format.manifest.Manifest."
         "layout: its files' chunks); a push of the same digest and another layout "
         "is refused.",
     )

@@ -87,7 +87,7 @@ print('imports ok; typer', typer.__version__, 'typing_extensions from', __import
   else
     "$PY" -m pip install -q --no-deps --no-build-isolation --no-index -e . 2>&1 | grep -v "root user\|^$" | tail -20
   fi
-  "$PY" -c "import mfsreg.registry._grouping, mfsreg.registry._busguard, mfsreg.registry.client._mapfiles; print('C modules ok')" || echo "C MODULES MISSING (optional: numpy / ctypes fallbacks run)"
+  "$PY" -c "import mfsreg.registry.format._grouping, mfsreg.registry.format._busguard, mfsreg.registry.client._mapfiles; print('C modules ok')" || echo "C MODULES MISSING (optional: numpy / ctypes fallbacks run)"
   MF=$("$PY" -c "import sys, pathlib; print(pathlib.Path(sys.executable).with_name('mfsreg'))")
   [ -x "$MF" ] || { echo "no console script at $MF"; return 1; }
   "$MF" --version 2>&1 | head -2
