@@ -5,8 +5,10 @@ deleted meanwhile, ask again, upload and commit once more.
 ``drive`` runs the sequence; a ``PushSteps`` carries each step to a store. The embedded registry's
 (registry/store/ingest.py, ``LocalPush``) calls the store's steps in this process; the remote
 client's (registry/client/remote.py, ``HttpPush``) sends them to a server, which answers them with
-those same store steps (registry/store/service.py). A new push feature is one change here, and one
-per transport where it crosses the wire. See docs/design/protocol.md.
+those same store steps (registry/store/service.py): ``ingest.negotiate_step`` (what is missing),
+``ingest.store_chunks`` (through upload_missing here, receive_batch there) and
+``ingest.commit_step``. A new push feature is one change here, and one per transport where it
+crosses the wire. See docs/design/protocol.md.
 """
 
 from __future__ import annotations
@@ -98,8 +100,8 @@ def drive(
             sent, added = sent + more[0], added + more[1]
             missing, mend = missing | again.missing, mend | (again.mend & again.missing)
             committed = steps.commit(job, manifest, chunk_size, meta)
-    if committed.existed:  # a concurrent push of the same name committed first
-        return replace(committed, seconds=time.perf_counter() - t0)
+    if committed.existed:  # a concurrent push of the same name committed first: nothing added
+        return replace(committed, sent_bytes=sent, seconds=time.perf_counter() - t0)
     return _counted(committed, sent, added, missing, mend, t0)
 
 

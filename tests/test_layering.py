@@ -212,6 +212,13 @@ def test_a_push_is_driven_in_one_place():
     assert calls_to(modules["mfsreg.registry.pushing"].read_text(), "HashJob")
     for mod in ("mfsreg.registry.store.ingest", "mfsreg.registry.client.remote"):
         assert calls_to(modules[mod].read_text(), "drive"), f"{mod}'s push does not call pushing.drive"
+    # the store answers the embedded push (ingest.LocalPush) and the server (service) with one step each
+    ingest, service = (modules[f"mfsreg.registry.store.{m}"].read_text() for m in ("ingest", "service"))
+    for step in ("negotiate_step", "store_chunks", "commit_step"):
+        assert calls_to(service, step), f"the server's side of the push does not call ingest.{step}"
+        assert calls_to(ingest, step), f"the embedded push does not call ingest.{step}"
+    for step in ("survey", "plan_push", "commit_version"):  # inside those steps only
+        assert not calls_to(service, step), f"the server calls ingest.{step} beside the shared steps"
 
 
 def test_the_push_rule_finds_a_second_driver():

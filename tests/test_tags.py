@@ -218,3 +218,31 @@ def test_the_library_checks_metadata_as_the_cli_does(home_env, fam):
             with pytest.raises(InvalidRequest):
                 reg.push(fam["base"], "m", "v1", meta=meta)
         assert reg.families() == []
+
+
+def test_the_remote_client_checks_metadata_before_it_sends_anything(servers, server_env, fam):
+    """As the embedded push does (above): refused before the file is read, so no chunk is uploaded."""
+    from sqlalchemy import func, select
+
+    from mfsreg.registry.client.remote import RemoteRegistry
+    from mfsreg.registry.config import Settings
+    from mfsreg.registry.db.engine import create_db_engine
+    from mfsreg.registry.db.models import chunks
+    from mfsreg.registry.errors import InvalidRequest
+    from mfsreg.registry.meta import VersionMeta
+
+    (srv,) = servers(1)
+    engine = create_db_engine(Settings.from_env(server_env, blobs=False).database_url)
+    try:
+        with RemoteRegistry(srv.url, token=token(server_env, "push", "m*")) as remote:
+            for meta, says in (
+                (VersionMeta("x" * 1025), "at most 1024 characters"),
+                (VersionMeta("", {"bad key": "v"}), "invalid label key"),
+            ):
+                with pytest.raises(InvalidRequest, match=says):
+                    remote.push(fam["base"], "m", "v1", meta=meta)
+            assert remote.families() == []
+        with engine.connect() as conn:
+            assert conn.execute(select(func.count()).select_from(chunks)).scalar_one() == 0
+    finally:
+        engine.dispose()

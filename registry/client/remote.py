@@ -47,7 +47,7 @@ from mfsreg.registry.format.wire import (
     check_id,
     read_stream,
 )
-from mfsreg.registry.meta import VersionMeta
+from mfsreg.registry.meta import VersionMeta, check_meta
 from mfsreg.registry.names import check_name
 from mfsreg.registry.progress import NullProgress, Progress
 from mfsreg.registry.results import (
@@ -549,7 +549,6 @@ class HttpPush:
     def __init__(self, remote: RemoteRegistry, family: str, version: str, parent: str | None) -> None:
         self.remote, self.family, self.version, self.parent = remote, family, version, parent
         self.base = f"/v1/families/{family}/versions/{version}"
-        self.t0 = time.perf_counter()
         self.asked: dict = {}
 
     def check_names(self, meta: VersionMeta | None) -> VersionMeta | None:
@@ -557,7 +556,8 @@ class HttpPush:
         check_name("version", self.version)
         if self.parent is not None:
             check_name("version", self.parent)
-        return meta  # checked by the server
+        # checked here as the embedded push does, before the file is read (the server checks again)
+        return check_meta(meta.description, meta.labels) if meta is not None else None
 
     def prepare(self) -> int:
         return self.remote._cut_size(self.family)
@@ -570,7 +570,7 @@ class HttpPush:
         # mend_damaged is sent only when asked: without it the request is the one older servers know
         self.asked = {"mend_damaged": True} if mend_damaged else {}
         neg = _negotiate_draft(job, self._negotiate)
-        done = _existing(neg, job.manifest(), self.family, self.version, self.t0) if neg["exists"] else None
+        done = _existing(neg, job.manifest(), self.family, self.version, time.perf_counter()) if neg["exists"] else None
         if mend_damaged and neg.get("mend_damaged") is not True:  # other content is refused first
             raise _mend_unheard(self.remote.url)
         if done is not None:
@@ -586,7 +586,7 @@ class HttpPush:
         body = {"parent": self.parent, "manifest": manifest.to_doc(), "chunk_size": chunk_size}
         if meta is not None and (meta.description or meta.labels):  # else the body older servers know
             body.update(meta.to_dict())
-        return PushResult(**self.remote._doc("POST", f"{self.base}/commit", _committed, json=body))
+        return self.remote._doc("POST", f"{self.base}/commit", _committed, json=body)
 
     def renegotiate(self, job: HashJob, manifest: Manifest) -> pushing.Offer:
         return _offer(self._negotiate(manifest))
@@ -656,10 +656,10 @@ def _negotiation(d) -> dict:
     return d
 
 
-def _committed(d) -> dict:
-    _checked("PushResultModel", d)
-    _counted(d["chunks"])
-    return d
+def _committed(d) -> PushResult:
+    """A commit's answer, checked; fields a newer server adds are left out."""
+    _counted(_checked("PushResultModel", d)["chunks"])
+    return _result(PushResult, "PushResultModel", d)
 
 
 def _stats(d) -> dict:

@@ -174,6 +174,97 @@ def plan_push(
     return PushPlan(missing | mend, mend, {c: b for c, b in bases.items() if c not in mend}, reader)
 
 
+@dataclass(frozen=True)
+class Negotiation:
+    """The store's answer to a push's "what is missing?": for a version stored already, its row
+    and layout, and as the plan the chunks to store again (``plan.missing`` = ``plan.mend``); else
+    the plan of what to send."""
+
+    existing: VersionRow | None
+    layout: str | None  # the stored version's Manifest.layout, where it exists
+    plan: PushPlan
+
+
+def negotiate_step(
+    reg: Store,
+    family: str,
+    version: str,
+    parent: str | None,
+    manifest: Manifest,
+    who: Principal | None = None,
+    mend_damaged: bool = False,
+    progress: Progress | None = None,
+) -> Negotiation:
+    """A push's negotiation, for the embedded push (LocalPush) and the server's negotiate alike:
+    the survey, the cut checks, and the plan: for a version stored with this layout (a draft's
+    unknown digest aside), the chunks to mend (to_mend); for a new one, plan_push. ``manifest``
+    may be a draft (file sha256s None); the caller has checked the names and the parent."""
+    ids = manifest.chunk_ids()
+    found = survey(reg, family, version, ids, who)
+    # before anything is uploaded
+    if found.family is None:
+        check_new_cut(family, manifest.cut_size())
+    elif found.existing is None:
+        check_cut(manifest, family, found.family.chunk_size)
+    if found.existing is not None:
+        layout = stored_layout(reg, found.existing)
+        mend: set[str] = set()
+        if layout == manifest.layout and manifest.digest in (None, found.existing.digest):
+            mend, _, warning = to_mend(reg, found.located, ids, progress, read_data=mend_damaged)
+            warning.say()
+        return Negotiation(found.existing, layout, PushPlan(mend, mend, {}, None))
+    # stored, but in a pack the blob store lost (or down a delta chain through one), and, asked,
+    # those whose stored bytes (or a basis's) do not read back: sent again, plain
+    files = [(f.chunks, f.tensors) for f in manifest.files]
+    plan = plan_push(
+        reg, family, parent, files, ids, found.located, found.missing, found.unproven, progress, mend_damaged
+    )
+    return Negotiation(None, None, plan)
+
+
+def commit_step(
+    reg: Store,
+    family: str,
+    version: str,
+    parent: str | None,
+    manifest: Manifest,
+    chunk_size: int | None = None,
+    who: Principal | None = None,
+    meta: VersionMeta | None = None,
+) -> PushResult:
+    """A push's commit, for the embedded push (LocalPush) and the server's commit alike: what the
+    commit's transaction would refuse is refused before a reused delta whose chain leaves the
+    family gets a plain copy (so that the version lends its family's readers no other family's
+    bytes: registry/store/access.py), then commit_version, recorded as pushed by ``who``. The
+    result counts every chunk as reused; ``existed`` where the name was committed first."""
+    t0 = time.perf_counter()
+
+    def refused_first(conn) -> bool:
+        """What the commit's transaction would refuse, refused before any copy is made; a version of
+        that name that exists needs none (it is compared by digest below)."""
+        fam = version_db.find_family(conn, family)
+        if fam is not None and version_db.find_version(conn, family, version) is not None:
+            return False
+        if fam is not None:
+            check_cut(manifest, family, fam.chunk_size)
+        elif chunk_size is None:
+            check_new_cut(family, manifest.cut_size())
+        stored_for(conn, family, version, manifest, lambda c, ids: access.unproven(c, who, family, ids))
+        return True
+
+    access.detach_foreign_chains(reg, who, family, manifest.chunk_ids(), refused_first)
+
+    def unproven(conn, ids):  # checked again in the commit's transaction: what the version would lend
+        return access.unproven(conn, who, family, ids) | set(access.foreign_chains(conn, who, family, ids))
+
+    changed, existing = commit_version(
+        reg, family, version, parent, manifest, chunk_size, unproven, meta=meta, pushed_by=named(who)
+    )
+    if existing is not None:
+        return existing_result(reg, existing, manifest, family, version, t0)
+    return committed_result(family, version, manifest, changed, t0)
+
+
 def store_chunks(
     reg: Store,
     ids: set[str],
@@ -413,7 +504,6 @@ class LocalPush:
 
     def __init__(self, reg: Store, family: str, version: str, parent: str | None) -> None:
         self.reg, self.family, self.version, self.parent = reg, family, version, parent
-        self.t0 = time.perf_counter()
 
     def check_names(self, meta: VersionMeta | None) -> VersionMeta | None:
         check_push_names(self.family, self.version, self.parent)
@@ -425,30 +515,13 @@ class LocalPush:
         return family_chunk_size(self.reg, self.family)
 
     def negotiate(self, job: HashJob, mend_damaged: bool, progress: Progress) -> pushing.Offer:
-        reg, family = self.reg, self.family
-        ids = job.chunk_ids()
-        found = survey(reg, family, self.version, ids)
-        if found.existing is not None:
-            # other content: refused; this content: what lies in a lost pack (or reads damaged, asked)
-            done = existing_result(reg, found.existing, job.manifest(), family, self.version, self.t0)
-            mend, _, warning = to_mend(reg, found.located, ids, progress, read_data=mend_damaged)
-            if mend:
-                warning.say()
-            return pushing.Offer(mend, mend, existing=done)
-        # stored, but in a pack the blob store lost (or down a delta chain through one), and, asked,
-        # those whose stored bytes (or a basis's) do not read back: sent again, plain
-        new_files = [(refs, f.header.tensors if f.header else ()) for refs, f in zip(job.file_chunks, job.source.files)]
-        plan = plan_push(
-            reg,
-            family,
-            self.parent,
-            new_files,
-            ids,
-            found.located,
-            found.missing,
-            progress=progress,
-            mend_damaged=mend_damaged,
-        )
+        reg, family, version = self.reg, self.family, self.version
+        draft = job.draft()  # the file digests run on beside the upload
+        neg = negotiate_step(reg, family, version, self.parent, draft, None, mend_damaged, progress)
+        plan = neg.plan
+        if neg.existing is not None:  # other content: refused; this content: the chunks to mend
+            done = existing_result(reg, neg.existing, job.manifest(), family, version, time.perf_counter())
+            return pushing.Offer(plan.missing, plan.mend, existing=done)
         return pushing.Offer(plan.missing, plan.mend, plan.bases, reader=plan.reader)
 
     def upload(self, job: HashJob, offer: pushing.Offer, progress: Progress) -> tuple[int, int]:
@@ -456,20 +529,11 @@ class LocalPush:
         return 0, upload_missing(self.reg, job, offer.missing, self.reg.pool, progress, offer.bases, reader, offer.mend)
 
     def commit(self, job: HashJob, manifest: Manifest, chunk_size: int, meta: VersionMeta | None) -> PushResult:
-        reg, family, version = self.reg, self.family, self.version
-        # a reused delta whose chain leaves the family: a plain copy, so that the version lends its
-        # family's readers no other family's bytes (registry/store/access.py)
-        access.detach_foreign_chains(reg, None, family, manifest.chunk_ids())
-        changed, existing = commit_version(
-            reg, family, version, self.parent, manifest, chunk_size, meta=meta, pushed_by=named(None)
-        )
-        if existing is not None:
-            return existing_result(reg, existing, manifest, family, version, self.t0)
-        return committed_result(family, version, manifest, changed, self.t0)
+        return commit_step(self.reg, self.family, self.version, self.parent, manifest, chunk_size, None, meta)
 
     def renegotiate(self, job: HashJob, manifest: Manifest) -> pushing.Offer:
-        with read_tx(self.reg.engine) as conn:
-            return pushing.Offer(chunk_db.missing_ids(conn, manifest.chunk_ids()))
+        plan = negotiate_step(self.reg, self.family, self.version, self.parent, manifest).plan
+        return pushing.Offer(plan.missing, plan.mend, plan.bases, reader=plan.reader)
 
 
 def committed_result(family: str, version: str, manifest: Manifest, changed: int, t0: float) -> PushResult:

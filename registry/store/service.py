@@ -10,7 +10,6 @@ api/ routes call these; they take already-authorised requests and speak in regis
 from __future__ import annotations
 
 import functools
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -51,23 +50,15 @@ from mfsreg.registry.names import check_name
 from mfsreg.registry.parallel import windowed_map
 from mfsreg.registry.results import PushResult, timestamp
 from mfsreg.registry.store import access
-from mfsreg.registry.store.audit import named
-from mfsreg.registry.store.check import to_mend, unreadable_or_damaged
+from mfsreg.registry.store.check import unreadable_or_damaged
 from mfsreg.registry.store.deltas import BasisReader, cap_depth
 from mfsreg.registry.store.ingest import (
-    check_cut,
     check_named_cut,
-    check_new_cut,
     check_parent,
     check_push_names,
-    commit_version,
-    committed_result,
-    existing_result,
-    plan_push,
+    commit_step,
+    negotiate_step,
     store_chunks,
-    stored_for,
-    stored_layout,
-    survey,
 )
 from mfsreg.registry.store.lost import lost_packs, unreadable
 from mfsreg.registry.store.tiers import TIERS
@@ -95,69 +86,21 @@ def negotiate(
     See docs/design/protocol.md."""
     check_push_names(family, version, parent)
     manifest = parse_doc(doc, draft=True)
-    ids = manifest.chunk_ids()
-    sizes = manifest.chunk_sizes()
     check_parent(reg, family, parent, version)  # before anything is uploaded, as an embedded push does
-    found = survey(reg, family, version, ids, who)  # the embedded push's own question
-    existing, fam, missing, located, unproven = (
-        found.existing,
-        found.family,
-        found.missing,
-        found.located,
-        found.unproven,
-    )
-    # before anything is uploaded
-    if fam is None:
-        check_new_cut(family, manifest.cut_size())
-    elif existing is None:
-        check_cut(manifest, family, fam.chunk_size)
-    if existing is not None:
-        return _negotiate_existing(reg, existing, manifest, located, mend_damaged)
-    # the push's planning step, as an embedded push runs it: mended chunks are listed as missing,
-    # so the client sends them and the upload stores them again (receive_batch reads them again first)
-    files = [(f.chunks, f.tensors) for f in manifest.files]
-    plan = plan_push(reg, family, parent, files, ids, located, missing, unproven, mend_damaged=mend_damaged)
-    missing, mend = plan.missing, plan.mend
+    neg = negotiate_step(reg, family, version, parent, manifest, who, mend_damaged)  # the embedded push's own step
+    ids, sizes, plan = manifest.chunk_ids(), manifest.chunk_sizes(), neg.plan
+    # mended chunks are listed as missing, so the client sends them and the upload stores them
+    # again (receive_batch reads them again first); where the version exists, only those
     return {
         "bases": plan.bases,
         "digest": manifest.digest,
-        "exists": False,
-        "existing_digest": None,
-        "existing_layout": None,
-        "missing": [i for i in ids if i in missing],
-        "mend": [i for i in ids if i in mend],
+        "exists": neg.existing is not None,
+        "existing_digest": neg.existing.digest if neg.existing is not None else None,
+        "existing_layout": neg.layout,
+        "missing": [i for i in ids if i in plan.missing],
+        "mend": [i for i in ids if i in plan.mend],
         "mend_damaged": mend_damaged,  # a server older than it leaves this out or says false: see the client
-        "missing_bytes": sum(sizes[i] for i in missing),
-        "chunks": len(ids),
-    }
-
-
-def _negotiate_existing(
-    reg: Store, existing, manifest: Manifest, located: dict[str, StoredChunk], mend_damaged: bool = False
-) -> dict:
-    """The version exists: the client compares its digest and layout with the stored ones, and
-    commits nothing. Where they match (a draft's unknown digest aside), the chunks whose bytes, or a
-    basis's down their delta chains, lie in a lost pack (with ``mend_damaged``, or are damaged) are
-    listed as missing and under ``mend``, for the upload to store again, plain (receive_batch).
-    See docs/design/check.md."""
-    ids = manifest.chunk_ids()
-    layout = stored_layout(reg, existing)
-    mend: set[str] = set()
-    if layout == manifest.layout and manifest.digest in (None, existing.digest):
-        mend, _, warning = to_mend(reg, located, ids, read_data=mend_damaged)
-        warning.say()
-    sizes = manifest.chunk_sizes()
-    listed = [i for i in ids if i in mend]
-    return {
-        "bases": {},
-        "digest": manifest.digest,
-        "exists": True,
-        "existing_digest": existing.digest,
-        "existing_layout": layout,
-        "missing": listed,
-        "mend": listed,
-        "mend_damaged": mend_damaged,  # a server older than it leaves this out: the client says it mended nothing damaged
-        "missing_bytes": sum(sizes[i] for i in mend),
+        "missing_bytes": sum(sizes[i] for i in plan.missing),
         "chunks": len(ids),
     }
 
@@ -374,33 +317,8 @@ def commit(
 ) -> PushResult:
     """Step 3 of a push (docs/design/protocol.md): the version appears, with ``meta``, recorded as
     pushed by ``who``."""
-    t0 = time.perf_counter()
     manifest = _commit_manifest(reg, family, version, parent, doc, chunk_size, who)
-
-    def refused_first(conn) -> bool:
-        """What the commit's transaction would refuse, refused before any copy is made; a version of
-        that name that exists needs none (it is compared by digest below)."""
-        fam = version_db.find_family(conn, family)
-        if fam is not None and version_db.find_version(conn, family, version) is not None:
-            return False
-        if fam is not None:
-            check_cut(manifest, family, fam.chunk_size)
-        elif chunk_size is None:
-            check_new_cut(family, manifest.cut_size())
-        stored_for(conn, family, version, manifest, lambda c, ids: access.unproven(c, who, family, ids))
-        return True
-
-    access.detach_foreign_chains(reg, who, family, manifest.chunk_ids(), refused_first)
-
-    def unproven(conn, ids):  # checked again in the commit's transaction: what the version would lend
-        return access.unproven(conn, who, family, ids) | set(access.foreign_chains(conn, who, family, ids))
-
-    changed, existing = commit_version(
-        reg, family, version, parent, manifest, chunk_size, unproven, meta=meta, pushed_by=named(who)
-    )
-    if existing is not None:
-        return existing_result(reg, existing, manifest, family, version, t0)
-    return committed_result(family, version, manifest, changed, t0)
+    return commit_step(reg, family, version, parent, manifest, chunk_size, who, meta)  # the embedded push's own step
 
 
 def _check_readable(reg: Store, family: str, version: str, manifest: Manifest) -> None:
