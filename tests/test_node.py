@@ -2965,3 +2965,16 @@ def test_cuda_a_damaged_chunk_is_fetched_again_on_the_gpu_path(published, fam):
         _equal_to_file({n: t.cpu() for n, t in got.items()}, fam["base"])
     finally:
         node.close()
+
+
+def test_missing_chunks_are_spread_evenly_over_the_requests():
+    from mfsreg.registry.client.fetch import BATCH_BYTES, MIN_BATCH_BYTES, batch_limit
+    from mfsreg.registry.parallel import sized_batches
+
+    mib = 1 << 20
+    sizes = [2 * mib] * 53  # a member's 106 MiB missing, in 2 MiB chunks
+    batches = list(sized_batches(range(53), lambda i: sizes[i], batch_limit(sum(sizes), 4)))
+    assert len(batches) == 4 and max(map(len, batches)) - min(map(len, batches)) <= 3
+    assert batch_limit(7 * mib, 4) == MIN_BATCH_BYTES  # a small member: one request
+    assert batch_limit(10 << 30, 4) == BATCH_BYTES  # a large one: requests of at most BATCH_BYTES
+    assert batch_limit(0, 4) == MIN_BATCH_BYTES
