@@ -46,7 +46,8 @@ class ChunkSource(Protocol):
 
 
 BATCH_BYTES = 32 << 20  # raw bytes per request at most: several requests run at once
-MIN_BATCH_BYTES = 8 << 20  # raw bytes per request at least, where the missing ones are spread over requests
+MIN_BATCH_BYTES = 16 << 20  # raw bytes per request at least, where the missing ones are spread over requests
+# (above the server's EAGER_BYTES: a spread request is streamed as one of BATCH_BYTES would be)
 KEPT_VERSIONS = 16  # version documents a fetcher keeps (a 7B model's lists about 7,000 chunks at 2 MiB)
 MAX_AGE = 30.0  # seconds a confirmed document is trusted without asking (MFSREG_VERSION_MAX_AGE)
 
@@ -55,8 +56,9 @@ def batch_limit(total: int, requests: int) -> int:
     """Raw bytes per request for ``total`` missing bytes: spread evenly over ``requests`` requests
     that run at once and end together, between MIN_BATCH_BYTES and BATCH_BYTES. Cut at BATCH_BYTES
     alone, a member's 105 MB went as 32, 32, 32 and 9 MB, and its load waited on the three large
-    ones (0.406 -> 0.380 s, medians of 8 interleaved loads); below 8 MiB, four requests instead of
-    one made an 84 MB member's load slower (43 -> 63 ms: each request's fixed cost, on 2 cores)."""
+    ones (0.406 -> 0.380 s, medians of 8 interleaved loads); at 8 MiB, four requests of 2 MiB
+    instead of one made an 84 MB member's load slower (43 -> 63 ms: each request's fixed cost, on
+    2 cores), so fewer bytes than MIN_BATCH_BYTES go as one request."""
     return max(MIN_BATCH_BYTES, min(BATCH_BYTES, -(-total // max(requests, 1))))
 
 
