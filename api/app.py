@@ -13,14 +13,14 @@ from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI
 
-from mfsreg.api import hub, openapi, problems, tags, web
+from mfsreg.api import openapi, problems, web
 from mfsreg.api.bearer import Authenticate
 from mfsreg.api.limits import BodyLimit
 from mfsreg.api.metrics import Metrics
 from mfsreg.api.openapi import RESPONSES
 from mfsreg.api.query import strict_query
 from mfsreg.api.requestid import RequestId
-from mfsreg.api.routes import admin, families, ops, pull, push, versions
+from mfsreg.api.routes import admin, families, hub, ops, pull, push, tags, versions
 from mfsreg.api.versioning import ProtocolVersion
 from mfsreg.registry.config import Settings
 from mfsreg.registry.registry import Registry

@@ -31,7 +31,7 @@ def _declared(route) -> set[str]:
 def strict_query(request: Request) -> None:
     query = request.query_params
     route = request.scope.get("route")
-    if not query or "hub" in getattr(route, "tags", ()):  # Hub clients send what the Hub takes (api/hub.py)
+    if not query or "hub" in getattr(route, "tags", ()):  # Hub clients send what the Hub takes (api/routes/hub.py)
         return
     known = _declared(route)
     for name in query.keys():

@@ -1,4 +1,4 @@
-"""The Hub's read protocol (api/hub.py): the real huggingface_hub and transformers packages download
+"""The Hub's read protocol (api/routes/hub.py): the real huggingface_hub and transformers packages download
 and load versions from a server in this process, by FAMILY/VERSION and FAMILY/TAG."""
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ and revision ``main``, that commit id, or the whole digest name it. A single-fil
 its file as ``model.safetensors``, the name transformers looks for; a directory keeps its paths.
 A file is rebuilt from its chunks as it is sent, each chunk checked against its id (a whole-file
 read is checked against the file's sha256 too, and broken off if it differs). Framework-free: the
-routes are in api/hub.py. See docs/hub.md.
+routes are in api/routes/hub.py. See docs/hub.md.
 """
 
 from __future__ import annotations
