@@ -520,7 +520,7 @@ class LocalPush:
         neg = negotiate_step(reg, family, version, self.parent, draft, None, mend_damaged, progress)
         plan = neg.plan
         if neg.existing is not None:  # other content: refused; this content: the chunks to mend
-            done = existing_result(reg, neg.existing, job.manifest(), family, version, time.perf_counter())
+            done = existing_result(reg, neg.existing, job.manifest(), family, version, time.perf_counter(), neg.layout)
             return pushing.Offer(plan.missing, plan.mend, existing=done)
         return pushing.Offer(plan.missing, plan.mend, plan.bases, reader=plan.reader)
 
@@ -555,8 +555,15 @@ def committed_result(family: str, version: str, manifest: Manifest, changed: int
     )
 
 
-def existing_result(reg: Store, row, manifest: Manifest, family: str, version: str, t0: float) -> PushResult:
-    layout = stored_layout(reg, row) if row.digest == manifest.digest else None
+def existing_result(
+    reg: Store, row, manifest: Manifest, family: str, version: str, t0: float, layout: str | None = None
+) -> PushResult:
+    """The result of a push of ``row``'s name (results.existing_result); ``layout``: the stored
+    version's, where the caller read it already (negotiate_step), else read here when the digests match."""
+    if row.digest != manifest.digest:
+        layout = None
+    elif layout is None:
+        layout = stored_layout(reg, row)
     return results.existing_result(
         row.digest,
         row.logical_bytes,
