@@ -47,32 +47,32 @@ def role_for(method: str, path: str) -> tuple[str, str | None] | None:
     return None
 
 
-def too_large_advice(method: str, path: str) -> str:
-    """What to do about a body over its limit, said for the request it is: only an upload's batches
-    can be made smaller by its sender (a 413 told a sign-in form to send smaller batches)."""
+def _body_rule(method: str, path: str) -> tuple[int | None, str]:
+    """A request's own cap on its body (None: MFSREG_MAX_BODY alone), and what to do past it: only
+    an upload's batches can be made smaller by its sender (a 413 told a sign-in form to send smaller
+    batches)."""
     if method == "POST" and path in WEB_FORMS:
-        return "paste the token alone"
+        return WEB_FORMS[path], "paste the token alone"
     if method == "POST" and _DOWNLOAD.fullmatch(path):
-        return f"ask for at most {MAX_DOWNLOAD_IDS:,} chunk ids a request"
+        return MAX_DOWNLOAD_BODY, f"ask for at most {MAX_DOWNLOAD_IDS:,} chunk ids a request"
     if method == "POST" and _MANIFEST.fullmatch(path):
-        return "the version's manifest is larger than this server takes (MFSREG_MAX_BODY, at most 32 MiB)"
+        said = f"(MFSREG_MAX_BODY, at most {MAX_MANIFEST_BODY >> 20} MiB)"
+        return MAX_MANIFEST_BODY, f"the version's manifest is larger than this server takes {said}"
     if method == "PUT" and _TAG.fullmatch(path):
-        return 'send {"version": NAME} alone'
-    return "send smaller batches (MFSREG_MAX_BODY)"
+        return MAX_TAG_BODY, 'send {"version": NAME} alone'
+    return None, "send smaller batches (MFSREG_MAX_BODY)"
+
+
+def too_large_advice(method: str, path: str) -> str:
+    """What to do about a body over its limit, said for the request it is (_body_rule)."""
+    return _body_rule(method, path)[1]
 
 
 def body_limit(method: str, path: str, max_body: int) -> int:
     """The most bytes a request's body may hold: MFSREG_MAX_BODY, less for a download's list of ids,
-    a manifest, a tag's move and the web page's forms."""
-    if method == "POST" and _DOWNLOAD.fullmatch(path):
-        return min(max_body, MAX_DOWNLOAD_BODY)
-    if method == "POST" and _MANIFEST.fullmatch(path):
-        return min(max_body, MAX_MANIFEST_BODY)
-    if method == "PUT" and _TAG.fullmatch(path):
-        return min(max_body, MAX_TAG_BODY)
-    if method == "POST" and path in WEB_FORMS:
-        return min(max_body, WEB_FORMS[path])
-    return max_body
+    a manifest, a tag's move and the web page's forms (_body_rule)."""
+    cap = _body_rule(method, path)[0]
+    return max_body if cap is None else min(max_body, cap)
 
 
 def takes_json(method: str, path: str) -> bool:

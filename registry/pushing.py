@@ -38,7 +38,6 @@ class Offer:
     mend: set[str] = field(default_factory=set)
     bases: dict[str, str] = field(default_factory=dict)
     existing: PushResult | None = None
-    reader: object | None = None  # the embedded store's reader of the bases' bytes (BasisReader)
 
 
 class PushSteps(Protocol):
@@ -57,11 +56,11 @@ class PushSteps(Protocol):
     def upload(self, job: HashJob, offer: Offer, progress: Progress) -> tuple[int, int]:
         """Store ``offer.missing``; returns (payload bytes sent over a wire, stored bytes added)."""
 
-    def commit(self, job: HashJob, manifest: Manifest, chunk_size: int, meta: VersionMeta | None) -> PushResult:
+    def commit(self, manifest: Manifest, chunk_size: int, meta: VersionMeta | None) -> PushResult:
         """Make the version visible; MissingChunks where chunks it reuses went meanwhile. The result
         counts the version's chunks and tier changes; ``existed`` where the name was committed first."""
 
-    def renegotiate(self, job: HashJob, manifest: Manifest) -> Offer:
+    def renegotiate(self, manifest: Manifest) -> Offer:
         """After MissingChunks from commit: what to send before committing once more."""
 
 
@@ -92,14 +91,14 @@ def drive(
         sent, added = steps.upload(job, offer, progress)
         manifest = job.manifest()  # waits for the file digests, which ran beside the encoding
         try:
-            committed = steps.commit(job, manifest, chunk_size, meta)
+            committed = steps.commit(manifest, chunk_size, meta)
         except MissingChunks:
             # a prune deleted chunks this push found stored before the commit could use them
-            again = steps.renegotiate(job, manifest)
+            again = steps.renegotiate(manifest)
             more = steps.upload(job, again, NullProgress())
             sent, added = sent + more[0], added + more[1]
-            missing, mend = missing | again.missing, mend | (again.mend & again.missing)
-            committed = steps.commit(job, manifest, chunk_size, meta)
+            missing, mend = missing | again.missing, mend | again.mend
+            committed = steps.commit(manifest, chunk_size, meta)
     if committed.existed:  # a concurrent push of the same name committed first: nothing added
         return replace(committed, sent_bytes=sent, seconds=time.perf_counter() - t0)
     return _counted(committed, sent, added, missing, mend, t0)

@@ -582,13 +582,13 @@ class HttpPush:
     def upload(self, job: HashJob, offer: pushing.Offer, progress: Progress) -> tuple[int, int]:
         return self.remote._upload(self.family, job, offer.missing, progress, offer.bases)
 
-    def commit(self, job: HashJob, manifest: Manifest, chunk_size: int, meta: VersionMeta | None) -> PushResult:
+    def commit(self, manifest: Manifest, chunk_size: int, meta: VersionMeta | None) -> PushResult:
         body = {"parent": self.parent, "manifest": manifest.to_doc(), "chunk_size": chunk_size}
         if meta is not None and (meta.description or meta.labels):  # else the body older servers know
             body.update(meta.to_dict())
         return self.remote._doc("POST", f"{self.base}/commit", _committed, json=body)
 
-    def renegotiate(self, job: HashJob, manifest: Manifest) -> pushing.Offer:
+    def renegotiate(self, manifest: Manifest) -> pushing.Offer:
         return _offer(self._negotiate(manifest))
 
 
@@ -648,7 +648,7 @@ def _negotiation(d) -> dict:
     leaves to the server's code)."""
     _checked("NegotiateResponse", d)
     if d["exists"]:
-        str(d["existing_digest"]), _counted(d["chunks"])
+        _counted(d["chunks"])
     else:
         [check_id(i) for i in _list(d["missing"])]
         [check_id(i) and check_id(b) for i, b in _dict(d.get("bases", {})).items()]
@@ -658,8 +658,9 @@ def _negotiation(d) -> dict:
 
 def _committed(d) -> PushResult:
     """A commit's answer, checked; fields a newer server adds are left out."""
-    _counted(_checked("PushResultModel", d)["chunks"])
-    return _result(PushResult, "PushResultModel", d)
+    result = _result(PushResult, "PushResultModel", d)
+    _counted(result.chunks)
+    return result
 
 
 def _stats(d) -> dict:

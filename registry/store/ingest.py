@@ -504,6 +504,7 @@ class LocalPush:
 
     def __init__(self, reg: Store, family: str, version: str, parent: str | None) -> None:
         self.reg, self.family, self.version, self.parent = reg, family, version, parent
+        self.reader: BasisReader | None = None  # the bases' bytes, for the offer negotiated last
 
     def check_names(self, meta: VersionMeta | None) -> VersionMeta | None:
         check_push_names(self.family, self.version, self.parent)
@@ -522,18 +523,21 @@ class LocalPush:
         if neg.existing is not None:  # other content: refused; this content: the chunks to mend
             done = existing_result(reg, neg.existing, job.manifest(), family, version, time.perf_counter(), neg.layout)
             return pushing.Offer(plan.missing, plan.mend, existing=done)
-        return pushing.Offer(plan.missing, plan.mend, plan.bases, reader=plan.reader)
+        self.reader = plan.reader
+        return pushing.Offer(plan.missing, plan.mend, plan.bases)
 
     def upload(self, job: HashJob, offer: pushing.Offer, progress: Progress) -> tuple[int, int]:
-        reader = offer.reader if isinstance(offer.reader, BasisReader) else None
-        return 0, upload_missing(self.reg, job, offer.missing, self.reg.pool, progress, offer.bases, reader, offer.mend)
+        return 0, upload_missing(
+            self.reg, job, offer.missing, self.reg.pool, progress, offer.bases, self.reader, offer.mend
+        )
 
-    def commit(self, job: HashJob, manifest: Manifest, chunk_size: int, meta: VersionMeta | None) -> PushResult:
+    def commit(self, manifest: Manifest, chunk_size: int, meta: VersionMeta | None) -> PushResult:
         return commit_step(self.reg, self.family, self.version, self.parent, manifest, chunk_size, None, meta)
 
-    def renegotiate(self, job: HashJob, manifest: Manifest) -> pushing.Offer:
+    def renegotiate(self, manifest: Manifest) -> pushing.Offer:
         plan = negotiate_step(self.reg, self.family, self.version, self.parent, manifest).plan
-        return pushing.Offer(plan.missing, plan.mend, plan.bases, reader=plan.reader)
+        self.reader = plan.reader
+        return pushing.Offer(plan.missing, plan.mend, plan.bases)
 
 
 def committed_result(family: str, version: str, manifest: Manifest, changed: int, t0: float) -> PushResult:
