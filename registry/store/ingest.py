@@ -231,12 +231,14 @@ def commit_step(
     chunk_size: int | None = None,
     who: Principal | None = None,
     meta: VersionMeta | None = None,
+    uploaded: bool = True,
 ) -> PushResult:
     """A push's commit, for the embedded push (LocalPush) and the server's commit alike: what the
     commit's transaction would refuse is refused before a reused delta whose chain leaves the
     family gets a plain copy (so that the version lends its family's readers no other family's
     bytes: registry/store/access.py), then commit_version, recorded as pushed by ``who``. The
-    result counts every chunk as reused; ``existed`` where the name was committed first."""
+    result counts every chunk as reused; ``existed`` where the name was committed first.
+    ``uploaded``: the chunks came through the server (False: the embedded push's own)."""
     t0 = time.perf_counter()
 
     def refused_first(conn) -> bool:
@@ -257,8 +259,18 @@ def commit_step(
     def unproven(conn, ids):  # checked again in the commit's transaction: what the version would lend
         return access.unproven(conn, who, family, ids) | set(access.foreign_chains(conn, who, family, ids))
 
+    # an embedded push (``uploaded=False``) claimed nothing and has nothing to prove: its commit's
+    # transaction neither checks nor forgets claims, as before the two pushes shared this step
     changed, existing = commit_version(
-        reg, family, version, parent, manifest, chunk_size, unproven, meta=meta, pushed_by=named(who)
+        reg,
+        family,
+        version,
+        parent,
+        manifest,
+        chunk_size,
+        unproven if uploaded else None,
+        meta=meta,
+        pushed_by=named(who),
     )
     if existing is not None:
         return existing_result(reg, existing, manifest, family, version, t0)
@@ -532,7 +544,9 @@ class LocalPush:
         )
 
     def commit(self, manifest: Manifest, chunk_size: int, meta: VersionMeta | None) -> PushResult:
-        return commit_step(self.reg, self.family, self.version, self.parent, manifest, chunk_size, None, meta)
+        return commit_step(
+            self.reg, self.family, self.version, self.parent, manifest, chunk_size, None, meta, uploaded=False
+        )
 
     def renegotiate(self, manifest: Manifest) -> pushing.Offer:
         plan = negotiate_step(self.reg, self.family, self.version, self.parent, manifest).plan
