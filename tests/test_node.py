@@ -2617,6 +2617,39 @@ def test_a_good_copy_placed_while_a_damaged_one_is_dropped_stays(tmp_path, monke
     assert points >= 2, points
 
 
+def test_a_basis_read_mapped_is_the_files_bytes_read_only_and_a_damaged_one_is_dropped(tmp_path):
+    """Bases of deltas are read through a read-only map of their cache file (get_verified's
+    mapped=True), not copied: the bytes are the file's, cannot be written through, and a damaged,
+    empty-but-wrong or missing file gives None (the damaged one dropped, to be fetched again);
+    a fifo at the name is no chunk, and does not block."""
+    from mfsreg.registry.client.cachefiles import atomic_write
+
+    cache = NodeCache(tmp_path / "c")
+    try:
+        good = bytes(range(256)) * 64
+        x = chunk_id(good)
+        atomic_write(cache.chunk_file(x), good, mode=0o444)
+        got = cache.get_verified(x, mapped=True)
+        assert isinstance(got, memoryview) and got.readonly and bytes(got) == good
+        with pytest.raises(TypeError):
+            got[0] = 1  # type: ignore[index]
+        del got
+        empty = chunk_id(b"")
+        atomic_write(cache.chunk_file(empty), b"", mode=0o444)  # nothing to map: read instead
+        assert cache.get_verified(empty, mapped=True) == b""
+        bad = chunk_id(b"other bytes")
+        atomic_write(cache.chunk_file(bad), b"not those bytes", mode=0o444)
+        assert cache.get_verified(bad, mapped=True) is None
+        assert not cache.has(bad)  # dropped: fetched again by whoever needs it
+        assert cache.get_verified(chunk_id(b"never cached"), mapped=True) is None
+        fifo = chunk_id(b"a fifo")
+        os.makedirs(os.path.dirname(cache.chunk_file(fifo)), exist_ok=True)
+        os.mkfifo(cache.chunk_file(fifo))
+        assert cache.get_verified(fifo, mapped=True) is None
+    finally:
+        cache.close()
+
+
 def test_a_cached_chunk_evicted_during_a_pull_is_fetched_at_once_not_after_the_fetch(published, fam, tmp_path):
     """A chunk the pull found cached, then evicted by another process before the assembly reached
     it, is fetched again at once: the assembly waited for the whole background fetch to end first,

@@ -21,6 +21,7 @@ from mfsreg.registry.client.cachefiles import (
     atomic_write,
     is_plain,
     make_dir,
+    map_plain,
     open_plain,
     read_plain,
     temp_name,
@@ -201,11 +202,13 @@ class NodeCache:
         got = read_plain(self.chunk_file(chunk_id))
         return got[0] if got is not None else None
 
-    def get_verified(self, chunk_id: str) -> bytes | None:
+    def get_verified(self, chunk_id: str, mapped: bool = False) -> bytes | memoryview | None:
         """A cached chunk's bytes if they hash to its id; a damaged or cut-short file is dropped (and
         None returned) so that it is fetched again. For bases of deltas: a bad basis would otherwise
-        make every decode against it fail, pull after pull, blamed on the registry's packs."""
-        got = read_plain(self.chunk_file(chunk_id))
+        make every decode against it fail, pull after pull, blamed on the registry's packs.
+        ``mapped``: a read-only view of the file mapped (cachefiles.map_plain), not a copy."""
+        path = self.chunk_file(chunk_id)
+        got = map_plain(path) if mapped else read_plain(path)
         if got is None:
             return None
         data, seen = got

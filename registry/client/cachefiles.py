@@ -6,6 +6,7 @@ a cache directory or disk that cannot take a file. No index here: these work on 
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 import re
 import stat
@@ -75,6 +76,29 @@ def read_plain(path: str) -> tuple[bytes, os.stat_result] | None:
     fd, st = opened
     with open(fd, "rb", buffering=0) as f:  # closes fd
         return f.readall(), st
+
+
+def map_plain(path: str) -> tuple[memoryview | bytes, os.stat_result] | None:
+    """The bytes of the plain file at ``path`` as a read-only view of a private map, and its stat
+    (see open_plain); its bytes read into memory where it cannot be mapped. For the bases a delta
+    is decoded against: read, a 1.16 GB member's 50 bases of 2 MiB were copied into fresh memory
+    that the decoder read once (mapped: 0.524 -> 0.466 s, medians of 8 alternating loads). As
+    registry/client/mapping.py's tensors, a map relies on cache files never changing in place
+    (written once, read-only, renamed into place): the size is checked before it is mapped."""
+    opened = open_plain(path)
+    if opened is None:
+        return None
+    fd, st = opened
+    try:
+        if st.st_size and hasattr(mmap, "MAP_PRIVATE"):  # (POSIX)
+            try:
+                return memoryview(mmap.mmap(fd, st.st_size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ)), st
+            except (OSError, ValueError):  # past the process's map limit, or no mmap for this file
+                pass
+        with open(os.dup(fd), "rb", buffering=0) as f:
+            return f.readall(), st
+    finally:
+        os.close(fd)
 
 
 def holds_any(path: str | os.PathLike[str]) -> bool:

@@ -247,8 +247,8 @@ class Fetcher:
         # file: passed over as "already there", it would be fetched again by every later decode.
         stale: set[str] = set()
 
-        def known(i: str) -> bytes | None:
-            data = self.cache.get_verified(i)
+        def known(i: str) -> bytes | memoryview | None:
+            data = self.cache.get_verified(i, mapped=True)
             if data is None and self.cache.has(i):
                 stale.add(i)
             return data

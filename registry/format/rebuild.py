@@ -295,7 +295,7 @@ class _Decoding:
             f.cancel()
         wait([*self.jobs.values(), *self.reads.values()])
 
-    def held(self) -> dict[str, bytes]:
+    def held(self) -> dict[str, bytes | memoryview]:
         """The bases held elsewhere that could be read."""
         return {b: f.result() for b, f in self.reads.items() if f.exception() is None and f.result() is not None}
 
@@ -305,7 +305,7 @@ def decode_batch(
     located: Mapping[str, C],
     payloads: PayloadSource[C],
     pool: ThreadPoolExecutor,
-    known: Callable[[str], bytes | None] | None = None,
+    known: Callable[[str], bytes | memoryview | None] | None = None,
     cached: Callable[[str], bool] | None = None,
 ) -> dict[str, bytes]:
     """Raw bytes of ``ids`` (and of the bases they need), fetched in one go, each decoded on the pool
