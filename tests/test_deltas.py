@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import filecmp
 import shutil
+import time
 
 import numpy as np
 import pytest
@@ -410,6 +411,46 @@ def test_a_batch_decodes_as_it_arrives_in_any_order_and_fetches_an_unreadable_ba
         bad[ids[1]] = codec.encode(b"x" * 4096, 4)[1]
         with pytest.raises(IntegrityError, match=ids[1]):
             decode_batch(ids, located, lambda chunks: ((c, bad[c.id]) for c in chunks), pool)
+
+
+def test_each_chunk_lands_as_it_is_decoded_and_all_have_landed_when_the_batch_ends():
+    """decode_batch's ``landed`` (a node writes each chunk to its cache there) is told of every
+    chunk it returns, once, each with its checked bytes, and of a second request's too, before
+    decode_batch returns; where the batch fails, of those decoded before the failure, and none is
+    told after decode_batch raised."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    located, raw, payloads = _chain(6)
+    ids = list(located)
+    landed: list[tuple[str, bytes]] = []
+    lock = threading.Lock()
+
+    def land(i: str, data: bytes) -> None:
+        with lock:
+            landed.append((i, bytes(data)))
+
+    def source(chunks):
+        yield from ((c, payloads[c.id]) for c in chunks)
+
+    with ThreadPoolExecutor(2) as pool:
+        got = decode_batch(ids[3:], located, source, pool, landed=land)
+        assert sorted(landed) == sorted(got.items()) and got == {i: raw[i] for i in ids}
+        landed.clear()
+        # a basis said to be held but unreadable: fetched in a second request, and landed there
+        got = decode_batch(
+            ids[3:], located, source, pool, known=lambda i: None, cached={ids[2]}.__contains__, landed=land
+        )
+        assert sorted(landed) == sorted(got.items()) and set(got) == set(ids)
+        landed.clear()
+        bad = dict(payloads)
+        bad[ids[4]] = codec.encode(b"x" * 4096, 4)[1]
+        with pytest.raises(IntegrityError, match=ids[4]):
+            decode_batch(ids, located, lambda chunks: ((c, bad[c.id]) for c in chunks), pool, landed=land)
+        after = list(landed)
+        assert after == [(i, raw[i]) for i in ids[:4]]  # the chain up to the damaged one, in order
+        time.sleep(0.05)
+        assert landed == after
 
 
 def test_unrelated_basis_falls_back_to_plain():

@@ -2617,6 +2617,38 @@ def test_a_good_copy_placed_while_a_damaged_one_is_dropped_stays(tmp_path, monke
     assert points >= 2, points
 
 
+def test_a_fetch_that_meets_a_damaged_chunk_keeps_and_counts_the_chunks_it_wrote(reg, fam, tmp_path):
+    """A fetch writes each chunk to the cache as it is decoded, and records the batch's rows at its
+    end. A batch that meets a damaged chunk fails in one line naming it; the chunks written before
+    the failure stay, each recorded (counted by stats and the size limit), and the damaged one is
+    not there."""
+    from mfsreg.registry.blobs.packs import pack_key
+    from mfsreg.registry.errors import IntegrityError
+
+    reg.push(fam["base"], "fam", "base")
+    ids = reg.manifest("fam", "base")[1].chunk_ids()
+    victim = reg.locate(ids)[ids[-1]]  # decoded last: every other chunk is written before it fails
+    key = pack_key(victim.pack_id)
+    data = bytearray(reg.blobs.get(key))
+    for at in range(victim.offset, victim.offset + victim.stored_size, 97):
+        data[at] ^= 0x5A
+    reg.blobs.delete(key)
+    reg.blobs.put(key, bytes(data))
+    node = Node(registry=reg, cache_dir=str(tmp_path / "c"))
+    try:
+        info = node.fetcher.version("fam", "base")
+        assert sum(info.located[i].size for i in ids) < (16 << 20)  # one batch (fetch.MIN_BATCH_BYTES)
+        with pytest.raises(IntegrityError, match=f"chunk {victim.id} .*the stored pack is damaged"):
+            node.fetcher.ensure("fam", ids, info.located, info.tiers)
+        on_disk = {p.name for p in (tmp_path / "c" / "chunks").rglob("*") if p.is_file()}
+        assert victim.id not in on_disk and len(on_disk) == len(set(ids)) - 1
+        stats = node.cache.stats()
+        assert stats["chunks"] == len(on_disk), stats
+        assert not (tmp_path / "c" / "unrecorded").exists()
+    finally:
+        node.close()
+
+
 def test_a_basis_read_mapped_is_the_files_bytes_read_only_and_a_damaged_one_is_dropped(tmp_path):
     """Bases of deltas are read through a read-only map of their cache file (get_verified's
     mapped=True), not copied: the bytes are the file's, cannot be written through, and a damaged,

@@ -247,21 +247,30 @@ class NodeCache:
         rows = []
         try:
             for chunk_id, raw, tier, family in items:
-                path = self.chunk_file(chunk_id)
-                over = replace if isinstance(replace, bool) else chunk_id in replace
-                if over or not is_plain(path):  # a directory there fails the rename, in one line
-                    self._write_chunk(chunk_id, path, raw)
+                self.place(chunk_id, raw, replace if isinstance(replace, bool) else chunk_id in replace)
                 rows.append((chunk_id, len(raw), tier, family))
         except BaseException:
-            # the files renamed into place before the one that failed (a full disk, an interrupt)
-            # stay: recorded, or they would go uncounted by stats and the size limit
-            if rows:
-                try:
-                    self.record(rows)
-                except Exception:  # noqa: BLE001  (record left the marker; the first error is the one to report)
-                    pass
+            self.record_placed(rows)
             raise
         self.record(rows)
+
+    def place(self, chunk_id: str, raw, replace: bool = False) -> None:
+        """put_many's file half: write one verified chunk's file, where none stands (or over it,
+        with ``replace``). Its row is the caller's to record (record, or record_placed after a
+        failure), as put_many does."""
+        path = self.chunk_file(chunk_id)
+        if replace or not is_plain(path):  # a directory there fails the rename, in one line
+            self._write_chunk(chunk_id, path, raw)
+
+    def record_placed(self, rows: list[tuple[str, int, str | None, str | None]]) -> None:
+        """Record the chunks placed before a failure (a full disk, an interrupt): their files stay,
+        and unrecorded they would go uncounted by stats and the size limit. An error of its own is
+        not raised over the first (record leaves the marker that a later pass counts them by)."""
+        if rows:
+            try:
+                self.record(rows)
+            except Exception:  # noqa: BLE001  (the first error is the one to report)
+                pass
 
     def _write_chunk(self, chunk_id: str, path: str, raw: bytes) -> None:
         # read-only: CPU tensors map these files (registry/client/mapping.py), so an edit in
