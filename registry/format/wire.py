@@ -171,6 +171,7 @@ def read_stream(chunks: Iterator[bytes]) -> Iterator[tuple[Entry, bytes]]:
     del buf[:pos]
     for e in entries:
         fill(e.length)
-        payload = bytes(buf[: e.length])
-        del buf[: e.length]
+        with memoryview(buf) as view:  # one copy: a slice of buf, then bytes of it, made two
+            payload = bytes(view[: e.length])
+        del buf[: e.length]  # (a bytearray drops its front without moving the rest)
         yield e, payload
