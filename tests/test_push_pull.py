@@ -382,3 +382,25 @@ def test_a_pull_over_a_file_keeps_that_files_mode(reg, fam, tmp_path):
     assert stat.S_IMODE(shard.stat().st_mode) == 0o444
     assert stat.S_IMODE((pulled / "tokenizer.json").stat().st_mode) == 0o666 & ~_umask()
     assert filecmp.cmp(shard, src / shard.name, shallow=False)
+
+
+def test_a_download_answer_goes_in_pieces_of_whole_payloads_that_parse_back(reg, fam, monkeypatch):
+    """The server sends a download's payloads joined into pieces of at least STREAM_PIECE bytes
+    (each piece it sends costs a hop to a worker thread and every middleware's send), the last
+    piece holding what is left: the pieces, parsed as the node parses a stream, give every payload
+    as stored, in order."""
+    from mfsreg.registry.blobs.packs import read_payloads
+    from mfsreg.registry.format.wire import read_stream
+    from mfsreg.registry.store import service
+
+    monkeypatch.setattr(service, "STREAM_PIECE", 100_000)  # the test family's 0.7 MB in several pieces
+    reg.push(fam["base"], "fam", "base")
+    ids = reg.manifest("fam", "base")[1].chunk_ids()
+    chunks = service.plan_download(reg, "fam", ids)
+    stored = {c.id: bytes(p) for c, p in read_payloads(reg.blobs, chunks)}
+    assert len(chunks) > 4 and sum(map(len, stored.values())) > 2 * service.STREAM_PIECE
+    pieces = list(service.stream_chunks(reg, chunks))
+    assert 1 < len(pieces) < len(chunks) + 1  # joined: fewer sends than index + one per payload
+    assert all(len(p) >= service.STREAM_PIECE for p in pieces[:-1]), [len(p) for p in pieces]
+    got = [(e.id, payload) for e, payload in read_stream(iter(pieces))]
+    assert got == [(c.id, stored[c.id]) for c in chunks]

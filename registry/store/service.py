@@ -367,6 +367,7 @@ def check_packs(reg: Store, chunks: list[StoredChunk]) -> None:
 
 
 EAGER_BYTES = 8 << 20  # a batch of at most this many stored bytes is read whole before it is sent
+STREAM_PIECE = 1 << 20  # bytes a download's answer sends at a time (at least: whole payloads)
 
 
 def stream_chunks(reg: Store, chunks: list[StoredChunk]) -> Iterator[bytes]:
@@ -383,9 +384,19 @@ def stream_chunks(reg: Store, chunks: list[StoredChunk]) -> Iterator[bytes]:
         payloads = reg.read_payloads(chunks)
 
     def stream() -> Iterator[bytes]:
-        yield encode_index(Entry(c.id, c.size, c.encoding, c.stored_size, c.basis_id) for c in chunks)
+        # payloads joined into pieces of STREAM_PIECE bytes or more: each piece the server sends is
+        # a hop to a worker thread and a pass through every middleware's send, which for a batch of
+        # 20 payloads of 100 KB cost about as much as reading them from S3
+        parts: list = [encode_index(Entry(c.id, c.size, c.encoding, c.stored_size, c.basis_id) for c in chunks)]
+        held = len(parts[0])
         for _c, payload in payloads:
-            yield bytes(payload)
+            parts.append(payload)
+            held += len(payload)
+            if held >= STREAM_PIECE:
+                yield b"".join(parts)
+                parts, held = [], 0
+        if parts:
+            yield b"".join(parts)
 
     return stream()
 
