@@ -182,6 +182,40 @@ def test_load_tensors_equals_safetensors_for_every_member(published, fam):
     assert not list(Path(env["MFSREG_CACHE_DIR"]).rglob("*.safetensors"))  # no file was written
 
 
+def test_load_tensors_gives_every_tensor_in_the_files_order_those_without_bytes_too(reg, tmp_path):
+    """Tensors are made as the load first copies into them (after the fetch has started); the
+    answer still holds every tensor in the file's order, an empty one and a scalar included, each
+    equal to the file's."""
+    from safetensors.torch import save_file
+
+    want = {
+        "z.weight": torch.arange(300_000, dtype=torch.float32).reshape(600, 500),
+        "a.empty": torch.zeros((0, 7), dtype=torch.bfloat16),
+        "m.scalar": torch.tensor(3.5, dtype=torch.float64),
+        "b.bias": torch.ones(4096, dtype=torch.float16),
+    }
+    path = tmp_path / "m.safetensors"
+    save_file(want, str(path))
+    reg.push(path, "fam", "v1")
+    order = _offset_order(path)
+    node = Node(registry=reg, cache_dir=str(tmp_path / "c"))
+    try:
+        got = load_tensors("fam", "v1", node=node)
+    finally:
+        node.close()
+    assert list(got) == order and set(order) == set(want)
+    for name, t in want.items():
+        assert got[name].dtype == t.dtype and got[name].shape == t.shape and torch.equal(got[name], t), name
+
+
+def _offset_order(path: Path) -> list[str]:
+    """The tensor names of a safetensors file in the order their bytes lie in it."""
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = {k: v for k, v in json.loads(raw[8 : 8 + n]).items() if k != "__metadata__"}
+    return sorted(header, key=lambda k: header[k]["data_offsets"][0])
+
+
 def test_a_load_from_a_kept_document_waits_for_the_registry(published_alone, server_env, fam, tmp_path, monkeypatch):
     """A node that holds a version's document lays the tensors out from it while it asks whether it
     is current (torch_loader.build), every chunk still cached each time: tiers that moved keep the
