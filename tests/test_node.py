@@ -2656,18 +2656,13 @@ def test_a_fetch_that_meets_a_damaged_chunk_keeps_and_counts_the_chunks_it_wrote
     end. A batch that meets a damaged chunk fails in one line naming it; the chunks written before
     the failure stay, each recorded (counted by stats and the size limit), and the damaged one is
     not there."""
-    from mfsreg.registry.blobs.packs import pack_key
     from mfsreg.registry.errors import IntegrityError
+    from tests.test_check import _damage as damage_in_its_pack
 
     reg.push(fam["base"], "fam", "base")
     ids = reg.manifest("fam", "base")[1].chunk_ids()
     victim = reg.locate(ids)[ids[-1]]  # decoded last: every other chunk is written before it fails
-    key = pack_key(victim.pack_id)
-    data = bytearray(reg.blobs.get(key))
-    for at in range(victim.offset, victim.offset + victim.stored_size, 97):
-        data[at] ^= 0x5A
-    reg.blobs.delete(key)
-    reg.blobs.put(key, bytes(data))
+    damage_in_its_pack(reg, victim)
     node = Node(registry=reg, cache_dir=str(tmp_path / "c"))
     try:
         info = node.fetcher.version("fam", "base")
