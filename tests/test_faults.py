@@ -135,3 +135,37 @@ def test_postgres_reset_while_a_prune_runs_loses_nothing(faulty, fam, tmp_path):
     again = mfsreg_json("prune", "--min-age", "0", env=env)
     assert again["deleted_chunks"] == 0 or ran.returncode != 0, again
     assert_whole(env, fam, {"base": "base", "lora-chat": "lora-chat"}, tmp_path)
+
+
+@pytest.mark.parametrize("when", ["refused", "reset"])
+def test_a_prune_lock_whose_postgres_is_gone_is_one_storage_line(when, migrated_pg):
+    """The prune's session lock (db/locks.session_lock) opens a connection of its own and asks for
+    the lock outside any transaction helper: a Postgres that refuses the connection, or resets it
+    as the lock is asked for, raised SQLAlchemy's own error, which the server answered with a 500
+    (seen once in CI: a reset during `mfsreg prune`). Now it is the one StorageError line every
+    query gives, naming no address."""
+    from sqlalchemy import event
+
+    from mfsreg.registry.db.engine import create_db_engine
+    from mfsreg.registry.db.reclaim import one_prune_at_a_time
+    from mfsreg.registry.errors import StorageError
+
+    pg = urlsplit(migrated_pg)
+    proxy = FaultProxy((pg.hostname, pg.port))
+    engine = create_db_engine(migrated_pg.replace(f"@{pg.hostname}:{pg.port}/", f"@127.0.0.1:{proxy.port}/"))
+    try:
+        if when == "refused":
+            proxy.cut()
+        else:  # reset just as the lock is asked for (SQLAlchemy's own hook, before the query goes out)
+
+            @event.listens_for(engine, "before_cursor_execute")
+            def reset_at_the_lock(conn, cursor, statement, *args):
+                if "advisory_lock" in statement:
+                    proxy.reset()
+
+        with pytest.raises(StorageError, match="^database .*: .*; check MFSREG_DATABASE_URL"):
+            with one_prune_at_a_time(engine):
+                pass
+    finally:
+        engine.dispose()
+        proxy.close()

@@ -132,7 +132,7 @@ def _switch_to_wal(cur) -> None:
 @contextmanager
 def write_tx(engine: Engine) -> Iterator[Connection]:
     """A transaction that will write; committed on normal exit, rolled back on an exception."""
-    with _storage_errors(engine):
+    with storage_errors(engine):
         with _connect(engine).execution_options(**{_WRITE: True}) as conn, conn.begin():
             yield conn
 
@@ -144,7 +144,7 @@ def read_tx(engine: Engine) -> Iterator[Connection]:
     its manifest; a family's chunks, then where they are stored) made the second miss rows the
     first found, a 500. A read-only repeatable-read transaction never fails to serialize. SQLite's
     read transactions (WAL) already keep one snapshot."""
-    with _storage_errors(engine):
+    with storage_errors(engine):
         with _connect(engine) as conn:
             if engine.dialect.name == "postgresql":
                 conn.execution_options(isolation_level="REPEATABLE READ")
@@ -153,7 +153,7 @@ def read_tx(engine: Engine) -> Iterator[Connection]:
 
 
 def _connect(engine: Engine) -> Connection:
-    """A connection. Besides an unreachable server (OperationalError, _storage_errors), what fails
+    """A connection. Besides an unreachable server (OperationalError, storage_errors), what fails
     here is the URL's target or options: a file that is not a database, a connect option the
     driver refuses. Mid-transaction such errors would be this code's own, and stay as they are."""
     try:
@@ -169,10 +169,15 @@ def _connect(engine: Engine) -> Connection:
 
 
 @contextmanager
-def _storage_errors(engine: Engine) -> Iterator[None]:
+def storage_errors(engine: Engine) -> Iterator[None]:
+    """The database unreachable, or its connection lost mid-query (an OperationalError, or any
+    error SQLAlchemy takes for a disconnect: psycopg's InterfaceError on a connection a reset
+    closed), as one StorageError line; other errors stay as they are."""
     try:
         yield
-    except OperationalError as exc:
+    except DBAPIError as exc:
+        if not isinstance(exc, OperationalError) and not exc.connection_invalidated:
+            raise
         where = engine.url.render_as_string(hide_password=True)
         reason = str(exc.orig).strip().splitlines()[0] if exc.orig else "unknown error"
         check = (

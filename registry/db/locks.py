@@ -15,7 +15,9 @@ from contextlib import contextmanager
 from typing import IO
 
 from sqlalchemy import Connection, Engine, text
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import DBAPIError, OperationalError
+
+from mfsreg.registry.db.engine import storage_errors
 
 _DECIDING = 0x6D667301  # an arbitrary key, mfsreg's own
 
@@ -44,10 +46,18 @@ def session_lock(engine: Engine, key: int, wait: bool = True) -> Iterator[bool]:
     block; yields whether it was taken (always, with ``wait``; without, False if another session
     holds it). The connection is in autocommit, so that holding the lock never leaves it idle in a
     transaction, which a server's idle_in_transaction_session_timeout would end (and the lock with it)."""
-    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-        if wait:
-            conn.execute(text("SELECT pg_advisory_lock(:k)"), {"k": key})
-        elif not conn.execute(text("SELECT pg_try_advisory_lock(:k)"), {"k": key}).scalar_one():
+    # The server unreachable, or the connection reset while the lock is asked for, is one line
+    # (StorageError), as for any query: it was a 500 (a prune whose Postgres was reset at its start).
+    with storage_errors(engine):
+        conn = engine.connect().execution_options(isolation_level="AUTOCOMMIT")
+    with conn:
+        with storage_errors(engine):
+            if wait:
+                conn.execute(text("SELECT pg_advisory_lock(:k)"), {"k": key})
+                taken = True
+            else:
+                taken = conn.execute(text("SELECT pg_try_advisory_lock(:k)"), {"k": key}).scalar_one()
+        if not taken:
             yield False
             return
         try:
@@ -55,5 +65,7 @@ def session_lock(engine: Engine, key: int, wait: bool = True) -> Iterator[bool]:
         finally:
             try:
                 conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": key})
-            except OperationalError:
-                pass  # the session is gone, and its lock with it
+            except DBAPIError as exc:
+                if not isinstance(exc, OperationalError) and not exc.connection_invalidated:
+                    raise
+                # the session is gone (its connection reset or closed), and its lock with it
