@@ -400,7 +400,19 @@ def test_a_download_answer_goes_in_pieces_of_whole_payloads_that_parse_back(reg,
     stored = {c.id: bytes(p) for c, p in read_payloads(reg.blobs, chunks)}
     assert len(chunks) > 4 and sum(map(len, stored.values())) > 2 * service.STREAM_PIECE
     pieces = list(service.stream_chunks(reg, chunks))
-    assert 1 < len(pieces) < len(chunks) + 1  # joined: fewer sends than index + one per payload
-    assert all(len(p) >= service.STREAM_PIECE for p in pieces[:-1]), [len(p) for p in pieces]
     got = [(e.id, payload) for e, payload in read_stream(iter(pieces))]
     assert got == [(c.id, stored[c.id]) for c in chunks]
+    # where each payload ends in the stream (after the index, which the first piece starts with)
+    index = len(b"".join(pieces)) - sum(len(p) for _, p in got)
+    ends = [index]
+    for _, p in got:
+        ends.append(ends[-1] + len(p))
+    cuts = [sum(len(p) for p in pieces[: k + 1]) for k in range(len(pieces))]
+    assert set(cuts) <= set(ends), "a piece ends inside a payload"
+    starts = [0, *cuts[:-1]]
+    for k, (start, cut) in enumerate(zip(starts, cuts)):
+        if k < len(pieces) - 1:
+            assert cut - start >= service.STREAM_PIECE, (k, cut - start)
+        # no piece holds a payload more than it needs: without its last one it was short of the size
+        before = max(e for e in ends if e < cut)
+        assert before - start < service.STREAM_PIECE or before <= start, (k, before - start)
