@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from collections.abc import Set as AbstractSet
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
 from mfsreg.registry.client.cachefiles import (
@@ -244,33 +244,37 @@ class NodeCache:
         fetched again): renamed over it, so a reader sees the old file or the new, and a good copy
         another process wrote meanwhile is only replaced by the same bytes. True for every item, or
         the set of ids to write over (the others are written only where no file stands)."""
-        rows = []
-        try:
+        with self.placing() as place:
             for chunk_id, raw, tier, family in items:
-                self.place(chunk_id, raw, replace if isinstance(replace, bool) else chunk_id in replace)
-                rows.append((chunk_id, len(raw), tier, family))
+                place(chunk_id, raw, tier, family, replace if isinstance(replace, bool) else chunk_id in replace)
+
+    @contextmanager
+    def placing(self) -> Iterator[Callable[[str, bytes, str | None, str | None, bool], None]]:
+        """put_many's two halves for chunks that come one by one, from any thread (a fetch writes
+        each as it is decoded): ``place(id, raw, tier, family, replace)`` writes a verified chunk's
+        file where none stands (or over it, with ``replace``), and the rows of every chunk placed are
+        recorded in one transaction at the end of the block. Where the block fails (a full disk, an
+        interrupt), the files already placed stay and are recorded too, or they would go uncounted
+        by stats and the size limit; an error of that record is not raised over the first (record
+        leaves the marker from which a later pass counts them)."""
+        rows: list[tuple[str, int, str | None, str | None]] = []
+
+        def place(chunk_id: str, raw: bytes, tier: str | None, family: str | None, replace: bool = False) -> None:
+            path = self.chunk_file(chunk_id)
+            if replace or not is_plain(path):  # a directory there fails the rename, in one line
+                self._write_chunk(chunk_id, path, raw)
+            rows.append((chunk_id, len(raw), tier, family))
+
+        try:
+            yield place
         except BaseException:
-            self.record_placed(rows)
+            if rows:
+                try:
+                    self.record(rows)
+                except Exception:  # noqa: BLE001  (the first error is the one to report)
+                    pass
             raise
         self.record(rows)
-
-    def place(self, chunk_id: str, raw, replace: bool = False) -> None:
-        """put_many's file half: write one verified chunk's file, where none stands (or over it,
-        with ``replace``). Its row is the caller's to record (record, or record_placed after a
-        failure), as put_many does."""
-        path = self.chunk_file(chunk_id)
-        if replace or not is_plain(path):  # a directory there fails the rename, in one line
-            self._write_chunk(chunk_id, path, raw)
-
-    def record_placed(self, rows: list[tuple[str, int, str | None, str | None]]) -> None:
-        """Record the chunks placed before a failure (a full disk, an interrupt): their files stay,
-        and unrecorded they would go uncounted by stats and the size limit. An error of its own is
-        not raised over the first (record leaves the marker that a later pass counts them by)."""
-        if rows:
-            try:
-                self.record(rows)
-            except Exception:  # noqa: BLE001  (the first error is the one to report)
-                pass
 
     def _write_chunk(self, chunk_id: str, path: str, raw: bytes) -> None:
         # read-only: CPU tensors map these files (registry/client/mapping.py), so an edit in

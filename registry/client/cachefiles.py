@@ -89,16 +89,13 @@ def map_plain(path: str) -> tuple[memoryview | bytes, os.stat_result] | None:
     if opened is None:
         return None
     fd, st = opened
-    try:
+    with open(fd, "rb", buffering=0) as f:  # closes fd (a map keeps its own)
         if st.st_size and hasattr(mmap, "MAP_PRIVATE"):  # (POSIX)
             try:
                 return memoryview(mmap.mmap(fd, st.st_size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ)), st
             except (OSError, ValueError):  # past the process's map limit, or no mmap for this file
                 pass
-        with open(os.dup(fd), "rb", buffering=0) as f:
-            return f.readall(), st
-    finally:
-        os.close(fd)
+        return f.readall(), st
 
 
 def holds_any(path: str | os.PathLike[str]) -> bool:

@@ -254,21 +254,17 @@ class Fetcher:
             return data
 
         # Each chunk is written to the cache on the pool as soon as it is decoded (decode_batch's
-        # landed), and the batch's rows recorded in one go at its end (as put_many does).
-        placed: list[tuple[str, int, str | None, str | None]] = []
-
-        def place(i: str, data: bytes) -> None:
-            self.cache.place(i, data, replace=replace or i in stale)
-            placed.append((i, len(data), tiers.get(i), family))
-
-        try:
+        # landed), and the batch's rows recorded in one go at its end (NodeCache.placing).
+        with self.cache.placing() as place:
             raw = decode_batch(
-                batch, located, payloads, self.remote.pool, known=known, cached=self.cache.has, landed=place
+                batch,
+                located,
+                payloads,
+                self.remote.pool,
+                known=known,
+                cached=self.cache.has,
+                landed=lambda i, data: place(i, data, tiers.get(i), family, replace or i in stale),
             )
-        except BaseException:
-            self.cache.record_placed(placed)
-            raise
-        self.cache.record(placed)
         if landed is not None:
             landed(raw.keys())
         return received, len(raw)

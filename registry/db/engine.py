@@ -168,15 +168,21 @@ def _connect(engine: Engine) -> Connection:
         ) from None
 
 
+def lost_connection(exc: DBAPIError) -> bool:
+    """Whether a database error means the server cannot be reached or the connection is gone (an
+    OperationalError, or any error SQLAlchemy takes for a disconnect: psycopg's InterfaceError on
+    a connection a reset closed), not a fault of the query."""
+    return isinstance(exc, OperationalError) or exc.connection_invalidated
+
+
 @contextmanager
 def storage_errors(engine: Engine) -> Iterator[None]:
-    """The database unreachable, or its connection lost mid-query (an OperationalError, or any
-    error SQLAlchemy takes for a disconnect: psycopg's InterfaceError on a connection a reset
-    closed), as one StorageError line; other errors stay as they are."""
+    """The database unreachable, or its connection lost mid-query (lost_connection), as one
+    StorageError line; other errors stay as they are."""
     try:
         yield
     except DBAPIError as exc:
-        if not isinstance(exc, OperationalError) and not exc.connection_invalidated:
+        if not lost_connection(exc):
             raise
         where = engine.url.render_as_string(hide_password=True)
         reason = str(exc.orig).strip().splitlines()[0] if exc.orig else "unknown error"

@@ -15,9 +15,9 @@ from contextlib import contextmanager
 from typing import IO
 
 from sqlalchemy import Connection, Engine, text
-from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.exc import DBAPIError
 
-from mfsreg.registry.db.engine import storage_errors
+from mfsreg.registry.db.engine import lost_connection, storage_errors
 
 _DECIDING = 0x6D667301  # an arbitrary key, mfsreg's own
 
@@ -66,6 +66,6 @@ def session_lock(engine: Engine, key: int, wait: bool = True) -> Iterator[bool]:
             try:
                 conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": key})
             except DBAPIError as exc:
-                if not isinstance(exc, OperationalError) and not exc.connection_invalidated:
+                if not lost_connection(exc):
                     raise
                 # the session is gone (its connection reset or closed), and its lock with it
