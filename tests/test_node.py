@@ -32,7 +32,16 @@ from mfsreg.registry.client.cache import NodeCache
 from mfsreg.registry.client.direct import taken as takes_direct
 from mfsreg.registry.client.node import refetcher
 from mfsreg.registry.client.remote import RemoteRegistry
-from mfsreg.registry.client.torch_loader import Copier, FetchAhead, Node, build, chunk_ids, fill, layout
+from mfsreg.registry.client.torch_loader import (
+    Copier,
+    FetchAhead,
+    Node,
+    build,
+    chunk_ids,
+    collection_held,
+    fill,
+    layout,
+)
 from mfsreg.registry.config import parse_size
 from mfsreg.registry.format.chunking import chunk_id
 from mfsreg.registry.format.manifest import Manifest
@@ -368,6 +377,68 @@ def test_a_load_maps_from_the_kept_document_while_the_registry_answers(published
         _equal_to_file(load_tensors("fam", "lora-chat", node=node), fam["lora-chat"])
     finally:
         node.close()
+
+
+def test_loads_and_switches_hold_off_garbage_collection_then_set_it_back(published, fam):
+    """A full collection inside a load walks every object of the process while the load waits: a
+    load, a switch and a load that fails run with automatic collection off (seen from inside, as
+    each asks the registry for its document), and leave it as they found it, off included."""
+    from mfsreg.registry.errors import NotFound
+
+    _, env = published
+    node = Node(env["MFSREG_URL"], env["MFSREG_TOKEN"], env["MFSREG_CACHE_DIR"])
+    real, seen = node.fetcher.version, []
+
+    def version(family, version, fresh=False):
+        seen.append(gc.isenabled())
+        return real(family, version, fresh)
+
+    node.fetcher.version = version
+    assert gc.isenabled()
+    try:
+        _equal_to_file(load_tensors("fam", "lora-chat", node=node), fam["lora-chat"])
+        assert seen == [False] and gc.isenabled()
+        model = ResidentModel("fam", "base", node=node)
+        try:
+            node.fetcher.expire()  # the switch asks too
+            model.switch("lora-chat")
+            _equal_to_file(model.tensors, fam["lora-chat"])
+        finally:
+            model.close()
+        assert seen == [False] * 3 and gc.isenabled()
+        with pytest.raises(NotFound, match="no-such-version"):
+            load_tensors("fam", "no-such-version", node=node)
+        assert len(seen) == 4 and not any(seen) and gc.isenabled()
+        gc.disable()  # the process's own choice stands
+        try:
+            _equal_to_file(load_tensors("fam", "base", node=node), fam["base"])
+            assert not gc.isenabled()
+        finally:
+            gc.enable()
+    finally:
+        node.close()
+
+
+def test_collection_comes_back_when_the_last_of_overlapping_holds_ends():
+    """Loads on several threads share one hold: the first to end leaves collection off for the
+    others, and the last sets it back."""
+    first_in, second_out = threading.Event(), threading.Event()
+    states = []
+
+    def second():
+        first_in.wait(30)
+        with collection_held():
+            states.append(gc.isenabled())
+        second_out.set()
+
+    t = threading.Thread(target=second)
+    t.start()
+    with collection_held():
+        first_in.set()
+        assert second_out.wait(30)
+        states.append(gc.isenabled())  # the other hold has ended: still off for this one
+    t.join()
+    assert states == [False, False] and gc.isenabled()
 
 
 def test_a_fetch_ahead_closed_early_stops_its_thread(published):

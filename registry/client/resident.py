@@ -10,7 +10,16 @@ import torch
 from mfsreg.registry.client.fetch import VersionInfo
 from mfsreg.registry.client.node import evict_quietly, gone_meanwhile
 from mfsreg.registry.client.remote import Closable
-from mfsreg.registry.client.torch_loader import Copier, Node, build, chunk_ids, fill, layout, target_device
+from mfsreg.registry.client.torch_loader import (
+    Copier,
+    Node,
+    build,
+    chunk_ids,
+    collection_held,
+    fill,
+    layout,
+    target_device,
+)
 from mfsreg.registry.errors import NotFound, RegistryError
 
 IDLE_RELEASE_S = 30.0  # a model not switched for this long gives back its staging buffers (pinned memory on a GPU)
@@ -65,7 +74,8 @@ class ResidentModel(Closable):
         with self._lock:
             self._switches += 1
             try:
-                return self._switch(version)
+                with collection_held():  # as a load's (torch_loader.build)
+                    return self._switch(version)
             finally:
                 self._idle_later()
 

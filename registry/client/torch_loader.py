@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import os
 import queue
 import sys
@@ -576,14 +577,52 @@ def _in_background(fn, *args) -> Future:
     return fut
 
 
+_held_lock = threading.Lock()
+_held_depth = 0  # loads and switches under way in this process
+_held_was_on = False  # whether automatic collection was on when the first of them began
+
+
+@contextlib.contextmanager
+def collection_held() -> Iterator[None]:
+    """Automatic garbage collection held off while the block runs, then set back as it was.
+
+    A load makes few objects that outlive it (about 3,200 for a 1.16 GB member), but the thousands
+    it makes and drops count towards the interpreter's thresholds, and a full collection that falls
+    inside a load walks every object of the process (torch's included: 40 ms in a bare node
+    process, 110-150 ms in bench_ready's) while the load's threads wait for it: one load in four
+    or five of a 1.16 GB member took 0.37 s instead of 0.27 (benchmarks/HISTORY.md). Held off, that
+    collection runs at the next allocation after the load instead. Nested and concurrent loads
+    share one hold: collection comes back when the last of them ends, and only if it was on when
+    the first began (a process that turned it off keeps it off)."""
+    global _held_depth, _held_was_on
+    with _held_lock:
+        if _held_depth == 0:
+            _held_was_on = gc.isenabled()
+            gc.disable()
+        _held_depth += 1
+    try:
+        yield
+    finally:
+        with _held_lock:
+            _held_depth -= 1
+            if _held_depth == 0 and _held_was_on:
+                gc.enable()
+
+
 def build(node: Node, family: str, version: str, copier: Copier) -> tuple[VersionInfo, dict[str, torch.Tensor]]:
-    """A version's tensors, and the document they were laid out from.
+    """A version's tensors, and the document they were laid out from (automatic garbage collection
+    held off meanwhile: collection_held).
 
     Where the node keeps the document and caches every chunk it names, the tensors are built from
     it while another thread asks whether it is current, and handed out only once the answer has
     come. They are built again from the answer where it names other bytes, or where the build
     failed and the answer is new or chunks must be fetched again; an error in the answer is raised.
     See docs/design/node-cache.md."""
+    with collection_held():
+        return _build(node, family, version, copier)
+
+
+def _build(node: Node, family: str, version: str, copier: Copier) -> tuple[VersionInfo, dict[str, torch.Tensor]]:
     fresh = node.fetcher.fresh(family, version)
     if fresh is not None:  # confirmed by the registry within MFSREG_VERSION_MAX_AGE: no question to ask
         return fresh, _from(node, fresh, layout(fresh), copier, cached=True if copier.maps_unchecked else None)
