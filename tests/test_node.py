@@ -419,6 +419,40 @@ def test_loads_and_switches_hold_off_garbage_collection_then_set_it_back(publish
         node.close()
 
 
+def test_a_load_copies_its_cached_tensors_once_its_first_request_is_out(published, fam):
+    """The tensors already cached are mapped and checked only once the fetch of the others has sent
+    its first request: started at once, they took the interpreter from the fetch thread. Here the
+    fetch thread is held back a moment before it asks, and the copies wait for it."""
+    _, env = published
+    node = Node(env["MFSREG_URL"], env["MFSREG_TOKEN"], env["MFSREG_CACHE_DIR"])
+    try:
+        load_tensors("fam", "base", node=node)  # lora-chat's shared tensors are cached
+        events: list[str] = []
+        real_ensure, real_fetch = node.fetcher.ensure, node.remote.fetch
+
+        def slow_ensure(*args, **kwargs):
+            time.sleep(0.3)
+            return real_ensure(*args, **kwargs)
+
+        def fetch(family, chunks):
+            events.append("request")
+            return real_fetch(family, chunks)
+
+        copier = Copier(node.cache, torch.device("cpu"), node.remote.pool)
+        real_copy = copier.copy_many
+
+        def copy_many(work):
+            events.append("copy")
+            return real_copy(work)
+
+        node.fetcher.ensure, node.remote.fetch, copier.copy_many = slow_ensure, fetch, copy_many
+        _, tensors = build(node, "fam", "lora-chat", copier)
+        _equal_to_file(tensors, fam["lora-chat"])
+        assert events[0] == "request" and "copy" in events, events
+    finally:
+        node.close()
+
+
 def test_collection_comes_back_when_the_last_of_overlapping_holds_ends():
     """Loads on several threads share one hold: the first to end leaves collection off for the
     others, and the last sets it back."""

@@ -183,6 +183,7 @@ class Fetcher:
         cancel: threading.Event | None = None,
         again: bool = False,
         planned: Callable[[list[str]], None] | None = None,
+        sending: Callable[[], None] | None = None,
     ) -> FetchStats:
         """Make ``ids`` present in the cache; returns what came from the network and from the cache.
         ``landed(ids)`` is called (on a fetch thread) as each batch of chunks is written to the cache.
@@ -190,7 +191,8 @@ class Fetcher:
         ``again``: fetch every one of ``ids``, cached or not, and write it over what is there (files
         found missing, cut short or damaged: nothing is deleted by name first, which could delete a
         good copy another process has just written). ``planned(ids)`` is told which chunks it will
-        fetch, before it fetches any."""
+        fetch, before it fetches any; ``sending()`` is called (on a fetch thread) as each request is
+        about to go out."""
         progress = progress or NullProgress()
         stats = FetchStats(chunk_ids=list(ids))
         missing = []
@@ -211,7 +213,7 @@ class Fetcher:
         batches = list(sized_batches(missing, lambda i: located[i].size, limit))
         with ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix="mfsreg-fetch") as requests:
             results = requests.map(
-                lambda b: (self._fetch_batch(family, b, located, tiers, landed, cancel, again), b), batches
+                lambda b: (self._fetch_batch(family, b, located, tiers, landed, cancel, again, sending), b), batches
             )
             # the requests are on their way: the cached chunks' use is recorded meanwhile
             self.note_used(family, stats.cached, located, tiers)
@@ -230,7 +232,15 @@ class Fetcher:
         self.cache.record((i, located[i].size, tiers.get(i), family) for i in ids)
 
     def _fetch_batch(
-        self, family: str, batch: list[str], located, tiers, landed=None, cancel=None, replace: bool = False
+        self,
+        family: str,
+        batch: list[str],
+        located,
+        tiers,
+        landed=None,
+        cancel=None,
+        replace: bool = False,
+        sending: Callable[[], None] | None = None,
     ) -> tuple[int, int]:
         if cancel is not None and cancel.is_set():
             raise FetchCancelled("the fetch was called off")
@@ -238,6 +248,8 @@ class Fetcher:
 
         def payloads(chunks: list[Located]) -> Iterator[tuple[ChunkForm, bytes]]:
             nonlocal received
+            if sending is not None:
+                sending()
             for c, p in self.remote.fetch(family, chunks):
                 received += len(p)
                 yield c, p
