@@ -426,6 +426,8 @@ class FetchAhead:
             except BaseException as exc:  # hand the error to the consumer (if it still listens)
                 self.sent.set()
                 self._hand(exc)
+            finally:
+                self.sent.set()  # no group at all: nothing to wait for
 
         self.thread = threading.Thread(target=work, name="mfsreg-fetch-ahead", daemon=True)
         self.thread.start()
