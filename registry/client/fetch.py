@@ -47,7 +47,8 @@ class ChunkSource(Protocol):
 
 BATCH_BYTES = 32 << 20  # raw bytes per request at most: several requests run at once
 MIN_BATCH_BYTES = 16 << 20  # raw bytes per request at least, where the missing ones are spread over requests
-# (above the server's EAGER_BYTES: a spread request is streamed as one of BATCH_BYTES would be)
+# (at most the server's EAGER_BYTES: it reads each request's payloads whole before answering, with no
+# HEAD per pack first)
 KEPT_VERSIONS = 16  # version documents a fetcher keeps (a 7B model's lists about 7,000 chunks at 2 MiB)
 MAX_AGE = 30.0  # seconds a confirmed document is trusted without asking (MFSREG_VERSION_MAX_AGE)
 
