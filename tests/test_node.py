@@ -428,15 +428,17 @@ def test_a_load_copies_its_cached_tensors_once_its_first_request_is_out(publishe
     try:
         load_tensors("fam", "base", node=node)  # lora-chat's shared tensors are cached
         events: list[str] = []
-        real_ensure, real_fetch = node.fetcher.ensure, node.remote.fetch
+        real_ensure = node.fetcher.ensure
 
         def slow_ensure(*args, **kwargs):
             time.sleep(0.3)
-            return real_ensure(*args, **kwargs)
+            told = kwargs["sending"]
 
-        def fetch(family, chunks):
-            events.append("request")
-            return real_fetch(family, chunks)
+            def sending():
+                events.append("request")  # before the load is told: no race with its copies
+                told()
+
+            return real_ensure(*args, **(kwargs | {"sending": sending}))
 
         copier = Copier(node.cache, torch.device("cpu"), node.remote.pool)
         real_copy = copier.copy_many
@@ -445,7 +447,7 @@ def test_a_load_copies_its_cached_tensors_once_its_first_request_is_out(publishe
             events.append("copy")
             return real_copy(work)
 
-        node.fetcher.ensure, node.remote.fetch, copier.copy_many = slow_ensure, fetch, copy_many
+        node.fetcher.ensure, copier.copy_many = slow_ensure, copy_many
         _, tensors = build(node, "fam", "lora-chat", copier)
         _equal_to_file(tensors, fam["lora-chat"])
         assert events[0] == "request" and "copy" in events, events
@@ -454,25 +456,23 @@ def test_a_load_copies_its_cached_tensors_once_its_first_request_is_out(publishe
 
 
 def test_collection_comes_back_when_the_last_of_overlapping_holds_ends():
-    """Loads on several threads share one hold: the first to end leaves collection off for the
-    others, and the last sets it back."""
-    first_in, second_out = threading.Event(), threading.Event()
-    states = []
+    """Loads on several threads share one hold: the first to begin may end first, and collection
+    stays off for the other until it ends too."""
+    second_in, first_out, second_seen = threading.Event(), threading.Event(), []
 
     def second():
-        first_in.wait(30)
         with collection_held():
-            states.append(gc.isenabled())
-        second_out.set()
+            second_in.set()
+            assert first_out.wait(30)
+            second_seen.append(gc.isenabled())  # the first hold has ended: still off for this one
 
     t = threading.Thread(target=second)
-    t.start()
     with collection_held():
-        first_in.set()
-        assert second_out.wait(30)
-        states.append(gc.isenabled())  # the other hold has ended: still off for this one
+        t.start()
+        assert second_in.wait(30)
+    first_out.set()
     t.join()
-    assert states == [False, False] and gc.isenabled()
+    assert second_seen == [False] and gc.isenabled()
 
 
 def test_a_fetch_ahead_closed_early_stops_its_thread(published):

@@ -521,7 +521,7 @@ def fill(
                 # first request is on its way: copied at once, their mapping and the checks they
                 # start took the interpreter from the fetch thread, whose request went out 3-7 ms
                 # later (the load of a member with its base cached took 0.293 s instead of 0.270 at
-                # 1.16 GB, 0.052 instead of 0.049 at 84 MB; benchmarks/HISTORY.md)
+                # 1.16 GB, 0.052 instead of 0.049 at 84 MB; docs/benchmarks.md)
                 landed.wait_sent()
                 if ready:
                     ids = list(dict.fromkeys(p.chunk.id for n in ready for p in todo[n]))
@@ -602,18 +602,18 @@ def collection_held() -> Iterator[None]:
     A load makes few objects that outlive it (about 3,200 for a 1.16 GB member), but the thousands
     it makes and drops count towards the interpreter's thresholds, and a full collection that falls
     inside a load walks every object of the process (torch's included: 40 ms in a bare node
-    process, 110-150 ms in bench_ready's) while the load's threads wait for it: one load in four
-    or five of a 1.16 GB member took 0.37 s instead of 0.27 (benchmarks/HISTORY.md). Held off, that
+    process, 110-150 ms in bench_ready's) while the load's threads wait for it: 2 of 10 traced
+    loads of a 1.16 GB member took 0.37 s instead of 0.27 (docs/benchmarks.md). Held off, that
     collection runs at the next allocation after the load instead. Nested and concurrent loads
     share one hold: collection comes back when the last of them ends, and only if it was on when
     the first began (a process that turned it off keeps it off)."""
     global _held_depth, _held_was_on
-    with _held_lock:
-        if _held_depth == 0:
-            _held_was_on = gc.isenabled()
-            gc.disable()
-        _held_depth += 1
     try:
+        with _held_lock:
+            if _held_depth == 0:
+                _held_was_on = gc.isenabled()
+                gc.disable()
+            _held_depth += 1
         yield
     finally:
         with _held_lock:
