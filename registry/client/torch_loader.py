@@ -408,7 +408,8 @@ class FetchAhead:
     Iterating yields group indexes as their chunks land. ``close`` (also when iteration stopped
     early: a copy failed) tells the thread to stop and waits for it: batches not yet started are
     dropped, the one in flight ends, and nothing is handed over any more. ``wait_sent()`` returns
-    once the first request is about to go out (or the first batch has ended without one)."""
+    once the first request is about to go out, or the first group has ended or failed without one,
+    or there is no group."""
 
     def __init__(self, fetcher: Fetcher, info: VersionInfo, groups: list[list[str]]):
         self.count = len(groups)
@@ -424,10 +425,9 @@ class FetchAhead:
                     if not self._hand(k):
                         return
             except BaseException as exc:  # hand the error to the consumer (if it still listens)
-                self.sent.set()
-                self._hand(exc)
+                self._hand(exc)  # (the first group's error goes into an empty queue: never blocks)
             finally:
-                self.sent.set()  # no group at all: nothing to wait for
+                self.sent.set()  # a failure, or no group at all: nothing more to wait for
 
         self.thread = threading.Thread(target=work, name="mfsreg-fetch-ahead", daemon=True)
         self.thread.start()
@@ -518,10 +518,8 @@ def fill(
                 FetchAhead(node.fetcher, info, chunk_groups) as landed,
             ):
                 # the tensors already cached are copied while the thread fetches the rest, once its
-                # first request is on its way: copied at once, their mapping and the checks they
-                # start took the interpreter from the fetch thread, whose request went out 3-7 ms
-                # later (the load of a member with its base cached took 0.293 s instead of 0.270 at
-                # 1.16 GB, 0.052 instead of 0.049 at 84 MB; docs/benchmarks.md)
+                # first request is on its way: copied at once, they took the interpreter from the
+                # fetch thread and delayed that request (docs/design/node-cache.md)
                 landed.wait_sent()
                 if ready:
                     ids = list(dict.fromkeys(p.chunk.id for n in ready for p in todo[n]))

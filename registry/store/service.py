@@ -366,11 +366,10 @@ def check_packs(reg: Store, chunks: list[StoredChunk]) -> None:
         )
 
 
-# A batch of at most this many stored bytes is read whole before it is sent: a node's load asks for
-# fetch.BATCH_BYTES raw bytes at most (plus any bases it lacks), so its batches wait for no HEAD per pack. At 8 MiB,
-# a 1.16 GB member's four requests of about 10 MB stored each waited for one (10-50 ms on a busy
-# moto) and then for the pack range anyway: its load took 0.414 s against 0.384 (medians of 12,
-# taking turns). A streamed batch holds a pack's ranges at a time, which may be as large.
+# A batch of at most this many stored bytes is read whole before it is sent, with no HEAD per pack
+# first: a node's load asks for fetch.BATCH_BYTES raw bytes at most (plus any bases it lacks). A
+# streamed batch holds a pack's ranges at a time, which may be as large. (At 8 MiB a 1.16 GB
+# member's load took 0.414 s instead of 0.384: docs/benchmarks.md.)
 EAGER_BYTES = 32 << 20
 STREAM_PIECE = 1 << 20  # bytes a download's answer sends at a time (at least: whole payloads)
 
@@ -380,9 +379,9 @@ def stream_chunks(reg: Store, chunks: list[StoredChunk]) -> Iterator[bytes]:
     pack is answered with an error the client can show, not a stream that breaks off halfway. A
     small batch (EAGER_BYTES) is read whole before the answer starts, which finds that too, and
     saves the size lookups (a HEAD per pack on S3: 7-10 ms of a 30 ms batch of a node's few changed
-    chunks, measured on moto); a bigger one (a pull's batches of DOWNLOAD_BATCH) is checked by
-    check_packs and then streamed. A pack
-    that disappears while a stream runs can still only break it off."""
+    chunks, measured on moto); a bigger one (from a client that asks for more at once) is checked
+    by check_packs and then streamed. A pack that disappears while a stream runs can still only
+    break it off."""
     if sum(c.stored_size for c in chunks) <= EAGER_BYTES:
         payloads: Iterator | list = _read_whole(reg, chunks)
     else:
