@@ -161,6 +161,53 @@ def test_grouping_module_writes_what_numpy_writes(itemsize, elements, monkeypatc
     assert results[0][1].sum() == elements
 
 
+def _bf16_weights(n: int, rng: np.random.Generator) -> np.ndarray:
+    """n bf16 weights of N(0, 0.02), as two-byte integers: keys crowd into a band of exponents."""
+    w = torch.from_numpy(rng.standard_normal(n).astype(np.float32) * 0.02)
+    return w.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+
+
+def _two_byte_bases(rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """Bases for the ways the two-byte ungrouping goes (see _grouping.c, unsub16_avx512)."""
+    outliers = _bf16_weights(50_001, rng)
+    outliers[rng.integers(0, outliers.size, 300)] = rng.integers(0, 1 << 16, 300)  # keys far outside the band
+    spread = rng.integers(0, 1 << 16, 4096).astype(np.uint16)
+    spread[::61] = _bf16_weights(spread[::61].size, rng)  # every key the band is chosen from is in it
+    return {
+        "too small for the vector path": _bf16_weights(1023, rng),
+        "the smallest it takes": _bf16_weights(1024, rng),
+        "a partial last vector": _bf16_weights(4099, rng),
+        "a 2 MiB chunk": _bf16_weights(1 << 20, rng),
+        "keys far outside the band": outliers,
+        "random bytes: no band": rng.integers(0, 1 << 16, 50_001).astype(np.uint16),
+        "a band the sample misjudged": spread,
+    }
+
+
+@pytest.mark.skipif(codec._grouping is None, reason="no C module")
+@pytest.mark.parametrize("case", list(_two_byte_bases(np.random.default_rng(0))))
+def test_two_byte_ungrouping_matches_on_and_off_the_vector_path(case, monkeypatch):
+    """Two-byte elements (bf16, fp16) ungroup through AVX-512 expand loads where the processor has
+    them and the keys crowd into a band; elsewhere (too few elements, no band, a band the sample
+    chose wrongly) through the plain loop. Each way writes the same bytes as numpy, with a tail."""
+    b = _two_byte_bases(np.random.default_rng(0))[case]
+    rng = np.random.default_rng(1)
+    a = b + rng.integers(-3, 4, b.size).astype(np.uint16)  # wrapping differences of a few ulps
+    a[rng.integers(0, a.size, 50)] = rng.integers(0, 1 << 16, 50)  # and a few wide ones
+    stride = b.size + 5
+    planes = np.zeros(2 * stride, dtype=np.uint8)
+    codec._sub_grouped(a.view(np.uint8), b.view(np.uint8), 2, planes, stride)
+    expected = a.tobytes() + b"tail"
+    try:
+        for vector in (True, False):
+            codec._grouping.simd(vector)
+            assert codec._unsub_grouped(planes, stride, b.view(np.uint8), 2, b"tail") == expected
+    finally:
+        codec._grouping.simd(True)
+    monkeypatch.setattr(codec, "_grouping", None)
+    assert codec._unsub_grouped(planes, stride, b.view(np.uint8), 2, b"tail") == expected
+
+
 @pytest.mark.skipif(codec._grouping is None, reason="no C module")
 def test_grouping_refuses_a_short_or_shared_scratch():
     a, b = np.arange(64, dtype=np.uint8), np.arange(64, dtype=np.uint8)[::-1].copy()
@@ -262,9 +309,16 @@ def test_sparse_streams_match_numpy_and_round_trip(length, density, monkeypatch)
         assert values.size == np.count_nonzero(stream)
         assert counts == expected
         buf = np.concatenate([[7], flags, values, [1, 2]]).astype(np.uint8)  # between other bytes
-        out = np.full(length, 99, dtype=np.uint8)
-        assert codec._sparse_join(buf, 1, out) == 1 + flags.size + values.size
-        assert (out == stream).all()
+        for join_vector in (True, False) if module is not None else (None,):
+            if module is not None:
+                module.simd(join_vector)
+            try:
+                out = np.full(length, 99, dtype=np.uint8)
+                assert codec._sparse_join(buf, 1, out) == 1 + flags.size + values.size
+            finally:
+                if module is not None:
+                    module.simd(True)
+            assert (out == stream).all()
         results.append((flags, values))
     for flags, values in results[1:]:
         assert (results[0][0] == flags).all() and (results[0][1] == values).all()
@@ -281,12 +335,21 @@ def test_sparse_split_refuses_ends_out_of_order():
             )
 
 
-def test_sparse_stream_with_too_few_values_is_refused(monkeypatch):
-    buf = np.array([0xFF, 0x01, 5, 6], dtype=np.uint8)  # nine flags set, two values
-    for module in (codec._grouping, None):
+@pytest.mark.parametrize("values", [2, 63, 100])
+def test_sparse_stream_with_too_few_values_is_refused(values, monkeypatch):
+    """A stream whose flags ask for more values than follow them is refused on each path: the
+    vector path (64 bytes a step) stops where the values would run out, in its first step or later."""
+    buf = np.concatenate([np.full(25, 0xFF), np.arange(values)]).astype(np.uint8)  # 200 flags set
+    for module, vector in ((codec._grouping, True), (codec._grouping, False), (None, None)):
         monkeypatch.setattr(codec, "_grouping", module)
-        with pytest.raises(ValueError, match="more values"):
-            codec._sparse_join(buf, 0, np.empty(9, dtype=np.uint8))
+        if module is not None:
+            module.simd(vector)
+        try:
+            with pytest.raises(ValueError, match="more values"):
+                codec._sparse_join(buf, 0, np.empty(200, dtype=np.uint8))
+        finally:
+            if module is not None:
+                module.simd(True)
 
 
 def test_mostly_zero_planes_are_sent_sparse_and_smaller(monkeypatch):

@@ -12,8 +12,9 @@
  * numpy's equivalent is a stable argsort of the keys plus a gather, about 8 ns an element; these
  * counting-sort loops take about 1.6 (counting the keys, then grouping) and 1.4 (ungrouping) on
  * full-medical's chunks (1.9 and 2.0 before the elements went through a joined scratch buffer,
- * same machine), and decoding runs once per chunk on every pull. codec.py keeps the numpy
- * version for machines where this module was not built, and tests compare the two.
+ * same machine), and decoding runs once per chunk on every pull. Two-byte elements ungroup faster
+ * still with AVX-512 where the processor has it (unsub16_avx512). codec.py keeps the numpy
+ * version for machines where this module was not built, and tests compare the three.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -25,6 +26,24 @@
  * versions run instead, as where no compiler is at hand). */
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
 #error "registry/format/_grouping.c assumes a little-endian machine"
+#endif
+
+/* Vector paths, chosen at run time from what the processor has (simd() turns them off: tests
+ * compare their bytes with the plain loops'). */
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define HAVE_SIMD 1
+static int have_ssse3, have_avx512;
+
+static void detect_simd(void) {
+    __builtin_cpu_init();
+    have_ssse3 = __builtin_cpu_supports("ssse3") && __builtin_cpu_supports("popcnt");
+    /* (these checks include the operating system's support for the wide registers) */
+    have_avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                  __builtin_cpu_supports("avx512vbmi2") && __builtin_cpu_supports("bmi2") &&
+                  __builtin_cpu_supports("popcnt");
+}
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vbmi2,bmi,bmi2,popcnt")))
 #endif
 
 #define NKEYS 256
@@ -176,6 +195,140 @@ static void starts_of(hist_t h, int64_t *counts, hist_t pos) {
     }
 }
 
+#ifdef HAVE_SIMD
+/* Ungrouping two-byte elements with AVX-512 (VBMI2's expand), at about 2.5 times the speed of
+ * unsub_16 on a bf16 LoRA chunk (3.3 -> 1.3 ms a 2 MiB chunk with its key count, Xeon; see
+ * docs/design/deltas.md).
+ *
+ * Weights' keys (their exponents) crowd into a band of a few neighbouring values: a LoRA chunk's
+ * 9 keys of 114-122 hold 99% of its elements. For each key of the band, one pass over a block of
+ * keys finds, 64 elements at a time, which of them belong to it (a compare), and an expand load
+ * takes that many next elements of its group into their places: no chain through a counter per
+ * element. The few elements outside the band are listed in the pass that computes the keys and
+ * taken one by one. The band is chosen on a sample of keys to cost least (a pass costs about as
+ * much as UNSUB_PASS_SHARE of a pass's elements taken one by one); where it would hold under 7/8 of
+ * the sample, or the list outgrows its room, the plain loop runs instead (random bytes, an
+ * unusual tensor), before anything is written. */
+#define UNSUB_SAMPLE 61     /* every 61st key is sampled to choose the band */
+#define UNSUB_PASS_SHARE 0.25
+#define UNSUB_BLOCK 4096    /* elements ungrouped at a time (their keys and output stay in cache) */
+#define UNSUB_BAND_MAX 24
+
+/* Bytes of scratch the vector path needs for n two-byte elements: the joined elements, their keys,
+ * and the list of those outside the band (at most n / 4 of them, plus a vector's spill). */
+static Py_ssize_t unsub16_scratch(Py_ssize_t n) { return 2 * n + 64 + n + 64 + 4 * (n / 4 + 64); }
+
+static inline char *align64(char *p) { return (char *)(((uintptr_t)p + 63) & ~(uintptr_t)63); }
+
+/* The band [*lo, *hi] for basis b of n elements; 0 where the plain loop should run instead. */
+static int unsub16_band(const char *b, Py_ssize_t n, unsigned *lo, unsigned *hi) {
+    uint32_t sample[NKEYS] = {0}, below[NKEYS + 1];
+    uint32_t ns = 0;
+    for (Py_ssize_t i = 0; i < n; i += UNSUB_SAMPLE, ns++) sample[key_16(load_16(b, i))]++;
+    below[0] = 0;
+    for (int k = 0; k < NKEYS; k++) below[k + 1] = below[k] + sample[k];
+    double pass = (double)n / 64.0 * UNSUB_PASS_SHARE / UNSUB_SAMPLE, best = -1;
+    for (unsigned a = 0; a < NKEYS; a++) {
+        if (!sample[a]) continue;
+        for (unsigned z = a; z < NKEYS && z < a + UNSUB_BAND_MAX; z++) {
+            double cost = (z - a + 1) * pass + (double)(ns - (below[z + 1] - below[a]));
+            if (best < 0 || cost < best) {
+                best = cost;
+                *lo = a;
+                *hi = z;
+            }
+        }
+    }
+    return best >= 0 && (uint64_t)(below[*hi + 1] - below[*lo]) * 8 >= (uint64_t)ns * 7;
+}
+
+/* unsub_16 on the vector path: 1 done, 0 not started (the caller runs unsub_16). The counts come
+ * from the keys computed here, not from the basis read again, so every expand load stays inside
+ * its group whatever another thread does to the basis meanwhile (the output would then be wrong,
+ * and its check against the chunk's id fails). */
+AVX512 static int unsub16_avx512(const unsigned char *restrict z, Py_ssize_t stride, const char *restrict b,
+                                 char *restrict out, Py_ssize_t n, char *scratch, Py_ssize_t scratch_len) {
+    unsigned c0 = 0, c1 = 0;
+    if (n < 64 * 16 || n >= INT32_MAX || scratch_len < unsub16_scratch(n) || !unsub16_band(b, n, &c0, &c1)) return 0;
+    uint16_t *joined = (uint16_t *)scratch;
+    uint8_t *keys = (uint8_t *)align64(scratch + 2 * n);
+    uint32_t *rare = (uint32_t *)align64((char *)keys + n);
+    Py_ssize_t cap = n / 4, nv = n / 64 * 64, nr = 0;
+    const __m512i ff = _mm512_set1_epi16(0xff), lo = _mm512_set1_epi8((char)c0);
+    const __m512i width = _mm512_set1_epi8((char)(c1 - c0));
+    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (Py_ssize_t i = 0; i < nv; i += 64) {
+        __m512i k0 = _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512(b + 2 * i), 7), ff);
+        __m512i k1 = _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512(b + 2 * i + 64), 7), ff);
+        __m512i kk = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi16_epi8(k0)), _mm512_cvtepi16_epi8(k1), 1);
+        _mm512_storeu_si512(keys + i, kk);
+        uint64_t m = _mm512_cmpgt_epu8_mask(_mm512_sub_epi8(kk, lo), width);  /* outside the band */
+        if (m == 0) continue;
+        if (nr > cap) return 0;
+        for (int q = 0; q < 4; q++) {  /* (a full store each: the list has a vector's room to spare) */
+            __mmask16 mq = (__mmask16)(m >> (16 * q));
+            __m512i idx = _mm512_add_epi32(iota, _mm512_set1_epi32((int)(i + 16 * q)));
+            _mm512_storeu_si512(rare + nr, _mm512_maskz_compress_epi32(mq, idx));
+            nr += _mm_popcnt_u32(mq);
+        }
+    }
+    if (nr > cap) return 0;
+    int64_t cnt[NKEYS] = {0}, pos[NKEYS], acc = 0;
+    for (Py_ssize_t i = nv; i < n; i++) cnt[keys[i] = (uint8_t)key_16(load_16(b, i))]++;
+    for (Py_ssize_t r = 0; r < nr; r++) cnt[keys[rare[r]]]++;
+    for (unsigned k = c0; k <= c1; k++) {
+        __m512i kv = _mm512_set1_epi8((char)k);
+        for (Py_ssize_t i = 0; i < nv; i += 64) cnt[k] += _mm_popcnt_u64(_mm512_cmpeq_epi8_mask(_mm512_loadu_si512(keys + i), kv));
+    }
+    for (int k = 0; k < NKEYS; k++) {
+        pos[k] = acc;
+        acc += cnt[k];
+    }
+    join_16(z, stride, n, (char *)joined);
+    const __m512i one = _mm512_set1_epi16(1), zero = _mm512_setzero_si512();
+    Py_ssize_t r = 0;
+    for (Py_ssize_t s = 0; s < nv; s += UNSUB_BLOCK) {
+        Py_ssize_t e = s + UNSUB_BLOCK < nv ? s + UNSUB_BLOCK : nv;
+        /* the band's keys two at a time (one load and store of the output for both) */
+        for (unsigned k = c0; k <= c1; k += 2) {
+            unsigned k2 = k + 1 <= c1 ? k + 1 : 256;  /* 256: no key matches the second */
+            __m512i ka = _mm512_set1_epi8((char)k), kb = _mm512_set1_epi8((char)k2);
+            int64_t pa = pos[k], pb = k2 < NKEYS ? pos[k2] : 0;
+            for (Py_ssize_t i = s; i < e; i += 64) {
+                __m512i kk = _mm512_loadu_si512(keys + i);
+                __mmask64 ma = _mm512_cmpeq_epi8_mask(kk, ka);
+                __mmask64 mb = k2 < NKEYS ? _mm512_cmpeq_epi8_mask(kk, kb) : 0;
+                for (int h = 0; h < 2; h++) {
+                    __mmask32 a = (__mmask32)(ma >> (32 * h)), c = (__mmask32)(mb >> (32 * h));
+                    __m512i zz = _mm512_loadu_si512(out + 2 * i + 64 * h);
+                    zz = _mm512_mask_expandloadu_epi16(zz, a, joined + pa);
+                    zz = _mm512_mask_expandloadu_epi16(zz, c, joined + pb);
+                    _mm512_storeu_si512(out + 2 * i + 64 * h, zz);
+                    pa += _mm_popcnt_u32(a);
+                    pb += _mm_popcnt_u32(c);
+                }
+            }
+            pos[k] = pa;
+            if (k2 < NKEYS) pos[k2] = pb;
+        }
+        for (; r < nr && rare[r] < e; r++) {
+            uint32_t j = rare[r];
+            memcpy(out + 2 * j, joined + pos[keys[j]]++, 2);
+        }
+        for (Py_ssize_t i = s; i < e; i += 32) {  /* b plus the un-zigzagged differences */
+            __m512i d = _mm512_loadu_si512(out + 2 * i), bw = _mm512_loadu_si512(b + 2 * i);
+            __m512i neg = _mm512_sub_epi16(zero, _mm512_and_si512(d, one));
+            _mm512_storeu_si512(out + 2 * i, _mm512_add_epi16(bw, _mm512_xor_si512(_mm512_srli_epi16(d, 1), neg)));
+        }
+    }
+    for (Py_ssize_t i = nv; i < n; i++) {
+        uint16_t v = unzigzag_16(load_16(b, i), joined[pos[keys[i]]++]);
+        memcpy(out + 2 * i, &v, 2);
+    }
+    return 1;
+}
+#endif
+
 typedef void (*count_fn)(const char *, Py_ssize_t, hist_t);
 
 static int parse_width(int itemsize, count_fn *count) {
@@ -267,7 +420,8 @@ done:
 PyDoc_STRVAR(unsub_grouped_doc,
     "unsub_grouped(planes, stride, basis, itemsize, tail, scratch) -> bytes\n\n"
     "Inverse of sub_grouped: basis + the ungrouped, un-zigzagged differences, followed by tail.\n"
-    "scratch: a writable buffer of at least len(basis) bytes, for the joined planes.\n"
+    "scratch: a writable buffer of at least len(basis) bytes, for the joined planes (two-byte\n"
+    "elements take the AVX-512 path only with 2 * len(basis) + 512 bytes: their keys and a list).\n"
     "Written straight into the new bytes object: a numpy array and its tobytes() copy would fault\n"
     "in two fresh buffers per chunk (a third of a delta's decoding time).");
 
@@ -289,12 +443,19 @@ static PyObject *unsub_grouped(PyObject *self, PyObject *args) {
     int bad;
     void *joined = scratch.buf;
     Py_BEGIN_ALLOW_THREADS
+#ifdef HAVE_SIMD
+    if (itemsize == 2 && have_avx512 && unsub16_avx512(z.buf, stride, b.buf, out, n, joined, scratch.len))
+        bad = 0;
+    else
+#endif
+    {
     count(b.buf, n, h);
     starts_of(h, counts, pos);
     switch (itemsize) {
     case 2: bad = unsub_16(z.buf, b.buf, out, stride, n, pos, joined); break;
     case 4: bad = unsub_32(z.buf, b.buf, out, stride, n, pos, joined); break;
     default: bad = unsub_64(z.buf, b.buf, out, stride, n, pos, joined); break;
+    }
     }
     if (!bad) memcpy(out + b.len, tail.buf, tail.len);
     Py_END_ALLOW_THREADS
@@ -344,14 +505,11 @@ static inline void count_ends(const int64_t *ends, Py_ssize_t nends, Py_ssize_t 
     }
 }
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#include <immintrin.h>
-#define SPLIT_SIMD 1
+#ifdef HAVE_SIMD
 /* Sixteen bytes a step: one compare gives their flag bits, and a byte shuffle per half packs the
  * nonzero bytes together (the shuffle for each 8-bit pattern comes from a table), with no branch
  * per byte. About five times the byte loop's speed on sparse planes; SSSE3, so chosen at run time. */
 static unsigned char compact_lo[256][8], compact_hi[256][8];
-static int have_ssse3;
 
 static void init_split_tables(void) {
     for (int m = 0; m < 256; m++) {
@@ -363,8 +521,6 @@ static void init_split_tables(void) {
             }
         for (; k < 8; k++) compact_lo[m][k] = compact_hi[m][k] = 0x80;  /* shuffles in a zero */
     }
-    __builtin_cpu_init();
-    have_ssse3 = __builtin_cpu_supports("ssse3") && __builtin_cpu_supports("popcnt");
 }
 
 /* Steps while 16 bytes remain; returns where it stopped. values has room for n bytes, and nnz <= i,
@@ -420,7 +576,7 @@ static PyObject *sparse_split(PyObject *self, PyObject *args) {
     unsigned char *restrict f = flags.buf, *restrict v = values.buf;
     Py_ssize_t nnz = 0, i = 0, j = 0;
     Py_BEGIN_ALLOW_THREADS
-#ifdef SPLIT_SIMD
+#ifdef HAVE_SIMD
     if (have_ssse3) i = split_ssse3(src, n, f, v, &nnz, ends, nends, &j, counts);
 #endif
     for (; i < n; i += 8) {
@@ -456,6 +612,28 @@ PyDoc_STRVAR(sparse_join_doc,
     "Inverse of sparse_split: fill out (len(out) bytes) from flags and values; return how many\n"
     "values it used. Raises ValueError if the flags ask for more values than there are.");
 
+#ifdef HAVE_SIMD
+/* Sixty-four bytes a step: their flag bits are the mask of one expand load (VBMI2), which takes as
+ * many values as bits are set and puts them where the bits are (zeros elsewhere): 0.49 -> 0.05 ms
+ * for a 1 MiB plane (Xeon). Returns where it stopped: at the last whole step, or where the values
+ * would run out (the byte loop goes on from there, and says so). */
+AVX512 static Py_ssize_t sparse_join_avx512(const unsigned char *restrict f, const unsigned char *restrict v,
+                                            unsigned char *restrict dst, Py_ssize_t n, Py_ssize_t avail,
+                                            Py_ssize_t *used_io) {
+    Py_ssize_t i = 0, used = 0;
+    for (; i + 64 <= n; i += 64) {
+        uint64_t m;
+        memcpy(&m, f + i / 8, 8);
+        Py_ssize_t c = (Py_ssize_t)_mm_popcnt_u64(m);
+        if (used + c > avail) break;
+        _mm512_storeu_si512(dst + i, _mm512_maskz_expandloadu_epi8(m, v + used));
+        used += c;
+    }
+    *used_io = used;
+    return i;
+}
+#endif
+
 static PyObject *sparse_join(PyObject *self, PyObject *args) {
     Py_buffer flags = {0}, values = {0}, out = {0};
     PyObject *result = NULL;
@@ -469,8 +647,12 @@ static PyObject *sparse_join(PyObject *self, PyObject *args) {
     unsigned char *restrict dst = out.buf;
     Py_ssize_t used = 0, avail = values.len;
     int short_values = 0;
+    Py_ssize_t start = 0;
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < n; i += 8) {
+#ifdef HAVE_SIMD
+    if (have_avx512) start = sparse_join_avx512(f, v, dst, n, avail, &used);
+#endif
+    for (Py_ssize_t i = start; i < n; i += 8) {
         unsigned bits = f[i >> 3];
         Py_ssize_t m = n - i < 8 ? n - i : 8;
         if (m < 8) bits &= (1u << m) - 1;  /* flags past the end mean nothing */
@@ -633,13 +815,10 @@ PyDoc_STRVAR(simd_doc,
 static PyObject *simd(PyObject *self, PyObject *arg) {
     int on = PyObject_IsTrue(arg);
     if (on < 0) return NULL;
-#ifdef SPLIT_SIMD
-    int was = have_ssse3;
-    have_ssse3 = 0;
-    if (on) {
-        __builtin_cpu_init();
-        have_ssse3 = __builtin_cpu_supports("ssse3") && __builtin_cpu_supports("popcnt");
-    }
+#ifdef HAVE_SIMD
+    int was = have_ssse3 || have_avx512;
+    have_ssse3 = have_avx512 = 0;
+    if (on) detect_simd();
     return PyBool_FromLong(was);
 #else
     return PyBool_FromLong(0);
@@ -661,8 +840,9 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_grouping", "Exponent-grouped delta kernels.", -1, methods};
 
 PyMODINIT_FUNC PyInit__grouping(void) {
-#ifdef SPLIT_SIMD
+#ifdef HAVE_SIMD
     init_split_tables();
+    detect_simd();
 #endif
     return PyModule_Create(&module);
 }

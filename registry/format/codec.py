@@ -317,7 +317,9 @@ def _sub_grouped(a: np.ndarray, b: np.ndarray, itemsize: int, planes: np.ndarray
 def _unsub_grouped(planes: np.ndarray, stride: int, b: np.ndarray, itemsize: int, tail=b"") -> bytes:
     """Inverse of _sub_grouped: b plus the ungrouped differences, then ``tail`` (new bytes)."""
     if _grouping is not None:
-        return _grouping.unsub_grouped(planes, stride, b, itemsize, tail, _scratch("unsub_joined", b.size))
+        # two-byte elements: room for the vector path's keys and list too (_grouping.c, unsub16_avx512)
+        room = 2 * b.size + 512 if itemsize == 2 else b.size
+        return _grouping.unsub_grouped(planes, stride, b, itemsize, tail, _scratch("unsub_joined", room))
     u = _UNSIGNED[itemsize]
     n = b.size // itemsize
     zz = np.zeros(n, dtype=u)
