@@ -151,6 +151,32 @@ def cached_ids(env: dict) -> list[str]:
     ]
 
 
+def test_clients_share_one_verifying_tls_context_per_ca_setting(tmp_path, monkeypatch):
+    """Making a client reads no CA bundle after the first (34 ms of the 48 a Node took, http URLs
+    too): every client shares one verifying context per SSL_CERT_FILE / SSL_CERT_DIR, and a client
+    made after either changes gets a context made with the new one."""
+    import ssl
+
+    import certifi
+
+    from mfsreg.registry.client.remote import tls_context
+
+    def context_of(client: RemoteRegistry) -> ssl.SSLContext:
+        return client.http._transport._pool._ssl_context  # (httpx's transport, httpcore's pool)
+
+    monkeypatch.delenv("SSL_CERT_FILE", raising=False)
+    monkeypatch.delenv("SSL_CERT_DIR", raising=False)
+    with RemoteRegistry("http://127.0.0.1:9") as a, RemoteRegistry("https://127.0.0.1:9") as b:
+        assert context_of(a) is context_of(b) is tls_context()
+    ctx = tls_context()
+    assert ctx.verify_mode == ssl.CERT_REQUIRED and ctx.check_hostname
+    bundle = tmp_path / "ca.pem"
+    shutil.copyfile(certifi.where(), bundle)
+    monkeypatch.setenv("SSL_CERT_FILE", str(bundle))
+    with RemoteRegistry("https://127.0.0.1:9") as c:
+        assert context_of(c) is not ctx and context_of(c) is tls_context()
+
+
 def test_pull_with_base_cached_fetches_only_what_is_not_shared(published, writes, fam, tmp_path):
     _, env = published
     warm = mfsreg_json("cache", "warm", "fam", "--tier", "base", env=env)
