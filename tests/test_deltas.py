@@ -201,6 +201,7 @@ def test_two_byte_ungrouping_matches_on_and_off_the_vector_path(case, monkeypatc
     try:
         for vector in (True, False):
             codec._grouping.simd(vector)
+            assert vector or codec._grouping.vector_paths() == ()
             assert codec._unsub_grouped(planes, stride, b.view(np.uint8), 2, b"tail") == expected
     finally:
         codec._grouping.simd(True)

@@ -825,8 +825,23 @@ static PyObject *simd(PyObject *self, PyObject *arg) {
 #endif
 }
 
+PyDoc_STRVAR(vector_paths_doc,
+    "vector_paths() -> tuple[str, ...]\n\n"
+    "The vector paths on now: \"ssse3\" (the sparse split), \"avx512\" (the two-byte ungrouping and\n"
+    "the sparse join); none where simd(False) turned them off or the processor lacks them.");
+
+static PyObject *vector_paths(PyObject *self, PyObject *unused) {
+#ifdef HAVE_SIMD
+    if (have_ssse3 && have_avx512) return Py_BuildValue("(ss)", "ssse3", "avx512");
+    if (have_ssse3) return Py_BuildValue("(s)", "ssse3");
+    if (have_avx512) return Py_BuildValue("(s)", "avx512");
+#endif
+    return PyTuple_New(0);
+}
+
 static PyMethodDef methods[] = {
     {"simd", simd, METH_O, simd_doc},
+    {"vector_paths", vector_paths, METH_NOARGS, vector_paths_doc},
     {"sub_grouped", sub_grouped, METH_VARARGS, sub_grouped_doc},
     {"unsub_grouped", unsub_grouped, METH_VARARGS, unsub_grouped_doc},
     {"sparse_split", sparse_split, METH_VARARGS, sparse_split_doc},
