@@ -52,6 +52,7 @@ bench: install
 	$(BIN)/python -m benchmarks.cli_startup
 	$(BIN)/python -m benchmarks.bench_core
 	$(BIN)/python -m benchmarks.bench_delta
+	$(BIN)/python -m benchmarks.decode_kernels
 	$(BIN)/python -m benchmarks.bench_api
 	$(BIN)/python -m benchmarks.bench_node
 	$(BIN)/python -m benchmarks.bench_ready
