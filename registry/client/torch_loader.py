@@ -442,11 +442,17 @@ class FetchAhead:
         return False
 
     def wait_sent(self) -> None:
-        self.sent.wait()
+        while not self.sent.wait(0.5):  # in steps: a wait without a timeout ignores Ctrl-C on Windows
+            pass
 
     def __iter__(self) -> Iterator[int]:
         for _ in range(self.count):
-            item = self.done.get()
+            while True:
+                try:
+                    item = self.done.get(timeout=0.5)  # (see wait_sent)
+                    break
+                except queue.Empty:
+                    pass
             if isinstance(item, BaseException):
                 raise item
             yield item
@@ -604,7 +610,9 @@ def collection_held() -> Iterator[None]:
     loads of a 1.16 GB member took 0.37 s instead of 0.27 (docs/benchmarks.md). Held off, that
     collection runs at the next allocation after the load instead. Nested and concurrent loads
     share one hold: collection comes back when the last of them ends, and only if it was on when
-    the first began (a process that turned it off keeps it off)."""
+    the first began (a process that turned it off keeps it off). Its limits: while loads on several
+    threads keep overlapping, collection stays off until none runs; a ``gc.disable()`` made while a
+    hold is on is undone when it ends (where collection was on when it began)."""
     global _held_depth, _held_was_on
     try:
         with _held_lock:
