@@ -221,6 +221,36 @@ def test_every_delta_decodes_against_its_basis_to_the_bytes_encoded(made):
         assert codec.decode(encoding, payload, len(data), basis) == data
 
 
+@SLOW
+@given(
+    st.integers(1024, 20_000),  # elements: the vector path takes 1024 and more
+    st.integers(0, 255),  # the key most elements share (their exponent, for bf16)
+    st.integers(0, 30),  # how far the others spread below it and above it (wrapping past 0 and 255)
+    st.integers(0, 30),
+    st.floats(0, 0.5),  # the share of elements with any key at all
+    st.integers(0, 2**32 - 1),
+)
+def test_two_byte_deltas_decode_alike_on_and_off_the_vector_path(n, key, below, above, stray, seed):
+    """The AVX-512 ungrouping (where the processor has it) and the plain loop give the same bytes
+    for any spread of keys: a band at either end of the key range, keys outside it, and shares of
+    them past what its list of strays has room for (then it gives way to the plain loop)."""
+    if codec._grouping is None:
+        return  # numpy alone: nothing to compare (test_grouping_module_is_built says so)
+    rng = np.random.default_rng(seed)
+    keys = (key + rng.integers(-below, above + 1, n)) % 256
+    keys = np.where(rng.random(n) < stray, rng.integers(0, 256, n), keys)
+    basis = (keys << 7 | rng.integers(0, 128, n) | rng.integers(0, 2, n) << 15).astype(np.uint16)
+    data = basis + rng.integers(-4, 5, n).astype(np.uint16)
+    data[rng.integers(0, n, 20)] = rng.integers(0, 1 << 16, 20)
+    encoding, payload = codec.encode_delta(data.tobytes(), basis.tobytes(), 2)
+    try:
+        for vector in (True, False):
+            codec._grouping.simd(vector)
+            assert codec.decode(encoding, payload, 2 * n, basis.tobytes()) == data.tobytes()
+    finally:
+        codec._grouping.simd(True)
+
+
 @FAST
 @given(chunks_and_bases(), st.binary(max_size=200), st.data())
 def test_a_hostile_payload_never_decodes_to_a_chunk_of_another_size(made, junk, data):
