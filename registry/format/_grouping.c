@@ -33,17 +33,32 @@
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
 #define HAVE_SIMD 1
+/* AVX-512 VBMI2 (the expand loads) needs GCC 8, LLVM 8 (Apple clang 11) or later: an older compiler
+ * builds the module without those paths rather than failing its build, which would lose the whole
+ * module (grouped deltas written ungrouped, decoded in numpy). */
+#if defined(__clang__)
+#if (defined(__apple_build_version__) && __clang_major__ >= 11) || \
+    (!defined(__apple_build_version__) && __clang_major__ >= 8)
+#define HAVE_AVX512 1
+#endif
+#elif __GNUC__ >= 8
+#define HAVE_AVX512 1
+#endif
+#ifdef HAVE_AVX512
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vbmi2,bmi,bmi2,popcnt")))
+#endif
 static int have_ssse3, have_avx512;
 
 static void detect_simd(void) {
     __builtin_cpu_init();
     have_ssse3 = __builtin_cpu_supports("ssse3") && __builtin_cpu_supports("popcnt");
+#ifdef HAVE_AVX512
     /* (these checks include the operating system's support for the wide registers) */
     have_avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                  __builtin_cpu_supports("avx512vbmi2") && __builtin_cpu_supports("bmi2") &&
-                  __builtin_cpu_supports("popcnt");
+                  __builtin_cpu_supports("avx512vbmi2") && __builtin_cpu_supports("bmi") &&
+                  __builtin_cpu_supports("bmi2") && __builtin_cpu_supports("popcnt");
+#endif
 }
-#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vbmi2,bmi,bmi2,popcnt")))
 #endif
 
 #define NKEYS 256
@@ -195,7 +210,7 @@ static void starts_of(hist_t h, int64_t *counts, hist_t pos) {
     }
 }
 
-#ifdef HAVE_SIMD
+#ifdef HAVE_AVX512
 /* Ungrouping two-byte elements with AVX-512 (VBMI2's expand), at about 2.5 times the speed of
  * unsub_16 on a bf16 LoRA chunk (3.3 -> 1.3 ms a 2 MiB chunk with its key count, Xeon; see
  * docs/design/deltas.md).
@@ -245,12 +260,13 @@ static int unsub16_band(const char *b, Py_ssize_t n, unsigned *lo, unsigned *hi)
 /* unsub_16 on the vector path: 1 done, 0 not started (the caller runs unsub_16). The counts come
  * from the keys computed here, not from the basis read again, so every expand load stays inside
  * its group whatever another thread does to the basis meanwhile (the output would then be wrong,
- * and its check against the chunk's id fails). */
+ * and its check against the chunk's id fails). The keys and the list live in the scratch, which
+ * no other thread may write meanwhile (codec.py's is per thread). */
 AVX512 static int unsub16_avx512(const unsigned char *restrict z, Py_ssize_t stride, const char *restrict b,
                                  char *restrict out, Py_ssize_t n, char *scratch, Py_ssize_t scratch_len) {
     unsigned c0 = 0, c1 = 0;
     if (n < 64 * 16 || n >= INT32_MAX || scratch_len < unsub16_scratch(n) || !unsub16_band(b, n, &c0, &c1)) return 0;
-    uint16_t *joined = (uint16_t *)scratch;
+    char *joined = scratch;  /* (bytes: the caller's scratch need not be aligned) */
     uint8_t *keys = (uint8_t *)align64(scratch + 2 * n);
     uint32_t *rare = (uint32_t *)align64((char *)keys + n);
     Py_ssize_t cap = n / 4, nv = n / 64 * 64, nr = 0;
@@ -284,7 +300,7 @@ AVX512 static int unsub16_avx512(const unsigned char *restrict z, Py_ssize_t str
         pos[k] = acc;
         acc += cnt[k];
     }
-    join_16(z, stride, n, (char *)joined);
+    join_16(z, stride, n, joined);
     const __m512i one = _mm512_set1_epi16(1), zero = _mm512_setzero_si512();
     Py_ssize_t r = 0;
     for (Py_ssize_t s = 0; s < nv; s += UNSUB_BLOCK) {
@@ -301,8 +317,8 @@ AVX512 static int unsub16_avx512(const unsigned char *restrict z, Py_ssize_t str
                 for (int h = 0; h < 2; h++) {
                     __mmask32 a = (__mmask32)(ma >> (32 * h)), c = (__mmask32)(mb >> (32 * h));
                     __m512i zz = _mm512_loadu_si512(out + 2 * i + 64 * h);
-                    zz = _mm512_mask_expandloadu_epi16(zz, a, joined + pa);
-                    zz = _mm512_mask_expandloadu_epi16(zz, c, joined + pb);
+                    zz = _mm512_mask_expandloadu_epi16(zz, a, joined + 2 * pa);
+                    zz = _mm512_mask_expandloadu_epi16(zz, c, joined + 2 * pb);
                     _mm512_storeu_si512(out + 2 * i + 64 * h, zz);
                     pa += _mm_popcnt_u32(a);
                     pb += _mm_popcnt_u32(c);
@@ -313,7 +329,7 @@ AVX512 static int unsub16_avx512(const unsigned char *restrict z, Py_ssize_t str
         }
         for (; r < nr && rare[r] < e; r++) {
             uint32_t j = rare[r];
-            memcpy(out + 2 * j, joined + pos[keys[j]]++, 2);
+            memcpy(out + 2 * j, joined + 2 * pos[keys[j]]++, 2);
         }
         for (Py_ssize_t i = s; i < e; i += 32) {  /* b plus the un-zigzagged differences */
             __m512i d = _mm512_loadu_si512(out + 2 * i), bw = _mm512_loadu_si512(b + 2 * i);
@@ -322,7 +338,7 @@ AVX512 static int unsub16_avx512(const unsigned char *restrict z, Py_ssize_t str
         }
     }
     for (Py_ssize_t i = nv; i < n; i++) {
-        uint16_t v = unzigzag_16(load_16(b, i), joined[pos[keys[i]]++]);
+        uint16_t v = unzigzag_16(load_16(b, i), load_16(joined, pos[keys[i]]++));
         memcpy(out + 2 * i, &v, 2);
     }
     return 1;
@@ -421,7 +437,8 @@ PyDoc_STRVAR(unsub_grouped_doc,
     "unsub_grouped(planes, stride, basis, itemsize, tail, scratch) -> bytes\n\n"
     "Inverse of sub_grouped: basis + the ungrouped, un-zigzagged differences, followed by tail.\n"
     "scratch: a writable buffer of at least len(basis) bytes, for the joined planes (two-byte\n"
-    "elements take the AVX-512 path only with 2 * len(basis) + 512 bytes: their keys and a list).\n"
+    "elements take the AVX-512 path only with 2 * len(basis) + 512 bytes: their keys and a list),\n"
+    "which no other thread may write while this runs.\n"
     "Written straight into the new bytes object: a numpy array and its tobytes() copy would fault\n"
     "in two fresh buffers per chunk (a third of a delta's decoding time).");
 
@@ -442,20 +459,21 @@ static PyObject *unsub_grouped(PyObject *self, PyObject *args) {
     hist_t h, pos;
     int bad;
     void *joined = scratch.buf;
+    int vector = 0;
     Py_BEGIN_ALLOW_THREADS
-#ifdef HAVE_SIMD
-    if (itemsize == 2 && have_avx512 && unsub16_avx512(z.buf, stride, b.buf, out, n, joined, scratch.len))
-        bad = 0;
-    else
+#ifdef HAVE_AVX512
+    vector = itemsize == 2 && have_avx512 && unsub16_avx512(z.buf, stride, b.buf, out, n, joined, scratch.len);
 #endif
-    {
-    count(b.buf, n, h);
-    starts_of(h, counts, pos);
-    switch (itemsize) {
-    case 2: bad = unsub_16(z.buf, b.buf, out, stride, n, pos, joined); break;
-    case 4: bad = unsub_32(z.buf, b.buf, out, stride, n, pos, joined); break;
-    default: bad = unsub_64(z.buf, b.buf, out, stride, n, pos, joined); break;
-    }
+    if (vector) {
+        bad = 0;
+    } else {
+        count(b.buf, n, h);
+        starts_of(h, counts, pos);
+        switch (itemsize) {
+        case 2: bad = unsub_16(z.buf, b.buf, out, stride, n, pos, joined); break;
+        case 4: bad = unsub_32(z.buf, b.buf, out, stride, n, pos, joined); break;
+        default: bad = unsub_64(z.buf, b.buf, out, stride, n, pos, joined); break;
+        }
     }
     if (!bad) memcpy(out + b.len, tail.buf, tail.len);
     Py_END_ALLOW_THREADS
@@ -612,7 +630,7 @@ PyDoc_STRVAR(sparse_join_doc,
     "Inverse of sparse_split: fill out (len(out) bytes) from flags and values; return how many\n"
     "values it used. Raises ValueError if the flags ask for more values than there are.");
 
-#ifdef HAVE_SIMD
+#ifdef HAVE_AVX512
 /* Sixty-four bytes a step: their flag bits are the mask of one expand load (VBMI2), which takes as
  * many values as bits are set and puts them where the bits are (zeros elsewhere): 0.49 -> 0.05 ms
  * for a 1 MiB plane (Xeon). Returns where it stopped: at the last whole step, or where the values
@@ -649,7 +667,7 @@ static PyObject *sparse_join(PyObject *self, PyObject *args) {
     int short_values = 0;
     Py_ssize_t start = 0;
     Py_BEGIN_ALLOW_THREADS
-#ifdef HAVE_SIMD
+#ifdef HAVE_AVX512
     if (have_avx512) start = sparse_join_avx512(f, v, dst, n, avail, &used);
 #endif
     for (Py_ssize_t i = start; i < n; i += 8) {
