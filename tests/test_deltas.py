@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import filecmp
+import functools
 import shutil
 import time
 
@@ -19,6 +20,7 @@ from mfsreg.registry.format.wire import Located
 from mfsreg.registry.store.deltas import MAX_DEPTH
 from tests import synth
 from tests.dialects import sqlite_only
+from tests.kernels import WAYS, kernel_way
 
 
 @pytest.mark.parametrize("itemsize", [1, 2, 4, 8])
@@ -167,8 +169,11 @@ def _bf16_weights(n: int, rng: np.random.Generator) -> np.ndarray:
     return w.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
 
 
-def _two_byte_bases(rng: np.random.Generator) -> dict[str, np.ndarray]:
-    """Bases for the ways the two-byte ungrouping goes (see _grouping.c, unsub16_avx512)."""
+@functools.cache
+def _two_byte_bases() -> dict[str, np.ndarray]:
+    """Bases for the ways the two-byte ungrouping goes (see _grouping.c, unsub16_avx512): made once,
+    read only."""
+    rng = np.random.default_rng(0)
     outliers = _bf16_weights(50_001, rng)
     outliers[rng.integers(0, outliers.size, 300)] = rng.integers(0, 1 << 16, 300)  # keys far outside the band
     spread = rng.integers(0, 1 << 16, 4096).astype(np.uint16)
@@ -185,12 +190,12 @@ def _two_byte_bases(rng: np.random.Generator) -> dict[str, np.ndarray]:
 
 
 @pytest.mark.skipif(codec._grouping is None, reason="no C module")
-@pytest.mark.parametrize("case", list(_two_byte_bases(np.random.default_rng(0))))
+@pytest.mark.parametrize("case", list(_two_byte_bases()))
 def test_two_byte_ungrouping_matches_on_and_off_the_vector_path(case, monkeypatch):
     """Two-byte elements (bf16, fp16) ungroup through AVX-512 expand loads where the processor has
     them and the keys crowd into a band; elsewhere (too few elements, no band, a band the sample
     chose wrongly) through the plain loop. Each way writes the same bytes as numpy, with a tail."""
-    b = _two_byte_bases(np.random.default_rng(0))[case]
+    b = _two_byte_bases()[case]
     rng = np.random.default_rng(1)
     a = b + rng.integers(-3, 4, b.size).astype(np.uint16)  # wrapping differences of a few ulps
     a[rng.integers(0, a.size, 50)] = rng.integers(0, 1 << 16, 50)  # and a few wide ones
@@ -198,15 +203,10 @@ def test_two_byte_ungrouping_matches_on_and_off_the_vector_path(case, monkeypatc
     planes = np.zeros(2 * stride, dtype=np.uint8)
     codec._sub_grouped(a.view(np.uint8), b.view(np.uint8), 2, planes, stride)
     expected = a.tobytes() + b"tail"
-    try:
-        for vector in (True, False):
-            codec._grouping.simd(vector)
-            assert vector or codec._grouping.vector_paths() == ()
+    for way in WAYS:
+        with kernel_way(way, monkeypatch):
+            assert way != "plain" or codec._grouping.vector_paths() == ()
             assert codec._unsub_grouped(planes, stride, b.view(np.uint8), 2, b"tail") == expected
-    finally:
-        codec._grouping.simd(True)
-    monkeypatch.setattr(codec, "_grouping", None)
-    assert codec._unsub_grouped(planes, stride, b.view(np.uint8), 2, b"tail") == expected
 
 
 @pytest.mark.skipif(codec._grouping is None, reason="no C module")
@@ -296,29 +296,17 @@ def test_sparse_streams_match_numpy_and_round_trip(length, density, monkeypatch)
     ends = sorted({0, length, *rng.integers(0, length + 1, 5).tolist()})
     expected = [int(np.count_nonzero(stream[:e])) for e in ends]
     results = []
-    # the C module's vector path, its byte loop, and numpy
-    for module, vector in ((codec._grouping, True), (codec._grouping, False), (None, None)):
-        monkeypatch.setattr(codec, "_grouping", module)
-        if module is not None:
-            module.simd(vector)
-        try:
+    for way in WAYS:  # split each way, then joined each way of its module
+        with kernel_way(way, monkeypatch):
             flags, values, counts = codec._sparse_split(stream, 0, ends)
-        finally:
-            if module is not None:
-                module.simd(True)
         flags, values = flags.copy(), values.copy()
         assert values.size == np.count_nonzero(stream)
         assert counts == expected
         buf = np.concatenate([[7], flags, values, [1, 2]]).astype(np.uint8)  # between other bytes
-        for join_vector in (True, False) if module is not None else (None,):
-            if module is not None:
-                module.simd(join_vector)
-            try:
-                out = np.full(length, 99, dtype=np.uint8)
+        for join_way in ("numpy",) if way == "numpy" else WAYS[:2]:
+            out = np.full(length, 99, dtype=np.uint8)
+            with kernel_way(join_way, monkeypatch):
                 assert codec._sparse_join(buf, 1, out) == 1 + flags.size + values.size
-            finally:
-                if module is not None:
-                    module.simd(True)
             assert (out == stream).all()
         results.append((flags, values))
     for flags, values in results[1:]:
@@ -341,16 +329,9 @@ def test_sparse_stream_with_too_few_values_is_refused(values, monkeypatch):
     """A stream whose flags ask for more values than follow them is refused on each path: the
     vector path (64 bytes a step) stops where the values would run out, in its first step or later."""
     buf = np.concatenate([np.full(25, 0xFF), np.arange(values)]).astype(np.uint8)  # 200 flags set
-    for module, vector in ((codec._grouping, True), (codec._grouping, False), (None, None)):
-        monkeypatch.setattr(codec, "_grouping", module)
-        if module is not None:
-            module.simd(vector)
-        try:
-            with pytest.raises(ValueError, match="more values"):
-                codec._sparse_join(buf, 0, np.empty(200, dtype=np.uint8))
-        finally:
-            if module is not None:
-                module.simd(True)
+    for way in WAYS:
+        with kernel_way(way, monkeypatch), pytest.raises(ValueError, match="more values"):
+            codec._sparse_join(buf, 0, np.empty(200, dtype=np.uint8))
 
 
 def test_mostly_zero_planes_are_sent_sparse_and_smaller(monkeypatch):

@@ -21,6 +21,7 @@ from mfsreg.registry.errors import InvalidModel, InvalidRequest
 from mfsreg.registry.format import codec
 from mfsreg.registry.format.manifest import Manifest, parse_doc
 from mfsreg.registry.format.safetensors import DTYPE_SIZES, parse_header
+from tests.kernels import WAYS, kernel_way
 
 # bounded so that the whole file runs in a few seconds; the deadline is off: CI machines stall
 FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -243,12 +244,9 @@ def test_two_byte_deltas_decode_alike_on_and_off_the_vector_path(n, key, below, 
     data = basis + rng.integers(-4, 5, n).astype(np.uint16)
     data[rng.integers(0, n, 20)] = rng.integers(0, 1 << 16, 20)
     encoding, payload = codec.encode_delta(data.tobytes(), basis.tobytes(), 2)
-    try:
-        for vector in (True, False):
-            codec._grouping.simd(vector)
+    for way in WAYS[:2]:
+        with kernel_way(way):
             assert codec.decode(encoding, payload, 2 * n, basis.tobytes()) == data.tobytes()
-    finally:
-        codec._grouping.simd(True)
 
 
 @FAST
