@@ -316,7 +316,10 @@ AVX512 static int unsub16_avx512(const unsigned char *restrict z, Py_ssize_t str
                 __mmask64 mb = k2 < NKEYS ? _mm512_cmpeq_epi8_mask(kk, kb) : 0;
                 for (int h = 0; h < 2; h++) {
                     __mmask32 a = (__mmask32)(ma >> (32 * h)), c = (__mmask32)(mb >> (32 * h));
-                    __m512i zz = _mm512_loadu_si512(out + 2 * i + 64 * h);
+                    /* the first pass writes every element before any is read: a load from a
+                       fresh output page would map the zero page, and the store after it copy
+                       it, flushing every core's TLB (an interrupt to each, costly in a VM) */
+                    __m512i zz = k == c0 ? zero : _mm512_loadu_si512(out + 2 * i + 64 * h);
                     zz = _mm512_mask_expandloadu_epi16(zz, a, joined + 2 * pa);
                     zz = _mm512_mask_expandloadu_epi16(zz, c, joined + 2 * pb);
                     _mm512_storeu_si512(out + 2 * i + 64 * h, zz);
