@@ -15,7 +15,7 @@ from mfsreg.registry.blobs.packs import StoredChunk, pack_key
 from mfsreg.registry.errors import IntegrityError, StorageError
 from mfsreg.registry.format import codec
 from mfsreg.registry.format.chunking import chunk_id
-from mfsreg.registry.format.rebuild import decode_batch, decode_verified
+from mfsreg.registry.format.rebuild import decode_batch, decode_landed, decode_verified
 from mfsreg.registry.format.wire import Located
 from mfsreg.registry.store.deltas import MAX_DEPTH
 from tests import synth
@@ -397,6 +397,60 @@ def test_xor_deltas_stored_before_sub_still_decode():
     assert codec.decode("xor-p2", payload, a.size, b.tobytes()) == a.tobytes()
 
 
+@pytest.mark.skipif(codec._grouping is None, reason="no C module")
+def test_grouping_writes_into_a_given_output_or_refuses_it():
+    """unsub_grouped's ``out``: the bytes it would return, written there (their length returned);
+    one too short, or sharing bytes with another buffer, is refused."""
+    b = _two_byte_bases()["a 2 MiB chunk"][:40_000]
+    a = b + np.random.default_rng(2).integers(-3, 4, b.size).astype(np.uint16)
+    planes = np.zeros(2 * b.size, dtype=np.uint8)
+    codec._sub_grouped(a.view(np.uint8), b.view(np.uint8), 2, planes, b.size)
+    scratch = np.empty(2 * b.nbytes + 512, dtype=np.uint8)
+    tail = np.frombuffer(b"tail", dtype=np.uint8)
+    want = a.tobytes() + b"tail"
+    for way in ("vector", "plain"):
+        with kernel_way(way):
+            out = np.full(len(want) + 9, 7, dtype=np.uint8)  # (not zeroed: every byte must be written)
+            assert codec._grouping.unsub_grouped(planes, b.size, b, 2, tail, scratch, out) == len(want)
+            assert out[: len(want)].tobytes() == want and (out[len(want) :] == 7).all()
+    shared = np.zeros(len(want) + 2, dtype=np.uint8)  # an out whose last bytes are the tail's first
+    for t, out in ((tail, np.empty(len(want) - 1, dtype=np.uint8)), (tail, scratch), (shared[-4:], shared[:-2])):
+        with pytest.raises(ValueError, match="out must hold"):
+            codec._grouping.unsub_grouped(planes, b.size, b, 2, t, scratch, out)
+
+
+def test_decode_reusing_writes_what_decode_writes_in_one_buffer_per_thread(monkeypatch):
+    """codec.decode_reusing: a grouped delta's bytes in the thread's own buffer (a view, written over
+    by the next call), every other encoding, a chunk past SCRATCH_MAX, and any chunk without the C
+    module, as decode() gives them; what decode refuses, it refuses."""
+    rng = np.random.default_rng(3)
+    base = _bf16_weights(1 << 16, rng)
+    chunks = []
+    for k in range(3):
+        moved = base + rng.integers(-2, 3, base.size).astype(np.uint16) * (k + 1)
+        enc, payload = codec.encode_delta(moved.tobytes(), base.tobytes(), 2)
+        chunks.append((enc, payload, moved.tobytes()))
+    plain_enc, plain = codec.encode(chunks[0][2], 2)
+    grouped = codec._grouping is not None
+    assert not grouped or {enc for enc, _, _ in chunks} <= {"esub-p2", "esubn-p2"}
+    views = []
+    for enc, payload, raw in chunks:
+        got = codec.decode_reusing(enc, payload, len(raw), base.tobytes())
+        assert bytes(got) == raw == codec.decode(enc, payload, len(raw), base.tobytes())
+        views.append(got)
+    if grouped:  # one buffer: each view now shows the last chunk's bytes
+        assert all(isinstance(v, memoryview) and bytes(v) == chunks[-1][2] for v in views)
+    assert codec.decode_reusing(plain_enc, plain, len(chunks[0][2])) == chunks[0][2]
+    with pytest.raises(ValueError, match="needs its basis"):
+        codec.decode_reusing(chunks[0][0], chunks[0][1], len(chunks[0][2]))
+    for name, value in (("SCRATCH_MAX", 1024), ("_grouping", None)):
+        with monkeypatch.context() as m:
+            m.setattr(codec, name, value)
+            enc, payload, raw = chunks[1]
+            got = codec.decode_reusing(enc, payload, len(raw), base.tobytes())
+            assert isinstance(got, bytes) and got == raw
+
+
 def _chain(n: int, size: int = 4096) -> tuple[dict[str, Located], dict[str, bytes], dict[str, bytes]]:
     """``n`` chunks, each after the first a delta against the one before: (located, raw, payloads)."""
     rng = np.random.default_rng(n)
@@ -496,6 +550,54 @@ def test_each_chunk_lands_as_it_is_decoded_and_all_have_landed_when_the_batch_en
         assert after == [(i, raw[i]) for i in ids[:4]]  # the chain up to the damaged one, in order
         time.sleep(0.05)
         assert landed == after
+
+
+def test_decode_landed_hands_over_every_chunk_and_holds_only_bases():
+    """decode_landed (a node's fetch): every chunk of the batch goes to ``landed`` with its checked
+    bytes, a chain's links decoded from the link before them (held until the batch ends), chunks
+    against a basis held elsewhere from that basis; it returns their ids. An unreadable basis is
+    fetched in a second request; a damaged payload raises as decode_batch does."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    located, raw, payloads = _chain(5, size=8192)
+    ids = list(located)
+    rng = np.random.default_rng(4)
+    base = _bf16_weights(4096, rng).tobytes()
+    base_id = chunk_id(base)
+    enc, payloads[base_id] = codec.encode(base, 2)
+    located[base_id] = Located(base_id, len(base), enc, len(payloads[base_id]))
+    for k in range(4):  # leaves against a basis held elsewhere (a node's cached base)
+        moved = (np.frombuffer(base, dtype=np.uint16) + np.uint16(k + 1)).tobytes()
+        enc, payload = codec.encode_delta(moved, base, 2)
+        i = chunk_id(moved)
+        located[i], raw[i], payloads[i] = Located(i, len(moved), enc, len(payload), base_id), moved, payload
+        ids.append(i)
+    landed: dict[str, bytes] = {}
+    kinds: set[type] = set()
+    lock = threading.Lock()
+
+    def land(i: str, data) -> None:
+        with lock:
+            assert i not in landed
+            landed[i] = bytes(data)  # a view is only good during the call
+            kinds.add(type(data))
+
+    def source(chunks):
+        yield from ((c, payloads[c.id]) for c in reversed(chunks))
+
+    with ThreadPoolExecutor(2) as pool:
+        got = decode_landed(ids, located, source, pool, land, known={base_id: base}.get, cached={base_id}.__contains__)
+        assert sorted(got) == sorted(ids) and landed == {i: raw[i] for i in ids}
+        assert codec._grouping is None or memoryview in kinds  # the leaves came from the thread's buffer
+        landed.clear()
+        # the held basis unreadable after all: fetched in a second request, and landed too
+        got = decode_landed(ids[-4:], located, source, pool, land, known=lambda i: None, cached={base_id}.__contains__)
+        assert sorted(got) == sorted([*ids[-4:], base_id]) and landed == {i: (raw | {base_id: base})[i] for i in got}
+        bad = dict(payloads)
+        bad[ids[2]] = codec.encode(b"x" * 8192, 4)[1]
+        with pytest.raises(IntegrityError, match=ids[2]):
+            decode_landed(ids[:5], located, lambda chunks: ((c, bad[c.id]) for c in chunks), pool, land)
 
 
 def test_unrelated_basis_falls_back_to_plain():

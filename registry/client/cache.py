@@ -249,7 +249,7 @@ class NodeCache:
                 place(chunk_id, raw, tier, family, replace if isinstance(replace, bool) else chunk_id in replace)
 
     @contextmanager
-    def placing(self) -> Iterator[Callable[[str, bytes, str | None, str | None, bool], None]]:
+    def placing(self) -> Iterator[Callable[[str, bytes | memoryview, str | None, str | None, bool], None]]:
         """put_many's two halves for chunks that come one by one, from any thread (a fetch writes
         each as it is decoded): ``place(id, raw, tier, family, replace)`` writes a verified chunk's
         file where none stands (or over it, with ``replace``), and the rows of every chunk placed are
@@ -259,7 +259,9 @@ class NodeCache:
         leaves the marker from which a later pass counts them)."""
         rows: list[tuple[str, int, str | None, str | None]] = []
 
-        def place(chunk_id: str, raw: bytes, tier: str | None, family: str | None, replace: bool = False) -> None:
+        def place(
+            chunk_id: str, raw: bytes | memoryview, tier: str | None, family: str | None, replace: bool = False
+        ) -> None:
             path = self.chunk_file(chunk_id)
             if replace or not is_plain(path):  # a directory there fails the rename, in one line
                 self._write_chunk(chunk_id, path, raw)
@@ -276,7 +278,7 @@ class NodeCache:
             raise
         self.record(rows)
 
-    def _write_chunk(self, chunk_id: str, path: str, raw: bytes) -> None:
+    def _write_chunk(self, chunk_id: str, path: str, raw: bytes | memoryview) -> None:
         # read-only: CPU tensors map these files (registry/client/mapping.py), so an edit in
         # place would change live weights under a model that was checked once
         try:

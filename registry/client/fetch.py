@@ -21,7 +21,7 @@ from mfsreg.registry.client.cache import NodeCache
 from mfsreg.registry.config import age_from_env
 from mfsreg.registry.errors import StorageError
 from mfsreg.registry.format.manifest import Manifest
-from mfsreg.registry.format.rebuild import decode_batch
+from mfsreg.registry.format.rebuild import decode_landed
 from mfsreg.registry.format.wire import Located
 from mfsreg.registry.parallel import sized_batches
 from mfsreg.registry.progress import NullProgress, Progress
@@ -266,18 +266,19 @@ class Fetcher:
                 stale.add(i)
             return data
 
-        # Each chunk is written to the cache on the pool as soon as it is decoded (decode_batch's
-        # landed), and the batch's rows recorded in one go at its end (NodeCache.placing).
+        # Each chunk is written to the cache on the pool as soon as it is decoded (decode_landed:
+        # from the decoding thread's own buffer, no new memory per chunk), and the batch's rows
+        # recorded in one go at its end (NodeCache.placing).
         with self.cache.placing() as place:
-            raw = decode_batch(
+            got = decode_landed(
                 batch,
                 located,
                 payloads,
                 self.remote.pool,
+                lambda i, data: place(i, data, tiers.get(i), family, replace or i in stale),
                 known=known,
                 cached=self.cache.has,
-                landed=lambda i, data: place(i, data, tiers.get(i), family, replace or i in stale),
             )
         if landed is not None:
-            landed(raw.keys())
-        return received, len(raw)
+            landed(got)
+        return received, len(got)

@@ -441,22 +441,36 @@ PyDoc_STRVAR(unsub_grouped_doc,
     "Inverse of sub_grouped: basis + the ungrouped, un-zigzagged differences, followed by tail.\n"
     "scratch: a writable buffer of at least len(basis) bytes, for the joined planes (two-byte\n"
     "elements take the AVX-512 path only with 2 * len(basis) + 512 bytes: their keys and a list),\n"
-    "which no other thread may write while this runs.\n"
+    "which no other thread may write while this runs. With out (writable, at least len(basis) +\n"
+    "len(tail) bytes, apart from every other buffer) the result is written there and its length\n"
+    "returned instead: a caller that only writes it on (a node cache's file) reuses one buffer.\n"
     "Written straight into the new bytes object: a numpy array and its tobytes() copy would fault\n"
     "in two fresh buffers per chunk (a third of a delta's decoding time).");
 
 static PyObject *unsub_grouped(PyObject *self, PyObject *args) {
-    Py_buffer z = {0}, b = {0}, tail = {0}, scratch = {0};
+    Py_buffer z = {0}, b = {0}, tail = {0}, scratch = {0}, given = {0};
     int itemsize;
     Py_ssize_t stride;
     count_fn count;
     PyObject *result = NULL;
-    if (!PyArg_ParseTuple(args, "y*ny*iy*w*", &z, &stride, &b, &itemsize, &tail, &scratch)) goto done;
+    char *out;
+    if (!PyArg_ParseTuple(args, "y*ny*iy*w*|w*", &z, &stride, &b, &itemsize, &tail, &scratch, &given)) goto done;
     if (parse_width(itemsize, &count) || check_sizes(b.len, b.len, z.len, itemsize, stride) /* basis and output: one length */) goto done;
     if (check_scratch(&scratch, b.len, &z, &b, &tail)) goto done;
-    result = PyBytes_FromStringAndSize(NULL, b.len + tail.len);
-    if (result == NULL) goto done;
-    char *out = PyBytes_AS_STRING(result);
+    if (given.buf != NULL) {
+        if (given.len < b.len + tail.len || overlap(&given, &z) || overlap(&given, &b) || overlap(&given, &tail) ||
+            overlap(&given, &scratch)) {
+            PyErr_SetString(PyExc_ValueError, "out must hold len(basis) + len(tail) bytes, apart from every other buffer");
+            goto done;
+        }
+        result = PyLong_FromSsize_t(b.len + tail.len);
+        if (result == NULL) goto done;
+        out = given.buf;
+    } else {
+        result = PyBytes_FromStringAndSize(NULL, b.len + tail.len);
+        if (result == NULL) goto done;
+        out = PyBytes_AS_STRING(result);
+    }
     Py_ssize_t n = b.len / itemsize;
     int64_t counts[NKEYS];
     hist_t h, pos;
@@ -489,6 +503,7 @@ done:
     PyBuffer_Release(&b);
     PyBuffer_Release(&tail);
     PyBuffer_Release(&scratch);
+    PyBuffer_Release(&given);
     return result;
 }
 
