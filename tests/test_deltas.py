@@ -5,7 +5,9 @@ from __future__ import annotations
 import filecmp
 import functools
 import shutil
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -399,9 +401,10 @@ def test_xor_deltas_stored_before_sub_still_decode():
 
 @pytest.mark.skipif(codec._grouping is None, reason="no C module")
 def test_grouping_writes_into_a_given_output_or_refuses_it():
-    """unsub_grouped's ``out``: the bytes it would return, written there (their length returned);
+    """unsub_grouped's ``out``: the bytes it would return, written there (their length returned),
+    every one of them on each way, a partial last vector and keys far outside the band included;
     one too short, or sharing bytes with another buffer, is refused."""
-    b = _two_byte_bases()["a 2 MiB chunk"][:40_000]
+    b = _two_byte_bases()["keys far outside the band"]  # 50,001 elements: a partial last vector too
     a = b + np.random.default_rng(2).integers(-3, 4, b.size).astype(np.uint16)
     planes = np.zeros(2 * b.size, dtype=np.uint8)
     codec._sub_grouped(a.view(np.uint8), b.view(np.uint8), 2, planes, b.size)
@@ -414,9 +417,16 @@ def test_grouping_writes_into_a_given_output_or_refuses_it():
             assert codec._grouping.unsub_grouped(planes, b.size, b, 2, tail, scratch, out) == len(want)
             assert out[: len(want)].tobytes() == want and (out[len(want) :] == 7).all()
     shared = np.zeros(len(want) + 2, dtype=np.uint8)  # an out whose last bytes are the tail's first
-    for t, out in ((tail, np.empty(len(want) - 1, dtype=np.uint8)), (tail, scratch), (shared[-4:], shared[:-2])):
+    wide_planes = np.zeros(len(want) + 8, dtype=np.uint8)
+    wide_planes[: planes.size] = planes
+    for p, t, out in (
+        (planes, tail, np.empty(len(want) - 1, dtype=np.uint8)),
+        (planes, tail, scratch),
+        (planes, shared[-4:], shared[:-2]),
+        (wide_planes, tail, wide_planes),
+    ):
         with pytest.raises(ValueError, match="out must hold"):
-            codec._grouping.unsub_grouped(planes, b.size, b, 2, t, scratch, out)
+            codec._grouping.unsub_grouped(p, b.size, b, 2, t, scratch, out)
 
 
 def test_decode_reusing_writes_what_decode_writes_in_one_buffer_per_thread(monkeypatch):
@@ -443,6 +453,19 @@ def test_decode_reusing_writes_what_decode_writes_in_one_buffer_per_thread(monke
     assert codec.decode_reusing(plain_enc, plain, len(chunks[0][2])) == chunks[0][2]
     with pytest.raises(ValueError, match="needs its basis"):
         codec.decode_reusing(chunks[0][0], chunks[0][1], len(chunks[0][2]))
+    if grouped:  # each thread its own buffer: two threads' views, made at once, both stay intact
+        barrier = threading.Barrier(2)
+
+        def decode_and_hold(k: int) -> bool:
+            enc, payload, raw = chunks[k]
+            got = codec.decode_reusing(enc, payload, len(raw), base.tobytes())
+            barrier.wait()  # both have decoded before either looks
+            intact = bytes(got) == raw
+            barrier.wait()
+            return intact
+
+        with ThreadPoolExecutor(2) as pool:
+            assert list(pool.map(decode_and_hold, (0, 2))) == [True, True]
     for name, value in (("SCRATCH_MAX", 1024), ("_grouping", None)):
         with monkeypatch.context() as m:
             m.setattr(codec, name, value)
@@ -574,14 +597,14 @@ def test_decode_landed_hands_over_every_chunk_and_holds_only_bases():
         located[i], raw[i], payloads[i] = Located(i, len(moved), enc, len(payload), base_id), moved, payload
         ids.append(i)
     landed: dict[str, bytes] = {}
-    kinds: set[type] = set()
+    kinds: dict[str, type] = {}
     lock = threading.Lock()
 
     def land(i: str, data) -> None:
         with lock:
-            assert i not in landed
+            assert i not in landed  # each chunk lands once
             landed[i] = bytes(data)  # a view is only good during the call
-            kinds.add(type(data))
+            kinds[i] = type(data)
 
     def source(chunks):
         yield from ((c, payloads[c.id]) for c in reversed(chunks))
@@ -589,7 +612,17 @@ def test_decode_landed_hands_over_every_chunk_and_holds_only_bases():
     with ThreadPoolExecutor(2) as pool:
         got = decode_landed(ids, located, source, pool, land, known={base_id: base}.get, cached={base_id}.__contains__)
         assert sorted(got) == sorted(ids) and landed == {i: raw[i] for i in ids}
-        assert codec._grouping is None or memoryview in kinds  # the leaves came from the thread's buffer
+        # the chain's links are bases of the next: kept as bytes; the leaves (the chain's last
+        # included) come from the decoding thread's buffer where the C module is built
+        assert all(kinds[i] is bytes for i in ids[:4])
+        assert all(kinds[i] is (bytes if codec._grouping is None else memoryview) for i in ids[4:])
+        landed.clear()
+        # a chunk of the batch that an unreadable cached basis leans on: decoded again for the
+        # second request, landed once (ids[:3] a chain; ids[1] said to be cached, not readable)
+        got = decode_landed(
+            [ids[0], ids[2]], located, source, pool, land, known=lambda i: None, cached={ids[1]}.__contains__
+        )
+        assert sorted(got) == sorted(ids[:3]) and landed == {i: raw[i] for i in ids[:3]}
         landed.clear()
         # the held basis unreadable after all: fetched in a second request, and landed too
         got = decode_landed(ids[-4:], located, source, pool, land, known=lambda i: None, cached={base_id}.__contains__)

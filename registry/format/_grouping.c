@@ -437,15 +437,16 @@ done:
 }
 
 PyDoc_STRVAR(unsub_grouped_doc,
-    "unsub_grouped(planes, stride, basis, itemsize, tail, scratch) -> bytes\n\n"
+    "unsub_grouped(planes, stride, basis, itemsize, tail, scratch[, out]) -> bytes or int\n\n"
     "Inverse of sub_grouped: basis + the ungrouped, un-zigzagged differences, followed by tail.\n"
     "scratch: a writable buffer of at least len(basis) bytes, for the joined planes (two-byte\n"
     "elements take the AVX-512 path only with 2 * len(basis) + 512 bytes: their keys and a list),\n"
-    "which no other thread may write while this runs. With out (writable, at least len(basis) +\n"
-    "len(tail) bytes, apart from every other buffer) the result is written there and its length\n"
-    "returned instead: a caller that only writes it on (a node cache's file) reuses one buffer.\n"
-    "Written straight into the new bytes object: a numpy array and its tobytes() copy would fault\n"
-    "in two fresh buffers per chunk (a third of a delta's decoding time).");
+    "which no other thread may write while this runs. Without out, written straight into a new\n"
+    "bytes object (a numpy array and its tobytes() copy would fault in two fresh buffers per chunk,\n"
+    "a third of a delta's decoding time). With out (writable, at least len(basis) + len(tail)\n"
+    "bytes, apart from every other buffer) the result is written there and its length returned:\n"
+    "a caller that only writes it on (a node cache's file) reuses one buffer. Where the basis\n"
+    "changes while it is read, ValueError, and out holds a partial result.");
 
 static PyObject *unsub_grouped(PyObject *self, PyObject *args) {
     Py_buffer z = {0}, b = {0}, tail = {0}, scratch = {0}, given = {0};
@@ -457,7 +458,7 @@ static PyObject *unsub_grouped(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "y*ny*iy*w*|w*", &z, &stride, &b, &itemsize, &tail, &scratch, &given)) goto done;
     if (parse_width(itemsize, &count) || check_sizes(b.len, b.len, z.len, itemsize, stride) /* basis and output: one length */) goto done;
     if (check_scratch(&scratch, b.len, &z, &b, &tail)) goto done;
-    if (given.buf != NULL) {
+    if (given.obj != NULL) {  /* (buf may be NULL for an empty buffer) */
         if (given.len < b.len + tail.len || overlap(&given, &z) || overlap(&given, &b) || overlap(&given, &tail) ||
             overlap(&given, &scratch)) {
             PyErr_SetString(PyExc_ValueError, "out must hold len(basis) + len(tail) bytes, apart from every other buffer");

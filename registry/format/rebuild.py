@@ -412,7 +412,13 @@ def _decode_batch(
             if rest := [c for c in chunks if c.id not in received]:
                 yield from payloads(rest)
 
-        raw.update(_decode_batch(again, located, more, pool, lambda i: raw.get(i) or held.get(i), None, landed, keep))
+        def once(i: str, data: bytes | memoryview) -> None:
+            # A chunk this round decoded but did not keep (keep=False) is decoded again there (from
+            # the payload received) where an unreadable basis leans on it: it has landed already.
+            if landed is not None and i not in raw:
+                landed(i, data)
+
+        raw.update(_decode_batch(again, located, more, pool, lambda i: raw.get(i) or held.get(i), None, once, keep))
     return raw
 
 
