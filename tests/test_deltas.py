@@ -497,8 +497,6 @@ def test_a_batch_decodes_as_it_arrives_in_any_order_and_fetches_an_unreadable_ba
     """decode_batch decodes each payload once it and its basis are in: a stream that sends a chain's
     deltas before their bases still decodes; bases held elsewhere are read, not fetched; one held
     but found unreadable is fetched in a second request, without asking for the rest again."""
-    from concurrent.futures import ThreadPoolExecutor
-
     located, raw, payloads = _chain(6)
     ids = list(located)
     asked: list[list[str]] = []
@@ -540,9 +538,6 @@ def test_each_chunk_lands_as_it_is_decoded_and_all_have_landed_when_the_batch_en
     chunk it returns, once, each with its checked bytes, and of a second request's too, before
     decode_batch returns; where the batch fails, of those decoded before the failure, and none is
     told after decode_batch raised."""
-    import threading
-    from concurrent.futures import ThreadPoolExecutor
-
     located, raw, payloads = _chain(6)
     ids = list(located)
     landed: list[tuple[str, bytes]] = []
@@ -580,9 +575,6 @@ def test_decode_landed_hands_over_every_chunk_and_holds_only_bases():
     bytes, a chain's links decoded from the link before them (held until the batch ends), chunks
     against a basis held elsewhere from that basis; it returns their ids. An unreadable basis is
     fetched in a second request; a damaged payload raises as decode_batch does."""
-    import threading
-    from concurrent.futures import ThreadPoolExecutor
-
     located, raw, payloads = _chain(5, size=8192)
     ids = list(located)
     rng = np.random.default_rng(4)

@@ -277,12 +277,12 @@ class _Decoding:
         located: Mapping[str, ChunkForm],
         pool: ThreadPoolExecutor,
         reads: dict[str, Future],
-        landed: Landed | None = None,
-        kept: Callable[[str], bool] = lambda i: True,
+        landed: Landed | None,
+        keeping: set[str] | None,
     ):
         self.located, self.pool, self.reads = located, pool, reads  # reads: bases held elsewhere, by id
         self.landed = landed
-        self.kept = kept  # whether a chunk's bytes are kept (returned, or a basis of another)
+        self.keeping = keeping  # the chunks whose bytes are kept (None: all), returned or a basis of another
         self.jobs: dict[str, Future] = {}
         self.received: dict[str, tuple[ChunkForm, bytes]] = {}  # (kept for a second round)
         self.waiting: dict[str, list[tuple[ChunkForm, bytes]]] = {}  # basis id -> deltas that came first
@@ -295,14 +295,17 @@ class _Decoding:
     def _start(self, c: ChunkForm, p) -> None:
         b = self.located[c.id].basis_id
         if not b:
-            self.jobs[c.id] = self.pool.submit(_decode_on, c, p, None, self.landed, self.kept(c.id))
+            self.jobs[c.id] = self.pool.submit(_decode_on, c, p, None, self.landed, self._kept(c.id))
         elif (basis := self.jobs.get(b) or self.reads.get(b)) is not None:
-            self.jobs[c.id] = self.pool.submit(_decode_on, c, p, basis, self.landed, self.kept(c.id))
+            self.jobs[c.id] = self.pool.submit(_decode_on, c, p, basis, self.landed, self._kept(c.id))
         else:  # its basis comes later in this stream: decoded once that is under way
             self.waiting.setdefault(b, []).append((c, p))
             return
         for after in self.waiting.pop(c.id, ()):
             self._start(*after)
+
+    def _kept(self, i: str) -> bool:
+        return self.keeping is None or i in self.keeping
 
     def results(self, order: list[str]) -> tuple[dict[str, bytes | None], list[str]]:
         """(raw bytes by id, None where not kept; the ids whose basis could not be read after all)."""
@@ -395,8 +398,9 @@ def _decode_batch(
         for b in dict.fromkeys(located[i].basis_id for i in order):
             if b and b not in wanted:
                 reads[b] = pool.submit(known, b)
-    bases = {b for i in order if (b := located[i].basis_id) in wanted}  # held for the chunks decoded from them
-    decoding = _Decoding(located, pool, reads, landed, kept=(lambda i: True) if keep else bases.__contains__)
+    # without keep, only the bases of other chunks of the batch are held, for the chunks decoded from them
+    keeping = None if keep else {b for i in order if (b := located[i].basis_id) in wanted}
+    decoding = _Decoding(located, pool, reads, landed, keeping)
     try:
         for c, p in payloads([located[i] for i in order]):
             if c.id in wanted:
